@@ -1,0 +1,24 @@
+"""tidal: GPU time-sharing for the roles of LLM RL training.
+
+Importing tidal touches no CUDA; a :class:`Timeshare` on an accelerator initialises it.
+"""
+
+from tidal.errors import InsufficientMemoryError
+from tidal.memory import MemorySnapshot, host_rss_bytes, snapshot
+from tidal.timeshare import Role, Timeshare, TimeshareConfig, TransitionRecord, offload_optimizer
+from tidal.transfer import TransferConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InsufficientMemoryError",
+    "MemorySnapshot",
+    "Role",
+    "Timeshare",
+    "TimeshareConfig",
+    "TransferConfig",
+    "TransitionRecord",
+    "host_rss_bytes",
+    "offload_optimizer",
+    "snapshot",
+]

@@ -1,0 +1,166 @@
+"""The few things tidal needs from a device backend, behind one small object.
+
+Everything above this module speaks to a :class:`DeviceOps` and never to ``torch.cuda``
+directly, so the CPU path (used by CI) runs the same code as the GPU path, and another
+accelerator backend only has to be taught here. On ``device="cpu"`` there are no streams or
+events: copies are synchronous, so every "wait" is trivially satisfied.
+
+Nothing here touches CUDA at import time; a ``DeviceOps`` for an accelerator initialises it
+on construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["DeviceOps", "host_available_bytes"]
+
+
+def host_available_bytes() -> int:
+    """Host memory the kernel says is available (``MemAvailable``), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class DeviceOps:
+    """Streams, events, memory queries and host pinning for one device.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device`` ... An accelerator
+            device without an index means the current one.
+    """
+
+    def __init__(self, device: str | torch.device) -> None:
+        dev = torch.device(device)
+        self.is_accelerator = dev.type != "cpu"
+        if self.is_accelerator:
+            module = torch.get_device_module(dev.type)
+            if not module.is_available():
+                raise ValueError(
+                    f"device {str(dev)!r} was asked for but torch reports no {dev.type} device "
+                    f"available; use device='cpu' on a machine without one"
+                )
+            if dev.index is None:
+                dev = torch.device(dev.type, module.current_device())
+            if dev.index >= module.device_count():
+                raise ValueError(
+                    f"device {str(dev)!r} does not exist: {module.device_count()} {dev.type} "
+                    f"device(s) are visible"
+                )
+            self.module: Any = module
+        else:
+            self.module = None
+        self.device = dev
+        self._can_register = dev.type == "cuda" and hasattr(torch.cuda, "cudart")
+
+    def __repr__(self) -> str:
+        return f"DeviceOps({str(self.device)!r})"
+
+    # ---- streams and events (None on CPU) ---------------------------------------------
+    def new_stream(self) -> Any:
+        """A new side stream on this device, or None on CPU."""
+        if not self.is_accelerator:
+            return None
+        return self.module.Stream(device=self.device)
+
+    def current_stream(self) -> Any:
+        if not self.is_accelerator:
+            return None
+        return self.module.current_stream(self.device)
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: Any) -> Iterator[None]:
+        """Make ``stream`` current for the block (no-op on CPU)."""
+        if stream is None:
+            yield
+            return
+        with self.module.stream(stream):
+            yield
+
+    def new_event(self) -> Any:
+        if not self.is_accelerator:
+            return None
+        return self.module.Event()
+
+    def synchronize(self) -> None:
+        if self.is_accelerator:
+            self.module.synchronize(self.device)
+
+    # ---- memory -----------------------------------------------------------------------
+    def driver_free_bytes(self) -> tuple[int, int]:
+        """(free, total) bytes as the driver sees them: what another process could get.
+
+        On CPU this is the host's available memory and total memory.
+        """
+        if self.is_accelerator:
+            free, total = self.module.mem_get_info(self.device)
+            return int(free), int(total)
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return host_available_bytes(), total
+
+    def allocated_bytes(self) -> int:
+        if self.is_accelerator:
+            return int(self.module.memory_allocated(self.device))
+        return 0
+
+    def reserved_bytes(self) -> int:
+        if self.is_accelerator:
+            return int(self.module.memory_reserved(self.device))
+        return 0
+
+    def cached_free_bytes(self) -> int:
+        """Bytes the caching allocator holds but has not handed out (reusable in-process)."""
+        return self.reserved_bytes() - self.allocated_bytes()
+
+    def empty_cache(self) -> None:
+        """Return the caching allocator's unused blocks to the driver.
+
+        The allocator synchronises the device before it frees, so this is also a barrier.
+        """
+        if self.is_accelerator:
+            self.module.empty_cache()
+
+    # ---- host memory --------------------------------------------------------------------
+    def new_host_buffer(self, nbytes: int, *, pin: bool) -> torch.Tensor:
+        """An exact-size uint8 host buffer, page-locked when ``pin`` and the backend allows.
+
+        Pinning goes through ``cudaHostRegister`` on a plain allocation rather than
+        ``pin_memory=True``: torch's pinned caching allocator rounds every request up to a
+        power of two (up to ~2x the host RAM), and we want host RAM == bytes held.
+        """
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if not (pin and self.is_accelerator) or nbytes == 0:
+            return buf
+        if self._can_register:
+            err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+            if err != 0:
+                raise RuntimeError(
+                    f"cudaHostRegister of {nbytes} bytes of host memory failed (cudaError {err}); "
+                    f"the host may be short of lockable memory (check `ulimit -l` and free RAM)"
+                )
+            return buf
+        warnings.warn(
+            f"exact-size host pinning is only implemented for CUDA; {self.device.type} falls "
+            f"back to torch's pinned allocator, which may round the buffer up",
+            stacklevel=2,
+        )
+        return buf.pin_memory()
+
+    def free_host_buffer(self, buf: torch.Tensor, *, pinned: bool) -> None:
+        """Unpin a buffer made by :meth:`new_host_buffer` (the tensor itself is then dropped)."""
+        if pinned and self._can_register and buf.numel() > 0:
+            # The buffer may be the source or target of a copy still queued on a stream.
+            self.synchronize()
+            err = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+            assert err == 0, f"cudaHostUnregister failed with cudaError {err}"

@@ -1,0 +1,28 @@
+"""Errors tidal raises on purpose. User mistakes are ``ValueError``/``TypeError``; a
+transition that cannot fit raises :class:`InsufficientMemoryError`."""
+
+from __future__ import annotations
+
+__all__ = ["InsufficientMemoryError", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class InsufficientMemoryError(RuntimeError):
+    """A reload or switch needs more device memory than is free. Nothing was moved: the
+    state is intact where it was (on the host for what was offloaded)."""
+
+    def __init__(self, what: str, *, needed_bytes: int, free_bytes: int, hint: str) -> None:
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+        super().__init__(
+            f"{what} needs {format_bytes(needed_bytes)} ({needed_bytes} bytes) of device memory "
+            f"but only {format_bytes(free_bytes)} ({free_bytes} bytes) is free; nothing was moved "
+            f"and the state is intact. {hint}"
+        )

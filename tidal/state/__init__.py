@@ -1,0 +1,13 @@
+"""The state of a role: its storages, found and deduplicated, and the store that moves them."""
+
+from tidal.state.collect import StateEntry, collect_module_state, collect_optimizer_state, storage_key
+from tidal.state.store import MoveResult, OffloadStore
+
+__all__ = [
+    "MoveResult",
+    "OffloadStore",
+    "StateEntry",
+    "collect_module_state",
+    "collect_optimizer_state",
+    "storage_key",
+]

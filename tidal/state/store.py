@@ -1,0 +1,233 @@
+"""Where every storage of registered state lives, and the verbs that move it.
+
+Offload = copy the storage's bytes to its host slot, then ``storage.resize_(0)``; reload =
+``resize_`` back and copy in. The tensor objects (parameters, ``.grad``, optimizer state
+values, views) never change, so optimizer keys, hooks and references held by user code stay
+valid, and nothing is left pointing at GPU memory (the leak that ``.data = ...`` causes).
+
+The store is shared by every role of a timeshare, so a storage held by two roles has one
+host slot, moves once, and is only freed when no resident role holds it (the caller passes
+the entries that are free to go).
+
+Host slots persist across cycles (pinned once, reused); slots whose storage has died (e.g.
+gradients recreated by ``zero_grad(set_to_none=True)``) are reclaimed at the next transition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from typing import Sequence
+
+from tidal.device import DeviceOps
+from tidal.errors import InsufficientMemoryError
+from tidal.memory import snapshot
+from tidal.state.collect import StateEntry
+from tidal.transfer.arena import HostArena, HostSlot
+from tidal.transfer.engine import CopyItem, Segment, TransferConfig, TransferEngine
+
+__all__ = ["OffloadStore", "MoveResult"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoveResult:
+    """What one transfer did. ``seconds`` runs from the first copy queued to the last one
+    finished (host-synchronised), excluding the allocator release that follows."""
+
+    bytes_out: int
+    bytes_in: int
+    seconds: float
+    release_seconds: float
+    driver_free_before: int
+    driver_free_after: int
+    segments: int
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_out + self.bytes_in
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class OffloadStore:
+    """Moves :class:`StateEntry` storages between a device and pinned host memory.
+
+    Memory cost: host RAM equal to the bytes of every storage it has ever offloaded and that
+    is still alive (``arena.reserved_bytes``), pinned once; device memory of at most one
+    staging bucket per direction during a transfer.
+    """
+
+    def __init__(self, ops: DeviceOps, config: TransferConfig | None = None) -> None:
+        self.ops = ops
+        self.config = config or TransferConfig()
+        self.arena = HostArena(ops, pin=self.config.pin_host)
+        self.engine = TransferEngine(ops, self.arena, self.config)
+        self._slots: dict[int, tuple[HostSlot, weakref.ref]] = {}
+        self._offloaded: dict[int, StateEntry] = {}  # strong refs keep offloaded storages alive
+
+    # ---- queries ----------------------------------------------------------------------------
+    def is_offloaded(self, key: int) -> bool:
+        return key in self._offloaded
+
+    def offloaded_entries(self, keys: Sequence[int]) -> list[StateEntry]:
+        return [self._offloaded[k] for k in keys if k in self._offloaded]
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(e.nbytes for e in self._offloaded.values())
+
+    @property
+    def host_reserved_bytes(self) -> int:
+        return self.arena.reserved_bytes
+
+    def staging_bytes(self, directions: int = 1) -> int:
+        """Device bytes a transfer may need beyond the state itself."""
+        return self.config.bucket_bytes * directions if self.ops.is_accelerator else 0
+
+    # ---- host slots -------------------------------------------------------------------------
+    def prepare(self, entries: Sequence[StateEntry]) -> None:
+        """Reserve host slots for entries that have none (pinning happens here, once). Call
+        it when a role is registered so the first transition does not pay for pinning."""
+        self._reclaim_dead_slots()
+        need: list[StateEntry] = []
+        for e in entries:
+            held = self._slots.get(e.key)
+            if held is not None and held[1]() is e.storage and held[0].nbytes == e.nbytes:
+                continue
+            if held is not None:
+                self.arena.release(held[0])
+                del self._slots[e.key]
+            need.append(e)
+        if need:
+            for e, slot in zip(need, self.arena.reserve([e.nbytes for e in need])):
+                self._slots[e.key] = (slot, weakref.ref(e.storage))
+
+    def _reclaim_dead_slots(self) -> None:
+        dead = [k for k, (_, ref) in self._slots.items() if ref() is None]
+        for k in dead:
+            self.arena.release(self._slots.pop(k)[0])
+
+    def _items(self, entries: Sequence[StateEntry]) -> list[CopyItem]:
+        return [CopyItem(e.storage, self._slots[e.key][0], e.nbytes) for e in entries]
+
+    # ---- verbs --------------------------------------------------------------------------------
+    def offload(self, entries: Sequence[StateEntry]) -> MoveResult:
+        """Copy ``entries`` to host and free their device memory. Already-offloaded entries
+        are skipped. Blocks until the copies are done and the memory is back with the driver."""
+        return self.switch(entries, [])
+
+    def reload(self, entries: Sequence[StateEntry], *, what: str = "reload") -> MoveResult:
+        """Bring offloaded ``entries`` back (others are skipped). Raises
+        :class:`InsufficientMemoryError` before moving anything if they cannot fit."""
+        return self.switch([], entries, what=what)
+
+    def switch(
+        self,
+        out_entries: Sequence[StateEntry],
+        in_entries: Sequence[StateEntry],
+        *,
+        what: str = "switch",
+        headroom_bytes: int = 0,
+    ) -> MoveResult:
+        """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy.
+
+        The out-going D2H copies are all queued first. Incoming storages are allocated and
+        their H2D copies queued as long as free memory allows; when it runs short, the host
+        waits for the next out-going segment's copy, frees it, and goes on. So the switch
+        overlaps fully when both sets fit at once and degrades gracefully when they do not.
+        """
+        engine = self.engine
+        out_todo = [e for e in out_entries if e.key not in self._offloaded]
+        in_todo = [self._offloaded[e.key] for e in in_entries if e.key in self._offloaded]
+        need_in = sum(e.nbytes for e in in_todo)
+        freeable = sum(e.nbytes for e in out_todo)
+        before = snapshot(self.ops)
+        room = before.driver_free_bytes + before.cached_free_bytes - headroom_bytes
+        room -= self.staging_bytes(int(bool(out_todo)) + int(bool(in_todo)))
+        if need_in > room + freeable:
+            raise InsufficientMemoryError(
+                what,
+                needed_bytes=need_in + self.staging_bytes(1) + headroom_bytes,
+                free_bytes=before.driver_free_bytes + before.cached_free_bytes + freeable,
+                hint="Offload another role first, lower the residency budget, or free tensors "
+                "that are not part of any role (activations, caches).",
+            )
+        self.prepare(out_todo)
+        t0 = time.perf_counter()
+        out_segs = engine.plan(self._items(out_todo))
+        in_segs = engine.plan(self._items(in_todo))
+        engine.begin_out()
+        out_events = [engine.copy_out(seg) for seg in out_segs]
+        engine.begin_in()
+        freed = 0
+        last_in_event = None
+        loaded: list[Segment] = []
+        try:
+            for seg in in_segs:
+                while seg.nbytes > room and freed < len(out_segs):
+                    room += self._free_segment(out_segs[freed], out_events[freed])
+                    freed += 1
+                for item in seg.items:
+                    item.storage.resize_(item.nbytes)
+                loaded.append(seg)
+                room -= seg.nbytes
+                last_in_event = engine.copy_in(seg)
+        except BaseException:
+            # An allocation failed (fragmentation, another process): undo the allocations,
+            # keep the host copies, finish the out-going half so its state is consistent.
+            for seg in loaded:
+                for item in seg.items:
+                    item.storage.resize_(0)
+            while freed < len(out_segs):
+                self._free_segment(out_segs[freed], out_events[freed])
+                freed += 1
+            for e in out_todo:
+                self._offloaded[e.key] = e
+            engine.release_staging()
+            raise
+        while freed < len(out_segs):
+            self._free_segment(out_segs[freed], out_events[freed])
+            freed += 1
+        engine.publish(last_in_event)
+        engine.wait(last_in_event)
+        seconds = time.perf_counter() - t0
+        for e in out_todo:
+            self._offloaded[e.key] = e
+        for e in in_todo:
+            del self._offloaded[e.key]
+        engine.release_staging()
+        t1 = time.perf_counter()
+        if out_todo:
+            # Hand the freed blocks back to the driver: other processes (an inference engine)
+            # only see what the driver sees.
+            self.ops.empty_cache()
+        after = snapshot(self.ops)
+        return MoveResult(
+            bytes_out=freeable,
+            bytes_in=need_in,
+            seconds=seconds,
+            release_seconds=time.perf_counter() - t1,
+            driver_free_before=before.driver_free_bytes,
+            driver_free_after=after.driver_free_bytes,
+            segments=len(out_segs) + len(in_segs),
+        )
+
+    def _free_segment(self, seg: Segment, event: object) -> int:
+        # The D2H copy must have read the bytes before the allocator may hand the block out.
+        self.engine.wait(event)
+        for item in seg.items:
+            item.storage.resize_(0)
+        return seg.nbytes
+
+    def close(self) -> None:
+        """Release host memory. Refuses while state is offloaded (it would be lost)."""
+        if self._offloaded:
+            raise RuntimeError(
+                f"cannot close the store: {len(self._offloaded)} storages are offloaded and "
+                f"exist only on the host; reload them first"
+            )
+        self._slots.clear()
+        self.arena.close()

@@ -1,0 +1,90 @@
+"""Per-transition telemetry: what moved, how fast, and what the driver saw."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tidal.errors import format_bytes
+from tidal.state.store import MoveResult
+
+__all__ = ["TransitionRecord", "format_report"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransitionRecord:
+    """One transition.
+
+    ``unreleased_bytes`` is what tidal freed (net of what it loaded) that the driver did not
+    get back: caching-allocator segments still shared with live tensors. Only meaningful on
+    an accelerator.
+    """
+
+    index: int
+    kind: str
+    roles_out: tuple[str, ...]
+    role_in: str | None
+    bytes_out: int
+    bytes_in: int
+    seconds: float
+    release_seconds: float
+    driver_free_before: int
+    driver_free_after: int
+    host_reserved_bytes: int
+    unreleased_bytes: int
+    note: str = ""
+
+    @property
+    def gbps(self) -> float:
+        moved = self.bytes_out + self.bytes_in
+        return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @classmethod
+    def from_move(cls, index: int, kind: str, roles_out: tuple[str, ...], role_in: str | None,
+                  move: MoveResult, host_reserved_bytes: int, *, measure_release: bool,
+                  note: str = "") -> "TransitionRecord":
+        expected_gain = move.bytes_out - move.bytes_in
+        seen_gain = move.driver_free_after - move.driver_free_before
+        unreleased = max(0, expected_gain - seen_gain) if measure_release and move.bytes_out else 0
+        return cls(
+            index=index, kind=kind, roles_out=roles_out, role_in=role_in,
+            bytes_out=move.bytes_out, bytes_in=move.bytes_in, seconds=move.seconds,
+            release_seconds=move.release_seconds, driver_free_before=move.driver_free_before,
+            driver_free_after=move.driver_free_after, host_reserved_bytes=host_reserved_bytes,
+            unreleased_bytes=unreleased, note=note,
+        )
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["gbps"] = self.gbps
+        return d
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f}"
+
+
+def format_report(records: list[TransitionRecord], roles: list[tuple[str, str, int, int]],
+                  host_reserved_bytes: int, offloaded_bytes: int) -> str:
+    """A plain-text table of roles and transitions. ``roles`` rows: (name, where, resident
+    bytes, total bytes)."""
+    lines = ["roles:", f"  {'name':<16} {'where':<10} {'state':>12}"]
+    for name, where, _resident, total in roles:
+        lines.append(f"  {name:<16} {where:<10} {format_bytes(total):>12}")
+    lines.append(
+        f"host: {format_bytes(host_reserved_bytes)} pinned for {format_bytes(offloaded_bytes)} "
+        f"offloaded now"
+    )
+    lines.append("transitions:")
+    head = (f"  {'#':>3} {'kind':<10} {'out':<18} {'in':<14} {'out GB':>7} {'in GB':>7} "
+            f"{'s':>7} {'GB/s':>7} {'free before GB':>14} {'free after GB':>13}")
+    lines.append(head)
+    for r in records:
+        lines.append(
+            f"  {r.index:>3} {r.kind:<10} {','.join(r.roles_out) or '-':<18} {r.role_in or '-':<14} "
+            f"{_gb(r.bytes_out):>7} {_gb(r.bytes_in):>7} {r.seconds:>7.3f} {r.gbps:>7.1f} "
+            f"{_gb(r.driver_free_before):>14} {_gb(r.driver_free_after):>13}"
+            + (f"  ({r.note})" if r.note else "")
+        )
+    if not records:
+        lines.append("  (none yet)")
+    return "\n".join(lines)

@@ -1,0 +1,472 @@
+"""Roles that take turns on one device.
+
+``with ts.use("reference"):`` makes the reference role resident. If the residency budget does
+not let the roles already on the device stay, the least recently used ones go out while the
+new one comes in, in one overlapped switch (D2H and H2D on separate copy engines). A role
+stays resident after its block until another role needs the room, so a switch happens only
+when the next role is asked for.
+
+Memory cost: host RAM equal to the state bytes of every role that has been offloaded (pinned
+once, at :meth:`Timeshare.add_role`); device memory for the resident roles plus one staging
+bucket per direction during a transition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+import weakref
+from typing import Iterator, Sequence
+
+import torch
+
+from tidal.device import DeviceOps
+from tidal.errors import format_bytes
+from tidal.state.collect import GradPolicy, StateEntry
+from tidal.state.store import MoveResult, OffloadStore
+from tidal.timeshare.role import OptimizerResidency, Role
+from tidal.timeshare.telemetry import TransitionRecord, format_report
+from tidal.transfer.engine import TransferConfig
+
+__all__ = ["Timeshare", "TimeshareConfig", "timeshare_of"]
+
+# optimizer -> (timeshare, role name), so offload_optimizer() can defer to the timeshare
+# that owns an optimizer instead of keeping a second copy of its state's bookkeeping.
+_OPTIMIZER_OWNERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[weakref.ref, str]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def timeshare_of(optimizer: torch.optim.Optimizer) -> tuple["Timeshare", str] | None:
+    """The timeshare and role an optimizer was registered with, if any."""
+    owner = _OPTIMIZER_OWNERS.get(optimizer)
+    if owner is None:
+        return None
+    ts = owner[0]()
+    return (ts, owner[1]) if ts is not None and not ts.closed else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TimeshareConfig:
+    """
+    Attributes:
+        budget_bytes: state bytes that may stay resident at once. ``None``: only the role
+            being used is resident (every switch moves the others out), the usual setting for
+            colocated RL roles.
+        headroom_bytes: device memory a reload must leave free (for activations, KV cache).
+        min_offload_bytes: storages smaller than this stay put (scalars such as Adam's step).
+        release_tolerance_bytes: warn when the driver gets back less than the freed bytes
+            minus this (memory stuck in allocator segments shared with live tensors).
+        transfer: how bytes move (buckets, pinning).
+    """
+
+    budget_bytes: int | None = None
+    headroom_bytes: int = 0
+    min_offload_bytes: int = 16
+    release_tolerance_bytes: int = 256 << 20
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None and self.budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0 or None, got {self.budget_bytes}")
+        for name in ("headroom_bytes", "min_offload_bytes", "release_tolerance_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _as_list(obj, cls, what: str) -> list:
+    if obj is None:
+        return []
+    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    for x in items:
+        if not isinstance(x, cls):
+            raise TypeError(f"{what} must be a {cls.__module__}.{cls.__qualname__} (or a list of them), got {type(x).__name__}")
+    return items
+
+
+class Timeshare:
+    """Roles sharing one device in turns.
+
+    Args:
+        device: the device the roles share (``"cuda:0"``; ``"cpu"`` runs the same code with
+            synchronous copies, for tests).
+        config: budget, thresholds and transfer settings.
+    """
+
+    def __init__(self, device: str | torch.device = "cuda", *, config: TimeshareConfig | None = None) -> None:
+        self.config = config or TimeshareConfig()
+        self.ops = DeviceOps(device)
+        self.store = OffloadStore(self.ops, self.config.transfer)
+        self._roles: dict[str, Role] = {}
+        self.records: list[TransitionRecord] = []
+        self._clock = 0
+        self.closed = False
+
+    # ---- registration ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.ops.device
+
+    def add_role(
+        self,
+        name: str,
+        *,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        grads: GradPolicy = "offload",
+        optimizer_residency: OptimizerResidency = "step",
+    ) -> Role:
+        """Register a role whose state is on the device now. Nothing moves; host memory for
+        the role's current state is reserved and pinned here (once), so the first transition
+        runs at line rate. Roles may share modules: a shared storage is counted once and
+        stays resident while any role holding it is resident.
+        """
+        self._check_open()
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"role name must be a non-empty string, got {name!r}")
+        if name in self._roles:
+            raise ValueError(f"a role named {name!r} already exists; role names must be unique "
+                             f"(registered: {sorted(self._roles)})")
+        modules = _as_list(model, torch.nn.Module, "model")
+        optimizers = _as_list(optimizer, torch.optim.Optimizer, "optimizer")
+        if not modules and not optimizers:
+            raise ValueError(f"role {name!r} needs a model, an optimizer, or both")
+        for opt in optimizers:
+            owner = timeshare_of(opt)
+            if owner is not None:
+                raise ValueError(f"this optimizer already belongs to role {owner[1]!r}; an optimizer "
+                                 f"can belong to one role only (its step hooks move its state)")
+        role = Role(name, modules, optimizers, grads=grads, optimizer_residency=optimizer_residency)
+        cfg = self.config
+        # Collect now: validates the state (raises TypeError for unsupported tensors) before
+        # anything is registered, and sizes the host slots.
+        model_entries = role.model_entries(self.device, cfg.min_offload_bytes)
+        optim_entries = role.optim_entries(self.device, cfg.min_offload_bytes)
+        if not model_entries and not optim_entries and not self._has_state_elsewhere(role):
+            raise ValueError(f"role {name!r} has no tensors at all; nothing to timeshare")
+        if not model_entries and not optim_entries:
+            raise ValueError(
+                f"role {name!r} has no state on {self.device}: its tensors are on another device. "
+                f"Move the model to {self.device} before adding the role"
+            )
+        role.param_keys = frozenset(e.key for e in model_entries if e.kind == "param")
+        self.store.prepare(model_entries + optim_entries)
+        for m in modules:
+            role.hooks.append(m.register_forward_pre_hook(self._make_forward_guard(role)))
+        for opt in optimizers:
+            role.hooks.append(opt.register_step_pre_hook(self._make_step_pre_hook(role)))
+            role.hooks.append(opt.register_step_post_hook(self._make_step_post_hook(role)))
+            _OPTIMIZER_OWNERS[opt] = (weakref.ref(self), name)
+        self._roles[name] = role
+        self._touch(role)
+        return role
+
+    def _has_state_elsewhere(self, role: Role) -> bool:
+        return any(True for m in role.modules for _ in m.parameters()) or any(
+            True for o in role.optimizers for g in o.param_groups for _ in g["params"]
+        )
+
+    # ---- queries ----------------------------------------------------------------------------
+    @property
+    def roles(self) -> list[str]:
+        return list(self._roles)
+
+    @property
+    def resident_roles(self) -> list[str]:
+        return [n for n, r in self._roles.items() if r.resident]
+
+    def role(self, name: str) -> Role:
+        try:
+            return self._roles[name]
+        except KeyError:
+            raise ValueError(f"unknown role {name!r}; registered roles: {sorted(self._roles)}") from None
+
+    def role_bytes(self, name: str) -> int:
+        """Bytes of the role's state that tidal moves (resident or not), shared storages
+        included once."""
+        return sum(e.nbytes for e in self._entries(self.role(name)).values())
+
+    def is_resident(self, name: str) -> bool:
+        return self.role(name).resident
+
+    # ---- verbs ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[Role]:
+        """Make ``name`` resident for the block (switching others out as the budget needs).
+        The role cannot be offloaded while inside the block. It stays resident after the
+        block until another role needs the room."""
+        role = self.role(name)
+        self.load(name)
+        role.in_use += 1
+        try:
+            yield role
+        finally:
+            role.in_use -= 1
+            self._touch(role)
+
+    def load(self, name: str) -> TransitionRecord | None:
+        """Make ``name`` resident now; evicts the least recently used roles the budget cannot
+        keep, overlapping their offload with this reload. Returns the transition, or None if
+        the role was already resident."""
+        self._check_open()
+        self._check_not_in_backward("load")
+        role = self.role(name)
+        evict = self._choose_evictions(role)
+        if role.resident and not evict:
+            self._touch(role)
+            return None
+        return self._transition(evict, None if role.resident else role)
+
+    def offload(self, name: str) -> TransitionRecord | None:
+        """Move ``name``'s state to the host and return its device memory to the driver.
+        Storages shared with a resident role stay. Returns None if already offloaded."""
+        self._check_open()
+        self._check_not_in_backward("offload")
+        role = self.role(name)
+        if not role.resident:
+            return None
+        self._check_evictable(role, reason=f"offload({name!r})")
+        return self._transition([role], None)
+
+    def offload_all(self) -> TransitionRecord | None:
+        """Offload every resident role that is not in use."""
+        self._check_open()
+        self._check_not_in_backward("offload_all")
+        out = [r for r in self._roles.values() if r.resident]
+        for r in out:
+            self._check_evictable(r, reason="offload_all()")
+        return self._transition(out, None) if out else None
+
+    def report(self) -> str:
+        """A table of roles and every transition: bytes, seconds, GB/s, driver free memory."""
+        rows = []
+        for n, r in self._roles.items():
+            total = self.role_bytes(n)
+            rows.append((n, "device" if r.resident else "host", total if r.resident else 0, total))
+        return format_report(self.records, rows, self.store.host_reserved_bytes, self.store.offloaded_bytes)
+
+    def close(self) -> None:
+        """Bring every offloaded role back, remove tidal's hooks and free the host memory.
+        Raises (and keeps everything) if the roles do not all fit on the device."""
+        if self.closed:
+            return
+        parked = [r for r in self._roles.values() if not r.resident or r.parked_optim_keys]
+        entries = [e for r in parked for e in self.store.offloaded_entries(r.parked_keys + r.parked_optim_keys)]
+        if entries:
+            self.store.reload(entries, what="close() bringing every role back")
+        for r in self._roles.values():
+            r.resident, r.parked_keys, r.parked_optim_keys = True, [], []
+            for h in r.hooks:
+                h.remove()
+            for opt in r.optimizers:
+                _OPTIMIZER_OWNERS.pop(opt, None)
+        self.store.close()
+        self.closed = True
+
+    def __enter__(self) -> "Timeshare":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- optimizer state (used by the step hooks and offload_optimizer) ---------------------
+    def offload_optimizer_state(self, name: str, *, kind: str = "optim-out") -> TransitionRecord | None:
+        """Move the role's optimizer state to the host (its params stay)."""
+        role = self.role(name)
+        entries = role.optim_entries(self.device, self.config.min_offload_bytes)
+        role.parked_optim_keys = list(dict.fromkeys(role.parked_optim_keys + [e.key for e in entries]))
+        if not entries:
+            return None
+        move = self.store.offload(entries)
+        return self._record(kind, (name,), None, move, note="optimizer state")
+
+    def reload_optimizer_state(self, name: str, *, kind: str = "optim-in") -> TransitionRecord | None:
+        """Bring the role's optimizer state back to the device."""
+        role = self.role(name)
+        entries = self.store.offloaded_entries(role.parked_optim_keys)
+        role.parked_optim_keys = []
+        if not entries:
+            return None
+        move = self.store.reload(entries, what=f"reloading the optimizer state of role {name!r}")
+        return self._record(kind, (), name, move, note="optimizer state")
+
+    # ---- internals --------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this Timeshare was closed; create a new one")
+
+    def _check_not_in_backward(self, verb: str) -> None:
+        if _in_backward():
+            raise RuntimeError(
+                f"{verb} was called while a backward pass is running; moving state now would pull "
+                f"parameters or gradients from under autograd. Call it after backward() returns"
+            )
+
+    def _check_evictable(self, role: Role, *, reason: str) -> None:
+        if role.in_use:
+            raise RuntimeError(
+                f"{reason} would move role {role.name!r} out while it is in use (inside its "
+                f"`with ts.use({role.name!r})` block); exit that block first, or raise "
+                f"TimeshareConfig.budget_bytes so both roles can stay resident"
+            )
+        if role.stepping:
+            raise RuntimeError(f"{reason} was called during {role.name!r}'s optimizer.step(); wait for the step to end")
+
+    def _touch(self, role: Role) -> None:
+        self._clock += 1
+        role.last_used = self._clock
+
+    def _entries(self, role: Role) -> dict[int, StateEntry | None]:
+        """Current entries of a role by key (None for parked keys whose entry is on the host
+        but not held here: their size comes from the store)."""
+        out: dict[int, StateEntry] = {}
+        min_b = self.config.min_offload_bytes
+        if role.resident:
+            for e in role.model_entries(self.device, min_b):
+                out[e.key] = e
+        else:
+            for e in self.store.offloaded_entries(role.parked_keys):
+                out[e.key] = e
+        for e in self.store.offloaded_entries(role.parked_optim_keys):
+            out[e.key] = e
+        if role.resident:
+            for e in role.optim_entries(self.device, min_b):
+                out.setdefault(e.key, e)
+        return out
+
+    def _choose_evictions(self, role: Role) -> list[Role]:
+        others = [r for r in self._roles.values() if r.resident and r is not role]
+        budget = self.config.budget_bytes
+        if budget is None:
+            for r in others:
+                self._check_evictable(r, reason=f"use({role.name!r})")
+            return others
+        incoming = self._entries(role)
+        incoming_bytes = sum(e.nbytes for e in incoming.values())
+        if incoming_bytes > budget:
+            raise ValueError(
+                f"role {role.name!r} holds {format_bytes(incoming_bytes)} of state, more than "
+                f"budget_bytes={budget} ({format_bytes(budget)}); raise the budget or shrink the role"
+            )
+        staying = sorted(others, key=lambda r: r.last_used)
+        evict: list[Role] = []
+
+        def resident_bytes() -> int:
+            keys: dict[int, int] = {k: e.nbytes for k, e in incoming.items()}
+            for r in staying:
+                for k, e in self._entries(r).items():
+                    keys[k] = e.nbytes
+            return sum(keys.values())
+
+        for r in list(staying):
+            if resident_bytes() <= budget:
+                break
+            if r.in_use or r.stepping:
+                continue
+            staying.remove(r)
+            evict.append(r)
+        if resident_bytes() > budget:
+            busy = [r.name for r in staying if r.in_use]
+            raise RuntimeError(
+                f"role {role.name!r} does not fit in budget_bytes={budget} next to the roles in "
+                f"use {busy}; exit their use() blocks first or raise the budget"
+            )
+        return evict
+
+    def _transition(self, evict: list[Role], incoming: Role | None) -> TransitionRecord | None:
+        min_b = self.config.min_offload_bytes
+        keep: set[int] = set()
+        for r in self._roles.values():
+            if r.resident and r not in evict:
+                keep.update(self._entries(r))
+        in_keys: list[int] = []
+        if incoming is not None:
+            in_keys = list(incoming.parked_keys)
+            if incoming.optimizer_residency == "role":
+                in_keys += incoming.parked_optim_keys
+            keep.update(incoming.parked_keys + incoming.parked_optim_keys)
+        out_entries: list[StateEntry] = []
+        parked: dict[str, tuple[list[int], list[int]]] = {}
+        for r in evict:
+            if r.grads == "drop":
+                r.drop_grads()
+            model = r.model_entries(self.device, min_b)
+            optim = r.optim_entries(self.device, min_b)
+            parked[r.name] = ([e.key for e in model], [e.key for e in optim])
+            out_entries += [e for e in model + optim if e.key not in keep]
+        in_entries = self.store.offloaded_entries(in_keys)
+        what = f"loading role {incoming.name!r}" if incoming else "offload"
+        move = self.store.switch(out_entries, in_entries, what=what, headroom_bytes=self.config.headroom_bytes)
+        for r in evict:
+            r.resident = False
+            r.parked_keys = parked[r.name][0]
+            r.parked_optim_keys = list(dict.fromkeys(r.parked_optim_keys + parked[r.name][1]))
+        if incoming is not None:
+            incoming.resident = True
+            incoming.parked_keys = []
+            if incoming.optimizer_residency == "role":
+                incoming.parked_optim_keys = []
+            self._touch(incoming)
+        kind = "switch" if evict and incoming else ("reload" if incoming else "offload")
+        return self._record(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
+
+    def _record(self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult,
+                note: str = "") -> TransitionRecord:
+        rec = TransitionRecord.from_move(
+            len(self.records), kind, roles_out, role_in, move, self.store.host_reserved_bytes,
+            measure_release=self.ops.is_accelerator, note=note,
+        )
+        self.records.append(rec)
+        if rec.unreleased_bytes > self.config.release_tolerance_bytes:
+            warnings.warn(
+                f"transition {rec.index} ({kind}) freed {format_bytes(move.bytes_out)} but the driver "
+                f"got back {format_bytes(rec.unreleased_bytes)} less than expected: caching-allocator "
+                f"segments are shared with tensors outside the roles (activations, caches) and "
+                f"cannot be released. Free those tensors before switching, or set "
+                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                stacklevel=3,
+            )
+        return rec
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _make_forward_guard(self, role: Role):
+        store = self.store
+
+        def guard(module, args):
+            if not role.resident and any(store.is_offloaded(k) for k in role.param_keys):
+                raise RuntimeError(
+                    f"role {role.name!r} is offloaded (its parameters are on the host); run its "
+                    f"model inside `with ts.use({role.name!r}):` or call ts.load({role.name!r}) first"
+                )
+
+        return guard
+
+    def _make_step_pre_hook(self, role: Role):
+        def pre(opt, args, kwargs):
+            if not role.resident:
+                raise RuntimeError(
+                    f"optimizer.step() of role {role.name!r} was called while the role is "
+                    f"offloaded; step inside `with ts.use({role.name!r}):`"
+                )
+            role.stepping = True
+            try:
+                if role.parked_optim_keys:
+                    self.reload_optimizer_state(role.name)
+            except BaseException:
+                role.stepping = False
+                raise
+
+        return pre
+
+    def _make_step_post_hook(self, role: Role):
+        def post(opt, args, kwargs):
+            role.stepping = False
+            if role.optimizer_residency == "step":
+                self.offload_optimizer_state(role.name)
+
+        return post
