@@ -1,0 +1,379 @@
+"""Timeshare on device="cpu": the same code path as on a GPU, with synchronous copies."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tidal
+from tests.helpers import TinyLM, assert_same_state, lm_loss, make_trained, snapshot_state
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _all_state_tensors(model, opt):
+    ts = list(model.parameters()) + list(model.buffers())
+    ts += [p.grad for p in model.parameters() if p.grad is not None]
+    ts += [v for st in opt.state.values() for k, v in st.items() if k != "step"]
+    return ts
+
+
+@pytest.mark.parametrize("residency", ["role", "step"])
+def test_round_trip_is_bit_exact_and_keeps_identity(residency):
+    model, opt = make_trained()
+    ref = TinyLM()
+    before = snapshot_state(model, opt)
+    tensors = _all_state_tensors(model, opt)
+    ids = [id(t) for t in tensors]
+    state_keys = [id(p) for p in opt.state]
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency=residency)
+        ts.add_role("reference", model=ref)
+        with ts.use("reference"):
+            assert all(_nbytes(t) == 0 for t in tensors), "offloaded storages must be freed"
+            assert _nbytes(ref.embed.weight) > 0
+        with ts.use("actor"):
+            assert _nbytes(ref.embed.weight) == 0
+            if residency == "role":
+                assert_same_state(before, snapshot_state(model, opt))
+        assert ts.records[0].kind == "offload" and ts.records[1].kind == "switch"
+    # close() brought everything back, step-residency optimizer state included
+    assert_same_state(before, snapshot_state(model, opt))
+    assert [id(t) for t in _all_state_tensors(model, opt)] == ids
+    assert [id(p) for p in opt.state] == state_keys
+    assert model.head.weight is model.embed.weight
+
+
+def test_offload_frees_every_storage_and_reports_bytes():
+    model, opt = make_trained()
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        total = ts.role_bytes("actor")
+        unique = {t.untyped_storage()._cdata: t for t in _all_state_tensors(model, opt)}
+        assert total == sum(_nbytes(t) for t in unique.values())
+        rec = ts.offload("actor")
+        assert rec.bytes_out == total and rec.bytes_in == 0
+        assert all(_nbytes(t) == 0 for t in unique.values())
+        assert ts.store.offloaded_bytes == total
+        rec = ts.load("actor")
+        assert rec.bytes_in == total
+        assert "actor" in ts.report() and "offload" in ts.report()
+
+
+def test_shared_storage_is_counted_once():
+    model, opt = make_trained()
+    stored = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in _all_state_tensors(model, opt)}
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        # Tied weights, view-of-buffer and grads: every storage counted once, Adam's step excluded.
+        assert ts.role_bytes("actor") == sum(stored.values())
+
+
+def test_training_with_switches_matches_training_without_tidal():
+    def train(use_tidal: bool, residency: str, steps: int = 6) -> list[float]:
+        torch.manual_seed(1)
+        actor, ref = TinyLM(), TinyLM()
+        opt = torch.optim.AdamW(actor.parameters(), lr=1e-2, weight_decay=0.1)
+        ts = tidal.Timeshare("cpu") if use_tidal else None
+        if ts:
+            ts.add_role("actor", model=actor, optimizer=opt, optimizer_residency=residency)
+            ts.add_role("reference", model=ref)
+        losses = []
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(steps):
+            ids = torch.randint(0, 64, (4, 9), generator=gen)
+            ctx = ts.use("reference") if ts else torch.no_grad()
+            with ctx, torch.no_grad():
+                ref_logits = ref(ids[:, :-1])
+            ctx = ts.use("actor") if ts else torch.enable_grad()
+            with ctx:
+                loss = lm_loss(actor, ids) + 1e-3 * ref_logits.float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+            losses.append(loss.item())
+        if ts:
+            ts.close()
+        return losses
+
+    plain = train(False, "role")
+    assert train(True, "role") == plain
+    assert train(True, "step") == plain
+
+
+def test_thousand_cycles_bit_exact_without_growth():
+    model, opt = make_trained()
+    before = snapshot_state(model, opt)
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        ts.offload("actor")
+        ts.load("actor")
+        host, chunks = ts.store.host_reserved_bytes, ts.store.arena.num_chunks
+        for _ in range(1000):
+            ts.offload("actor")
+            ts.load("actor")
+        assert ts.store.host_reserved_bytes == host and ts.store.arena.num_chunks == chunks
+        assert_same_state(before, snapshot_state(model, opt))
+        assert len(ts.records) == 2002
+
+
+def test_recreated_grads_do_not_grow_host_memory():
+    model, opt = make_trained()
+    ids = torch.randint(0, 64, (4, 9))
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        sizes = []
+        for _ in range(20):
+            with ts.use("actor"):
+                opt.zero_grad(set_to_none=True)  # grads die and come back as new storages
+                lm_loss(model, ids).backward()
+                opt.step()
+            ts.offload("actor")
+            sizes.append(ts.store.host_reserved_bytes)
+        assert len(set(sizes[2:])) == 1, sizes
+
+
+def test_grad_policies():
+    for policy in ("keep", "drop", "offload"):
+        model, opt = make_trained()
+        grad = model.blocks[0][1].weight.grad
+        with tidal.Timeshare("cpu") as ts:
+            ts.add_role("actor", model=model, optimizer=opt, grads=policy)
+            ts.offload("actor")
+            if policy == "keep":
+                assert model.blocks[0][1].weight.grad is grad and _nbytes(grad) > 0
+            elif policy == "drop":
+                assert model.blocks[0][1].weight.grad is None
+            else:
+                assert model.blocks[0][1].weight.grad is grad and _nbytes(grad) == 0
+            ts.load("actor")
+            if policy != "drop":
+                assert _nbytes(grad) > 0
+
+
+def test_step_residency_keeps_optimizer_state_on_host_outside_step():
+    model, opt = make_trained()
+    exp_avg = opt.state[model.blocks[0][1].weight]["exp_avg"]
+    ids = torch.randint(0, 64, (4, 9))
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt)  # default residency: step
+        with ts.use("actor"):
+            assert _nbytes(exp_avg) > 0  # registered while resident: stays until the first step
+            lm_loss(model, ids).backward()
+            opt.step()
+            assert _nbytes(exp_avg) == 0, "on the host after the step"
+            assert _nbytes(model.embed.weight) > 0
+            seen = []
+            # Registered after tidal's pre-hook, so it runs after the state came back.
+            h = opt.register_step_pre_hook(lambda *a: seen.append(_nbytes(exp_avg)))
+            lm_loss(model, ids).backward()
+            opt.step()
+            h.remove()
+            assert seen == [exp_avg.numel() * exp_avg.element_size()], "resident during the step"
+            assert _nbytes(exp_avg) == 0, "and back on the host after it"
+        kinds = [r.kind for r in ts.records]
+        assert kinds == ["optim-out", "optim-in", "optim-out"]
+
+
+def test_budget_keeps_roles_resident_and_evicts_least_recently_used():
+    a, b, c = TinyLM(), TinyLM(), TinyLM()
+    probe = tidal.Timeshare("cpu")
+    probe.add_role("x", model=TinyLM())
+    one = probe.role_bytes("x")
+    probe.close()
+    with tidal.Timeshare("cpu", config=tidal.TimeshareConfig(budget_bytes=2 * one)) as ts:
+        for name, m in (("a", a), ("b", b), ("c", c)):
+            ts.add_role(name, model=m)
+        ts.offload_all()
+        with ts.use("a"):
+            pass
+        with ts.use("b"):
+            pass
+        assert sorted(ts.resident_roles) == ["a", "b"]
+        with ts.use("c"):
+            assert sorted(ts.resident_roles) == ["b", "c"]  # a was least recently used
+        with pytest.raises(ValueError, match="budget_bytes"):
+            big = nn.Linear(1024, 1024)
+            ts.add_role("big", model=big)
+            ts.load("big")
+
+
+# ---- misuse: a clear error and no state lost ------------------------------------------------
+def test_unknown_role():
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=TinyLM())
+        with pytest.raises(ValueError, match="unknown role 'critic'.*actor"):
+            with ts.use("critic"):
+                pass
+
+
+def test_duplicate_name_and_bad_arguments():
+    model, opt = make_trained()
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt)
+        with pytest.raises(ValueError, match="already exists"):
+            ts.add_role("actor", model=TinyLM())
+        with pytest.raises(ValueError, match="already belongs to role 'actor'"):
+            ts.add_role("other", optimizer=opt)
+        with pytest.raises(TypeError, match="torch.nn.modules.module.Module"):
+            ts.add_role("x", model=object())
+        with pytest.raises(ValueError, match="needs a model"):
+            ts.add_role("x")
+        with pytest.raises(ValueError, match="grads must be one of"):
+            ts.add_role("x", model=TinyLM(), grads="sometimes")
+        assert ts.roles == ["actor"]
+    with pytest.raises(ValueError, match="budget_bytes"):
+        tidal.TimeshareConfig(budget_bytes=-1)
+    with pytest.raises(RuntimeError, match="closed"):
+        ts.add_role("y", model=TinyLM())
+
+
+def test_reload_without_room_raises_and_keeps_state(monkeypatch):
+    model, opt = make_trained()
+    before = snapshot_state(model, opt)
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        ts.offload("actor")
+        need = ts.role_bytes("actor")
+        monkeypatch.setattr(ts.ops, "driver_free_bytes", lambda: (need // 2, 10 * need))
+        with pytest.raises(tidal.InsufficientMemoryError) as err:
+            ts.load("actor")
+        assert err.value.needed_bytes >= need and err.value.free_bytes == need // 2
+        assert f"({need} bytes)" in str(err.value) and "nothing was moved" in str(err.value)
+        assert not ts.is_resident("actor") and ts.store.offloaded_bytes == need
+        monkeypatch.undo()
+        ts.load("actor")
+        assert_same_state(before, snapshot_state(model, opt))
+
+
+def test_offload_during_backward_is_refused():
+    model, opt = make_trained()
+    before = snapshot_state(model, opt)
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        errors = []
+
+        def hook(grad):
+            try:
+                ts.offload("actor")
+            except RuntimeError as e:
+                errors.append(str(e))
+            return grad
+
+        x = torch.randn(3, requires_grad=True) * 2  # a graph that does not touch the role
+        x.register_hook(hook)
+        x.sum().backward()
+        assert errors and "backward pass is running" in errors[0]
+        assert ts.is_resident("actor")
+        assert_same_state(before, snapshot_state(model, opt))
+
+
+def test_offload_of_a_role_in_use_is_refused():
+    model, opt = make_trained()
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt)
+        ts.add_role("reference", model=TinyLM())
+        with ts.use("actor"):
+            with pytest.raises(RuntimeError, match="in use"):
+                ts.offload("actor")
+            with pytest.raises(RuntimeError, match="in use"):
+                with ts.use("reference"):  # exclusive budget: actor would have to leave
+                    pass
+            assert ts.is_resident("actor")
+            lm_loss(model, torch.randint(0, 64, (2, 5))).backward()  # still usable
+
+
+def test_using_an_offloaded_role_is_refused():
+    model, opt = make_trained()
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt)
+        ts.offload("actor")
+        with pytest.raises(RuntimeError, match="is offloaded"):
+            model(torch.tensor([[1, 2]]))
+        with pytest.raises(RuntimeError, match="offloaded"):
+            opt.step()
+        ts.load("actor")
+        model(torch.tensor([[1, 2]]))
+
+
+def test_roles_sharing_a_model_do_not_free_each_others_storage():
+    shared = TinyLM()
+    head = nn.Linear(32, 8)
+    w = shared.blocks[0][1].weight
+    before = w.detach().clone()
+    with tidal.Timeshare("cpu", config=tidal.TimeshareConfig(budget_bytes=None)) as ts:
+        ts.add_role("rollout", model=shared)
+        ts.add_role("critic", model=[shared, head])
+        assert ts.role_bytes("critic") == ts.role_bytes("rollout") + sum(_nbytes(p) for p in head.parameters())
+        with ts.use("rollout"):
+            # critic went out, but the storages it shares with rollout stayed
+            assert _nbytes(w) > 0 and _nbytes(head.weight) == 0
+        with ts.use("critic"):
+            assert _nbytes(w) > 0 and _nbytes(head.weight) > 0
+        ts.offload_all()
+        assert _nbytes(w) == 0
+        ts.load("rollout")
+        assert torch.equal(w, before) and _nbytes(head.weight) == 0
+
+
+def test_unsupported_optimizer_state_is_refused_before_anything_moves():
+    model, opt = make_trained()
+    opt.state[model.embed.weight]["history"] = [torch.zeros(3)]
+    with tidal.Timeshare("cpu") as ts:
+        with pytest.raises(TypeError, match="list of tensors"):
+            ts.add_role("actor", model=model, optimizer=opt)
+        assert ts.roles == [] and _nbytes(model.embed.weight) > 0
+
+
+def test_model_on_another_device_is_refused():
+    meta = nn.Linear(4, 4, device="meta")
+    with tidal.Timeshare("cpu") as ts:
+        with pytest.raises(ValueError, match="no state on cpu"):
+            ts.add_role("actor", model=meta)
+
+
+# ---- offload_optimizer ----------------------------------------------------------------------
+@pytest.mark.parametrize("grads", [False, True])
+def test_offload_optimizer_standalone(grads):
+    model, opt = make_trained()
+    before = snapshot_state(model, opt)
+    exp_avg = opt.state[model.embed.weight]["exp_avg"]
+    grad = model.embed.weight.grad
+    with tidal.offload_optimizer(opt, grads=grads) as info:
+        assert _nbytes(exp_avg) == 0
+        assert (_nbytes(grad) == 0) == grads
+        assert _nbytes(model.embed.weight) > 0
+        with pytest.raises(RuntimeError, match="inside offload_optimizer"):
+            opt.step()
+        with torch.no_grad():
+            model(torch.tensor([[1, 2]]))  # generation still works
+    assert info.out.bytes_out > 0 and info.back.bytes_in == info.out.bytes_out
+    assert_same_state(before, snapshot_state(model, opt))
+    opt.step()  # usable again
+
+
+def test_offload_optimizer_of_a_timeshare_role():
+    model, opt = make_trained()
+    before = snapshot_state(model, opt)
+    exp_avg = opt.state[model.embed.weight]["exp_avg"]
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        with tidal.offload_optimizer(opt):
+            assert _nbytes(exp_avg) == 0 and _nbytes(model.embed.weight) > 0
+        assert _nbytes(exp_avg) > 0
+        assert [r.kind for r in ts.records] == ["optim-ctx", "optim-ctx"]
+    assert_same_state(before, snapshot_state(model, opt))
+
+
+def test_import_touches_no_cuda():
+    import subprocess
+    import sys
+
+    code = ("import torch, tidal; "
+            "assert not torch.cuda.is_initialized(), 'import tidal initialised CUDA'")
+    subprocess.run([sys.executable, "-c", code], check=True)
