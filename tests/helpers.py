@@ -43,20 +43,21 @@ def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def snapshot_state(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
-    """Clones of every param, grad, buffer and optimizer state tensor, by name."""
+    """Host copies of every param, grad, buffer and optimizer state tensor, by name (on the
+    host so that a snapshot never counts against device memory)."""
     out: dict[str, torch.Tensor] = {}
     for n, p in model.named_parameters():
-        out[n] = p.detach().clone()
+        out[n] = p.detach().to("cpu", copy=True)
         if p.grad is not None:
-            out[n + ".grad"] = p.grad.clone()
+            out[n + ".grad"] = p.grad.to("cpu", copy=True)
     for n, b in model.named_buffers():
-        out["buf:" + n] = b.clone()
+        out["buf:" + n] = b.to("cpu", copy=True)
     if opt is not None:
         names = {id(p): n for n, p in model.named_parameters()}
         for p, st in opt.state.items():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
-                    out[f"opt:{names.get(id(p), id(p))}.{k}"] = v.clone()
+                    out[f"opt:{names.get(id(p), id(p))}.{k}"] = v.to("cpu", copy=True)
     return out
 
 

@@ -61,6 +61,7 @@ class DeviceOps:
             self.module: Any = module
         else:
             self.module = None
+            dev = torch.device("cpu")  # CPU tensors report "cpu"; "cpu:0" would compare unequal
         self.device = dev
         self._can_register = dev.type == "cuda" and hasattr(torch.cuda, "cudart")
 

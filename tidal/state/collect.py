@@ -57,8 +57,11 @@ def _plain_tensors(t: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, s
 
 
 class _Collector:
-    def __init__(self, device: torch.device, min_offload_bytes: int) -> None:
-        self.device = device
+    def __init__(self, device: torch.device | str, min_offload_bytes: int) -> None:
+        # Normalise: a str never equals a torch.device, and CPU tensors report "cpu" with no
+        # index, so "cpu" or "cpu:0" as given would silently match nothing.
+        dev = torch.device(device)
+        self.device = torch.device("cpu") if dev.type == "cpu" else dev
         self.min_offload_bytes = min_offload_bytes
         self.entries: dict[int, StateEntry] = {}
 

@@ -93,7 +93,12 @@ class OffloadStore:
         it when a role is registered so the first transition does not pay for pinning."""
         self._reclaim_dead_slots()
         need: list[StateEntry] = []
+        seen: set[int] = set()
         for e in entries:
+            # A storage shared by two roles may be listed twice; it gets one slot.
+            if e.key in seen:
+                continue
+            seen.add(e.key)
             held = self._slots.get(e.key)
             if held is not None and held[1]() is e.storage and held[0].nbytes == e.nbytes:
                 continue
@@ -140,8 +145,10 @@ class OffloadStore:
         overlaps fully when both sets fit at once and degrades gracefully when they do not.
         """
         engine = self.engine
-        out_todo = [e for e in out_entries if e.key not in self._offloaded]
-        in_todo = [self._offloaded[e.key] for e in in_entries if e.key in self._offloaded]
+        # Dedup by key: entries of several roles may list a shared storage more than once; it
+        # must move (and be counted) once.
+        out_todo = list({e.key: e for e in out_entries if e.key not in self._offloaded}.values())
+        in_todo = list({e.key: self._offloaded[e.key] for e in in_entries if e.key in self._offloaded}.values())
         need_in = sum(e.nbytes for e in in_todo)
         freeable = sum(e.nbytes for e in out_todo)
         before = snapshot(self.ops)
@@ -170,14 +177,19 @@ class OffloadStore:
                 while seg.nbytes > room and freed < len(out_segs):
                     room += self._free_segment(out_segs[freed], out_events[freed])
                     freed += 1
+                # Listed before allocating, so a failure part-way through a bucket still undoes
+                # the storages of that bucket already allocated.
+                loaded.append(seg)
                 for item in seg.items:
                     item.storage.resize_(item.nbytes)
-                loaded.append(seg)
                 room -= seg.nbytes
                 last_in_event = engine.copy_in(seg)
         except BaseException:
             # An allocation failed (fragmentation, another process): undo the allocations,
             # keep the host copies, finish the out-going half so its state is consistent.
+            # H2D copies already queued still write into the loaded storages: wait for them
+            # (one stream, so the last event covers all) before their blocks can be reused.
+            self.engine.wait(last_in_event)
             for seg in loaded:
                 for item in seg.items:
                     item.storage.resize_(0)

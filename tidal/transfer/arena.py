@@ -83,17 +83,25 @@ class HostArena:
     def num_chunks(self) -> int:
         return len(self._chunks)
 
+    @property
+    def alignment_bytes(self) -> int:
+        """Every slot starts at a multiple of this; a slot owns ``[offset, align_up(offset +
+        nbytes))``, its padding included."""
+        return self._alignment
+
     # ---- slots --------------------------------------------------------------------------------
     def reserve(self, sizes: Sequence[int]) -> list[HostSlot]:
         """Slots for ``sizes`` (bytes), in order. Free space is reused first (first fit); the
         rest come from one new chunk sized exactly for them, laid out contiguously."""
         if self._closed:
             raise RuntimeError("this HostArena was closed; create a new one")
+        # Validate everything before taking any free range: a bad size must not leak free space.
+        for n in sizes:
+            if n < 0:
+                raise ValueError(f"slot size must be >= 0, got {n}")
         slots: list[HostSlot | None] = [None] * len(sizes)
         missing: list[int] = []
         for i, n in enumerate(sizes):
-            if n < 0:
-                raise ValueError(f"slot size must be >= 0, got {n}")
             slot = self._take_free(n)
             if slot is None:
                 missing.append(i)
@@ -111,9 +119,16 @@ class HostArena:
     def release(self, slot: HostSlot) -> None:
         """Give a slot back; its space is reused by later :meth:`reserve` calls."""
         span = _align_up(slot.nbytes, self._alignment)
+        if span == 0:
+            return  # a zero-byte slot owns no bytes (it may sit inside a free range)
         offs, sizes = self._free_offsets[slot.chunk], self._free_sizes[slot.chunk]
         i = bisect.bisect_left(offs, slot.offset)
-        assert i == len(offs) or offs[i] >= slot.offset + span, "double release of a host slot"
+        # A slot overlapping a free range (either neighbour) was released twice; inserting it
+        # would make two free ranges overlap and later hand the same bytes to two storages.
+        if (i < len(offs) and offs[i] < slot.offset + span) or (
+            i > 0 and offs[i - 1] + sizes[i - 1] > slot.offset
+        ):
+            raise ValueError(f"double release of host slot {slot}")
         offs.insert(i, slot.offset)
         sizes.insert(i, span)
         # Merge with the right neighbour, then the left one, so free ranges stay maximal.

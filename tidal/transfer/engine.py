@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from tidal.device import DeviceOps
-from tidal.transfer.arena import HostArena, HostSlot
+from tidal.transfer.arena import HostArena, HostSlot, _align_up
 
 __all__ = ["TransferConfig", "TransferEngine", "CopyItem", "Segment", "byte_view"]
 
@@ -121,7 +121,11 @@ class TransferEngine:
         """Group items into segments, keeping their order. Consecutive small items whose
         host slots are adjacent in one chunk share a bucket of at most ``bucket_bytes``."""
         cfg = self.config
-        gap_limit = 4096  # slots of one batch are aligned, so "adjacent" allows padding
+        # The bucket's D2H copy writes the whole host span [start, end), gaps included, so a
+        # slot may join only if the gap before it is the previous slot's own alignment padding.
+        # A wider gap can hold another storage's slot (offloaded earlier, its only copy) that
+        # the copy would overwrite with staging garbage.
+        align = self.arena.alignment_bytes
         segments: list[Segment] = []
         open_bucket: Segment | None = None
         for item in items:
@@ -133,7 +137,7 @@ class TransferEngine:
             if (
                 open_bucket is not None
                 and s.chunk == open_bucket.chunk
-                and open_bucket.end <= s.offset <= open_bucket.end + gap_limit
+                and open_bucket.end <= s.offset <= _align_up(open_bucket.end, align)
                 and s.offset + s.nbytes - open_bucket.start <= cfg.bucket_bytes
             ):
                 open_bucket.items.append(item)

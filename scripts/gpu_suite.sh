@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The whole GPU pass in one command, for a lent GPU machine (torch + transformers
+# preinstalled there; tidal runs from the checkout). Logs go to $OUT (or ./out).
+#   bash scripts/gpu_suite.sh [quick]
+# quick: tests only; default: tests, then the benchmarks.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+status=0
+python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+python3 -m pytest -q -m "not gpu" tests 2>&1 | tail -3 | tee "$OUT/cpu_tests.log" || status=1
+if [ "${1:-}" != "quick" ]; then
+  python3 benchmarks/bench_offload.py --results "$OUT/RESULTS.md" 2>&1 | tee "$OUT/bench_offload.log" || status=1
+fi
+echo "gpu_suite exit status: $status"
+exit $status

@@ -1,0 +1,128 @@
+"""Entry point of the ``tidal`` command (``tidal ...`` or ``python -m tidal ...``).
+
+Usage::
+
+    tidal bench [--preset tiny|qwen2-0.5b|qwen2-1.5b|qwen2-7b] [--device cpu|cuda|cuda:N]
+                [--warm-iters N] [--results PATH] [--json PATH]
+
+Each subcommand registers itself with :func:`build_parser` through one ``_add_<name>``
+function and runs through one ``_run_<name>`` function, so ``demo`` and ``plan`` slot in
+next to ``bench``. Heavy imports (torch models, transformers) happen inside the runner,
+so ``tidal --help`` is instant.
+
+Exit codes: 0 done; 1 the run finished but state did not round-trip bit-exact; 2 usage
+error; 3 skipped because the device or host has no room for the preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Sequence
+
+__all__ = ["build_parser", "main"]
+
+EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SKIPPED = 0, 1, 2, 3
+_PRESETS = ("tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b")  # mirrors tidal.cli.models.PRESETS
+
+
+def _device_arg(text: str) -> str:
+    # Validate the spelling only; whether the device exists is checked when it is opened,
+    # with a message that says what is visible.
+    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
+    return n
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="offload / reload / switch benchmark of a Qwen2-shape model's training state",
+        description="Measure, in one process on one device: the PCIe line rate, the per-tensor "
+        ".to(non_blocking=True) anchor, tidal's offload/reload (cold and warm) as a fraction of "
+        "the line rate, an overlapped role switch against sequential offload+reload, host RAM "
+        "held and driver free memory after offload; then check the state round-tripped bit-exact.",
+    )
+    p.add_argument("--preset", choices=_PRESETS, default=None,
+                   help="model shape (random weights, no download); default qwen2-1.5b on cuda, tiny on cpu")
+    p.add_argument("--device", type=_device_arg, default=None,
+                   help="cpu, cuda or cuda:N; default cuda when available, else cpu")
+    p.add_argument("--warm-iters", type=_nonneg_int, default=3,
+                   help="warm cycles after the cold one; medians are taken over them (default 3)")
+    p.add_argument("--line-mib", type=_nonneg_int, default=None,
+                   help="size of the line-rate buffer in MiB (default 1024 on a GPU, 16 on cpu)")
+    p.add_argument("--results", metavar="PATH", default=None,
+                   help="append a markdown row to PATH (header written if the file is new)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON to PATH")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from tidal.cli.bench import BenchSkipped, run_bench  # noqa: PLC0415 (keep --help light)
+    from tidal.device import DeviceOps  # noqa: PLC0415
+
+    if args.device is not None:
+        try:  # a device that is not there is a usage error: say what is visible, no traceback
+            DeviceOps(args.device)
+        except ValueError as e:
+            print(f"tidal bench: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        result = run_bench(
+            preset=args.preset, device=args.device, warm_iters=args.warm_iters,
+            line_bytes=args.line_mib << 20 if args.line_mib else None, results_path=args.results, log=log,
+        )
+    except BenchSkipped as e:
+        print(f"tidal bench: skipped: {e}", file=sys.stderr)
+        return EXIT_SKIPPED
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        log(f"wrote {args.json}")
+    return EXIT_OK if result["bit_exact"] else EXIT_WRONG
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_bench]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tidal",
+        description="tidal: GPU time-sharing for the roles of LLM RL training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
+        return int(e.code or 0)
+    if getattr(args, "run", None) is None:
+        parser.print_help()
+        return EXIT_USAGE
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
