@@ -5,7 +5,7 @@
 Each preset runs in its own process (``python -m tidal bench``), so each one's "cold"
 figures are the first transitions after start-up and one preset's pinned memory or
 allocator cache cannot flatter or starve the next. Every run appends a row to
-``benchmarks/RESULTS.md`` and writes its JSON next to it; this script then prints what each
+``benchmarks/RESULTS.md`` and writes its JSON to ``--json-dir``; this script then prints what each
 run measured. A preset that does not fit on the device (``tidal bench`` exit code 3) is
 reported as skipped.
 """

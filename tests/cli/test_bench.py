@@ -4,6 +4,7 @@ state that went through every offload/reload/switch cycle is bit-exact."""
 import json
 
 import pytest
+import torch
 
 from tidal.cli.main import main
 
@@ -57,4 +58,7 @@ def test_cli_usage_errors(capsys):
     assert main(["bench", "--preset", "nope"]) == 2
     assert main([]) == 2
     assert main(["--help"]) == 0
+    if not torch.cuda.is_available():  # an absent device is a usage error, not a traceback
+        assert main(["bench", "--device", "cuda"]) == 2
+        assert "no cuda device" in capsys.readouterr().err
     capsys.readouterr()

@@ -65,12 +65,20 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--results", metavar="PATH", default=None,
                    help="append a markdown row to PATH (header written if the file is new)")
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON to PATH")
+    p.add_argument("--per-storage-alloc", action="store_true",
+                   help="reload with one device allocation per storage (TransferConfig("
+                   "coalesce_allocations=False)), for comparison with the default")
+    p.add_argument("--keep-cache", action="store_true",
+                   help="keep offloaded roles' freed blocks in torch's caching allocator "
+                   "(TimeshareConfig(release_to_driver=False)): faster reloads, but other "
+                   "processes do not see the memory")
     p.set_defaults(run=_run_bench)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     from tidal.cli.bench import BenchSkipped, run_bench  # noqa: PLC0415 (keep --help light)
     from tidal.device import DeviceOps  # noqa: PLC0415
+    from tidal.transfer import TransferConfig  # noqa: PLC0415
 
     if args.device is not None:
         try:  # a device that is not there is a usage error: say what is visible, no traceback
@@ -86,6 +94,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         result = run_bench(
             preset=args.preset, device=args.device, warm_iters=args.warm_iters,
             line_bytes=args.line_mib << 20 if args.line_mib else None, results_path=args.results, log=log,
+            transfer=TransferConfig(coalesce_allocations=not args.per_storage_alloc),
+            release_to_driver=not args.keep_cache,
         )
     except BenchSkipped as e:
         print(f"tidal bench: skipped: {e}", file=sys.stderr)

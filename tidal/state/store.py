@@ -20,6 +20,8 @@ import time
 import weakref
 from typing import Sequence
 
+import torch
+
 from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError
 from tidal.memory import snapshot
@@ -42,6 +44,7 @@ class MoveResult:
     driver_free_before: int
     driver_free_after: int
     segments: int
+    alloc_seconds: float = 0.0
 
     @property
     def bytes_moved(self) -> int:
@@ -60,13 +63,18 @@ class OffloadStore:
     staging bucket per direction during a transfer.
     """
 
-    def __init__(self, ops: DeviceOps, config: TransferConfig | None = None) -> None:
+    def __init__(self, ops: DeviceOps, config: TransferConfig | None = None, *,
+                 release_to_driver: bool = True) -> None:
         self.ops = ops
+        # False keeps freed blocks in torch's caching allocator: reusable by this process
+        # (the next role, activations), invisible to others, and no driver remap on reload.
+        self.release_to_driver = release_to_driver
         self.config = config or TransferConfig()
         self.arena = HostArena(ops, pin=self.config.pin_host)
         self.engine = TransferEngine(ops, self.arena, self.config)
         self._slots: dict[int, tuple[HostSlot, weakref.ref]] = {}
         self._offloaded: dict[int, StateEntry] = {}  # strong refs keep offloaded storages alive
+        self.last_move: MoveResult | None = None
 
     # ---- queries ----------------------------------------------------------------------------
     def is_offloaded(self, key: int) -> bool:
@@ -164,6 +172,7 @@ class OffloadStore:
             )
         self.prepare(out_todo)
         t0 = time.perf_counter()
+        coalesce = need_in <= room and self.ops.is_accelerator and self.config.coalesce_allocations
         out_segs = engine.plan(self._items(out_todo))
         in_segs = engine.plan(self._items(in_todo))
         engine.begin_out()
@@ -172,8 +181,16 @@ class OffloadStore:
         freed = 0
         last_in_event = None
         loaded: list[Segment] = []
+        reserved_until, reserve_target = 0, 64 << 20
+        alloc_seconds = 0.0
         try:
-            for seg in in_segs:
+            for i, seg in enumerate(in_segs):
+                ta = time.perf_counter()
+                if coalesce and i >= reserved_until:
+                    # Reserve memory for the next run of segments while the copies queued so
+                    # far are in flight; runs grow so the first copy starts at once.
+                    reserved_until = self._reserve_device_block(in_segs, i, reserve_target)
+                    reserve_target = min(2 * reserve_target, 2 << 30)
                 while seg.nbytes > room and freed < len(out_segs):
                     room += self._free_segment(out_segs[freed], out_events[freed])
                     freed += 1
@@ -182,6 +199,7 @@ class OffloadStore:
                 loaded.append(seg)
                 for item in seg.items:
                     item.storage.resize_(item.nbytes)
+                alloc_seconds += time.perf_counter() - ta
                 room -= seg.nbytes
                 last_in_event = engine.copy_in(seg)
         except BaseException:
@@ -212,12 +230,12 @@ class OffloadStore:
             del self._offloaded[e.key]
         engine.release_staging()
         t1 = time.perf_counter()
-        if out_todo:
+        if out_todo and self.release_to_driver:
             # Hand the freed blocks back to the driver: other processes (an inference engine)
             # only see what the driver sees.
             self.ops.empty_cache()
         after = snapshot(self.ops)
-        return MoveResult(
+        self.last_move = MoveResult(
             bytes_out=freeable,
             bytes_in=need_in,
             seconds=seconds,
@@ -225,7 +243,30 @@ class OffloadStore:
             driver_free_before=before.driver_free_bytes,
             driver_free_after=after.driver_free_bytes,
             segments=len(out_segs) + len(in_segs),
+            alloc_seconds=alloc_seconds,
         )
+        return self.last_move
+
+    def _reserve_device_block(self, segs: Sequence[Segment], first: int, target_bytes: int) -> int:
+        """Make the caching allocator hold one free block that fits the large storages of
+        ``segs[first:j]`` (about ``target_bytes``), so their ``resize_`` calls split it instead
+        of each paying a ``cudaMalloc``, and the next offload returns few segments instead of
+        hundreds. Returns ``j``."""
+        # The allocator serves requests above 1 MiB from its large pool, rounded to 512 bytes;
+        # smaller ones come from 2 MiB small-pool segments that this block cannot serve.
+        large, j = 0, first
+        while j < len(segs) and large < target_bytes:
+            large += sum(-(-it.nbytes // 512) * 512 for it in segs[j].items if it.nbytes > (1 << 20))
+            j += 1
+        if large >= (16 << 20):
+            try:
+                # Allocated and freed on the current stream, whose pool the storages'
+                # resize_ calls draw from.
+                block = torch.empty(large, dtype=torch.uint8, device=self.ops.device)
+                del block
+            except torch.OutOfMemoryError:
+                pass  # fragmented: those storages fall back to one allocation each
+        return j
 
     def _free_segment(self, seg: Segment, event: object) -> int:
         # The D2H copy must have read the bytes before the allocator may hand the block out.

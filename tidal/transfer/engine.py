@@ -39,11 +39,16 @@ class TransferConfig:
             ones are copied directly (one copy each, already at line rate).
         pin_host: page-lock host memory (needed for asynchronous, full-rate copies). Ignored
             on CPU.
+        coalesce_allocations: on reload, take the incoming storages' device memory with one
+            allocation that the caching allocator then splits, instead of one ``cudaMalloc``
+            per storage (each costs enough host time to starve the H2D queue), and so that
+            the next offload returns one segment instead of hundreds.
     """
 
     bucket_bytes: int = 64 << 20
     small_tensor_bytes: int = 8 << 20
     pin_host: bool = True
+    coalesce_allocations: bool = True
 
     def __post_init__(self) -> None:
         if self.bucket_bytes <= 0:
