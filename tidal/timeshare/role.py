@@ -35,7 +35,6 @@ class Role:
     optimizer_residency: OptimizerResidency = "step"
     resident: bool = True
     in_use: int = 0
-    stepping: bool = False
     last_used: int = 0
     # Storage keys of the role's state when it went out, in transfer order. Keys, not
     # tensors: a storage that dies while parked (a dropped grad) must not be kept alive.

@@ -71,8 +71,8 @@ def format_report(records: list[TransitionRecord], roles: list[tuple[str, str, i
     for name, where, _resident, total in roles:
         lines.append(f"  {name:<16} {where:<10} {format_bytes(total):>12}")
     lines.append(
-        f"host: {format_bytes(host_reserved_bytes)} pinned for {format_bytes(offloaded_bytes)} "
-        f"offloaded now"
+        f"host: {format_bytes(host_reserved_bytes)} held (pinned on a GPU) for "
+        f"{format_bytes(offloaded_bytes)} offloaded now"
     )
     lines.append("transitions:")
     head = (f"  {'#':>3} {'kind':<10} {'out':<18} {'in':<14} {'out GB':>7} {'in GB':>7} "

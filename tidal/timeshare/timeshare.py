@@ -322,8 +322,6 @@ class Timeshare:
                 f"`with ts.use({role.name!r})` block); exit that block first, or raise "
                 f"TimeshareConfig.budget_bytes so both roles can stay resident"
             )
-        if role.stepping:
-            raise RuntimeError(f"{reason} was called during {role.name!r}'s optimizer.step(); wait for the step to end")
 
     def _touch(self, role: Role) -> None:
         self._clock += 1
@@ -374,7 +372,7 @@ class Timeshare:
         for r in list(staying):
             if resident_bytes() <= budget:
                 break
-            if r.in_use or r.stepping:
+            if r.in_use:
                 continue
             staying.remove(r)
             evict.append(r)
@@ -461,19 +459,13 @@ class Timeshare:
                     f"optimizer.step() of role {role.name!r} was called while the role is "
                     f"offloaded; step inside `with ts.use({role.name!r}):`"
                 )
-            role.stepping = True
-            try:
-                if role.parked_optim_keys:
-                    self.reload_optimizer_state(role.name)
-            except BaseException:
-                role.stepping = False
-                raise
+            if role.parked_optim_keys:
+                self.reload_optimizer_state(role.name)
 
         return pre
 
     def _make_step_post_hook(self, role: Role):
         def post(opt, args, kwargs):
-            role.stepping = False
             if role.optimizer_residency == "step":
                 self.offload_optimizer_state(role.name)
 
