@@ -267,11 +267,21 @@ def test_non_tensor_values_are_left_alone():
 
 
 @pytest.mark.parametrize("container", [list, tuple, lambda ts: {"a": ts[0], "b": ts[1]}])
-def test_tensors_inside_containers_are_a_type_error(container):
+def test_tensors_inside_containers_are_collected(container):
     p = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)
-    opt.state[p] = {"buf": torch.zeros(3), "history": container([torch.zeros(3), torch.zeros(3)])}
-    with pytest.raises(TypeError, match=r"\['history'\] holds a (list|tuple|dict) of tensors"):
+    inner = [torch.zeros(3), torch.zeros(5)]
+    opt.state[p] = {"buf": torch.zeros(3), "history": container(inner)}
+    entries = collect_optimizer_state([opt], CPU, names={id(p): "w"})
+    assert {e.key for e in entries} >= {_key(t) for t in inner}
+    assert any(e.name.startswith("optimizer0.state[w]['history'][") for e in entries)
+
+
+def test_a_set_of_tensors_is_a_type_error():
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.state[p] = {"history": {torch.zeros(3)}}
+    with pytest.raises(TypeError, match=r"\['history'\] is a set of tensors"):
         collect_optimizer_state([opt], CPU, names={id(p): "w"})
 
 

@@ -56,33 +56,50 @@ def _plain_tensors(t: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, s
     yield t, name
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 class _Collector:
-    def __init__(self, device: torch.device | str, min_offload_bytes: int) -> None:
+    def __init__(self, device: torch.device | str, min_offload_bytes: int, include_empty: bool = False) -> None:
         # Normalise: a str never equals a torch.device, and CPU tensors report "cpu" with no
         # index, so "cpu" or "cpu:0" as given would silently match nothing.
         dev = torch.device(device)
         self.device = torch.device("cpu") if dev.type == "cpu" else dev
         self.min_offload_bytes = min_offload_bytes
+        # Empty storages are either offloaded already (the store knows them by key) or
+        # freed by someone else (FSDP's unsharded params); callers that need to recognise the
+        # former ask for them.
+        self.include_empty = include_empty
         self.entries: dict[int, StateEntry] = {}
 
     def add(self, tensor: torch.Tensor, kind: Kind, name: str) -> None:
-        for t, tname in _plain_tensors(tensor, name):
-            if t.device != self.device:
-                continue
-            storage = t.untyped_storage()
-            nbytes = storage.nbytes()
-            if nbytes == 0 or nbytes < self.min_offload_bytes:
-                continue
-            key = storage_key(storage)
-            if key in self.entries:
-                continue
-            if not storage.resizable():
-                raise TypeError(
-                    f"{tname}: its storage is not resizable (it wraps memory torch does not own, "
-                    f"e.g. from numpy, DLPack or a CUDA IPC handle), so tidal cannot free it; "
-                    f"clone it into a torch-owned tensor before adding the role"
-                )
-            self.entries[key] = StateEntry(storage, key, nbytes, kind, tname)
+        # Called for every tensor of a role at every transition: plain tensors skip the
+        # generator, and the name is only formatted for a new storage.
+        if type(tensor) in _PLAIN and tensor.layout == torch.strided:
+            self._add_plain(tensor, kind, name)
+        else:
+            for t, tname in _plain_tensors(tensor, name):
+                self._add_plain(t, kind, tname)
+
+    def _add_plain(self, t: torch.Tensor, kind: Kind, name: str) -> None:
+        if t.device != self.device:
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.entries:
+            return
+        nbytes = storage.nbytes()
+        if nbytes == 0 and not self.include_empty:
+            return
+        if 0 < nbytes < self.min_offload_bytes:
+            return
+        if not storage.resizable():
+            raise TypeError(
+                f"{name}: its storage is not resizable (it wraps memory torch does not own, "
+                f"e.g. from numpy, DLPack or a CUDA IPC handle), so tidal cannot free it; "
+                f"clone it into a torch-owned tensor before adding the role"
+            )
+        self.entries[key] = StateEntry(storage, key, nbytes, kind, name)
 
 
 def collect_module_state(
@@ -92,11 +109,13 @@ def collect_module_state(
     extra_params: Iterable[torch.Tensor] = (),
     grads: GradPolicy = "offload",
     min_offload_bytes: int = 0,
+    include_empty: bool = False,
 ) -> list[StateEntry]:
     """Entries for the parameters, buffers and (if ``grads == "offload"``) gradients of
     ``modules`` and of ``extra_params`` (parameters an optimizer holds outside the modules),
-    in registration order, each storage once."""
-    col = _Collector(device, min_offload_bytes)
+    in registration order, each storage once. ``include_empty`` also lists 0-byte storages
+    (with ``nbytes == 0``), so offloaded ones can be recognised by key."""
+    col = _Collector(device, min_offload_bytes, include_empty)
     named: list[tuple[str, torch.Tensor]] = []
     for i, module in enumerate(modules):
         prefix = f"model{i}." if i else ""
@@ -115,15 +134,20 @@ def collect_module_state(
     return list(col.entries.values())
 
 
-def _check_state_value(value: object, where: str) -> None:
-    if isinstance(value, (list, tuple, set, dict)):
-        inner = value.values() if isinstance(value, dict) else value
-        if any(isinstance(v, torch.Tensor) for v in inner):
-            raise TypeError(
-                f"{where} holds a {type(value).__name__} of tensors; tidal moves tensors stored "
-                f"directly as values of optimizer.state[param], not inside containers. Store each "
-                f"tensor under its own key, or keep this optimizer out of the role"
-            )
+def _state_tensors(value: object, where: str) -> Iterator[tuple[torch.Tensor, str]]:
+    """Tensors in an optimizer state value, also inside lists, tuples and dicts (LBFGS keeps
+    its history in lists). Other leaves (ints, floats, None) are not state tidal moves."""
+    if isinstance(value, torch.Tensor):
+        yield value, where
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _state_tensors(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _state_tensors(v, f"{where}[{k!r}]")
+    elif isinstance(value, (set, frozenset)) and any(isinstance(v, torch.Tensor) for v in value):
+        raise TypeError(f"{where} is a set of tensors; a set has no stable order to restore it by. "
+                        f"Keep optimizer state in tensors, lists or dicts")
 
 
 def collect_optimizer_state(
@@ -132,21 +156,19 @@ def collect_optimizer_state(
     *,
     names: dict[int, str] | None = None,
     min_offload_bytes: int = 0,
+    include_empty: bool = False,
 ) -> list[StateEntry]:
-    """Entries for every tensor value of ``optimizer.state`` on ``device``. Raises
-    ``TypeError`` for state tidal cannot move (tensors inside containers, sparse tensors)
-    before anything is moved. Non-tensor values (ints, floats) stay untouched."""
+    """Entries for every tensor of ``optimizer.state`` on ``device``, also inside lists and
+    dicts. Raises ``TypeError`` for state tidal cannot move (sparse tensors, non-resizable
+    storages, sets of tensors) before anything is moved. Non-tensor values stay untouched."""
     names = names or {}
-    col = _Collector(device, min_offload_bytes)
+    col = _Collector(device, min_offload_bytes, include_empty)
     for i, opt in enumerate(optimizers):
         for param, state in opt.state.items():
             pname = names.get(id(param), f"param@{id(param):x}")
             if not isinstance(state, dict):
                 raise TypeError(f"optimizer{i}.state[{pname}] is a {type(state).__name__}, expected a dict")
             for key, value in state.items():
-                where = f"optimizer{i}.state[{pname}][{key!r}]"
-                if isinstance(value, torch.Tensor):
-                    col.add(value, "optim", where)
-                else:
-                    _check_state_value(value, where)
+                for t, where in _state_tensors(value, f"optimizer{i}.state[{pname}][{key!r}]"):
+                    col.add(t, "optim", where)
     return list(col.entries.values())

@@ -83,6 +83,22 @@ class OffloadStore:
     def offloaded_entries(self, keys: Sequence[int]) -> list[StateEntry]:
         return [self._offloaded[k] for k in keys if k in self._offloaded]
 
+    def resolve(self, entries: Sequence[StateEntry]) -> list[StateEntry]:
+        """Live entries (collected with empty storages included) as the store sees them: an
+        offloaded storage becomes the store's record (with its real size); an empty storage
+        the store does not hold is not tidal's state and is dropped."""
+        out: list[StateEntry] = []
+        for e in entries:
+            held = self._offloaded.get(e.key)
+            if held is not None:
+                out.append(held)
+            elif e.nbytes > 0:
+                out.append(e)
+        return out
+
+    def all_offloaded(self) -> list[StateEntry]:
+        return list(self._offloaded.values())
+
     @property
     def offloaded_bytes(self) -> int:
         return sum(e.nbytes for e in self._offloaded.values())

@@ -73,19 +73,25 @@ def offload_optimizer(
         raise TypeError(f"offload_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     result = OptimizerOffload()
     owner = timeshare_of(optimizer)
-    if owner is not None and not grads:
+    if owner is not None:
         ts, name = owner
         role = ts.role(name)
-        if not role.resident:  # the whole role is on the host already
-            yield result
-            return
-        rec = ts.offload_optimizer_state(name, kind="optim-ctx")
+        if role.optimizer_locked:
+            raise RuntimeError(f"offload_optimizer() is already active for role {name!r}; blocks do not nest")
+        role.optimizer_locked = True  # the role's step pre-hook refuses while set
         try:
+            if role.resident:  # otherwise the whole role is on the host already
+                ts.offload_optimizer_state(name, grads=grads, kind="optim-ctx")
             yield result
         finally:
-            if role.optimizer_residency == "role" and role.resident:
-                ts.reload_optimizer_state(name, kind="optim-ctx")
-        del rec
+            role.optimizer_locked = False
+            if role.resident and not ts.closed:
+                # Grads come back now; the state too unless it lives on the host between
+                # steps anyway (step residency), where the next step() brings it in.
+                if grads:
+                    ts.reload_optimizer_state(name, grads=True, kind="optim-ctx")
+                if role.optimizer_residency == "role":
+                    ts.reload_optimizer_state(name, kind="optim-ctx")
         return
 
     device = _optimizer_device(optimizer)

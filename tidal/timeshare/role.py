@@ -26,6 +26,8 @@ class Role:
         optimizer_residency: ``"step"`` (default) keeps optimizer state on the host except
             during ``optimizer.step()`` (loaded by a step pre-hook, offloaded by a post-hook),
             so forward/backward peaks never include it; ``"role"`` moves it with the role.
+            (A ``step()`` that raises skips the post-hook; the state then goes back to the
+            host when the role's ``use()`` block ends.)
     """
 
     name: str
@@ -33,15 +35,15 @@ class Role:
     optimizers: list[torch.optim.Optimizer]
     grads: GradPolicy = "offload"
     optimizer_residency: OptimizerResidency = "step"
+    # Whether the role counts as on the device. Where each storage is lives in the store;
+    # a role's storages are always found from its live tensors, never from a saved list.
     resident: bool = True
     in_use: int = 0
     last_used: int = 0
-    # Storage keys of the role's state when it went out, in transfer order. Keys, not
-    # tensors: a storage that dies while parked (a dropped grad) must not be kept alive.
-    parked_keys: list[int] = dataclasses.field(default_factory=list)
-    parked_optim_keys: list[int] = dataclasses.field(default_factory=list)
+    optimizer_locked: bool = False  # inside offload_optimizer(): step() must not run
     param_keys: frozenset[int] = frozenset()
     hooks: list = dataclasses.field(default_factory=list)
+    _names: dict[int, str] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.grads not in _GRAD_POLICIES:
@@ -52,36 +54,44 @@ class Role:
             )
 
     def param_names(self) -> dict[int, str]:
-        names: dict[int, str] = {}
-        for i, m in enumerate(self.modules):
-            prefix = f"model{i}." if i else ""
-            for n, p in m.named_parameters():
-                names.setdefault(id(p), prefix + n)
-        return names
+        """id(param) -> name, computed once: it only names tensors in error messages, and a
+        module walk per transition costs milliseconds on a large model."""
+        if self._names is None:
+            self._names = {}
+            for i, m in enumerate(self.modules):
+                prefix = f"model{i}." if i else ""
+                for n, p in m.named_parameters():
+                    self._names.setdefault(id(p), prefix + n)
+        return self._names
 
     def loose_params(self) -> list[torch.Tensor]:
-        """Parameters an optimizer of the role holds that none of its modules registers."""
-        known = {id(p) for m in self.modules for p in m.parameters()}
+        """Parameters an optimizer of the role holds that none of its modules registers (a
+        module param replaced since registration also counts: it is collected either way)."""
+        known = self.param_names()
         return [p for o in self.optimizers for g in o.param_groups for p in g["params"] if id(p) not in known]
 
-    def model_entries(self, device: torch.device, min_offload_bytes: int) -> list[StateEntry]:
-        """Parameters, buffers and (by policy) gradients, found now."""
+    def model_entries(self, device: torch.device, min_offload_bytes: int, *, grads: bool | None = None,
+                      include_empty: bool = True) -> list[StateEntry]:
+        """Parameters, buffers and (by policy, or as ``grads`` says) gradients, found now from
+        the live tensors; with ``include_empty`` offloaded (0-byte) storages are listed too."""
+        policy = self.grads if grads is None else ("offload" if grads else "keep")
         return collect_module_state(
-            self.modules, device, extra_params=self.loose_params(), grads=self.grads,
-            min_offload_bytes=min_offload_bytes,
+            self.modules, device, extra_params=self.loose_params(), grads=policy,
+            min_offload_bytes=min_offload_bytes, include_empty=include_empty,
         )
 
-    def optim_entries(self, device: torch.device, min_offload_bytes: int) -> list[StateEntry]:
+    def optim_entries(self, device: torch.device, min_offload_bytes: int, *,
+                      include_empty: bool = True) -> list[StateEntry]:
         """Tensors of every ``optimizer.state``, found now (state appears at the first step)."""
         if not self.optimizers:
             return []
         return collect_optimizer_state(
-            self.optimizers, device, names=self.param_names(), min_offload_bytes=min_offload_bytes
+            self.optimizers, device, names=self.param_names(), min_offload_bytes=min_offload_bytes,
+            include_empty=include_empty,
         )
 
-    def drop_grads(self) -> None:
-        for m in self.modules:
-            for p in m.parameters():
-                p.grad = None
-        for p in self.loose_params():
-            p.grad = None
+    def grad_storages(self) -> list[tuple[torch.Tensor, torch.UntypedStorage]]:
+        """(param, its grad's storage) for every param of the role that has a grad."""
+        params = [p for m in self.modules for p in m.parameters()] + self.loose_params()
+        return [(p, p.grad.untyped_storage()) for p in dict.fromkeys(params) if p.grad is not None]
+

@@ -23,7 +23,7 @@ import torch
 
 from tidal.device import DeviceOps
 from tidal.errors import format_bytes
-from tidal.state.collect import GradPolicy, StateEntry
+from tidal.state.collect import GradPolicy, StateEntry, storage_key
 from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.role import OptimizerResidency, Role
 from tidal.timeshare.telemetry import TransitionRecord, format_report
@@ -129,10 +129,11 @@ class Timeshare:
         grads: GradPolicy = "offload",
         optimizer_residency: OptimizerResidency = "step",
     ) -> Role:
-        """Register a role whose state is on the device now. Nothing moves; host memory for
-        the role's current state is reserved and pinned here (once), so the first transition
-        runs at line rate. Roles may share modules: a shared storage is counted once and
-        stays resident while any role holding it is resident.
+        """Register a role. Nothing moves; host memory for the role's current state is reserved
+        and pinned here (once), so the first transition runs at line rate. Roles may share
+        modules: a shared storage is counted once and stays resident while any role holding
+        it is resident. A role whose state is partly offloaded already (it shares a module with
+        an offloaded role) starts as not resident; ``use()`` brings it in.
         """
         self._check_open()
         if not isinstance(name, str) or not name:
@@ -150,20 +151,19 @@ class Timeshare:
                 raise ValueError(f"this optimizer already belongs to role {owner[1]!r}; an optimizer "
                                  f"can belong to one role only (its step hooks move its state)")
         role = Role(name, modules, optimizers, grads=grads, optimizer_residency=optimizer_residency)
-        cfg = self.config
         # Collect now: validates the state (raises TypeError for unsupported tensors) before
         # anything is registered, and sizes the host slots.
-        model_entries = role.model_entries(self.device, cfg.min_offload_bytes)
-        optim_entries = role.optim_entries(self.device, cfg.min_offload_bytes)
-        if not model_entries and not optim_entries and not self._has_state_elsewhere(role):
-            raise ValueError(f"role {name!r} has no tensors at all; nothing to timeshare")
-        if not model_entries and not optim_entries:
-            raise ValueError(
-                f"role {name!r} has no state on {self.device}: its tensors are on another device. "
-                f"Move the model to {self.device} before adding the role"
-            )
-        role.param_keys = frozenset(e.key for e in model_entries if e.kind == "param")
-        self.store.prepare(model_entries + optim_entries)
+        model_live = role.model_entries(self.device, self.config.min_offload_bytes)
+        entries = self.store.resolve(model_live) + self.store.resolve(
+            role.optim_entries(self.device, self.config.min_offload_bytes))
+        if not entries:
+            where = "no tensors at all" if not self._has_state_elsewhere(role) else (
+                f"no state on {self.device}: its tensors are on another device. Move the model to "
+                f"{self.device} before adding the role")
+            raise ValueError(f"role {name!r} has {where}")
+        role.param_keys = frozenset(e.key for e in model_live if e.kind == "param")
+        role.resident = not any(self.store.is_offloaded(e.key) for e in entries)
+        self.store.prepare([e for e in entries if not self.store.is_offloaded(e.key)])
         for m in modules:
             role.hooks.append(m.register_forward_pre_hook(self._make_forward_guard(role)))
         for opt in optimizers:
@@ -195,8 +195,8 @@ class Timeshare:
             raise ValueError(f"unknown role {name!r}; registered roles: {sorted(self._roles)}") from None
 
     def role_bytes(self, name: str) -> int:
-        """Bytes of the role's state that tidal moves (resident or not), shared storages
-        included once."""
+        """Bytes of the role's state that tidal moves, wherever each storage is now (shared
+        storages included once)."""
         return sum(e.nbytes for e in self._entries(self.role(name)).values())
 
     def is_resident(self, name: str) -> bool:
@@ -216,11 +216,13 @@ class Timeshare:
         finally:
             role.in_use -= 1
             self._touch(role)
+            if role.in_use == 0 and not self.closed:
+                self._settle_optimizer(role)
 
     def load(self, name: str) -> TransitionRecord | None:
         """Make ``name`` resident now; evicts the least recently used roles the budget cannot
         keep, overlapping their offload with this reload. Returns the transition, or None if
-        the role was already resident."""
+        nothing had to move."""
         self._check_open()
         self._check_not_in_backward("load")
         role = self.role(name)
@@ -259,16 +261,15 @@ class Timeshare:
         return format_report(self.records, rows, self.store.host_reserved_bytes, self.store.offloaded_bytes)
 
     def close(self) -> None:
-        """Bring every offloaded role back, remove tidal's hooks and free the host memory.
-        Raises (and keeps everything) if the roles do not all fit on the device."""
+        """Bring every offloaded storage back, remove tidal's hooks and free the host memory.
+        Raises (and changes nothing) if they do not all fit on the device."""
         if self.closed:
             return
-        parked = [r for r in self._roles.values() if not r.resident or r.parked_optim_keys]
-        entries = [e for r in parked for e in self.store.offloaded_entries(r.parked_keys + r.parked_optim_keys)]
-        if entries:
-            self.store.reload(entries, what="close() bringing every role back")
+        parked = self.store.all_offloaded()
+        if parked:
+            self.store.reload(parked, what="close() bringing every role back")
         for r in self._roles.values():
-            r.resident, r.parked_keys, r.parked_optim_keys = True, [], []
+            r.resident = True
             for h in r.hooks:
                 h.remove()
             for opt in r.optimizers:
@@ -283,25 +284,42 @@ class Timeshare:
         self.close()
 
     # ---- optimizer state (used by the step hooks and offload_optimizer) ---------------------
-    def offload_optimizer_state(self, name: str, *, kind: str = "optim-out") -> TransitionRecord | None:
-        """Move the role's optimizer state to the host (its params stay)."""
+    def offload_optimizer_state(self, name: str, *, grads: bool = False,
+                                kind: str = "optim-out") -> TransitionRecord | None:
+        """Move the role's optimizer state (and its params' grads if ``grads``) to the host;
+        its params stay. Storages another resident role holds stay too."""
         role = self.role(name)
-        entries = role.optim_entries(self.device, self.config.min_offload_bytes)
-        role.parked_optim_keys = list(dict.fromkeys(role.parked_optim_keys + [e.key for e in entries]))
+        min_b = self.config.min_offload_bytes
+        live = role.optim_entries(self.device, min_b)
+        if grads:
+            live = [e for e in role.model_entries(self.device, min_b, grads=True) if e.kind == "grad"] + live
+        others = self._resident_keys(exclude=(role,))
+        entries = [e for e in live if e.nbytes > 0 and e.key not in others]
         if not entries:
             return None
         move = self.store.offload(entries)
-        return self._record(kind, (name,), None, move, note="optimizer state")
+        return self._record(kind, (name,), None, move, note="optimizer state" + (" + grads" if grads else ""))
 
-    def reload_optimizer_state(self, name: str, *, kind: str = "optim-in") -> TransitionRecord | None:
-        """Bring the role's optimizer state back to the device."""
+    def reload_optimizer_state(self, name: str, *, grads: bool = False,
+                               kind: str = "optim-in") -> TransitionRecord | None:
+        """Bring the role's offloaded optimizer state (and grads if ``grads``) back."""
         role = self.role(name)
-        entries = self.store.offloaded_entries(role.parked_optim_keys)
-        role.parked_optim_keys = []
+        min_b = self.config.min_offload_bytes
+        live = role.optim_entries(self.device, min_b)
+        if grads:
+            live = [e for e in role.model_entries(self.device, min_b, grads=True) if e.kind == "grad"] + live
+        entries = [e for e in self.store.resolve(live) if self.store.is_offloaded(e.key)]
         if not entries:
             return None
         move = self.store.reload(entries, what=f"reloading the optimizer state of role {name!r}")
-        return self._record(kind, (), name, move, note="optimizer state")
+        return self._record(kind, (), name, move, note="optimizer state" + (" + grads" if grads else ""))
+
+    def _settle_optimizer(self, role: Role) -> None:
+        # With step residency the state belongs on the host outside step(); a step that
+        # raised skipped the post-hook and left it on the device.
+        if role.resident and role.optimizer_residency == "step" and not role.optimizer_locked:
+            if any(e.nbytes > 0 for e in role.optim_entries(self.device, self.config.min_offload_bytes)):
+                self.offload_optimizer_state(role.name)
 
     # ---- internals --------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -327,23 +345,24 @@ class Timeshare:
         self._clock += 1
         role.last_used = self._clock
 
-    def _entries(self, role: Role) -> dict[int, StateEntry | None]:
-        """Current entries of a role by key (None for parked keys whose entry is on the host
-        but not held here: their size comes from the store)."""
-        out: dict[int, StateEntry] = {}
+    def _live(self, role: Role, *, optim: bool = True) -> list[StateEntry]:
+        """The role's storages now, from its live tensors, as the store sees them (offloaded
+        ones with their real size)."""
         min_b = self.config.min_offload_bytes
-        if role.resident:
-            for e in role.model_entries(self.device, min_b):
-                out[e.key] = e
-        else:
-            for e in self.store.offloaded_entries(role.parked_keys):
-                out[e.key] = e
-        for e in self.store.offloaded_entries(role.parked_optim_keys):
-            out[e.key] = e
-        if role.resident:
-            for e in role.optim_entries(self.device, min_b):
-                out.setdefault(e.key, e)
-        return out
+        live = role.model_entries(self.device, min_b)
+        if optim:
+            live += role.optim_entries(self.device, min_b)
+        return self.store.resolve(live)
+
+    def _entries(self, role: Role) -> dict[int, StateEntry]:
+        return {e.key: e for e in self._live(role)}
+
+    def _resident_keys(self, *, exclude: Sequence[Role] = ()) -> set[int]:
+        keys: set[int] = set()
+        for r in self._roles.values():
+            if r.resident and r not in exclude:
+                keys.update(e.key for e in self._live(r) if not self.store.is_offloaded(e.key))
+        return keys
 
     def _choose_evictions(self, role: Role) -> list[Role]:
         others = [r for r in self._roles.values() if r.resident and r is not role]
@@ -359,24 +378,26 @@ class Timeshare:
                 f"role {role.name!r} holds {format_bytes(incoming_bytes)} of state, more than "
                 f"budget_bytes={budget} ({format_bytes(budget)}); raise the budget or shrink the role"
             )
+        entries = {r.name: self._entries(r) for r in others}
         staying = sorted(others, key=lambda r: r.last_used)
-        evict: list[Role] = []
 
-        def resident_bytes() -> int:
-            keys: dict[int, int] = {k: e.nbytes for k, e in incoming.items()}
-            for r in staying:
-                for k, e in self._entries(r).items():
-                    keys[k] = e.nbytes
+        def resident_bytes(roles: list[Role]) -> int:
+            keys = {k: e.nbytes for k, e in incoming.items()}
+            for r in roles:
+                keys.update((k, e.nbytes) for k, e in entries[r.name].items())
             return sum(keys.values())
 
+        evict: list[Role] = []
         for r in list(staying):
-            if resident_bytes() <= budget:
+            now = resident_bytes(staying)
+            if now <= budget:
                 break
             if r.in_use:
                 continue
-            staying.remove(r)
-            evict.append(r)
-        if resident_bytes() > budget:
+            rest = [x for x in staying if x is not r]
+            if resident_bytes(rest) < now:  # evicting a role that frees nothing is pointless
+                staying, evict = rest, evict + [r]
+        if resident_bytes(staying) > budget:
             busy = [r.name for r in staying if r.in_use]
             raise RuntimeError(
                 f"role {role.name!r} does not fit in budget_bytes={budget} next to the roles in "
@@ -385,41 +406,45 @@ class Timeshare:
         return evict
 
     def _transition(self, evict: list[Role], incoming: Role | None) -> TransitionRecord | None:
-        min_b = self.config.min_offload_bytes
-        keep: set[int] = set()
-        for r in self._roles.values():
-            if r.resident and r not in evict:
-                keep.update(self._entries(r))
-        in_keys: list[int] = []
+        keep = self._resident_keys(exclude=evict)
+        in_entries: list[StateEntry] = []
         if incoming is not None:
-            in_keys = list(incoming.parked_keys)
-            if incoming.optimizer_residency == "role":
-                in_keys += incoming.parked_optim_keys
-            keep.update(incoming.parked_keys + incoming.parked_optim_keys)
+            inc = self._live(incoming)
+            keep.update(e.key for e in inc)
+            with_optim = incoming.optimizer_residency == "role"
+            in_entries = [e for e in inc if self.store.is_offloaded(e.key) and (with_optim or e.kind != "optim")]
         out_entries: list[StateEntry] = []
-        parked: dict[str, tuple[list[int], list[int]]] = {}
         for r in evict:
-            if r.grads == "drop":
-                r.drop_grads()
-            model = r.model_entries(self.device, min_b)
-            optim = r.optim_entries(self.device, min_b)
-            parked[r.name] = ([e.key for e in model], [e.key for e in optim])
-            out_entries += [e for e in model + optim if e.key not in keep]
-        in_entries = self.store.offloaded_entries(in_keys)
+            out_entries += [e for e in self._live(r) if e.key not in keep and not self.store.is_offloaded(e.key)]
         what = f"loading role {incoming.name!r}" if incoming else "offload"
-        move = self.store.switch(out_entries, in_entries, what=what, headroom_bytes=self.config.headroom_bytes)
+        try:
+            move = self.store.switch(out_entries, in_entries, what=what,
+                                     headroom_bytes=self.config.headroom_bytes)
+        except BaseException:
+            # The store finishes an outgoing half it has started (its storages are then on the
+            # host only); the flags must say so, or the roles would run on freed storages.
+            if any(self.store.is_offloaded(e.key) for e in out_entries):
+                for r in evict:
+                    r.resident = False
+                    self._drop_grads(r, keep)
+            raise
         for r in evict:
             r.resident = False
-            r.parked_keys = parked[r.name][0]
-            r.parked_optim_keys = list(dict.fromkeys(r.parked_optim_keys + parked[r.name][1]))
+            self._drop_grads(r, keep)
         if incoming is not None:
             incoming.resident = True
-            incoming.parked_keys = []
-            if incoming.optimizer_residency == "role":
-                incoming.parked_optim_keys = []
             self._touch(incoming)
         kind = "switch" if evict and incoming else ("reload" if incoming else "offload")
         return self._record(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
+
+    def _drop_grads(self, role: Role, keep: set[int]) -> None:
+        # grads="drop": free the role's grads once it is out, but never a grad that a role
+        # staying (or coming) on the device holds.
+        if role.grads != "drop":
+            return
+        for p, storage in role.grad_storages():
+            if storage_key(storage) not in keep:
+                p.grad = None
 
     def _record(self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult,
                 note: str = "") -> TransitionRecord:
@@ -444,7 +469,7 @@ class Timeshare:
         store = self.store
 
         def guard(module, args):
-            if not role.resident and any(store.is_offloaded(k) for k in role.param_keys):
+            if any(store.is_offloaded(k) for k in role.param_keys):
                 raise RuntimeError(
                     f"role {role.name!r} is offloaded (its parameters are on the host); run its "
                     f"model inside `with ts.use({role.name!r}):` or call ts.load({role.name!r}) first"
@@ -454,13 +479,17 @@ class Timeshare:
 
     def _make_step_pre_hook(self, role: Role):
         def pre(opt, args, kwargs):
+            if role.optimizer_locked:
+                raise RuntimeError(
+                    f"optimizer.step() of role {role.name!r} was called inside offload_optimizer(): "
+                    f"its state is on the host. Step after the `with` block ends"
+                )
             if not role.resident:
                 raise RuntimeError(
                     f"optimizer.step() of role {role.name!r} was called while the role is "
                     f"offloaded; step inside `with ts.use({role.name!r}):`"
                 )
-            if role.parked_optim_keys:
-                self.reload_optimizer_state(role.name)
+            self.reload_optimizer_state(role.name)
 
         return pre
 
