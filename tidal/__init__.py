@@ -5,12 +5,14 @@ Importing tidal touches no CUDA; a :class:`Timeshare` on an accelerator initiali
 
 from tidal.errors import InsufficientMemoryError
 from tidal.memory import MemorySnapshot, host_rss_bytes, snapshot
+from tidal.optim import CPUAdam
 from tidal.timeshare import Role, Timeshare, TimeshareConfig, TransitionRecord, offload_optimizer
 from tidal.transfer import TransferConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPUAdam",
     "InsufficientMemoryError",
     "MemorySnapshot",
     "Role",

@@ -83,12 +83,21 @@ class Role:
     def optim_entries(self, device: torch.device, min_offload_bytes: int, *,
                       include_empty: bool = True) -> list[StateEntry]:
         """Tensors of every ``optimizer.state``, found now (state appears at the first step)."""
-        if not self.optimizers:
+        movable = self.device_optimizers()
+        if not movable:
             return []
         return collect_optimizer_state(
-            self.optimizers, device, names=self.param_names(), min_offload_bytes=min_offload_bytes,
+            movable, device, names=self.param_names(), min_offload_bytes=min_offload_bytes,
             include_empty=include_empty,
         )
+
+    def device_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Optimizers whose state a switch moves: not those that keep it on the host by design
+        (``tidal.CPUAdam`` says so with ``tidal_state_on_host``)."""
+        return [o for o in self.optimizers if not getattr(o, "tidal_state_on_host", False)]
+
+    def host_optimizers(self) -> list[str]:
+        return [type(o).__name__ for o in self.optimizers if getattr(o, "tidal_state_on_host", False)]
 
     def grad_storages(self) -> list[tuple[torch.Tensor, torch.UntypedStorage]]:
         """(param, its grad's storage) for every param of the role that has a grad."""

@@ -64,7 +64,7 @@ def _gb(n: int) -> str:
 
 
 def format_report(records: list[TransitionRecord], roles: list[tuple[str, str, int, int]],
-                  host_reserved_bytes: int, offloaded_bytes: int) -> str:
+                  host_reserved_bytes: int, offloaded_bytes: int, notes: list[str] = ()) -> str:
     """A plain-text table of roles and transitions. ``roles`` rows: (name, where, resident
     bytes, total bytes)."""
     lines = ["roles:", f"  {'name':<16} {'where':<10} {'state':>12}"]
@@ -74,6 +74,7 @@ def format_report(records: list[TransitionRecord], roles: list[tuple[str, str, i
         f"host: {format_bytes(host_reserved_bytes)} held (pinned on a GPU) for "
         f"{format_bytes(offloaded_bytes)} offloaded now"
     )
+    lines += [f"note: {n}" for n in notes]
     lines.append("transitions:")
     head = (f"  {'#':>3} {'kind':<10} {'out':<18} {'in':<14} {'out GB':>7} {'in GB':>7} "
             f"{'s':>7} {'GB/s':>7} {'free before GB':>14} {'free after GB':>13}")

@@ -258,7 +258,10 @@ class Timeshare:
         for n, r in self._roles.items():
             total = self.role_bytes(n)
             rows.append((n, "device" if r.resident else "host", total if r.resident else 0, total))
-        return format_report(self.records, rows, self.store.host_reserved_bytes, self.store.offloaded_bytes)
+        notes = [f"role {r.name!r}: optimizer state of {', '.join(r.host_optimizers())} lives on the host; "
+                 f"switches do not move it" for r in self._roles.values() if r.host_optimizers()]
+        return format_report(self.records, rows, self.store.host_reserved_bytes, self.store.offloaded_bytes,
+                             notes=notes)
 
     def close(self) -> None:
         """Bring every offloaded storage back, remove tidal's hooks and free the host memory.

@@ -1,0 +1,359 @@
+"""CPU Adam: AdamW whose fp32 master weights, moments and gradients live in host memory.
+
+The device keeps only the parameters (bf16/fp16/fp32). During backward, as each gradient is
+accumulated, a post-accumulate-grad hook queues its copy to pinned host memory on the D2H
+stream and frees the device gradient; a worker thread accumulates it into an fp32 host
+buffer. ``step()`` runs torch's fused CPU AdamW kernel over the fp32 master weights and
+copies the new weights back on the H2D stream, chunk by chunk, so the CPU update of one chunk
+overlaps the copy of the previous one.
+
+With ``with opt.step_in_backward(): loss.backward()`` the update of each parameter starts as
+soon as its gradient is on the host, while backward continues (the biggest overlap). That is
+only valid for the last micro-batch and without global-norm clipping: clipping needs every
+gradient before the first update, so :meth:`CPUAdam.clip_grad_norm_` refuses after such a
+backward, and without ``step_in_backward`` the grad copies still overlap backward while the
+updates run in ``step()``, after clipping.
+
+Memory per parameter: device 0 bytes of optimizer state or gradient (gradients leave the
+device as they are produced); host 16 bytes (fp32 master, exp_avg, exp_avg_sq, gradient; +4
+with amsgrad) plus the parameter's own size in pinned staging.
+
+Gradients live on the host: ``p.grad`` is None after backward (use :meth:`CPUAdam.grad`),
+and ``step()`` consumes them (the next backward starts from zero, as after ``zero_grad``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from tidal.device import DeviceOps
+from tidal.transfer.arena import HostArena
+
+__all__ = ["CPUAdam"]
+
+_CHUNK_BYTES = 64 << 20  # fp32 master bytes per update chunk: one H2D copy overlaps the next chunk's math
+
+
+class _HostParam:
+    """Host-side buffers of one parameter."""
+
+    __slots__ = ("staging", "grad", "has_grad", "updated")
+
+    def __init__(self, staging: torch.Tensor, grad: torch.Tensor) -> None:
+        self.staging = staging  # pinned, param dtype: gradient in, new weights out
+        self.grad = grad  # fp32 accumulated gradient
+        self.has_grad = False
+        self.updated = False
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) computed on the CPU.
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        overlap: stream gradients to the host during backward (post-accumulate-grad hooks).
+            ``False`` copies them in ``step()`` instead (the non-overlapped baseline).
+    """
+
+    # Read by the timeshare (duck-typed, no import): this optimizer's state is on the host
+    # already, so a role switch has nothing of it to move.
+    tidal_state_on_host = True
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, overlap: bool = True) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        for i, b in enumerate(betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        self._host: dict[torch.Tensor, _HostParam] = {}
+        self._group_of: dict[torch.Tensor, dict] = {}
+        self._hooks: list = []
+        self._overlap = overlap
+        self._ops: DeviceOps | None = None
+        super().__init__(params, defaults)  # calls add_param_group for each group
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._worker_error: BaseException | None = None
+        self._in_backward_step = False
+        self._h2d_done: Any = None
+        self._unsafe_skip_waits = False  # test-only: lets race tests show they catch a missing wait
+
+    # ---- setup ----------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        params = [p for p in group["params"] if p.requires_grad]
+        devices = {p.device for p in params} | ({self._ops.device} if self._ops else set())
+        if len({(d.type, d.index) for d in devices}) > 1:
+            raise ValueError(f"CPUAdam needs every parameter on one device, got {sorted(map(str, devices))}")
+        if not params:
+            return
+        if self._ops is None:
+            self._ops = DeviceOps(params[0].device)
+            self._arena = HostArena(self._ops, pin=True)
+            self._d2h, self._h2d = self._ops.new_stream(), self._ops.new_stream()
+        slots = self._arena.reserve([p.numel() * p.element_size() for p in params])
+        for p, slot in zip(params, slots):
+            if not p.is_floating_point():
+                raise TypeError(f"CPUAdam updates floating-point parameters, got {p.dtype}")
+            staging = self._arena.view(slot).view(p.dtype).view(p.shape)
+            master = p.detach().to("cpu", torch.float32, copy=True).contiguous()
+            st = self.state[p]
+            st["step"] = torch.tensor(0.0)
+            st["master"] = master
+            st["exp_avg"] = torch.zeros_like(master)
+            st["exp_avg_sq"] = torch.zeros_like(master)
+            if group["amsgrad"]:
+                st["max_exp_avg_sq"] = torch.zeros_like(master)
+            self._host[p] = _HostParam(staging, torch.zeros_like(master))
+            self._group_of[p] = group
+            if self._overlap:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ---- gradients ------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Runs in backward right after ``p.grad`` is complete for this backward."""
+        hp = self._host[p]
+        grad = p.grad
+        p.grad = None  # the device gradient is freed once its copy is done (we hold `grad`)
+        if not self._ops.is_accelerator:
+            self._accumulate(hp, grad)
+            if self._in_backward_step:
+                self._update([p], publish=False)
+            return
+        compute = self._ops.current_stream()
+        grad_ready = self._ops.new_event()
+        # Marks the point where the grad is written and every backward use of p is queued.
+        grad_ready.record(compute)
+        with self._ops.on_stream(self._d2h):
+            if not self._unsafe_skip_waits:
+                # The gradient kernels are queued on the compute stream; copy after them.
+                self._d2h.wait_event(grad_ready)
+            hp.staging.copy_(grad, non_blocking=True)
+            copied = self._ops.new_event()
+            copied.record(self._d2h)
+        self._start_worker()
+        self._queue.put((p, grad, copied, grad_ready))
+
+    def _accumulate(self, hp: _HostParam, grad_host: torch.Tensor) -> None:
+        if hp.has_grad:
+            hp.grad.add_(grad_host)
+        else:
+            hp.grad.copy_(grad_host)
+            hp.has_grad = True
+
+    def _start_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="tidal-cpu-adam", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            p, grad, copied, grad_ready = item
+            try:
+                if not self._unsafe_skip_waits:
+                    copied.synchronize()  # the bytes must be in staging before we read them
+                del grad  # now the device gradient's block may be reused
+                self._accumulate(self._host[p], self._host[p].staging)
+                if self._in_backward_step:
+                    self._update([p], publish=False, after=grad_ready)
+            except BaseException as e:  # surfaced by the next drain
+                self._worker_error = e
+
+    def _drain(self) -> None:
+        """Wait until every queued gradient is on the host (and in-backward updates ran)."""
+        if self._worker is not None and self._worker.is_alive():
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait()
+        if self._worker_error is not None:
+            err, self._worker_error = self._worker_error, None
+            raise RuntimeError("CPUAdam's gradient worker failed; the step was not taken") from err
+
+    def _collect_device_grads(self) -> None:
+        """overlap=False: copy every ``p.grad`` to the host now."""
+        pending = []
+        if self._ops.is_accelerator and not self._unsafe_skip_waits:
+            # Gradients were written by kernels queued on the compute stream.
+            self._d2h.wait_stream(self._ops.current_stream())
+        for p, hp in self._host.items():
+            if p.grad is None:
+                continue
+            with self._ops.on_stream(self._d2h):
+                hp.staging.copy_(p.grad, non_blocking=True)
+                ev = self._ops.new_event()
+                if ev is not None:
+                    ev.record(self._d2h)
+            pending.append((p, ev))
+        for p, ev in pending:
+            if ev is not None and not self._unsafe_skip_waits:
+                ev.synchronize()  # staging is read by the CPU next
+            self._accumulate(self._host[p], self._host[p].staging)
+            p.grad = None
+
+    def grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 host gradient of ``p`` accumulated so far (None if it has none)."""
+        self._drain()
+        hp = self._host.get(p)
+        return hp.grad if hp is not None and hp.has_grad else None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the host gradients so their global norm is at most ``max_norm``, like
+        ``torch.nn.utils.clip_grad_norm_`` (whose ``p.grad`` would be None here). Returns the
+        total norm before clipping."""
+        if self._in_backward_step or any(hp.updated for hp in self._host.values()):
+            raise RuntimeError(
+                "clip_grad_norm_ after a backward inside step_in_backward(): the parameters were "
+                "already updated with unclipped gradients. Global-norm clipping needs every "
+                "gradient before the first update: run that backward without step_in_backward() "
+                "(gradient copies still overlap it), then clip, then step()"
+            )
+        self._drain()
+        if not self._overlap:
+            self._collect_device_grads()
+        grads = [hp.grad for hp in self._host.values() if hp.has_grad]
+        if not grads:
+            return torch.tensor(0.0)
+        norms = torch._foreach_norm(grads, norm_type)
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef)
+        return total
+
+    # ---- the update --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step_in_backward(self) -> Iterator[None]:
+        """Within the block, each parameter is updated as soon as its gradient reaches the
+        host, overlapping backward. Use it around the last micro-batch's backward only; call
+        ``step()`` after it as usual (it completes and publishes the updates)."""
+        if not self._overlap:
+            raise ValueError("step_in_backward() needs CPUAdam(overlap=True)")
+        self._drain()
+        self._in_backward_step = True
+        try:
+            yield
+        finally:
+            self._drain()
+            self._in_backward_step = False
+            self._publish()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._drain()
+        if not self._overlap:
+            self._collect_device_grads()
+        if self._ops is not None and self._ops.is_accelerator and not self._unsafe_skip_waits:
+            # New weights must not land while queued kernels (forward/backward) still read
+            # the old ones.
+            self._h2d.wait_stream(self._ops.current_stream())
+        todo = [p for p, hp in self._host.items() if hp.has_grad and not hp.updated]
+        chunk, chunk_bytes = [], 0
+        for p in todo:
+            chunk.append(p)
+            chunk_bytes += p.numel() * 4
+            if chunk_bytes >= _CHUNK_BYTES:
+                self._update(chunk, publish=False)
+                chunk, chunk_bytes = [], 0
+        if chunk:
+            self._update(chunk, publish=False)
+        self._publish()
+        for hp in self._host.values():  # step() consumes the gradients
+            hp.has_grad = hp.updated = False
+        return loss
+
+    def _update(self, params: list[torch.Tensor], *, publish: bool, after: Any = None) -> None:
+        groups: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            groups.setdefault(id(self._group_of[p]), []).append(p)
+        for ps in groups.values():
+            g = self._group_of[ps[0]]
+            sts = [self.state[p] for p in ps]
+            steps = [s["step"] for s in sts]
+            torch._foreach_add_(steps, 1)
+            torch._fused_adamw_(
+                [s["master"] for s in sts], [self._host[p].grad for p in ps],
+                [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts],
+                [s["max_exp_avg_sq"] for s in sts] if g["amsgrad"] else [], steps,
+                lr=float(g["lr"]), beta1=g["betas"][0], beta2=g["betas"][1], weight_decay=g["weight_decay"],
+                eps=g["eps"], amsgrad=g["amsgrad"], maximize=g["maximize"],
+            )
+            for p, s in zip(ps, sts):
+                hp = self._host[p]
+                hp.updated = True
+                if not self._ops.is_accelerator:
+                    # detach(): this may run in the worker thread, where no_grad is not set.
+                    p.detach().copy_(s["master"])
+                    continue
+                hp.staging.copy_(s["master"])  # fp32 -> param dtype, in pinned memory
+                with self._ops.on_stream(self._h2d):
+                    if after is not None and not self._unsafe_skip_waits:
+                        # In backward: the kernels that read p's old value are queued before it.
+                        self._h2d.wait_event(after)
+                    p.detach().copy_(hp.staging, non_blocking=True)
+        if publish:
+            self._publish()
+
+    def _publish(self) -> None:
+        if self._ops is None or not self._ops.is_accelerator:
+            return
+        done = self._ops.new_event()
+        done.record(self._h2d)
+        if not self._unsafe_skip_waits:
+            # Kernels queued from now on (the next forward) read the new weights.
+            self._ops.current_stream().wait_event(done)
+        self._h2d_done = done
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._drain()
+        for p, hp in self._host.items():
+            hp.has_grad = hp.updated = False
+            p.grad = None
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ---- checkpointing -----------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the existing host buffers (no device memory is touched). Accepts what
+        :meth:`state_dict` produced, including from another process. The model's parameters
+        are not touched: load the model's own state dict for those (the fp32 master weights
+        restored here are what the next step updates)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+        ids = [i for g in saved_groups for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len(ids) != len(params):
+            raise ValueError(f"state_dict has {len(ids)} params, this optimizer {len(params)}")
+        self._drain()
+        for pid, p in zip(ids, params):
+            saved = state_dict["state"].get(pid)
+            if saved is None or p not in self._host:
+                continue
+            st = self.state[p]
+            missing = [k for k in st if k not in saved]
+            if missing:
+                raise ValueError(f"state for param {pid} lacks {missing}; was it saved by a CPUAdam?")
+            for k, v in st.items():
+                v.copy_(saved[k])
+        for g, sg in zip(self.param_groups, saved_groups):
+            g.update({k: v for k, v in sg.items() if k != "params"})
