@@ -15,8 +15,12 @@ backward, and without ``step_in_backward`` the grad copies still overlap backwar
 updates run in ``step()``, after clipping.
 
 Memory per parameter: device 0 bytes of optimizer state or gradient (gradients leave the
-device as they are produced); host 16 bytes (fp32 master, exp_avg, exp_avg_sq, gradient; +4
-with amsgrad) plus the parameter's own size in pinned staging.
+device as they are produced; a transient fp32 copy of one gradient or weight exists while it
+crosses); host 16 bytes (fp32 master and gradient, pinned; exp_avg, exp_avg_sq; +4 with
+amsgrad) plus the parameter's own size in pinned staging for gradient accumulation.
+
+The CPU does only the fused update (memory-bound: ~28 bytes per parameter): dtype casts run
+on the device, and fp32 crosses PCIe, which has headroom next to the host's update.
 
 Gradients live on the host: ``p.grad`` is None after backward (use :meth:`CPUAdam.grad`),
 and ``step()`` consumes them (the next backward starts from zero, as after ``zero_grad``).
@@ -42,13 +46,16 @@ _CHUNK_BYTES = 64 << 20  # fp32 master bytes per update chunk: one H2D copy over
 class _HostParam:
     """Host-side buffers of one parameter."""
 
-    __slots__ = ("staging", "grad", "has_grad", "updated")
+    __slots__ = ("grad", "staging", "seen", "has_grad", "updated", "staging_free")
 
-    def __init__(self, staging: torch.Tensor, grad: torch.Tensor) -> None:
-        self.staging = staging  # pinned, param dtype: gradient in, new weights out
-        self.grad = grad  # fp32 accumulated gradient
-        self.has_grad = False
+    def __init__(self, grad: torch.Tensor, staging: torch.Tensor) -> None:
+        self.grad = grad  # fp32 accumulated gradient (pinned: the first micro-batch lands here)
+        self.staging = staging  # pinned, param dtype: later micro-batches land here, then add
+        self.seen = False  # a gradient copy was queued since the last step (set by the hook)
+        self.has_grad = False  # the worker has it in `grad`
         self.updated = False
+        self.staging_free = threading.Event()
+        self.staging_free.set()
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -104,12 +111,18 @@ class CPUAdam(torch.optim.Optimizer):
             self._ops = DeviceOps(params[0].device)
             self._arena = HostArena(self._ops, pin=True)
             self._d2h, self._h2d = self._ops.new_stream(), self._ops.new_stream()
-        slots = self._arena.reserve([p.numel() * p.element_size() for p in params])
-        for p, slot in zip(params, slots):
+        for p in params:
             if not p.is_floating_point():
                 raise TypeError(f"CPUAdam updates floating-point parameters, got {p.dtype}")
-            staging = self._arena.view(slot).view(p.dtype).view(p.shape)
-            master = p.detach().to("cpu", torch.float32, copy=True).contiguous()
+        # Pinned: the fp32 master (copied to the device after each update), the fp32 gradient
+        # and a param-dtype staging buffer (copied from the device). One exact-size chunk.
+        sizes = [n for p in params for n in (p.numel() * 4, p.numel() * 4, p.numel() * p.element_size())]
+        slots = iter(self._arena.reserve(sizes))
+        for p in params:
+            master = self._arena.view(next(slots)).view(torch.float32).view(p.shape)
+            master.copy_(p.detach())
+            grad = self._arena.view(next(slots)).view(torch.float32).view(p.shape)
+            staging = self._arena.view(next(slots)).view(p.dtype).view(p.shape)
             st = self.state[p]
             st["step"] = torch.tensor(0.0)
             st["master"] = master
@@ -117,7 +130,7 @@ class CPUAdam(torch.optim.Optimizer):
             st["exp_avg_sq"] = torch.zeros_like(master)
             if group["amsgrad"]:
                 st["max_exp_avg_sq"] = torch.zeros_like(master)
-            self._host[p] = _HostParam(staging, torch.zeros_like(master))
+            self._host[p] = _HostParam(grad, staging)
             self._group_of[p] = group
             if self._overlap:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -128,11 +141,15 @@ class CPUAdam(torch.optim.Optimizer):
         hp = self._host[p]
         grad = p.grad
         p.grad = None  # the device gradient is freed once its copy is done (we hold `grad`)
+        first, hp.seen = not hp.seen, True
         if not self._ops.is_accelerator:
-            self._accumulate(hp, grad)
+            self._accumulate(hp, grad, first)
             if self._in_backward_step:
-                self._update([p], publish=False)
+                self._update([p])
             return
+        if not first:
+            hp.staging_free.wait()  # the worker still reads the previous micro-batch's copy
+            hp.staging_free.clear()
         compute = self._ops.current_stream()
         grad_ready = self._ops.new_event()
         # Marks the point where the grad is written and every backward use of p is queued.
@@ -141,18 +158,25 @@ class CPUAdam(torch.optim.Optimizer):
             if not self._unsafe_skip_waits:
                 # The gradient kernels are queued on the compute stream; copy after them.
                 self._d2h.wait_event(grad_ready)
-            hp.staging.copy_(grad, non_blocking=True)
+            if first:  # cast on the device, land in the fp32 host gradient: no CPU work
+                src = grad.float() if grad.dtype != torch.float32 else grad
+                hp.grad.copy_(src, non_blocking=True)
+            else:
+                src = grad
+                hp.staging.copy_(grad, non_blocking=True)
             copied = self._ops.new_event()
             copied.record(self._d2h)
         self._start_worker()
-        self._queue.put((p, grad, copied, grad_ready))
+        self._queue.put((p, (grad, src), copied, grad_ready, first))
 
-    def _accumulate(self, hp: _HostParam, grad_host: torch.Tensor) -> None:
-        if hp.has_grad:
-            hp.grad.add_(grad_host)
-        else:
-            hp.grad.copy_(grad_host)
-            hp.has_grad = True
+    def _accumulate(self, hp: _HostParam, grad: torch.Tensor | None, first: bool) -> None:
+        """Fold a gradient into ``hp.grad``. ``grad`` None: it was copied there already."""
+        if grad is not None:
+            if first:
+                hp.grad.copy_(grad)
+            else:
+                hp.grad.add_(grad)
+        hp.has_grad = True
 
     def _start_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
@@ -165,15 +189,18 @@ class CPUAdam(torch.optim.Optimizer):
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            p, grad, copied, grad_ready = item
+            p, device_refs, copied, grad_ready, first = item
+            hp = self._host[p]
             try:
                 if not self._unsafe_skip_waits:
-                    copied.synchronize()  # the bytes must be in staging before we read them
-                del grad  # now the device gradient's block may be reused
-                self._accumulate(self._host[p], self._host[p].staging)
+                    copied.synchronize()  # the bytes must be on the host before we read them
+                del device_refs  # now the device gradient's blocks may be reused
+                self._accumulate(hp, None if first else hp.staging, first)
+                hp.staging_free.set()
                 if self._in_backward_step:
-                    self._update([p], publish=False, after=grad_ready)
+                    self._update([p], after=grad_ready)
             except BaseException as e:  # surfaced by the next drain
+                hp.staging_free.set()
                 self._worker_error = e
 
     def _drain(self) -> None:
@@ -187,7 +214,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise RuntimeError("CPUAdam's gradient worker failed; the step was not taken") from err
 
     def _collect_device_grads(self) -> None:
-        """overlap=False: copy every ``p.grad`` to the host now."""
+        """overlap=False: copy every ``p.grad`` to the host now (cast to fp32 on the device)."""
         pending = []
         if self._ops.is_accelerator and not self._unsafe_skip_waits:
             # Gradients were written by kernels queued on the compute stream.
@@ -195,17 +222,23 @@ class CPUAdam(torch.optim.Optimizer):
         for p, hp in self._host.items():
             if p.grad is None:
                 continue
+            if not self._ops.is_accelerator:
+                self._accumulate(hp, p.grad, not hp.has_grad)
+                p.grad = None
+                continue
+            first = not hp.has_grad
             with self._ops.on_stream(self._d2h):
-                hp.staging.copy_(p.grad, non_blocking=True)
+                src = p.grad.float() if first and p.grad.dtype != torch.float32 else p.grad
+                (hp.grad if first else hp.staging).copy_(src, non_blocking=True)
                 ev = self._ops.new_event()
-                if ev is not None:
-                    ev.record(self._d2h)
-            pending.append((p, ev))
-        for p, ev in pending:
-            if ev is not None and not self._unsafe_skip_waits:
-                ev.synchronize()  # staging is read by the CPU next
-            self._accumulate(self._host[p], self._host[p].staging)
+                ev.record(self._d2h)
+            pending.append((p, hp, ev, src, first))
+        for p, hp, ev, src, first in pending:
+            if not self._unsafe_skip_waits:
+                ev.synchronize()  # the host reads it next
+            self._accumulate(hp, None if first else hp.staging, first)
             p.grad = None
+        del pending
 
     def grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The fp32 host gradient of ``p`` accumulated so far (None if it has none)."""
@@ -246,6 +279,7 @@ class CPUAdam(torch.optim.Optimizer):
         if not self._overlap:
             raise ValueError("step_in_backward() needs CPUAdam(overlap=True)")
         self._drain()
+        self._wait_previous_h2d()
         self._in_backward_step = True
         try:
             yield
@@ -263,6 +297,7 @@ class CPUAdam(torch.optim.Optimizer):
         self._drain()
         if not self._overlap:
             self._collect_device_grads()
+        self._wait_previous_h2d()
         if self._ops is not None and self._ops.is_accelerator and not self._unsafe_skip_waits:
             # New weights must not land while queued kernels (forward/backward) still read
             # the old ones.
@@ -273,16 +308,18 @@ class CPUAdam(torch.optim.Optimizer):
             chunk.append(p)
             chunk_bytes += p.numel() * 4
             if chunk_bytes >= _CHUNK_BYTES:
-                self._update(chunk, publish=False)
+                self._update(chunk)
                 chunk, chunk_bytes = [], 0
         if chunk:
-            self._update(chunk, publish=False)
+            self._update(chunk)
         self._publish()
         for hp in self._host.values():  # step() consumes the gradients
-            hp.has_grad = hp.updated = False
+            hp.seen = hp.has_grad = hp.updated = False
         return loss
 
-    def _update(self, params: list[torch.Tensor], *, publish: bool, after: Any = None) -> None:
+    def _update(self, params: list[torch.Tensor], *, after: Any = None) -> None:
+        """Fused AdamW on the host for ``params``, then queue their new weights to the device
+        (fp32 over PCIe, cast there: the CPU, the bottleneck, does nothing but the update)."""
         groups: dict[int, list[torch.Tensor]] = {}
         for p in params:
             groups.setdefault(id(self._group_of[p]), []).append(p)
@@ -299,20 +336,25 @@ class CPUAdam(torch.optim.Optimizer):
                 eps=g["eps"], amsgrad=g["amsgrad"], maximize=g["maximize"],
             )
             for p, s in zip(ps, sts):
-                hp = self._host[p]
-                hp.updated = True
+                self._host[p].updated = True
                 if not self._ops.is_accelerator:
                     # detach(): this may run in the worker thread, where no_grad is not set.
                     p.detach().copy_(s["master"])
                     continue
-                hp.staging.copy_(s["master"])  # fp32 -> param dtype, in pinned memory
                 with self._ops.on_stream(self._h2d):
                     if after is not None and not self._unsafe_skip_waits:
                         # In backward: the kernels that read p's old value are queued before it.
                         self._h2d.wait_event(after)
-                    p.detach().copy_(hp.staging, non_blocking=True)
-        if publish:
-            self._publish()
+                    if p.dtype == torch.float32:
+                        p.detach().copy_(s["master"], non_blocking=True)
+                    else:  # allocated on the H2D stream, freed in its order
+                        master_dev = s["master"].to(p.device, non_blocking=True)
+                        p.detach().copy_(master_dev)
+
+    def _wait_previous_h2d(self) -> None:
+        if self._h2d_done is not None and not self._unsafe_skip_waits:
+            # The last step's weights are copied out of the masters we are about to rewrite.
+            self._h2d_done.synchronize()
 
     def _publish(self) -> None:
         if self._ops is None or not self._ops.is_accelerator:
@@ -327,7 +369,7 @@ class CPUAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._drain()
         for p, hp in self._host.items():
-            hp.has_grad = hp.updated = False
+            hp.seen = hp.has_grad = hp.updated = False
             p.grad = None
         super().zero_grad(set_to_none=set_to_none)
 
@@ -345,6 +387,7 @@ class CPUAdam(torch.optim.Optimizer):
         if len(ids) != len(params):
             raise ValueError(f"state_dict has {len(ids)} params, this optimizer {len(params)}")
         self._drain()
+        self._wait_previous_h2d()
         for pid, p in zip(ids, params):
             saved = state_dict["state"].get(pid)
             if saved is None or p not in self._host:

@@ -1,0 +1,135 @@
+"""tidal.CPUAdam on a GPU: equivalence with GPU AdamW, no optimizer memory on the device,
+and race tests that fail when a stream wait is removed."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tidal
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+SLEEP_CYCLES = int(4e8)  # ~0.2 s of queued GPU work
+
+
+@pytest.fixture(autouse=True)
+def _clean_device():
+    gc.collect()
+    torch.cuda.empty_cache()
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.LayerNorm(256)).cuda()
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_matches_gpu_adamw(in_backward):
+    ref, model = _mlp(), _mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for step in range(6):
+        x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        if in_backward:
+            with opt.step_in_backward():
+                loss.backward()
+        else:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_no_optimizer_state_or_grads_on_the_device():
+    model = _mlp()
+    model(torch.randn(64, 256, device="cuda")).sum().backward()  # warm-up: workspaces, kernels
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        loss = model(torch.randn(64, 256, device="cuda")).sum()
+        loss.backward()
+        assert all(p.grad is None for p in model.parameters()), "grads must leave the device"
+        opt.step()
+        del loss
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < MiB
+    assert all(v.device.type == "cpu" for st in opt.state.values() for v in st.values())
+
+
+class _SlowGrad(torch.autograd.Function):
+    """Identity whose backward produces its gradient behind a long queued GPU sleep."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return g * 2.0
+
+
+def test_race_grad_copy_waits_for_the_gradient_kernel():
+    def run(skip_waits: bool) -> torch.Tensor:
+        w = nn.Parameter(torch.zeros(64 * MiB // 4, device="cuda"))
+        opt = tidal.CPUAdam([w], lr=0.5, weight_decay=0.0)
+        junk = torch.full_like(w, float("nan"))
+        del junk  # the gradient will get this NaN-filled block
+        opt._unsafe_skip_waits = skip_waits
+        _SlowGrad.apply(w).sum().backward()
+        opt._unsafe_skip_waits = False
+        opt.step()
+        torch.cuda.synchronize()
+        return w.detach().clone()
+
+    good = run(skip_waits=False)
+    assert torch.isfinite(good).all() and (good < 0).all()  # grad 2.0 everywhere: w moves down
+    bad = run(skip_waits=True)
+    assert not torch.equal(good, bad), "the race test must detect a missing grad-copy wait"
+
+
+def test_race_next_kernel_waits_for_new_weights():
+    def run(skip_waits: bool) -> bool:
+        w = nn.Parameter(torch.ones(256 * MiB // 4, device="cuda"))
+        opt = tidal.CPUAdam([w], lr=0.5, weight_decay=0.0)
+        w.sum().backward()
+        torch.cuda.synchronize()
+        opt._unsafe_skip_waits = skip_waits
+        opt.step()
+        seen = w.detach().clone()  # queued right after step(): must see the new weights
+        opt._unsafe_skip_waits = False
+        torch.cuda.synchronize()
+        return torch.equal(seen, w.detach())
+
+    assert run(skip_waits=False)
+    assert not run(skip_waits=True), "the race test must detect a missing compute-after-H2D wait"
+
+
+def test_timeshare_role_with_cpu_adam_moves_only_params():
+    model = _mlp()
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-3)
+    loss = model(torch.randn(8, 256, device="cuda")).sum()
+    loss.backward()
+    opt.step()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with tidal.Timeshare("cuda") as ts:
+        ts.add_role("actor", model=model, optimizer=opt)
+        rec = ts.offload("actor")
+        assert rec.bytes_out == params
+        assert "lives on the host" in ts.report()
+        ts.load("actor")
