@@ -29,8 +29,10 @@ and ``step()`` consumes them (the next backward starts from zero, as after ``zer
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -40,6 +42,7 @@ from tidal.transfer.arena import HostArena
 
 __all__ = ["CPUAdam"]
 
+_STOP = object()
 _CHUNK_BYTES = 64 << 20  # fp32 master bytes per update chunk: one H2D copy overlaps the next chunk's math
 
 
@@ -87,6 +90,8 @@ class CPUAdam(torch.optim.Optimizer):
         self._host: dict[torch.Tensor, _HostParam] = {}
         self._group_of: dict[torch.Tensor, dict] = {}
         self._hooks: list = []
+        # Removes the gradient hooks when the optimizer is collected (close() does it now).
+        self._finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
         self._overlap = overlap
         self._ops: DeviceOps | None = None
         super().__init__(params, defaults)  # calls add_param_group for each group
@@ -114,12 +119,13 @@ class CPUAdam(torch.optim.Optimizer):
         for p in params:
             if not p.is_floating_point():
                 raise TypeError(f"CPUAdam updates floating-point parameters, got {p.dtype}")
-        # Pinned: the fp32 master (copied to the device after each update), the fp32 gradient
-        # and a param-dtype staging buffer (copied from the device). One exact-size chunk.
-        sizes = [n for p in params for n in (p.numel() * 4, p.numel() * 4, p.numel() * p.element_size())]
-        slots = iter(self._arena.reserve(sizes))
-        for p in params:
-            master = self._arena.view(next(slots)).view(torch.float32).view(p.shape)
+        # Pinned: the fp32 masters (copied to the device after each update) in a chunk of
+        # their own, so saving the state writes exactly them (torch.save writes a view's whole
+        # storage, once); the fp32 gradients and param-dtype staging in another.
+        master_slots = self._arena.reserve([p.numel() * 4 for p in params])
+        slots = iter(self._arena.reserve([n for p in params for n in (p.numel() * 4, p.numel() * p.element_size())]))
+        for p, mslot in zip(params, master_slots):
+            master = self._arena.view(mslot).view(torch.float32).view(p.shape)
             master.copy_(p.detach())
             grad = self._arena.view(next(slots)).view(torch.float32).view(p.shape)
             staging = self._arena.view(next(slots)).view(p.dtype).view(p.shape)
@@ -133,13 +139,22 @@ class CPUAdam(torch.optim.Optimizer):
             self._host[p] = _HostParam(grad, staging)
             self._group_of[p] = group
             if self._overlap:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                # A weak reference: the params must not keep a discarded optimizer alive.
+                hook = functools.partial(_grad_hook, weakref.ref(self))
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     # ---- gradients ------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
         """Runs in backward right after ``p.grad`` is complete for this backward."""
         hp = self._host[p]
         grad = p.grad
+        if grad is None:  # another hook consumed it
+            return
+        if self._in_backward_step and hp.updated:
+            raise RuntimeError(
+                "a second backward reached a parameter already updated inside this "
+                "step_in_backward() block; wrap only the last micro-batch's backward in it"
+            )
         p.grad = None  # the device gradient is freed once its copy is done (we hold `grad`)
         first, hp.seen = not hp.seen, True
         if not self._ops.is_accelerator:
@@ -180,28 +195,28 @@ class CPUAdam(torch.optim.Optimizer):
 
     def _start_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._work, name="tidal-cpu-adam", daemon=True)
+            # The thread holds only a weak reference, so the optimizer (and through its
+            # param_groups the model's device memory) can still be freed; the finalizer
+            # then stops the thread.
+            self._worker = threading.Thread(target=_worker_loop, args=(self._queue, weakref.ref(self)),
+                                            name="tidal-cpu-adam", daemon=True)
             self._worker.start()
+            weakref.finalize(self, self._queue.put, _STOP)
 
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            p, device_refs, copied, grad_ready, first = item
-            hp = self._host[p]
-            try:
-                if not self._unsafe_skip_waits:
-                    copied.synchronize()  # the bytes must be on the host before we read them
-                del device_refs  # now the device gradient's blocks may be reused
-                self._accumulate(hp, None if first else hp.staging, first)
-                hp.staging_free.set()
-                if self._in_backward_step:
-                    self._update([p], after=grad_ready)
-            except BaseException as e:  # surfaced by the next drain
-                hp.staging_free.set()
-                self._worker_error = e
+    def _work(self, item: tuple) -> None:
+        p, device_refs, copied, grad_ready, first = item
+        hp = self._host[p]
+        try:
+            if not self._unsafe_skip_waits:
+                copied.synchronize()  # the bytes must be on the host before we read them
+            del device_refs  # now the device gradient's blocks may be reused
+            self._accumulate(hp, None if first else hp.staging, first)
+            hp.staging_free.set()
+            if self._in_backward_step:
+                self._update([p], after=grad_ready)
+        except BaseException as e:  # surfaced by the next drain
+            hp.staging_free.set()
+            self._worker_error = e
 
     def _drain(self) -> None:
         """Wait until every queued gradient is on the host (and in-backward updates ran)."""
@@ -258,6 +273,8 @@ class CPUAdam(torch.optim.Optimizer):
                 "gradient before the first update: run that backward without step_in_backward() "
                 "(gradient copies still overlap it), then clip, then step()"
             )
+        if self._ops is None:
+            return torch.tensor(0.0)
         self._drain()
         if not self._overlap:
             self._collect_device_grads()
@@ -294,6 +311,8 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._ops is None:  # no trainable parameters
+            return loss
         self._drain()
         if not self._overlap:
             self._collect_device_grads()
@@ -373,6 +392,14 @@ class CPUAdam(torch.optim.Optimizer):
             p.grad = None
         super().zero_grad(set_to_none=set_to_none)
 
+    def close(self) -> None:
+        """Stop taking gradients: remove the hooks and the worker. Gradients of later
+        backwards stay in ``p.grad`` as usual. Called automatically when collected."""
+        self._drain()
+        self._finalizer()
+        self._queue.put(_STOP)
+        self._worker = None
+
     # ---- checkpointing -----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         """Load into the existing host buffers (no device memory is touched). Accepts what
@@ -382,10 +409,12 @@ class CPUAdam(torch.optim.Optimizer):
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"param group {i} has {len(g['params'])} params here but "
+                                 f"{len(sg['params'])} in the state_dict")
         ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        if len(ids) != len(params):
-            raise ValueError(f"state_dict has {len(ids)} params, this optimizer {len(params)}")
         self._drain()
         self._wait_previous_h2d()
         for pid, p in zip(ids, params):
@@ -393,10 +422,42 @@ class CPUAdam(torch.optim.Optimizer):
             if saved is None or p not in self._host:
                 continue
             st = self.state[p]
-            missing = [k for k in st if k not in saved]
+            if "max_exp_avg_sq" in saved and "max_exp_avg_sq" not in st:  # saved with amsgrad
+                st["max_exp_avg_sq"] = torch.zeros_like(st["exp_avg_sq"])
+            missing = [k for k in st if k not in saved and k != "max_exp_avg_sq"]
             if missing:
                 raise ValueError(f"state for param {pid} lacks {missing}; was it saved by a CPUAdam?")
             for k, v in st.items():
-                v.copy_(saved[k])
+                if k in saved:
+                    v.copy_(saved[k])
         for g, sg in zip(self.param_groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
+
+
+def _worker_loop(work: "queue.SimpleQueue[Any]", opt_ref: "weakref.ref[CPUAdam]") -> None:
+    """Gradient worker: host-side accumulation (and in-backward updates) off the autograd
+    thread. Barrier events are answered in order, so a drain sees every earlier item done."""
+    while True:
+        item = work.get()
+        if item is _STOP:
+            return
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        opt = opt_ref()
+        if opt is None:
+            return
+        opt._work(item)
+        del opt
+
+
+def _grad_hook(opt_ref: "weakref.ref[CPUAdam]", p: torch.Tensor) -> None:
+    opt = opt_ref()
+    if opt is not None:
+        opt._on_grad(p)
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
