@@ -33,6 +33,10 @@ def _mlp(seed: int = 0) -> nn.Module:
 
 @pytest.mark.parametrize("in_backward", [False, True])
 def test_matches_gpu_adamw(in_backward):
+    """The first step sees identical gradients: only the kernels' rounding differs (CPU fused
+    vs GPU foreach), so it is checked tightly. Later steps see gradients of slightly different
+    weights, and Adam amplifies tiny differences where |grad| ~ eps (measured on an H200:
+    1.3e-5 absolute after 6 steps), so they are checked at atol 1e-4."""
     ref, model = _mlp(), _mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     opt = tidal.CPUAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -49,8 +53,11 @@ def test_matches_gpu_adamw(in_backward):
             loss.backward()
         opt.step()
         opt.zero_grad()
+        if step == 0:
+            for a, b in zip(ref.parameters(), model.parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(ref.parameters(), model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
 def test_no_optimizer_state_or_grads_on_the_device():

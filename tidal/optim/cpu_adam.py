@@ -32,6 +32,7 @@ import contextlib
 import functools
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -43,7 +44,8 @@ from tidal.transfer.arena import HostArena
 __all__ = ["CPUAdam"]
 
 _STOP = object()
-_CHUNK_BYTES = 64 << 20  # fp32 master bytes per update chunk: one H2D copy overlaps the next chunk's math
+_CHUNK_BYTES = 64 << 20
+_BATCH_BYTES = 512 << 20  # fp32 bytes of gradients the worker takes into one in-backward update  # fp32 master bytes per update chunk: one H2D copy overlaps the next chunk's math
 
 
 class _HostParam:
@@ -101,6 +103,7 @@ class CPUAdam(torch.optim.Optimizer):
         self._in_backward_step = False
         self._h2d_done: Any = None
         self._unsafe_skip_waits = False  # test-only: lets race tests show they catch a missing wait
+        self.trace: list | None = None  # diagnostics: set to [] to record (event, time, numel)
 
     # ---- setup ----------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -203,20 +206,39 @@ class CPUAdam(torch.optim.Optimizer):
             self._worker.start()
             weakref.finalize(self, self._queue.put, _STOP)
 
-    def _work(self, item: tuple) -> None:
-        p, device_refs, copied, grad_ready, first = item
-        hp = self._host[p]
-        try:
-            if not self._unsafe_skip_waits:
-                copied.synchronize()  # the bytes must be on the host before we read them
-            del device_refs  # now the device gradient's blocks may be reused
-            self._accumulate(hp, None if first else hp.staging, first)
-            hp.staging_free.set()
-            if self._in_backward_step:
-                self._update([p], after=grad_ready)
-        except BaseException as e:  # surfaced by the next drain
-            hp.staging_free.set()
-            self._worker_error = e
+    def _work(self, items: list[tuple]) -> None:
+        """Bring a batch of queued gradients into the host accumulators and, inside
+        step_in_backward(), update those parameters with one fused call (one call per
+        parameter would spend the CPU on call overhead instead of the update)."""
+        trace = self.trace
+        ready, last_grad_ready = [], None
+        for p, device_refs, copied, grad_ready, first in items:
+            hp = self._host[p]
+            try:
+                if trace is not None:
+                    trace.append(("dequeued", time.perf_counter(), p.numel()))
+                if not self._unsafe_skip_waits:
+                    copied.synchronize()  # the bytes must be on the host before we read them
+                if trace is not None:
+                    trace.append(("on_host", time.perf_counter(), p.numel()))
+                del device_refs  # now the device gradient's blocks may be reused
+                self._accumulate(hp, None if first else hp.staging, first)
+                ready.append(p)
+                last_grad_ready = grad_ready
+            except BaseException as e:  # surfaced by the next drain
+                self._worker_error = e
+            finally:
+                hp.staging_free.set()
+        if self._in_backward_step and ready:
+            try:
+                # grad_ready events are recorded in order on the compute stream: the last one
+                # covers every earlier parameter of the batch.
+                self._update(ready, after=last_grad_ready)
+            except BaseException as e:
+                self._worker_error = e
+            if trace is not None:
+                now = time.perf_counter()
+                trace.extend(("updated", now, p.numel()) for p in ready)
 
     def _drain(self) -> None:
         """Wait until every queued gradient is on the host (and in-backward updates ran)."""
@@ -436,19 +458,30 @@ class CPUAdam(torch.optim.Optimizer):
 
 def _worker_loop(work: "queue.SimpleQueue[Any]", opt_ref: "weakref.ref[CPUAdam]") -> None:
     """Gradient worker: host-side accumulation (and in-backward updates) off the autograd
-    thread. Barrier events are answered in order, so a drain sees every earlier item done."""
+    thread. It takes every gradient queued so far as one batch (up to a barrier), so it
+    keeps up with backward; barriers are answered in order, so a drain sees every earlier
+    item done."""
     while True:
         item = work.get()
+        batch: list[tuple] = []
+        while isinstance(item, tuple):
+            batch.append(item)
+            if sum(x[0].numel() for x in batch) * 4 >= _BATCH_BYTES:
+                break
+            try:
+                item = work.get_nowait()
+            except queue.Empty:
+                item = None
+        if batch:
+            opt = opt_ref()
+            if opt is None:
+                return
+            opt._work(batch)
+            del opt, batch
         if item is _STOP:
             return
         if isinstance(item, threading.Event):
             item.set()
-            continue
-        opt = opt_ref()
-        if opt is None:
-            return
-        opt._work(item)
-        del opt
 
 
 def _grad_hook(opt_ref: "weakref.ref[CPUAdam]", p: torch.Tensor) -> None:
