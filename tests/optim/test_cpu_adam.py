@@ -911,3 +911,13 @@ def test_timeshare_switch_between_backward_and_step(overlap):
     plain, plain_opt = train(False)
     shared, shared_opt = train(True)
     _assert_same_cpu_adam(plain, plain_opt, shared, shared_opt)
+
+
+def test_unfrozen_param_without_host_state_is_refused():
+    model = nn.Linear(4, 4)
+    model.bias.requires_grad_(False)
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-2)
+    model.bias.requires_grad_(True)
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="did not require grad when CPUAdam was built"):
+        opt.step()

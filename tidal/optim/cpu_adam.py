@@ -333,6 +333,14 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and p not in self._host:
+                    raise RuntimeError(
+                        "a parameter that did not require grad when CPUAdam was built now has a "
+                        "gradient; its host state was never allocated. Build the optimizer after "
+                        "unfreezing, or pass the parameter through add_param_group()"
+                    )
         if self._ops is None:  # no trainable parameters
             return loss
         self._drain()
