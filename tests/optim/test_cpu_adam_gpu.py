@@ -3,8 +3,6 @@ and race tests that fail when a stream wait is removed."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.nn as nn
@@ -16,14 +14,6 @@ pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 SLEEP_CYCLES = int(4e8)  # ~0.2 s of queued GPU work
 
-
-@pytest.fixture(autouse=True)
-def _clean_device():
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _mlp(seed: int = 0) -> nn.Module:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.nn as nn
@@ -15,15 +13,6 @@ pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
 
-
-@pytest.fixture(autouse=True)
-def _clean_device():
-    # Each test measures driver-level memory: start and end with the cache returned.
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 SLEEP_CYCLES = int(4e8)  # ~0.2 s of queued GPU time: long enough for any copy here
 
 
