@@ -227,7 +227,12 @@ def bench_torch_fused(src: HostTensors, args) -> dict:
     for p, g in zip(params, src.grads):
         p.grad = g  # the fused kernel only reads the gradient
     opt = torch.optim.AdamW(params, fused=True, **_hyper(args))
-    res = {"seconds": _median_times(opt.step, args.throughput_warmup, args.throughput_steps)}
+    return _time_host_step(opt, params, args)
+
+
+def _time_host_step(opt, params: list, args, **extra) -> dict:
+    """Median step time of ``opt`` over ``params`` (grads already set), then free both."""
+    res = {"seconds": _median_times(opt.step, args.throughput_warmup, args.throughput_steps), **extra}
     res["finite"] = all(bool(torch.isfinite(p).all()) for p in params)
     for p in params:
         p.grad = None
@@ -249,14 +254,7 @@ def bench_deepspeed(src: HostTensors, args) -> dict:
         opt = DeepSpeedCPUAdam(params, adamw_mode=True, fp32_optimizer_states=True, **_hyper(args))
     except Exception as e:  # noqa: BLE001 (the op is JIT-built and may fail to)
         return {"unavailable": f"not available: DeepSpeedCPUAdam failed to build: {type(e).__name__}: {e}"}
-    res = {"seconds": _median_times(opt.step, args.throughput_warmup, args.throughput_steps),
-           "version": deepspeed.__version__}
-    res["finite"] = all(bool(torch.isfinite(p).all()) for p in params)
-    for p in params:
-        p.grad = None
-    del opt, params
-    gc.collect()
-    return res
+    return _time_host_step(opt, params, args, version=deepspeed.__version__)
 
 
 def run_throughput(args) -> dict:

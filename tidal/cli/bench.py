@@ -169,7 +169,7 @@ def run_anchor(ops: DeviceOps, model, opt, warm_iters: int) -> dict:
             pinned = next((obj.is_pinned() for k, obj, _ in moved if k == "data"), None) if ops.is_accelerator else None
         _, t_in = _timed(ops, lambda: _anchor_reload(moved, ops.device))
         cycles.append((nbytes, t_out, t_out + t_release, t_in))
-        del moved
+        moved = None  # free the host copies before the next cycle makes new ones
     nbytes = cycles[0][0]
     warm = cycles[1:]
     res = {"bytes": nbytes, "host_tensors_pinned": pinned, "torch_pinned_cache_bytes": pinned_bytes,

@@ -99,10 +99,9 @@ def offload_optimizer(
     entries: list[StateEntry] = collect_optimizer_state([optimizer], device, min_offload_bytes=min_offload_bytes)
     if grads:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        entries = collect_module_state([], device, extra_params=params, grads="offload",
-                                       min_offload_bytes=min_offload_bytes)
-        entries = [e for e in entries if e.kind == "grad"] + collect_optimizer_state(
-            [optimizer], device, min_offload_bytes=min_offload_bytes)
+        grad_entries = collect_module_state([], device, extra_params=params, grads="offload",
+                                            min_offload_bytes=min_offload_bytes)
+        entries = [e for e in grad_entries if e.kind == "grad"] + entries
 
     def refuse_step(opt, args, kwargs):
         raise RuntimeError(

@@ -292,10 +292,7 @@ class Timeshare:
         """Move the role's optimizer state (and its params' grads if ``grads``) to the host;
         its params stay. Storages another resident role holds stay too."""
         role = self.role(name)
-        min_b = self.config.min_offload_bytes
-        live = role.optim_entries(self.device, min_b)
-        if grads:
-            live = [e for e in role.model_entries(self.device, min_b, grads=True) if e.kind == "grad"] + live
+        live = self._optimizer_live(role, grads)
         others = self._resident_keys(exclude=(role,))
         entries = [e for e in live if e.nbytes > 0 and e.key not in others]
         if not entries:
@@ -307,15 +304,20 @@ class Timeshare:
                                kind: str = "optim-in") -> TransitionRecord | None:
         """Bring the role's offloaded optimizer state (and grads if ``grads``) back."""
         role = self.role(name)
-        min_b = self.config.min_offload_bytes
-        live = role.optim_entries(self.device, min_b)
-        if grads:
-            live = [e for e in role.model_entries(self.device, min_b, grads=True) if e.kind == "grad"] + live
+        live = self._optimizer_live(role, grads)
         entries = [e for e in self.store.resolve(live) if self.store.is_offloaded(e.key)]
         if not entries:
             return None
         move = self.store.reload(entries, what=f"reloading the optimizer state of role {name!r}")
         return self._record(kind, (), name, move, note="optimizer state" + (" + grads" if grads else ""))
+
+    def _optimizer_live(self, role: Role, grads: bool) -> list[StateEntry]:
+        """The role's optimizer state tensors (and its params' grads if ``grads``), live."""
+        min_b = self.config.min_offload_bytes
+        live = role.optim_entries(self.device, min_b)
+        if grads:
+            live = [e for e in role.model_entries(self.device, min_b, grads=True) if e.kind == "grad"] + live
+        return live
 
     def _settle_optimizer(self, role: Role) -> None:
         # With step residency the state belongs on the host outside step(); a step that
