@@ -120,6 +120,16 @@ class DeviceOps:
             return int(self.module.memory_reserved(self.device))
         return 0
 
+    def peak_allocated_bytes(self) -> int:
+        """Highest allocated bytes since :meth:`reset_peak` (0 on CPU)."""
+        if self.is_accelerator:
+            return int(self.module.max_memory_allocated(self.device))
+        return 0
+
+    def reset_peak(self) -> None:
+        if self.is_accelerator:
+            self.module.reset_peak_memory_stats(self.device)
+
     def cached_free_bytes(self) -> int:
         """Bytes the caching allocator holds but has not handed out (reusable in-process)."""
         return self.reserved_bytes() - self.allocated_bytes()

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 __all__ = ["build_parser", "main"]
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SKIPPED = 0, 1, 2, 3
-_PRESETS = ("tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b")  # mirrors tidal.cli.models.PRESETS
+_PRESETS = ("nano", "tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b")  # mirrors tidal.cli.models.PRESETS
 
 
 def _device_arg(text: str) -> str:
@@ -107,7 +107,70 @@ def _run_bench(args: argparse.Namespace) -> int:
     return EXIT_OK if result["bit_exact"] else EXIT_WRONG
 
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_bench]
+def _positive_int(text: str) -> int:
+    n = _nonneg_int(text)
+    if n == 0:
+        raise argparse.ArgumentTypeError("expected an integer >= 1, got 0")
+    return n
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="GRPO with rollout, reference and training roles taking turns on one device",
+        description="Train a Qwen2-shape model (random weights, no download) on a digit task with GRPO; "
+        "its rollout, reference and training roles share the device through tidal's timeshare. Prints "
+        "per-phase time, peak memory and bytes moved, the peak against all roles resident, and writes "
+        "a memory-timeline PNG and a JSONL log. Defaults: a tiny model on the CPU; a 1.5B shape with "
+        "CPU Adam on a GPU.",
+    )
+    p.add_argument("--device", type=_device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
+    p.add_argument("--preset", choices=_PRESETS, default=None, help="model shape (default nano on cpu, qwen2-1.5b on a GPU)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="GRPO steps (default 200 on cpu, 30 on a GPU)")
+    p.add_argument("--task", choices=("copy", "reverse", "sort", "add"), default="copy")
+    p.add_argument("--digits", type=_positive_int, default=None, help="digits per prompt (= answer tokens)")
+    p.add_argument("--prompts", type=_positive_int, default=None, help="prompts per step")
+    p.add_argument("--group", type=_positive_int, default=None, help="samples per prompt (GRPO group)")
+    p.add_argument("--micro-batch", type=_positive_int, default=None, help="sequences per forward/backward")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--optimizer", choices=("adamw", "cpu_adam"), default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in training")
+    p.add_argument("--kl-coef", type=float, default=0.02, help="KL to the reference (0: no reference role)")
+    p.add_argument("--lora-rank", type=_nonneg_int, default=0, help="train LoRA adapters of this rank (needs peft)")
+    p.add_argument("--baseline-steps", type=_nonneg_int, default=2,
+                   help="steps of the same loop with all roles resident, to measure its peak (0: skip)")
+    p.add_argument("--seed", type=_nonneg_int, default=0)
+    p.add_argument("--out", default="tidal-demo", help="folder for timeline.png and demo.jsonl")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from tidal.cli.demo import DemoSettings, defaults_for, run_demo  # noqa: PLC0415
+    from tidal.device import DeviceOps  # noqa: PLC0415
+
+    if args.device is not None:
+        try:
+            DeviceOps(args.device)
+        except ValueError as e:
+            print(f"tidal demo: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    chosen = defaults_for(args.device)
+    for name in ("preset", "steps", "digits", "prompts", "group", "micro_batch", "lr", "optimizer", "dtype"):
+        if getattr(args, name) is not None:
+            chosen[name] = getattr(args, name)
+    settings = DemoSettings(**chosen, task=args.task, grad_ckpt=args.grad_ckpt, kl_coef=args.kl_coef,
+                            lora_rank=args.lora_rank, baseline_steps=args.baseline_steps, seed=args.seed,
+                            out_dir=args.out)
+    try:
+        run_demo(settings, log=lambda line: print(line, flush=True))
+    except (ImportError, ValueError) as e:
+        print(f"tidal demo: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

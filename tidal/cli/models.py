@@ -57,6 +57,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
+    # nano: the demo's CPU default, with a vocabulary just large enough for the digit tasks.
+    "nano": Preset(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=16, tied=False),
     "tiny": Preset(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=8192, tied=False),
     "qwen2-0.5b": Preset(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True),
     "qwen2-1.5b": Preset(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True),

@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tidal.rl import DigitTask, GRPOConfig, GRPOTrainer, LossConfig  # noqa: E402
+from tidal.rl.tasks import TASK_VOCAB  # noqa: E402
+
+
+def tiny_policy(seed: int = 0, vocab: int = 16):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def run(steps: int, **kw):
+    cfg = GRPOConfig(task=DigitTask(name="copy", num_digits=3), prompts_per_step=4, group_size=4,
+                     micro_batch=6, **kw)
+    tr = GRPOTrainer(tiny_policy(), config=cfg)
+    results = [tr.step() for _ in range(steps)]
+    tr.close()
+    return tr, results
+
+
+@pytest.mark.parametrize("kw", [{}, {"mini_batches": 2}, {"grad_ckpt": True}, {"optimizer": "cpu_adam"}])
+def test_timeshare_does_not_change_training(kw):
+    """Same seed with and without the timeshare: every statistic and every weight bit-exact."""
+    a, ra = run(4, timeshare=True, **kw)
+    b, rb = run(4, timeshare=False, **kw)
+    assert [r.reward_mean for r in ra] == [r.reward_mean for r in rb]
+    assert [r.stats for r in ra] == [r.stats for r in rb]
+    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
+        assert torch.equal(pa, pb), n
+    # the timeshare really moved state: the reference and optimizer state went out and came back
+    moved = sum(ph["moved_bytes"] for r in ra for ph in r.phases.values())
+    assert moved > 0
+    assert all(ph["moved_bytes"] == 0 for r in rb for ph in r.phases.values())
+
+
+def test_roles_take_turns_on_the_device():
+    """During the reference phase the policy's weights are off the device (storage size 0),
+    during training the reference's are, and the policy's weights exist once (rollout and
+    training share them)."""
+    cfg = GRPOConfig(task=DigitTask(name="copy", num_digits=3), prompts_per_step=2, group_size=4, micro_batch=8)
+    tr = GRPOTrainer(tiny_policy(), config=cfg)
+    seen = {}
+    policy_w = tr.policy.model.embed_tokens.weight
+    ref_w = tr.reference.model.embed_tokens.weight
+
+    def fwd_hook(name):
+        def hook(module, args):
+            seen.setdefault(name, (policy_w.untyped_storage().nbytes(), ref_w.untyped_storage().nbytes()))
+        return hook
+
+    tr.reference.register_forward_pre_hook(fwd_hook("reference"))
+    tr.policy.register_forward_pre_hook(fwd_hook("policy"))
+    tr.step()
+    full = policy_w.numel() * policy_w.element_size()
+    assert seen["policy"] == (full, 0)  # rollout: reference out
+    assert seen["reference"] == (0, full)  # reference: policy out
+    assert tr.all_resident_state_bytes() > tr.state_bytes_on_device()
+    tr.close()
+    assert policy_w.untyped_storage().nbytes() == full and ref_w.untyped_storage().nbytes() == full
+
+
+def test_kl_zero_skips_the_reference_role():
+    tr, res = run(2, loss=LossConfig(kl_coef=0.0))
+    assert tr.reference is None
+    assert all("reference" not in r.phases for r in res)
+    assert all("kl" not in r.stats for r in res)
+
+
+def test_lora_policy_is_its_own_reference():
+    peft = pytest.importorskip("peft")
+    policy = peft.get_peft_model(tiny_policy(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    cfg = GRPOConfig(task=DigitTask(name="copy", num_digits=3), prompts_per_step=2, group_size=4, micro_batch=8)
+    tr = GRPOTrainer(policy, config=cfg)
+    assert tr.reference is None and tr.lora
+    base = {n: p.detach().clone() for n, p in policy.named_parameters() if not p.requires_grad}
+    res = [tr.step() for _ in range(3)]
+    tr.close()
+    assert all("reference" in r.phases for r in res)
+    assert res[-1].stats["kl"] > 0  # the adapters moved the policy away from the base
+    for n, p in policy.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, base[n]), f"{n}: a frozen base weight changed"
+    with pytest.raises(ValueError, match="reference= is not used"):
+        GRPOTrainer(policy, config=cfg, reference=tiny_policy())
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="mini_batches"):
+        GRPOConfig(prompts_per_step=3, group_size=3, mini_batches=2)
+    with pytest.raises(ValueError, match="optimizer"):
+        GRPOConfig(optimizer="sgd")
+    with pytest.raises(ValueError, match="group_size"):
+        GRPOConfig(group_size=0)
+    with pytest.raises(ValueError, match=f"at least {TASK_VOCAB}"):
+        GRPOTrainer(tiny_policy(vocab=8))

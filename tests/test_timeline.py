@@ -1,0 +1,44 @@
+import json
+
+import pytest
+
+from tidal.device import DeviceOps
+from tidal.timeline import MemoryTimeline
+
+
+def test_phases_samples_marks_and_jsonl(tmp_path):
+    level = {"bytes": 100}
+    tl = MemoryTimeline(DeviceOps("cpu"), state_bytes=lambda: level["bytes"])
+    with tl.phase("rollout", step=0):
+        level["bytes"] = 300
+        tl.sample()
+        level["bytes"] = 50
+    tl.mark("switch -> train", bytes=7)
+    with tl.phase("train", step=0):
+        tl.sample()
+    assert [p.name for p in tl.phases] == ["rollout", "train"]
+    assert tl.phases[0].peak_allocated_bytes == 300
+    assert tl.phases[1].peak_allocated_bytes == 50
+    assert tl.phases[0].end_s <= tl.phases[1].start_s
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with tl.phase("a"):
+            with tl.phase("b"):
+                pass
+    path = tmp_path / "t.jsonl"
+    tl.write_jsonl(str(path), extra=[{"type": "summary", "x": 1}])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["type"] for r in rows].count("phase") == 3
+    assert rows[-1] == {"type": "summary", "x": 1}
+    assert any(r["type"] == "mark" and r["bytes"] == 7 for r in rows)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    tl = MemoryTimeline(DeviceOps("cpu"), state_bytes=lambda: 1 << 20)
+    for step in range(5):
+        for name in ("rollout", "reference", "train"):
+            with tl.phase(name, step=step):
+                tl.sample()
+    path = tmp_path / "t.png"
+    tl.plot(str(path), rewards=[0.1, 0.2, 0.3, 0.4, 0.5])
+    assert path.read_bytes()[:4] == b"\x89PNG"

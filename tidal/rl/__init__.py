@@ -1,0 +1,20 @@
+"""The reference RL loop: GRPO with rollout, reference and training roles on one device."""
+
+from tidal.rl.grpo import LossConfig, action_logprobs, group_advantages, grpo_loss, kl_k3
+from tidal.rl.rollout import sample_answers
+from tidal.rl.tasks import TASKS, DigitTask
+from tidal.rl.trainer import GRPOConfig, GRPOTrainer, StepResult
+
+__all__ = [
+    "DigitTask",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "LossConfig",
+    "StepResult",
+    "TASKS",
+    "action_logprobs",
+    "group_advantages",
+    "grpo_loss",
+    "kl_k3",
+    "sample_answers",
+]

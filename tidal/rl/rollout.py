@@ -1,0 +1,71 @@
+"""Rollout: sample answers from a Hugging Face causal LM with its KV cache.
+
+The loop is ours, not ``model.generate``: the policy samples only among the action ids
+(digit tokens), every answer has the same length, and nothing of the generation (KV cache,
+logits) outlives the call, so the caller can confirm at driver level that the rollout's
+memory is gone before the next role moves in.
+
+Memory: the KV cache of ``batch x (prompt + new)`` tokens (2 x layers x kv_heads x head_dim
+x dtype bytes per token) plus one step's logits (``batch x vocab``); prefill keeps the logits
+of the last position only (``logits_to_keep=1``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+__all__ = ["logits_kwargs", "sample_answers"]
+
+
+def logits_kwargs(model: torch.nn.Module, keep: int) -> dict:
+    """Keyword arguments that make ``model`` compute logits for its last ``keep`` positions
+    only (transformers >= 4.50: ``logits_to_keep``; older: ``num_logits_to_keep``), or {} if
+    it has no such argument. Saves a (B, T, vocab) tensor where only the tail is needed."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
+    params = inspect.signature(base.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return {name: keep}
+    return {}
+
+
+@torch.no_grad()
+def sample_answers(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int,
+                   action_ids: tuple[int, int], *, generator: torch.Generator,
+                   temperature: float = 1.0, on_step=None) -> torch.Tensor:
+    """Sample ``new_tokens`` tokens after each prompt; returns (B, new_tokens) int64 ids.
+
+    ``prompts`` (B, P) on the model's device, all of one length (no padding). Tokens are drawn
+    from ``softmax(logits[lo:hi] / temperature)`` with ``generator`` (on the model's device),
+    so a seeded run is reproducible. ``on_step(i)`` is called after each decoded token (the
+    demo samples memory there).
+    """
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    lo, hi = action_ids
+    was_training = model.training
+    model.eval()  # no dropout while sampling
+    try:
+        out = model(input_ids=prompts, use_cache=True, **logits_kwargs(model, 1))
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        del out
+        picked = []
+        for i in range(new_tokens):
+            probs = torch.softmax(logits[:, lo:hi].float() / temperature, dim=-1)
+            tok = torch.multinomial(probs, 1, generator=generator) + lo
+            picked.append(tok)
+            if on_step is not None:
+                on_step(i)
+            if i + 1 == new_tokens:
+                break
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            del out
+        del cache, logits  # the KV cache dies here: nothing of the rollout outlives the call
+        return torch.cat(picked, dim=1)
+    finally:
+        model.train(was_training)

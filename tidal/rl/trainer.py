@@ -1,0 +1,349 @@
+"""A compact GRPO trainer whose three roles take turns on one device through a Timeshare.
+
+Roles (each registered with :class:`tidal.Timeshare`):
+
+- ``rollout``: the policy generating answers with its KV cache (``use_cache=True``, eval
+  mode). The cache dies with the rollout; the driver-level memory after it is recorded.
+- ``reference``: the frozen reference policy, log-probabilities only (no grad). With a
+  LoRA policy (peft) it is the same module with its adapters disabled, so no second copy of
+  the weights exists anywhere.
+- ``actor_train``: the policy with its optimizer (``use_cache=False``, gradient
+  checkpointing optional; ``torch.optim.AdamW`` or :class:`tidal.CPUAdam`).
+
+``rollout`` and ``actor_train`` hold the same module, so their weights exist once and stay
+on the device across that switch; only the reference weights and the optimizer state move.
+With ``timeshare=False`` the same loop runs with every role resident (the baseline).
+
+Memory of a step, with the timeshare: the largest of (rollout weights + KV cache),
+(reference weights + one micro-batch's logits), (actor weights + grads + one micro-batch's
+activations), (actor weights + grads + optimizer state during ``step()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import time
+from typing import Iterator
+
+import torch
+
+from tidal.device import DeviceOps
+from tidal.optim import CPUAdam
+from tidal.rl.grpo import LossConfig, action_logprobs, group_advantages, grpo_loss
+from tidal.rl.rollout import logits_kwargs, sample_answers
+from tidal.rl.tasks import DIGIT0, TASK_VOCAB, DigitTask
+from tidal.state import storage_key
+from tidal.timeline import MemoryTimeline
+from tidal.timeshare import Timeshare, TimeshareConfig
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "StepResult"]
+
+ACTION_IDS = (DIGIT0, TASK_VOCAB)  # the policy's action space: the ten digit tokens
+OPTIMIZERS = ("adamw", "cpu_adam")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """
+    Attributes:
+        task: the verifiable task the policy learns.
+        prompts_per_step: distinct prompts per step; each is sampled ``group_size`` times.
+        group_size: samples per prompt (GRPO's group).
+        micro_batch: sequences per forward/backward (memory knob; the result is the same).
+        mini_batches: optimizer steps per rollout batch (>1 makes the PPO ratio and its clip
+            matter, and costs one extra no-grad forward for the old log-probs).
+        lr, weight_decay, max_grad_norm: the optimizer (AdamW semantics; norm clip over all
+            params, 0 disables it).
+        optimizer: ``"adamw"`` (torch's, state on the device during ``step()`` only, on the
+            host otherwise when the timeshare is on) or ``"cpu_adam"`` (tidal.CPUAdam: state
+            and update on the host, overlapped with backward).
+        grad_ckpt: gradient checkpointing in training (non-reentrant); rollout keeps its cache.
+        temperature: sampling temperature of the rollout.
+        loss: clip, KL and entropy coefficients. ``kl_coef=0`` skips the reference role.
+        timeshare: run the roles through a Timeshare (False: all roles stay resident).
+        timeshare_config: its settings (default: only the role in use is resident).
+        seed: seeds prompts, sampling and dropout, so a run is reproducible.
+    """
+
+    task: DigitTask = dataclasses.field(default_factory=DigitTask)
+    prompts_per_step: int = 16
+    group_size: int = 8
+    micro_batch: int = 64
+    mini_batches: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    optimizer: str = "adamw"
+    grad_ckpt: bool = False
+    temperature: float = 1.0
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    timeshare: bool = True
+    timeshare_config: TimeshareConfig | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "micro_batch", "mini_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.batch_size % self.mini_batches:
+            raise ValueError(f"prompts_per_step * group_size = {self.batch_size} does not split into "
+                             f"mini_batches={self.mini_batches} equal parts")
+        if self.lr <= 0 or self.max_grad_norm < 0 or self.temperature <= 0:
+            raise ValueError("lr and temperature must be > 0 and max_grad_norm >= 0")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepResult:
+    """What one step did: reward, loss statistics, and per phase its seconds, peak memory
+    and the transitions (bytes, seconds) that brought its role in."""
+
+    step: int
+    reward_mean: float
+    reward_std: float
+    stats: dict[str, float]
+    phases: dict[str, dict] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"type": "step", **dataclasses.asdict(self)}
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    # Non-reentrant: it composes with saved-tensor hooks and with inputs that need no grad.
+    # transformers >= 5.2x renamed the method (the old name warns); both take the same kwargs.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+class GRPOTrainer:
+    """GRPO on a Hugging Face causal LM, roles colocated on ``policy``'s device.
+
+    Args:
+        policy: the model to train (a ``PreTrainedModel``, or a peft LoRA model: then only
+            the adapters train and the reference is the base with adapters off). Its first
+            :data:`TASK_VOCAB` token ids are the task's tokens.
+        config: see :class:`GRPOConfig`.
+        reference: the frozen reference; default a deep copy of ``policy`` made here (for a
+            LoRA policy none is made). Ignored when ``config.loss.kl_coef == 0``.
+        timeline: where memory samples go (one is made if None).
+    """
+
+    def __init__(self, policy: torch.nn.Module, *, config: GRPOConfig | None = None,
+                 reference: torch.nn.Module | None = None, timeline: MemoryTimeline | None = None) -> None:
+        self.config = cfg = config or GRPOConfig()
+        vocab = policy.get_output_embeddings().weight.shape[0]
+        if vocab < TASK_VOCAB:
+            raise ValueError(f"the policy's vocabulary has {vocab} tokens; the task needs at least {TASK_VOCAB}")
+        self.policy = policy
+        self.device = next(policy.parameters()).device
+        self.ops = DeviceOps(self.device)
+        self.lora = _is_lora(policy)
+        self.use_reference = cfg.loss.kl_coef > 0
+        if reference is not None and (self.lora or not self.use_reference):
+            raise ValueError("reference= is not used here: a LoRA policy is its own reference (adapters "
+                             "off), and kl_coef=0 needs none; pass reference=None")
+        if self.use_reference and not self.lora:
+            reference = reference if reference is not None else copy.deepcopy(policy)
+            reference.requires_grad_(False).eval()
+        self.reference = reference
+        if cfg.grad_ckpt:
+            _enable_checkpointing(policy)
+        policy.config.use_cache = False  # training forward; the rollout asks for its cache explicitly
+        params = [p for p in policy.parameters() if p.requires_grad]
+        if cfg.optimizer == "cpu_adam":
+            self.optimizer = CPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        else:
+            fused = self.ops.is_accelerator
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                               fused=fused or None)
+        self.timeline = timeline or MemoryTimeline(self.ops, state_bytes=self.state_bytes_on_device)
+        self.ts: Timeshare | None = None
+        if cfg.timeshare:
+            self.ts = Timeshare(self.device, config=cfg.timeshare_config)
+            # grads="drop": they are zeroed after every step, so a switch never has any to move.
+            self.ts.add_role("actor_train", model=policy, optimizer=self.optimizer, grads="drop")
+            self.ts.add_role("rollout", model=policy)
+            if self.use_reference:
+                self.ts.add_role("reference", model=self.reference if not self.lora else policy)
+        self.step_index = 0
+        self._gen_device = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self._gen_prompts = torch.Generator().manual_seed(cfg.seed + 1)
+
+    # ---- memory accounting ------------------------------------------------------------------
+    def _modules(self) -> list[torch.nn.Module]:
+        return [m for m in (self.policy, self.reference) if m is not None]
+
+    def state_bytes_on_device(self) -> int:
+        """Bytes of role state (params, grads, optimizer state) held in storages on the
+        device now; each storage counted once."""
+        seen: dict[int, int] = {}
+
+        def add(t: torch.Tensor | None) -> None:
+            if isinstance(t, torch.Tensor) and t.device == self.device:
+                seen[storage_key(t.untyped_storage())] = t.untyped_storage().nbytes()
+
+        for m in self._modules():
+            for p in m.parameters():
+                add(p)
+                add(p.grad)
+            for b in m.buffers():
+                add(b)
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                add(v)
+        return sum(seen.values())
+
+    def all_resident_state_bytes(self) -> int:
+        """Bytes the roles' state would take with every role resident at once: weights (the
+        shared ones once), one grad per trainable param, and the optimizer state (0 for
+        CPUAdam, whose state lives on the host)."""
+        weights: dict[int, int] = {}
+        for m in self._modules():
+            for t in list(m.parameters()) + list(m.buffers()):
+                weights[storage_key(t.untyped_storage())] = t.numel() * t.element_size()
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        grads = sum(p.numel() * p.element_size() for p in trainable)
+        optim = 0 if isinstance(self.optimizer, CPUAdam) else 2 * grads  # exp_avg + exp_avg_sq
+        return sum(weights.values()) + grads + optim
+
+    # ---- roles ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _role(self, name: str) -> Iterator[float]:
+        """Make role ``name`` resident for the block; yields the wall seconds that took."""
+        if self.ts is None:
+            yield 0.0
+            return
+        start = len(self.ts.records)
+        t0 = time.perf_counter()
+        self.ts.load(name)
+        load_s = time.perf_counter() - t0
+        for rec in self.ts.records[start:]:
+            self.timeline.mark(f"{rec.kind} -> {name}", bytes=rec.bytes_in + rec.bytes_out, seconds=rec.seconds)
+        with self.ts.use(name):
+            yield load_s
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, result: StepResult) -> Iterator[None]:
+        """A phase of the step: its role made resident, its time, peak memory and the bytes
+        moved for it (the switch that brought the role in, and optimizer state moved in and
+        out around ``step()``)."""
+        start = len(self.ts.records) if self.ts is not None else 0
+        t0 = time.perf_counter()
+        role = "actor_train" if name == "train" else name
+        with self.timeline.phase(name, step=self.step_index) as span, self._role(role) as load_s:
+            yield
+        recs = self.ts.records[start:] if self.ts is not None else []
+        # The switch is timed by wall clock (it includes allocation and release); optimizer
+        # moves inside step() by their records.
+        in_step_s = sum(r.seconds for r in recs if r.kind.startswith("optim"))
+        result.phases[name] = {
+            "seconds": time.perf_counter() - t0, "peak_allocated_bytes": span.peak_allocated_bytes,
+            "peak_driver_used_bytes": span.peak_driver_used_bytes,
+            "moved_bytes": sum(r.bytes_in + r.bytes_out for r in recs),
+            "transition_seconds": load_s + in_step_s,
+        }
+
+    # ---- the step ---------------------------------------------------------------------------
+    def _logprobs(self, model: torch.nn.Module, seqs: torch.Tensor, answer_len: int) -> torch.Tensor:
+        """No-grad log-probs of the answer tokens, micro-batched."""
+        out = []
+        kw = logits_kwargs(model, answer_len + 1)
+        with torch.no_grad():
+            for i in range(0, seqs.shape[0], self.config.micro_batch):
+                chunk = seqs[i:i + self.config.micro_batch]
+                logits = model(input_ids=chunk, use_cache=False, **kw).logits[:, -answer_len - 1:-1]
+                out.append(action_logprobs(logits, chunk[:, -answer_len:], ACTION_IDS)[0])
+                del logits
+                self.timeline.sample()
+        return torch.cat(out)
+
+    def step(self) -> StepResult:
+        """One GRPO step: rollout, reference log-probs, then ``mini_batches`` updates."""
+        cfg, task = self.config, self.config.task
+        t0 = time.perf_counter()
+        prompts = task.prompts(cfg.prompts_per_step, self._gen_prompts)
+        prompts = prompts.repeat_interleave(cfg.group_size, dim=0).to(self.device)
+        res = StepResult(step=self.step_index, reward_mean=0.0, reward_std=0.0, stats={})
+        n_ans = task.answer_len
+
+        with self._phase("rollout", res):
+            answers = sample_answers(self.policy, prompts, n_ans, ACTION_IDS, generator=self._gen_device,
+                                     temperature=cfg.temperature, on_step=lambda _i: self.timeline.sample())
+            seqs = torch.cat([prompts, answers], dim=1)
+            old_logp = self._logprobs(self.policy, seqs, n_ans) if cfg.mini_batches > 1 else None
+        rewards = task.rewards(prompts, answers)
+        res.reward_mean, res.reward_std = float(rewards.mean()), float(rewards.std())
+        adv = group_advantages(rewards, cfg.group_size).to(self.device)
+
+        ref_logp = None
+        if self.use_reference:
+            with self._phase("reference", res):
+                ctx = self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
+                with ctx:
+                    ref_logp = self._logprobs(self.reference if not self.lora else self.policy, seqs, n_ans)
+
+        with self._phase("train", res):
+            res.stats = self._train(seqs, n_ans, adv, old_logp, ref_logp)
+        res.seconds = time.perf_counter() - t0
+        self.step_index += 1
+        return res
+
+    def _train(self, seqs: torch.Tensor, n_ans: int, adv: torch.Tensor, old_logp: torch.Tensor | None,
+               ref_logp: torch.Tensor | None) -> dict[str, float]:
+        cfg = self.config
+        self.policy.train()
+        kw = logits_kwargs(self.policy, n_ans + 1)
+        mini = cfg.batch_size // cfg.mini_batches
+        totals: dict[str, float] = {}
+        norms: list[float] = []
+        count = 0
+        for m0 in range(0, cfg.batch_size, mini):
+            for i in range(m0, m0 + mini, cfg.micro_batch):
+                j = min(i + cfg.micro_batch, m0 + mini)
+                chunk = seqs[i:j]
+                logits = self.policy(input_ids=chunk, use_cache=False, **kw).logits[:, -n_ans - 1:-1]
+                logp, ent = action_logprobs(logits, chunk[:, -n_ans:], ACTION_IDS, with_entropy=True)
+                old = old_logp[i:j] if old_logp is not None else logp.detach()
+                loss, st = grpo_loss(logp, old, adv[i:j], cfg.loss,
+                                     ref_logp=ref_logp[i:j] if ref_logp is not None else None, entropy=ent)
+                (loss * ((j - i) / mini)).backward()
+                del logits, logp, ent, loss
+                self.timeline.sample()
+                for k, v in st.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                count += 1
+            if cfg.max_grad_norm > 0:
+                if isinstance(self.optimizer, CPUAdam):
+                    norm = self.optimizer.clip_grad_norm_(cfg.max_grad_norm)
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(
+                        [p for p in self.policy.parameters() if p.requires_grad], cfg.max_grad_norm)
+                norms.append(float(norm))
+            self.optimizer.step()
+            self.timeline.sample("optimizer step")
+            self.optimizer.zero_grad(set_to_none=True)
+        stats = {k: v / count for k, v in totals.items()}
+        if norms:
+            stats["grad_norm"] = sum(norms) / len(norms)
+        return stats
+
+    def close(self) -> None:
+        """Bring every role back to the device and release tidal's host memory."""
+        if self.ts is not None:
+            self.ts.close()
+        if isinstance(self.optimizer, CPUAdam):
+            self.optimizer.close()
