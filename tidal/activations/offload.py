@@ -1,0 +1,630 @@
+"""Activation offload: saved tensors grouped by layer, copied to host while the next layers
+compute, copied back one group ahead during backward.
+
+Contract::
+
+    off = ActivationOffloader(model, layers=model.model.layers)     # once
+    with off:                                                       # every step
+        loss = model(input_ids=x, labels=x).loss
+    loss.backward()                                                 # inside or outside
+    print(off.report().summary())
+
+or ``with tidal.offload_activations(model, layers=..., ...)`` (the model's offloader, reused
+across steps, so its pinned host memory is allocated once). Results are bit-identical to no
+offload: only bytes move, and every view is rebuilt from its storage.
+
+How it works. ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd saves.
+A forward pre-hook on each layer opens a *group*; tensors saved between two layers (a
+checkpoint's saved inputs, inter-layer ops) belong to the group that starts next; what is saved
+after the last layer (final norm, head, loss) stays on the device. When layer ``i+1`` starts,
+group ``i`` is offloaded (if its mode says so): its storages go to host on the D2H stream; the
+group offloaded before it is *released* first (the compute stream waits for its copy, then its
+device memory is dropped), so at most two offloaded groups are resident in forward: one being
+copied, one being computed. The last group is never offloaded (its backward comes first).
+In backward, the first use of a saved tensor of group ``i`` reloads group ``i`` if it is not
+already there and prefetches the next ``prefetch_groups`` offloaded groups below it on the
+H2D stream. Stream ordering: see ``mover.py``.
+
+Which saved tensors are offloaded (``saved.py`` for the static rules): a storage is offloaded
+only if, when its group is offloaded, nothing but tidal's own alias holds it
+(``torch._C._storage_Use_Count``): no other tensor, view, parameter or caller variable.
+Offloading a storage that something else keeps frees nothing and costs a copy. The check runs
+one layer late on purpose: when layer ``i+1`` starts, layer ``i``'s input is no longer the
+loop variable of the model, so it is free unless the model keeps it (``output_hidden_states``).
+A storage still held then (e.g. layer ``i``'s output, which is layer ``i+1``'s input) is
+checked once more at the next layer; if still held, it stays (rotary tables, masks). Several
+saved views of one storage are copied once.
+
+Composition with checkpointing. Non-reentrant ``torch.utils.checkpoint`` and Hugging Face
+``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`` push
+their own hooks inside the layer, so only the checkpoint's saved inputs reach tidal's hooks:
+those are what is offloaded. Reentrant checkpointing is refused with a ``ValueError`` naming
+the fix. The planner's RECOMPUTE modes checkpoint a layer themselves (``layers.py``).
+
+Not supported (each refused or documented): ``torch.compile`` (models or layers: ``TypeError``),
+nested offloaders or other saved-tensor hooks around the context (``ValueError``), a new forward
+while the previous forward's saved activations are still alive (``ValueError``), saving tensors
+during backward under the context (``create_graph``: those stay on the device), tensor-subclass
+activations (DTensor under tensor parallelism: kept on the device), CUDA graphs. In-place
+modification of an activation after autograd saved it is not detected: PyTorch skips its
+version check for every saved-tensor hook (``save_on_cpu`` included). FSDP2-wrapped layers work:
+their (unsharded) parameters are ``nn.Parameter`` and are never offloaded.
+
+Memory cost: device, at most two offloaded groups plus the kept ones, one staging bucket per
+direction; host, the pinned arena: the largest bytes any step offloaded, allocated on first
+use and reused.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from tidal.activations.config import ActivationOffloadConfig, LayerMode, StepReport
+from tidal.activations.layers import (
+    REENTRANT_HELP, RecomputePatch, check_checkpointing, resolve_layers, user_checkpointed,
+)
+from tidal.activations.mover import Batch, GroupMover, Timer
+from tidal.activations.saved import (
+    SavedStorage, SavedView, skip_reason, static_storage_keys, storage_referenced_elsewhere,
+)
+from tidal.device import DeviceOps
+
+__all__ = ["ActivationOffloader", "offload_activations"]
+
+_TLS = threading.local()
+
+
+class _Group:
+    """One layer call of the forward."""
+
+    __slots__ = ("index", "layer_index", "mode", "records", "kept_bytes", "batch", "input_keys",
+                 "input_bytes", "fwd_start", "fwd_end", "bwd_mark")
+
+    def __init__(self, index: int, layer_index: int, mode: LayerMode) -> None:
+        self.index = index
+        self.layer_index = layer_index
+        self.mode = mode
+        self.records: list[SavedStorage] = []
+        self.kept_bytes: dict[int, int] = {}  # candidates saved raw (KEEP groups): key -> bytes
+        self.batch: Batch | None = None
+        self.input_keys: set[int] = set()
+        self.input_bytes = 0
+        self.fwd_start: Any = None
+        self.fwd_end: Any = None
+        self.bwd_mark: Any = None
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(r.nbytes for r in self.records) + sum(self.kept_bytes.values())
+
+
+class _Step:
+    """One forward under the offloader and the backward passes over its graph. Views point
+    here (not at the offloader), so a step outlives the context until its graph dies."""
+
+    def __init__(self, off: "ActivationOffloader", modes: list[LayerMode]) -> None:
+        self.off = off
+        self.mover = off._mover
+        self.modes = modes
+        self.groups: list[_Group] = []
+        self.batches: list[Batch] = []
+        self.current: _Group | None = None
+        self.gap: list[SavedStorage] = []
+        self.live: dict[int, SavedStorage] = {}
+        self.inflight: Batch | None = None
+        self.pending: list[SavedStorage] = []
+        self.live_records = 0
+        self.forward_open = True
+        self.bytes_offloaded = 0
+        self.bytes_reloaded = 0
+        self.bytes_kept_referenced = 0
+        self.pass_id: int | None = None
+        self.pass_seen: set[int] = set()
+        self.bwd_group = -1
+        self.fwd_first: Any = None
+        self.fwd_exit: Any = None
+        self.bwd_start: Any = None
+        self.bwd_end: Any = None
+        self.peak: int | None = None
+        self.stalls: list = []
+        self.d2h_intervals: list = []
+        self.h2d_intervals: list = []
+        self.report: StepReport | None = None
+
+    # ---- forward ----------------------------------------------------------------------------
+    def offload_point(self) -> None:
+        """Layer ``len(groups)`` is about to start: offload the group that just ended."""
+        if not self.groups:
+            return
+        prev = self.groups[-1]
+        retry, self.pending = self.pending, []
+        fresh = [r for r in prev.records if r.slot is None and r.x_gpu is not None] if prev.mode.offloads else []
+        chosen: list[SavedStorage] = []
+        for rec in retry + fresh:
+            if rec.disposed or rec.slot is not None:
+                continue
+            if storage_referenced_elsewhere(rec.x_gpu):
+                if rec in retry:
+                    self.bytes_kept_referenced += rec.nbytes  # still held a layer later: it stays
+                else:
+                    self.pending.append(rec)
+            else:
+                chosen.append(rec)
+        if not chosen:
+            return
+        if self.inflight is not None:
+            self.release(self.inflight)
+        batch = Batch(prev.index, chosen)
+        self.mover.offload(batch)
+        prev.batch = batch
+        self.batches.append(batch)
+        self.inflight = batch
+        self.bytes_offloaded += batch.nbytes
+
+    def release(self, batch: Batch) -> None:
+        self.mover.release(batch)
+        for rec in batch.records:
+            if self.live.get(rec.key) is rec:
+                del self.live[rec.key]  # its storage may be freed now; the key may be reused
+        if self.inflight is batch:
+            self.inflight = None
+
+    def close_forward(self) -> None:
+        if self.inflight is not None:
+            self.release(self.inflight)
+        self.bytes_kept_referenced += sum(r.nbytes for r in self.pending if not r.disposed)
+        self.pending = []
+        self.gap = []
+        self.live.clear()
+        self.current = None
+        self.forward_open = False
+
+    # ---- backward ---------------------------------------------------------------------------
+    def on_backward_use(self, gi: int, pid: int) -> None:
+        if self.pass_id != pid:
+            self.pass_id = pid
+            self.pass_seen = set()
+            if self.bwd_start is None:
+                self.bwd_start = self.mover.timer.mark()
+            torch.autograd.Variable._execution_engine.queue_callback(self._pass_end)
+        if gi in self.pass_seen:
+            return
+        self.pass_seen.add(gi)
+        if gi >= len(self.groups):
+            return  # the tail (head, loss): prefetching now would add to its peak
+        group = self.groups[gi]
+        self.bwd_group = gi
+        if group.bwd_mark is None:
+            group.bwd_mark = self.mover.timer.mark()
+        if group.batch is not None:
+            self.reload(group.batch, pid)
+        ahead = self.off.config.prefetch_groups
+        for batch in reversed(self.batches):
+            if ahead == 0:
+                break
+            if batch.index < gi:
+                self.reload(batch, pid)
+                ahead -= 1
+
+    def reload(self, batch: Batch, pid: int | None) -> None:
+        if batch.reload_pass == pid and pid is not None:
+            return
+        batch.reload_pass = pid
+        self.bytes_reloaded += self.mover.reload(batch)
+
+    def _pass_end(self) -> None:
+        if self.bwd_end is None:
+            self.bwd_end = self.mover.timer.mark()
+
+    # ---- views --------------------------------------------------------------------------------
+    def view_died(self, rec: SavedStorage, view_id: int) -> None:
+        with self.off._lock:
+            rec.live_views -= 1
+            rec.unpacked_views.discard(view_id)
+            if rec.live_views == 0:
+                self.mover.dispose(rec)
+                self.live_records -= 1
+
+
+class ActivationOffloader:
+    """Offloads the saved activations of ``layers`` of ``model``; a context manager entered
+    once per forward. See the module docstring for the contract.
+
+    Args:
+        model: the eager model (not ``torch.compile``'d).
+        layers: its transformer blocks, in any iterable; or
+        layer_cls: their class, a tuple of classes, or class names.
+        config: :class:`ActivationOffloadConfig`.
+        plan: a per-layer plan (a sequence of :class:`LayerMode`, or an
+            :class:`~tidal.activations.planner.ActivationPlan`); overrides ``budget_bytes``.
+        device: where the activations live (default: the device of the layers' parameters).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: Iterable[nn.Module] | None = None,
+        layer_cls: Any = None,
+        config: ActivationOffloadConfig | None = None,
+        plan: Any = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        if config is not None and not isinstance(config, ActivationOffloadConfig):
+            raise TypeError(f"config must be an ActivationOffloadConfig, got {type(config).__name__}")
+        self.config = config or ActivationOffloadConfig()
+        self.layers = resolve_layers(model, layers, layer_cls)
+        self._model_ref = weakref.ref(model)
+        if device is None:
+            params = [p for layer in self.layers for p in layer.parameters()] or list(model.parameters())
+            device = params[0].device if params else torch.device("cpu")
+            if device.type == "meta":
+                raise ValueError("the model is on the meta device; materialise it before offloading")
+        self.ops = DeviceOps(device)
+        if self.config.budget_bytes is not None and not self.ops.is_accelerator:
+            raise ValueError(
+                "budget_bytes needs an accelerator: the planner measures device memory and copy "
+                "time; on CPU pass plan= (a list of LayerMode) or no budget"
+            )
+        if self.config.budget_bytes is not None and not self.config.measure:
+            raise ValueError("budget_bytes needs measure=True: the planner plans from measured times")
+        self._mover = GroupMover(self.ops, bucket_bytes=self.config.bucket_bytes,
+                                 small_copy_bytes=self.config.small_copy_bytes, measure=self.config.measure)
+        self._lock = threading.RLock()
+        self._explicit_plan = self._check_plan(plan) if plan is not None else None
+        self.plan: Any = plan if plan is not None else None
+        self._reference: StepReport | None = None  # the measured step the planner starts from
+        self._step: _Step | None = None
+        self._hooks: list[Any] = []
+        self._patch: RecomputePatch | None = None
+        self._saved_hooks: Any = None
+        self._static_keys: set[int] = set()
+        self._grad_at_entry = False
+        self._closed = False
+        self.line_rate: tuple[float, float] | None = None  # (D2H, H2D) bytes/s once measured
+        self._cache_key: Any = None
+
+    def __repr__(self) -> str:
+        return f"ActivationOffloader({len(self.layers)} layers on {self.ops.device}, {self.config})"
+
+    # ---- public --------------------------------------------------------------------------------
+    @property
+    def arena(self):
+        """The pinned host arena holding offloaded activations (``reserved_bytes``: its RAM)."""
+        return self._mover.arena
+
+    def step(self) -> "ActivationOffloader":
+        """The context for one forward (same as using the offloader itself)."""
+        return self
+
+    def modes(self) -> list[LayerMode]:
+        """The per-layer modes the next step will use."""
+        return self._modes_for_step(planning=False)
+
+    def report(self) -> StepReport:
+        """What the last step measured. Call after its backward; blocks until the events it
+        reads have completed."""
+        step = self._step
+        if step is None:
+            raise ValueError("no step has run under this offloader yet")
+        return self._build_report(step)
+
+    def close(self) -> None:
+        """Free the pinned host memory. Refused while a step's saved activations are alive."""
+        if self._step is not None and self._step.live_records > 0:
+            raise ValueError(
+                "this offloader still holds saved activations of a forward whose backward has "
+                "not run; run backward (or drop the graph) before close()"
+            )
+        if not self._closed:
+            self._mover.close()
+            self._closed = True
+
+    # ---- context --------------------------------------------------------------------------------
+    def __enter__(self) -> "ActivationOffloader":
+        if self._closed:
+            raise ValueError("this ActivationOffloader was closed; create a new one")
+        if getattr(_TLS, "active", None) is not None:
+            raise ValueError(
+                "offload_activations is already active in this thread: nesting is not supported "
+                "(saved-tensor hooks form one stack and only the innermost would see the layers); "
+                "use one offloader around the whole forward"
+            )
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            raise ValueError(
+                "other saved-tensor hooks are active (torch.autograd.graph.save_on_cpu, a "
+                "checkpointed region, or another hook context); tidal's hooks would shadow them. "
+                "Enter offload_activations outside of them, around the whole forward"
+            )
+        prev = self._step
+        if prev is not None and prev.live_records > 0:
+            raise ValueError(
+                f"the activations saved by the previous forward under this offloader are still "
+                f"alive ({prev.live_records} storages): its backward has not run, or its graph is "
+                f"kept (e.g. backward(retain_graph=True) with the loss still referenced). Run "
+                f"loss.backward() and drop the graph before the next forward, or use one "
+                f"offloader per graph kept alive"
+            )
+        model = self._model_ref()
+        if model is None:
+            raise ValueError("the model of this offloader no longer exists")
+        check_checkpointing(self.layers)
+        if prev is not None and prev.peak is None:
+            prev.peak = self._peak()
+        modes = self._modes_for_step(planning=True)
+        step = _Step(self, modes)
+        self._mover.stalls = step.stalls
+        self._mover.d2h_intervals = step.d2h_intervals
+        self._mover.h2d_intervals = step.h2d_intervals
+        self._static_keys = static_storage_keys(model)
+        self._grad_at_entry = torch.is_grad_enabled()
+        if self.config.reset_peak and self.ops.is_accelerator and self.ops.module is not None:
+            self.ops.module.reset_peak_memory_stats(self.ops.device)
+        patch_layers = [l for l, m in zip(self.layers, modes) if m.recomputes and not user_checkpointed(l)]
+        try:
+            self._patch = RecomputePatch(patch_layers)
+            for li, layer in enumerate(self.layers):
+                self._hooks.append(layer.register_forward_pre_hook(
+                    lambda mod, args, kwargs, li=li: self._on_layer_start(li, args, kwargs), with_kwargs=True))
+                self._hooks.append(layer.register_forward_hook(
+                    lambda mod, args, out, li=li: self._on_layer_end(li)))
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+        except BaseException:
+            self._teardown()
+            raise
+        self._step = step
+        _TLS.active = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        step = self._step
+        try:
+            with self._lock:
+                if step is not None and step.forward_open:
+                    step.close_forward()
+                    step.fwd_exit = self._mover.timer.mark()
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._patch is not None:
+            self._patch.restore()
+            self._patch = None
+        _TLS.active = None
+
+    # ---- layer hooks ------------------------------------------------------------------------------
+    def _on_layer_start(self, li: int, args: tuple, kwargs: dict) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a checkpoint recomputing this layer during backward
+        step = self._step
+        if step is None or not step.forward_open:
+            return
+        if self._grad_at_entry and not torch.is_grad_enabled():
+            raise ValueError(
+                f"layer {li} ({type(self.layers[li]).__name__}) runs under no_grad inside a "
+                f"grad-enabled forward: that is reentrant checkpointing (use_reentrant=True), "
+                f"which cannot compose with activation offload (its activations are recomputed "
+                f"inside a nested backward the hooks cannot order). {REENTRANT_HELP}. If the "
+                f"layer runs without grad on purpose, leave it out of layers="
+            )
+        with self._lock:
+            step.offload_point()
+            group = _Group(len(step.groups), li, step.modes[li])
+            for rec in step.gap:
+                rec.group = group
+            group.records.extend(step.gap)
+            step.gap = []
+            prev_keys = step.groups[-1].input_keys if step.groups else set()
+            for t in list(args) + list(kwargs.values()):
+                if isinstance(t, torch.Tensor) and skip_reason(
+                        t, self.ops.device, self.config.min_offload_bytes, self._static_keys) is None:
+                    key = t.untyped_storage()._cdata
+                    if key not in group.input_keys:
+                        group.input_keys.add(key)
+                        if key not in prev_keys:
+                            group.input_bytes += t.untyped_storage().nbytes()
+            step.groups.append(group)
+            step.current = group
+            group.fwd_start = self._mover.timer.mark()
+            if step.fwd_first is None:
+                step.fwd_first = group.fwd_start
+
+    def _on_layer_end(self, li: int) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        step = self._step
+        if step is None or not step.forward_open or step.current is None:
+            return
+        step.current.fwd_end = self._mover.timer.mark()
+        step.current = None
+
+    # ---- saved-tensor hooks -------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        step = self._step
+        if step is None or not step.forward_open or torch._C._current_graph_task_id() != -1:
+            return t.detach()  # saved during backward (create_graph): stays on the device
+        reason = skip_reason(t, self.ops.device, self.config.min_offload_bytes, self._static_keys)
+        if reason is not None:
+            # What autograd would keep; detached so the packed value holds no grad_fn (an
+            # output saved by its own node would otherwise form a reference cycle).
+            return t.detach()
+        group = step.current
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if group is not None and not group.mode.offloads:
+            group.kept_bytes[key] = storage.nbytes()
+            return t.detach()
+        with self._lock:
+            rec = step.live.get(key)
+            if rec is None or rec.disposed or rec.x_gpu is None:
+                rec = SavedStorage(storage, group)
+                step.live[key] = rec
+                (group.records if group is not None else step.gap).append(rec)
+                step.live_records += 1
+            index = group.index if group is not None else len(step.groups)
+            return SavedView(rec, t, index, step)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        view: SavedView = packed
+        rec = view.storage
+        step: _Step = view.owner
+        with self._lock:
+            pid = torch._C._current_graph_task_id()
+            if pid != -1:
+                step.on_backward_use(view.group_index, pid)
+            if rec.x_gpu is None:
+                if rec.disposed or rec.batch is None:
+                    raise RuntimeError("tidal: a saved activation was lost (its storage was disposed)")
+                step.reload(rec.batch, None)
+            step.mover.consume(rec, view.group_index)
+            out = view.rebuild(rec.x_gpu)
+            if pid != -1 and rec.batch is not None and rec.batch.released:
+                # A host copy exists: once every live view was unpacked in this pass, autograd
+                # alone keeps the device copy (a retained graph's next pass reloads it).
+                if rec.pass_id != pid:
+                    rec.pass_id = pid
+                    rec.unpacked_views = set()
+                rec.unpacked_views.add(id(view))
+                if len(rec.unpacked_views) >= rec.live_views:
+                    rec.x_gpu = None
+        return out
+
+    # ---- modes and plans ------------------------------------------------------------------------------
+    def _check_plan(self, plan: Any) -> list[LayerMode]:
+        modes = getattr(plan, "modes", plan)
+        try:
+            modes = [m if isinstance(m, LayerMode) else LayerMode(m) for m in modes]
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"plan must be a sequence of LayerMode (or an ActivationPlan), got {plan!r}"
+            ) from None
+        if len(modes) != len(self.layers):
+            raise ValueError(f"plan has {len(modes)} modes for {len(self.layers)} layers; give one per layer")
+        return modes
+
+    def _modes_for_step(self, *, planning: bool) -> list[LayerMode]:
+        n = len(self.layers)
+        if self._explicit_plan is not None:
+            modes = list(self._explicit_plan)
+        elif self.config.budget_bytes is not None:
+            if self.plan is None and planning and self._step is not None and self._reference is None:
+                self._reference = self._build_report(self._step)
+                self._make_plan()
+            modes = list(self.plan.modes) if self.plan is not None else [LayerMode.OFFLOAD] * n
+        else:
+            modes = [self.config.default_mode] * n
+        for i, layer in enumerate(self.layers):
+            if user_checkpointed(layer) and not modes[i].recomputes:
+                # The user's checkpointing stays on; the mode only says whether its saved
+                # inputs are offloaded.
+                modes[i] = LayerMode.RECOMPUTE_OFFLOAD if modes[i].offloads else LayerMode.RECOMPUTE
+        return modes
+
+    def _make_plan(self) -> None:
+        from tidal.activations.planner import plan_from_report  # noqa: PLC0415 (planner imports us)
+
+        if self.line_rate is None:
+            rate = self.config.line_rate_bytes_per_s
+            self.line_rate = (rate, rate) if rate else self._mover.measure_line_rate()
+        self.plan = plan_from_report(self, self._reference)
+
+    def _peak(self) -> int | None:
+        if self.ops.is_accelerator and self.ops.module is not None:
+            return int(self.ops.module.max_memory_allocated(self.ops.device))
+        return None
+
+    def _build_report(self, step: _Step) -> StepReport:
+        if step.report is not None:
+            return step.report
+        sec = Timer.seconds
+        measured = self._mover.timer.enabled
+        stall_f = sum(sec(a, b) for ph, _, a, b in step.stalls if ph == "forward")
+        stall_b = sum(sec(a, b) for ph, _, a, b in step.stalls if ph == "backward")
+        groups = step.groups
+        rep = StepReport(
+            modes=[g.mode for g in groups],
+            bytes_offloaded=step.bytes_offloaded,
+            bytes_reloaded=step.bytes_reloaded,
+            bytes_kept_referenced=step.bytes_kept_referenced,
+            group_saved_bytes=[g.saved_bytes for g in groups],
+            group_input_bytes=[g.input_bytes for g in groups],
+            peak_allocated_bytes=step.peak if step.peak is not None else self._peak(),
+            host_reserved_bytes=self._mover.arena.reserved_bytes,
+        )
+        if measured and groups:
+            rep.exposed_copy_s = stall_f + stall_b
+            rep.forward_stall_s, rep.backward_stall_s = stall_f, stall_b
+            rep.d2h_busy_s = sum(sec(a, b) for a, b in step.d2h_intervals)
+            rep.h2d_busy_s = sum(sec(a, b) for a, b in step.h2d_intervals)
+            rep.layer_forward_s = [sec(g.fwd_start, g.fwd_end) for g in groups]
+            rep.forward_s = sec(step.fwd_first, step.fwd_exit)
+            rep.tail_forward_s = sec(groups[-1].fwd_end, step.fwd_exit)
+            if step.bwd_start is not None and step.bwd_end is not None:
+                marks = [g.bwd_mark for g in groups]
+                rep.backward_s = sec(step.bwd_start, step.bwd_end)
+                rep.tail_backward_s = sec(step.bwd_start, marks[-1]) if marks[-1] is not None else None
+                per_group_stall = [0.0] * len(groups)
+                for ph, gi, a, b in step.stalls:
+                    if ph == "backward" and 0 <= gi < len(groups):
+                        per_group_stall[gi] += sec(a, b)
+                bwd = []
+                for i, g in enumerate(groups):
+                    nxt = next((m for m in reversed(marks[:i]) if m is not None), step.bwd_end)
+                    bwd.append(max(sec(g.bwd_mark, nxt) - per_group_stall[i], 0.0) if g.bwd_mark is not None else 0.0)
+                rep.layer_backward_s = bwd
+        if step.bwd_end is not None or not measured:
+            step.report = rep
+        return rep
+
+
+_OFFLOADERS: "weakref.WeakKeyDictionary[nn.Module, ActivationOffloader]" = weakref.WeakKeyDictionary()
+
+
+def offload_activations(
+    model: nn.Module,
+    *,
+    layers: Iterable[nn.Module] | None = None,
+    layer_cls: Any = None,
+    config: ActivationOffloadConfig | None = None,
+    plan: Sequence[LayerMode] | Any = None,
+    **config_fields: Any,
+) -> ActivationOffloader:
+    """The offload context for one forward of ``model``::
+
+        with tidal.offload_activations(model, layers=model.model.layers, min_offload_bytes=1 << 20):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+
+    The model's :class:`ActivationOffloader` is made on first use and reused while ``layers``,
+    the config and the plan stay the same, so its pinned host memory (and its plan, with
+    ``budget_bytes``) carry over from step to step. Config fields may be given as keywords
+    or as ``config=``, not both.
+    """
+    if config is not None and config_fields:
+        raise TypeError("give config= or config fields as keywords, not both")
+    cfg = config if config is not None else ActivationOffloadConfig(**config_fields)
+    resolved = resolve_layers(model, layers, layer_cls)
+    plan_key = None if plan is None else tuple(LayerMode(m) for m in getattr(plan, "modes", plan))
+    key = (tuple(id(m) for m in resolved), cfg, plan_key)
+    off = _OFFLOADERS.get(model)
+    if off is None or off._cache_key != key:
+        if off is not None:
+            off.close()  # refuses while its activations are alive
+        off = ActivationOffloader(model, layers=resolved, config=cfg, plan=plan)
+        off._cache_key = key
+        _OFFLOADERS[model] = off
+    return off

@@ -1,0 +1,289 @@
+"""Keep, offload or recompute, per layer: the fastest plan whose peak fits a memory budget.
+
+Inputs, all measured in one warm-up step under the offloader (:func:`plan_from_report`):
+per layer, the bytes it saves (``saved_bytes``, what KEEP costs), the bytes of its inputs
+(``input_bytes``, what a checkpoint keeps), its forward and backward device time, the bytes of
+its parameters' gradients; the head's forward/backward time; the step's measured peak; and
+the D2H / H2D line rate of the offloader's own pinned buffers and streams.
+
+Model (:func:`simulate`), which mirrors what ``offload.py`` does:
+
+* forward, layer by layer. When layer ``i`` starts, the last offloaded group ``j < i`` is
+  offloaded: the previously in-flight group is released first, and the compute stream waits
+  until its D2H copy is done; the D2H stream copies groups in order at the D2H rate. The last
+  layer is never offloaded. The forward ends by releasing the group still in flight.
+* backward, from the last layer down. When layer ``b``'s backward starts, its own batch is
+  reloaded if it was not prefetched, and the next ``prefetch_groups`` offloaded groups below it
+  are prefetched; the H2D stream copies in order, never before that group's D2H finished, and
+  layer ``b`` waits for its own reload. A recomputed layer pays its forward again.
+* memory: activation bytes resident (kept groups, groups not yet released, reloaded groups,
+  checkpointed inputs), plus a recomputed layer's activations while its backward runs, plus
+  parameter gradients as the backward creates them; the model's peak is the maximum over all
+  these points.
+
+The model is calibrated on the measured step: predicted peak = measured peak of the warm-up
+step + model(plan) - model(warm-up plan), so what the model leaves out (parameters, optimizer
+state, the head's logits, workspaces) cancels. ``margin_bytes`` covers the rest.
+
+Search: start with every layer kept; while the predicted peak exceeds the budget, apply the
+single-layer change with the least added step time per byte of peak it removes (counting only
+the bytes still needed); then, while under budget, take any single change that makes the step
+faster. Raises ``ValueError`` when even the most aggressive plan cannot fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+from tidal.activations.config import LayerMode, StepReport
+from tidal.errors import format_bytes
+
+if TYPE_CHECKING:
+    from tidal.activations.offload import ActivationOffloader
+
+__all__ = ["LayerProfile", "ActivationPlan", "simulate", "plan_layers", "plan_from_report"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """What one layer costs, from a measured step."""
+
+    saved_bytes: int
+    input_bytes: int
+    forward_s: float
+    backward_s: float
+    grad_bytes: int = 0
+    user_checkpointed: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActivationPlan:
+    """The chosen mode per layer and what the model predicts for it."""
+
+    modes: tuple[LayerMode, ...]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_step_s: float
+    compute_s: float
+    keep_all_peak_bytes: int
+    keep_all_step_s: float
+
+    def summary(self) -> str:
+        counts = {m.value: sum(1 for x in self.modes if x is m) for m in LayerMode}
+        parts = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+        return (f"{parts}; predicted peak {format_bytes(self.predicted_peak_bytes)} (budget "
+                f"{format_bytes(self.budget_bytes)}), step {self.predicted_step_s * 1e3:.1f} ms "
+                f"(compute {self.compute_s * 1e3:.1f} ms)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sim:
+    step_s: float
+    memory_bytes: int
+    compute_s: float
+
+
+def _moved_bytes(p: LayerProfile, mode: LayerMode) -> int:
+    return p.input_bytes if mode.recomputes else p.saved_bytes
+
+
+def simulate(
+    profiles: Sequence[LayerProfile],
+    modes: Sequence[LayerMode],
+    *,
+    d2h_bytes_per_s: float,
+    h2d_bytes_per_s: float,
+    tail_forward_s: float = 0.0,
+    tail_backward_s: float = 0.0,
+    prefetch_groups: int = 1,
+) -> _Sim:
+    """Step time, modelled activation+gradient peak and pure compute time of ``modes``."""
+    n = len(profiles)
+    off = [modes[i].offloads and i < n - 1 for i in range(n)]
+    t = 0.0
+    compute = 0.0
+    resident = 0
+    peak = 0
+    d2h_free = 0.0
+    inflight: tuple[int, float] | None = None  # (bytes, d2h done time)
+    d2h_done: dict[int, float] = {}
+    last_ended: int | None = None
+    for i, p in enumerate(profiles):
+        if last_ended is not None and off[last_ended] and last_ended not in d2h_done:
+            if inflight is not None:
+                t = max(t, inflight[1])
+                resident -= inflight[0]
+            nbytes = _moved_bytes(profiles[last_ended], modes[last_ended])
+            d2h_free = max(t, d2h_free) + nbytes / d2h_bytes_per_s
+            d2h_done[last_ended] = d2h_free
+            inflight = (nbytes, d2h_free)
+        peak = max(peak, resident + p.saved_bytes)
+        t += p.forward_s
+        compute += p.forward_s
+        resident += _moved_bytes(p, modes[i])
+        last_ended = i
+    t += tail_forward_s
+    compute += tail_forward_s
+    if inflight is not None:
+        t = max(t, inflight[1])
+        resident -= inflight[0]
+    peak = max(peak, resident)
+    t += tail_backward_s
+    compute += tail_backward_s
+    grads = 0
+    h2d_free = 0.0
+    reloaded: dict[int, float] = {}
+    offloaded = [i for i in range(n) if off[i]]
+
+    def reload(j: int) -> None:
+        nonlocal h2d_free, resident
+        if j in reloaded:
+            return
+        start = max(t, h2d_free, d2h_done[j])
+        h2d_free = start + _moved_bytes(profiles[j], modes[j]) / h2d_bytes_per_s
+        reloaded[j] = h2d_free
+        resident += _moved_bytes(profiles[j], modes[j])
+
+    for b in reversed(range(n)):
+        p = profiles[b]
+        if off[b]:
+            reload(b)
+        ahead = prefetch_groups
+        for j in reversed(offloaded):
+            if ahead == 0:
+                break
+            if j < b:
+                reload(j)
+                ahead -= 1
+        if off[b]:
+            t = max(t, reloaded[b])
+        transient = max(p.saved_bytes - p.input_bytes, 0) if modes[b].recomputes else 0
+        peak = max(peak, resident + transient + grads + p.grad_bytes)
+        work = p.backward_s + (p.forward_s if modes[b].recomputes else 0.0)
+        t += work
+        compute += work
+        resident -= _moved_bytes(p, modes[b])
+        grads += p.grad_bytes
+    return _Sim(step_s=t, memory_bytes=peak, compute_s=compute)
+
+
+def _allowed(i: int, n: int, p: LayerProfile) -> list[LayerMode]:
+    if p.user_checkpointed:
+        return [LayerMode.RECOMPUTE] if i == n - 1 else [LayerMode.RECOMPUTE, LayerMode.RECOMPUTE_OFFLOAD]
+    if i == n - 1:  # the last group is never offloaded: its backward comes first
+        return [LayerMode.KEEP, LayerMode.RECOMPUTE]
+    return list(LayerMode)
+
+
+def plan_layers(
+    profiles: Sequence[LayerProfile],
+    *,
+    budget_bytes: int,
+    reference_modes: Sequence[LayerMode],
+    reference_peak_bytes: int,
+    d2h_bytes_per_s: float,
+    h2d_bytes_per_s: float,
+    tail_forward_s: float = 0.0,
+    tail_backward_s: float = 0.0,
+    prefetch_groups: int = 1,
+    margin_bytes: int = 0,
+) -> ActivationPlan:
+    """The plan with the least modelled step time whose predicted peak fits ``budget_bytes``
+    (greedy; see the module docstring)."""
+    n = len(profiles)
+    if n == 0 or len(reference_modes) != n:
+        raise ValueError(f"need one reference mode per layer profile, got {len(reference_modes)} for {n}")
+    if d2h_bytes_per_s <= 0 or h2d_bytes_per_s <= 0:
+        raise ValueError("line rates must be > 0 bytes/s")
+    kw = dict(d2h_bytes_per_s=d2h_bytes_per_s, h2d_bytes_per_s=h2d_bytes_per_s, tail_forward_s=tail_forward_s,
+              tail_backward_s=tail_backward_s, prefetch_groups=prefetch_groups)
+    base = reference_peak_bytes - simulate(profiles, reference_modes, **kw).memory_bytes
+    allowed = [_allowed(i, n, p) for i, p in enumerate(profiles)]
+
+    def predict(modes: list[LayerMode]) -> tuple[int, _Sim]:
+        sim = simulate(profiles, modes, **kw)
+        return base + sim.memory_bytes, sim
+
+    target = budget_bytes - margin_bytes
+    modes = [a[0] for a in allowed]
+    keep_peak, keep_sim = predict(modes)
+    peak, sim = keep_peak, keep_sim
+    while peak > target:
+        best: tuple[float, int, int, LayerMode, int, _Sim] | None = None
+        for i in range(n):
+            for m in allowed[i]:
+                if m is modes[i]:
+                    continue
+                cand = modes.copy()
+                cand[i] = m
+                p, s = predict(cand)
+                gain = peak - p
+                if gain <= 0:
+                    continue
+                score = (s.step_s - sim.step_s) / min(gain, peak - target)
+                key = (score, -gain, i)
+                if best is None or key < best[:3]:
+                    best = (score, -gain, i, m, p, s)
+        if best is None:
+            floor = predict([a[-1] for a in allowed])[0]
+            raise ValueError(
+                f"no plan fits budget_bytes={budget_bytes} ({format_bytes(budget_bytes)}) with a "
+                f"{format_bytes(margin_bytes)} margin: the lowest predicted peak is "
+                f"{format_bytes(floor)} (every layer recomputed and offloaded). Raise the budget, "
+                f"shorten the sequence or batch, or shard the model"
+            )
+        _, _, i, m, peak, sim = best
+        modes[i] = m
+    improved = True
+    while improved:
+        improved = False
+        for i in range(n):
+            for m in allowed[i]:
+                if m is modes[i]:
+                    continue
+                cand = modes.copy()
+                cand[i] = m
+                p, s = predict(cand)
+                if p <= target and s.step_s < sim.step_s * (1 - 1e-9):
+                    modes, peak, sim, improved = cand, p, s, True
+    return ActivationPlan(
+        modes=tuple(modes), budget_bytes=budget_bytes, predicted_peak_bytes=int(peak),
+        predicted_step_s=sim.step_s, compute_s=sim.compute_s,
+        keep_all_peak_bytes=int(keep_peak), keep_all_step_s=keep_sim.step_s,
+    )
+
+
+def plan_from_report(off: "ActivationOffloader", report: StepReport) -> ActivationPlan:
+    """Plan ``off``'s layers for ``off.config.budget_bytes`` from a step it measured."""
+    from tidal.activations.layers import user_checkpointed  # noqa: PLC0415
+
+    n = len(off.layers)
+    if len(report.modes) != n:
+        raise ValueError(
+            f"the planner needs each layer to run once per forward; the measured step ran "
+            f"{len(report.modes)} layer calls for {n} layers"
+        )
+    if report.layer_forward_s is None or report.peak_allocated_bytes is None:
+        raise ValueError("the planner needs a measured step (config.measure=True on an accelerator)")
+    if off.line_rate is None:
+        raise ValueError("the planner needs the line rate (config.line_rate_bytes_per_s or an accelerator)")
+    fwd = report.layer_forward_s
+    bwd = report.layer_backward_s or [2 * f for f in fwd]
+    profiles = []
+    for i, layer in enumerate(off.layers):
+        grads = sum(getattr(p, "_local_tensor", p).nbytes for p in layer.parameters() if p.requires_grad)
+        user = user_checkpointed(layer)
+        recomputed = report.modes[i].recomputes
+        profiles.append(LayerProfile(
+            saved_bytes=report.group_saved_bytes[i], input_bytes=report.group_input_bytes[i],
+            forward_s=fwd[i], backward_s=max(bwd[i] - (fwd[i] if recomputed else 0.0), 0.0),
+            grad_bytes=int(grads), user_checkpointed=user,
+        ))
+    d2h, h2d = off.line_rate
+    return plan_layers(
+        profiles, budget_bytes=off.config.budget_bytes, reference_modes=report.modes,
+        reference_peak_bytes=report.peak_allocated_bytes, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
+        tail_forward_s=report.tail_forward_s or 0.0, tail_backward_s=report.tail_backward_s or 0.0,
+        prefetch_groups=off.config.prefetch_groups, margin_bytes=off.config.planner_margin_bytes,
+    )
