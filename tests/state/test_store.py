@@ -628,3 +628,47 @@ def test_move_result_rates():
     r = MoveResult(bytes_out=10**9, bytes_in=10**9, seconds=2.0, release_seconds=0.0, driver_free_before=0,
                    driver_free_after=0, segments=2)
     assert r.gbps == pytest.approx(1.0)
+
+
+# ---- capped switch overlap --------------------------------------------------------------------
+def _big_entries(seed, n=8, numel=4096):
+    torch.manual_seed(seed)
+    ts = [torch.randn(numel) for _ in range(n)]  # 16 KiB each: one bucket apiece
+    return ts, collect_module_state([nn.ParameterList([nn.Parameter(t) for t in ts])], CPU, min_offload_bytes=0)
+
+
+@pytest.mark.parametrize("extra", [None, 0, 40 * KiB])
+def test_switch_extra_bytes_caps_what_both_sides_hold(extra):
+    """While A moves out and B in, A's + B's device bytes never exceed max(A, B) + extra
+    (None: full overlap, both at once); state is bit-exact either way."""
+    store = _store("fake-accel")
+    a_t, a = _big_entries(0)
+    b_t, b = _big_entries(1)
+    a_clone, b_clone = [t.clone() for t in a_t], [t.clone() for t in b_t]
+    store.offload(b)
+    held = []
+    copy_in = store.engine.copy_in
+
+    def spy(seg):
+        held.append(sum(e.storage.nbytes() for e in a + b))
+        return copy_in(seg)
+
+    store.engine.copy_in = spy
+    store.switch(a, b, extra_bytes=extra)
+    side = sum(e.nbytes for e in a)
+    if extra is None:
+        assert max(held) == 2 * side  # everything of B allocated while A still held
+    else:
+        assert max(held) <= side + extra
+        assert max(held) > side or extra == 0
+    assert all(e.storage.nbytes() == 0 for e in a)
+    store.reload(a)
+    for t, c in zip(a_t + b_t, a_clone + b_clone):
+        assert torch.equal(t, c)
+
+
+def test_switch_extra_bytes_rejects_negative():
+    from tidal import TimeshareConfig
+
+    with pytest.raises(ValueError, match="switch_extra_bytes"):
+        TimeshareConfig(switch_extra_bytes=-1)

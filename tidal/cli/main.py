@@ -135,11 +135,17 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--optimizer", choices=("adamw", "cpu_adam"), default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in training")
+    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=None,
+                   help="gradient checkpointing in training (default: on on a GPU, off on cpu)")
     p.add_argument("--kl-coef", type=float, default=0.02, help="KL to the reference (0: no reference role)")
     p.add_argument("--lora-rank", type=_nonneg_int, default=0, help="train LoRA adapters of this rank (needs peft)")
     p.add_argument("--baseline-steps", type=_nonneg_int, default=2,
                    help="steps of the same loop with all roles resident, to measure its peak (0: skip)")
+    p.add_argument("--switch-extra-mib", type=_nonneg_int, default=256,
+                   help="cap on how much a role switch overlaps: one role's state plus this many MiB "
+                   "(default 256; --full-overlap lifts the cap)")
+    p.add_argument("--full-overlap", action="store_true",
+                   help="let switches hold both roles' state at once (fastest, higher peak)")
     p.add_argument("--seed", type=_nonneg_int, default=0)
     p.add_argument("--out", default="tidal-demo", help="folder for timeline.png and demo.jsonl")
     p.set_defaults(run=_run_demo)
@@ -156,11 +162,13 @@ def _run_demo(args: argparse.Namespace) -> int:
             print(f"tidal demo: error: {e}", file=sys.stderr)
             return EXIT_USAGE
     chosen = defaults_for(args.device)
-    for name in ("preset", "steps", "digits", "prompts", "group", "micro_batch", "lr", "optimizer", "dtype"):
+    for name in ("preset", "steps", "digits", "prompts", "group", "micro_batch", "lr", "optimizer", "dtype",
+                 "grad_ckpt"):
         if getattr(args, name) is not None:
             chosen[name] = getattr(args, name)
-    settings = DemoSettings(**chosen, task=args.task, grad_ckpt=args.grad_ckpt, kl_coef=args.kl_coef,
+    settings = DemoSettings(**chosen, task=args.task, kl_coef=args.kl_coef,
                             lora_rank=args.lora_rank, baseline_steps=args.baseline_steps, seed=args.seed,
+                            switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
                             out_dir=args.out)
     try:
         run_demo(settings, log=lambda line: print(line, flush=True))

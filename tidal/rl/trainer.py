@@ -245,13 +245,21 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         role = "actor_train" if name == "train" else name
         with self.timeline.phase(name, step=self.step_index) as span, self._role(role) as load_s:
+            # Separate the switch's peak from the phase's own, for the planner's calibration.
+            switch_peak = self.ops.peak_allocated_bytes()
+            self.ops.reset_peak()
             yield
+            self.ops.synchronize()  # the compute peak must include the phase's queued kernels
+            compute_peak = self.ops.peak_allocated_bytes()
         recs = self.ts.records[start:] if self.ts is not None else []
         # The switch is timed by wall clock (it includes allocation and release); optimizer
         # moves inside step() by their records.
         in_step_s = sum(r.seconds for r in recs if r.kind.startswith("optim"))
+        peak = span.peak_allocated_bytes if not self.ops.is_accelerator else max(
+            span.peak_allocated_bytes, switch_peak, compute_peak)
         result.phases[name] = {
-            "seconds": time.perf_counter() - t0, "peak_allocated_bytes": span.peak_allocated_bytes,
+            "seconds": time.perf_counter() - t0, "peak_allocated_bytes": peak,
+            "switch_peak_allocated_bytes": switch_peak, "compute_peak_allocated_bytes": compute_peak,
             "peak_driver_used_bytes": span.peak_driver_used_bytes,
             "moved_bytes": sum(r.bytes_in + r.bytes_out for r in recs),
             "transition_seconds": load_s + in_step_s,

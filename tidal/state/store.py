@@ -160,6 +160,7 @@ class OffloadStore:
         *,
         what: str = "switch",
         headroom_bytes: int = 0,
+        extra_bytes: int | None = None,
     ) -> MoveResult:
         """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy.
 
@@ -167,6 +168,10 @@ class OffloadStore:
         their H2D copies queued as long as free memory allows; when it runs short, the host
         waits for the next out-going segment's copy, frees it, and goes on. So the switch
         overlaps fully when both sets fit at once and degrades gracefully when they do not.
+
+        ``extra_bytes`` caps the overlap: at no point do the two sides hold more than the
+        larger of them plus ``extra_bytes`` (None: as much as is free). The copies still run
+        on both engines, one segment apart, since freeing waits only for one D2H segment.
         """
         engine = self.engine
         # Dedup by key: entries of several roles may list a shared storage more than once; it
@@ -178,6 +183,10 @@ class OffloadStore:
         before = snapshot(self.ops)
         room = before.driver_free_bytes + before.cached_free_bytes - headroom_bytes
         room -= self.staging_bytes(int(bool(out_todo)) + int(bool(in_todo)))
+        if extra_bytes is not None:
+            # What may be loaded beyond what has been freed: then the held bytes never exceed
+            # max(out, in) + extra_bytes.
+            room = min(room, max(0, need_in - freeable) + extra_bytes)
         if need_in > room + freeable:
             raise InsufficientMemoryError(
                 what,

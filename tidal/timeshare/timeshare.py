@@ -55,6 +55,11 @@ class TimeshareConfig:
             being used is resident (every switch moves the others out), the usual setting for
             colocated RL roles.
         headroom_bytes: device memory a reload must leave free (for activations, KV cache).
+        switch_extra_bytes: caps how much a switch overlaps: while roles move out and in,
+            their state never takes more than the larger side plus this many bytes (plus one
+            staging bucket each way). ``None`` (default): as much as is free, the fastest. Set
+            it where the peak matters more than a few percent of switch speed: the copies still
+            run on both engines, one bucket apart.
         min_offload_bytes: storages smaller than this stay put (scalars such as Adam's step).
         release_tolerance_bytes: warn when the driver gets back less than the freed bytes
             minus this (memory stuck in allocator segments shared with live tensors).
@@ -69,6 +74,7 @@ class TimeshareConfig:
 
     budget_bytes: int | None = None
     headroom_bytes: int = 0
+    switch_extra_bytes: int | None = None
     min_offload_bytes: int = 16
     release_tolerance_bytes: int = 256 << 20
     release_to_driver: bool = True
@@ -77,6 +83,8 @@ class TimeshareConfig:
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and self.budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 or None, got {self.budget_bytes}")
+        if self.switch_extra_bytes is not None and self.switch_extra_bytes < 0:
+            raise ValueError(f"switch_extra_bytes must be >= 0 or None, got {self.switch_extra_bytes}")
         for name in ("headroom_bytes", "min_offload_bytes", "release_tolerance_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -424,7 +432,8 @@ class Timeshare:
         what = f"loading role {incoming.name!r}" if incoming else "offload"
         try:
             move = self.store.switch(out_entries, in_entries, what=what,
-                                     headroom_bytes=self.config.headroom_bytes)
+                                     headroom_bytes=self.config.headroom_bytes,
+                                     extra_bytes=self.config.switch_extra_bytes)
         except BaseException:
             # The store finishes an outgoing half it has started (its storages are then on the
             # host only); the flags must say so, or the roles would run on freed storages.
