@@ -56,8 +56,9 @@ class ActivationOffloadConfig:
             :func:`tidal.activations.plan_layers` makes from it (keep / offload / recompute
             per layer, the fastest plan whose modelled peak fits).
         default_mode: the mode of every layer when there is no budget and no explicit plan.
-        prefetch_groups: during backward, how many offloaded groups ahead of the one being
-            consumed are copied back. 1 keeps at most two offloaded groups resident.
+        prefetch_groups: during backward, how many layers ahead of the one being consumed
+            are copied back (when their backward starts, groups ``i-1 .. i-prefetch_groups``
+            are prefetched). 1 keeps at most two offloaded groups resident.
         bucket_bytes / small_copy_bytes: storages below ``small_copy_bytes`` are gathered on
             the device into a staging bucket of at most ``bucket_bytes`` and moved in one
             copy (the transfer engine's bucketing); each direction holds one bucket.

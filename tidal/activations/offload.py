@@ -17,13 +17,13 @@ How it works. ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor aut
 A forward pre-hook on each layer opens a *group*; tensors saved between two layers (a
 checkpoint's saved inputs, inter-layer ops) belong to the group that starts next; what is saved
 after the last layer (final norm, head, loss) stays on the device. When layer ``i+1`` starts,
-group ``i`` is offloaded (if its mode says so): its storages go to host on the D2H stream; the
-group offloaded before it is *released* first (the compute stream waits for its copy, then its
-device memory is dropped), so at most two offloaded groups are resident in forward: one being
-copied, one being computed. The last group is never offloaded (its backward comes first).
+group ``i`` is offloaded (if its mode says so): its storages go to host on the D2H stream. The
+group offloaded at the previous layer start is *released* first (the compute stream waits for
+its copy, which had one layer of compute to hide behind, then its device memory is dropped),
+so at most two offloaded groups are resident in forward: one being copied, one being computed. The last group is never offloaded (its backward comes first).
 In backward, the first use of a saved tensor of group ``i`` reloads group ``i`` if it is not
-already there and prefetches the next ``prefetch_groups`` offloaded groups below it on the
-H2D stream. Stream ordering: see ``mover.py``.
+already there and prefetches groups ``i-1 .. i-prefetch_groups`` (those offloaded) on the H2D
+stream. Stream ordering: see ``mover.py``.
 
 Which saved tensors are offloaded (``saved.py`` for the static rules): a storage is offloaded
 only if, when its group is offloaded, nothing but tidal's own alias holds it
@@ -141,6 +141,10 @@ class _Step:
         """Layer ``len(groups)`` is about to start: offload the group that just ended."""
         if not self.groups:
             return
+        if self.inflight is not None:
+            # Its copy had one layer of compute to hide behind; holding it longer would keep
+            # its memory at the peak (allocation order is host order).
+            self.release(self.inflight)
         prev = self.groups[-1]
         retry, self.pending = self.pending, []
         fresh = [r for r in prev.records if r.slot is None and r.x_gpu is not None] if prev.mode.offloads else []
@@ -157,8 +161,6 @@ class _Step:
                 chosen.append(rec)
         if not chosen:
             return
-        if self.inflight is not None:
-            self.release(self.inflight)
         batch = Batch(prev.index, chosen)
         self.mover.offload(batch)
         prev.batch = batch
@@ -203,13 +205,14 @@ class _Step:
             group.bwd_mark = self.mover.timer.mark()
         if group.batch is not None:
             self.reload(group.batch, pid)
-        ahead = self.off.config.prefetch_groups
+        # Prefetch the groups whose backward comes within the next prefetch_groups layers;
+        # a farther one would sit on the device (and at the peak) before it is needed.
+        lowest = gi - self.off.config.prefetch_groups
         for batch in reversed(self.batches):
-            if ahead == 0:
+            if batch.index < lowest:
                 break
             if batch.index < gi:
                 self.reload(batch, pid)
-                ahead -= 1
 
     def reload(self, batch: Batch, pid: int | None) -> None:
         if batch.reload_pass == pid and pid is not None:

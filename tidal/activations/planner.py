@@ -8,12 +8,12 @@ the D2H / H2D line rate of the offloader's own pinned buffers and streams.
 
 Model (:func:`simulate`), which mirrors what ``offload.py`` does:
 
-* forward, layer by layer. When layer ``i`` starts, the last offloaded group ``j < i`` is
-  offloaded: the previously in-flight group is released first, and the compute stream waits
-  until its D2H copy is done; the D2H stream copies groups in order at the D2H rate. The last
+* forward, layer by layer. When layer ``i`` starts, the group copied out since the previous
+  layer start is released (the compute stream waits until its D2H copy is done), then group
+  ``i - 1`` is offloaded if its mode says so; the D2H stream copies groups in order. The last
   layer is never offloaded. The forward ends by releasing the group still in flight.
 * backward, from the last layer down. When layer ``b``'s backward starts, its own batch is
-  reloaded if it was not prefetched, and the next ``prefetch_groups`` offloaded groups below it
+  reloaded if it was not prefetched, and the offloaded groups among ``b-1 .. b-prefetch_groups``
   are prefetched; the H2D stream copies in order, never before that group's D2H finished, and
   layer ``b`` waits for its own reload. A recomputed layer pays its forward again.
 * memory: activation bytes resident (kept groups, groups not yet released, reloaded groups,
@@ -110,10 +110,11 @@ def simulate(
     d2h_done: dict[int, float] = {}
     last_ended: int | None = None
     for i, p in enumerate(profiles):
-        if last_ended is not None and off[last_ended] and last_ended not in d2h_done:
-            if inflight is not None:
-                t = max(t, inflight[1])
-                resident -= inflight[0]
+        if inflight is not None:  # released at the layer start after the one that started it
+            t = max(t, inflight[1])
+            resident -= inflight[0]
+            inflight = None
+        if last_ended is not None and off[last_ended]:
             nbytes = _moved_bytes(profiles[last_ended], modes[last_ended])
             d2h_free = max(t, d2h_free) + nbytes / d2h_bytes_per_s
             d2h_done[last_ended] = d2h_free
@@ -149,13 +150,11 @@ def simulate(
         p = profiles[b]
         if off[b]:
             reload(b)
-        ahead = prefetch_groups
         for j in reversed(offloaded):
-            if ahead == 0:
+            if j < b - prefetch_groups:
                 break
             if j < b:
                 reload(j)
-                ahead -= 1
         if off[b]:
             t = max(t, reloaded[b])
         transient = max(p.saved_bytes - p.input_bytes, 0) if modes[b].recomputes else 0
