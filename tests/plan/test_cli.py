@@ -1,0 +1,60 @@
+"""``tidal plan``: argparse wiring, the printed report, JSON, usage errors."""
+
+import argparse
+import json
+
+import pytest
+
+from tidal.cli.plan import add_parser
+
+
+def _run(argv, capsys):
+    parser = argparse.ArgumentParser(prog="tidal")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", *argv])
+    code = args.run(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_report_has_table_recommendation_and_assumptions(capsys):
+    code, out, _ = _run(["--preset", "qwen2-7b", "--gpu-mem-gib", "79", "--prompts", "32", "--group", "8",
+                         "--gen-len", "1024", "--micro-batch", "8"], capsys)
+    assert code == 0
+    for text in ("rollout", "reference", "train", "optimizer_step", "peak allocated, timeshare",
+                 "peak allocated, all resident", "transitions per step", "recommendation for 1 GPU(s)",
+                 "Enable:", "assumptions:", "CUDA context"):
+        assert text in out, text
+
+
+def test_json_output_and_flags(capsys, tmp_path):
+    code, out, _ = _run(["--preset", "qwen2-0.5b", "--grad-ckpt", "--optimizer", "cpu_adam", "--lora-rank", "8",
+                         "--gpus", "2", "--zero-stage", "2", "--gpu-mem-gib", "24", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    cfg = data["plan"]["config"]
+    assert (cfg["grad_ckpt"], cfg["optimizer"], cfg["lora_rank"], cfg["dp"], cfg["zero_stage"]) == \
+        (True, "cpu_adam", 8, 2, 2)
+    assert data["recommendation"]["fits"] is True
+    assert data["plan"]["peak_bytes"] == max(p["peak_bytes"] for p in data["plan"]["phases"].values())
+    path = tmp_path / "plan.json"
+    code, out, _ = _run(["--preset", "qwen2-0.5b", "--json", str(path)], capsys)
+    assert code == 0 and json.loads(path.read_text())["recommendation"] is None
+
+
+def test_config_json_and_bench_bandwidth(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=2, intermediate_size=1024, vocab_size=32000)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"line_rate": {"d2h_gbps": 11.0, "h2d_gbps": 11.0, "bidir_gbps": 20.0}}))
+    code, out, _ = _run(["--config", str(tmp_path / "config.json"), "--bench-json", str(bench)], capsys)
+    assert code == 0 and "llama" in out and "D2H 11 GB/s" in out
+
+
+def test_usage_errors(capsys, tmp_path):
+    code, _, err = _run(["--config", str(tmp_path / "missing.json")], capsys)
+    assert code == 2 and "neither a preset" in err
+    with pytest.raises(SystemExit):
+        _run(["--preset", "gpt-9"], capsys)

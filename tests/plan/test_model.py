@@ -1,0 +1,144 @@
+"""The memory model: hand-computed small cases and the effect of every lever."""
+
+import json
+
+import pytest
+
+from tidal.plan import Bandwidth, ModelShape, PlanConfig, build_plan, predict_phases, preset
+from tidal.plan.activations import kv_cache_bytes_per_token, layer_saved_bytes_per_token
+
+# A Llama-style toy: per layer 7 linears (4096+2048+2048+4096+3*8192) + 2 norms (128).
+TOY = ModelShape(name="toy", layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                 vocab=100, tied_embeddings=False)
+N_TOY = 100 * 64 + 64 + 100 * 64 + 2 * 36992
+
+
+def _toy(**kw) -> PlanConfig:
+    base = dict(shape=TOY, prompts=2, group=2, prompt_len=8, gen_len=8, micro_batch=2, padding_mask=False,
+                misc_bytes=0)
+    return PlanConfig(**{**base, **kw})
+
+
+def test_toy_by_hand():
+    assert TOY.param_count() == N_TOY == 86848
+    # norms 8h+4eh+8, q and attention output e*q each, k+v 2e*kv, lse 4H, MLP 4ei
+    assert layer_saved_bytes_per_token(TOY, e=2, seq=16, padding_mask=False) == 1032 + 128 + 128 + 128 + 16 + 1024
+    assert kv_cache_bytes_per_token(TOY, kv_e=2) == 2 * 2 * 32 * 2
+    plan = build_plan(_toy())
+    p = N_TOY * 2
+    train = plan.timeshared["train"]
+    assert train.resident == {"actor params": p, "grads": p, "optimizer states": 2 * p}  # 2 micro-batches
+    step = plan.timeshared["optimizer_step"]
+    assert step.transient == {"adamw step temporary": p}
+    assert plan.timeshared["rollout"].resident == {"actor params": p}
+    # Rollout peak here is the prefill of 4 x 8 prompt tokens: prompt KV + the MLP moment of one
+    # layer (4eh + 3ei) + rotary cos/sin (2 e head_dim) per token.
+    assert plan.timeshared["rollout"].transient == {"kv cache": 4 * 8 * 256,
+                                                    "prefill workspace": 4 * 8 * (4 * 2 * 64 + 3 * 2 * 128 + 2 * 2 * 16)}
+    assert plan.timeshared["reference"].resident == {"reference params": p}
+    # all resident: actor + reference + optimizer states in every phase, grads in train
+    assert plan.all_resident["train"].resident == {"actor params": p, "reference params": p,
+                                                   "optimizer states": 2 * p, "grads": p}
+    assert plan.all_resident["train"].transient == train.transient
+    first = plan.transitions[0]
+    assert (first.before, first.after, first.bytes_out, first.bytes_in) == ("rollout", "reference", p, p)
+    assert first.seconds == pytest.approx(max(p / 55e9, 2 * p / 100e9))
+    moved = {(t.before, t.after): (t.bytes_out, t.bytes_in) for t in plan.transitions}
+    assert moved[("reference", "train")] == (p, 3 * p)
+    assert moved[("optimizer_step", "rollout")] == (2 * p, 0)
+
+
+def test_train_activations_by_formula_and_checkpointing():
+    tokens = 2 * 16
+    per_layer = layer_saved_bytes_per_token(TOY, e=2, seq=16, padding_mask=False)
+    plain = build_plan(_toy(logprob_span="completion")).timeshared["train"].transient
+    assert plain["saved activations"] == 2 * tokens * per_layer
+    ckpt = build_plan(_toy(grad_ckpt=True)).timeshared["train"].transient
+    assert ckpt["saved activations"] == 2 * tokens * 64 * 2  # the layer inputs only
+    big = dict(shape=preset("qwen2-1.5b"), micro_batch=8, prompt_len=512, gen_len=1536)
+    a = build_plan(PlanConfig(**big)).timeshared["train"]
+    b = build_plan(PlanConfig(**big, grad_ckpt=True)).timeshared["train"]
+    c = build_plan(PlanConfig(**big, grad_ckpt=True, act_offload=True)).timeshared["train"]
+    assert a.transient["saved activations"] > 10 * b.transient["saved activations"]
+    assert a.peak_bytes > b.peak_bytes > c.peak_bytes
+
+
+def test_zero_stages_shard_what_they_should():
+    s = preset("qwen2-7b")
+    def res(stage):
+        r = build_plan(PlanConfig(shape=s, zero_stage=stage, dp=4, micro_batch=1, prompts=4, group=1)).timeshared
+        return r["optimizer_step"].resident, r["train"].transient
+    full_p, full_g, full_o = s.param_count() * 2, s.param_count() * 2, s.param_count() * 4
+    r0, t0 = res(0)
+    assert (r0["actor params"], r0["grads"], r0["optimizer states"]) == (full_p, full_g, full_o)
+    r1, _ = res(1)
+    assert (r1["actor params"], r1["grads"], r1["optimizer states"]) == (full_p, full_g, full_o // 4)
+    r2, _ = res(2)
+    assert (r2["actor params"], r2["grads"], r2["optimizer states"]) == (full_p, full_g // 4, full_o // 4)
+    r3, t3 = res(3)
+    assert (r3["actor params"], r3["grads"], r3["optimizer states"]) == (full_p // 4, full_g // 4, full_o // 4)
+    assert t3["zero3 gathered params"] == (s.root_params() + 2 * s.layer_params()) * 2
+    assert "zero3 gathered params" not in t0
+
+
+def test_lora_shrinks_trainable_state_and_shares_the_reference():
+    s = preset("qwen2-1.5b")
+    full = build_plan(PlanConfig(shape=s))
+    lora = build_plan(PlanConfig(shape=s, lora_rank=16))
+    lr = lora.timeshared["optimizer_step"].resident
+    assert lr["optimizer states"] == s.lora_params(16) * 2 * 4  # fp32 adapters, two moments
+    assert lr["grads"] == s.lora_params(16) * 4 < full.timeshared["optimizer_step"].resident["grads"] / 20
+    assert "reference params" not in lora.timeshared["reference"].resident
+    assert lora.all_resident_peak_bytes < full.all_resident_peak_bytes
+    assert all(t.bytes_out + t.bytes_in < 1 << 30 for t in lora.transitions)  # only adapter state moves
+
+
+def test_optimizer_choices():
+    s = preset("qwen2-1.5b")
+    gpu = build_plan(PlanConfig(shape=s)).timeshared
+    off = build_plan(PlanConfig(shape=s, optimizer="adamw_offload")).timeshared
+    cpu = build_plan(PlanConfig(shape=s, optimizer="cpu_adam"))
+    assert "optimizer states" not in off["train"].resident
+    assert off["optimizer_step"].resident["optimizer states"] == gpu["optimizer_step"].resident["optimizer states"]
+    for ph in cpu.timeshared.values():
+        assert "optimizer states" not in ph.resident and "grads" not in ph.resident
+    assert cpu.streamed["cpu adam weights H2D (fp32)"] == s.param_count() * 4
+    assert cpu.timeshared["train"].transient["cpu adam grad staging"] == s.largest_param() * (2 + 4)
+
+
+def test_timeshare_beats_all_resident_and_modes_agree():
+    plan = build_plan(PlanConfig(shape="qwen2-1.5b"))
+    assert plan.timeshare_peak_bytes < plan.all_resident_peak_bytes
+    off = build_plan(PlanConfig(shape="qwen2-1.5b", timeshare=False))
+    assert off.peak_bytes == plan.all_resident_peak_bytes and not off.transitions
+    assert plan.device_peak_bytes == plan.peak_bytes + plan.config.cuda_context_bytes
+
+
+def test_predict_phases_hook():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                                   tie_word_embeddings=True)
+    got = predict_phases(ModelShape.from_hf_config(cfg), prompts=4, group=4, micro_batch=2, grad_ckpt=True)
+    assert set(got) == {"rollout", "reference", "train", "optimizer_step", "cuda_context"}
+    plan = build_plan(PlanConfig(shape="qwen2-0.5b", prompts=4, group=4, micro_batch=2, grad_ckpt=True))
+    assert all(got[p] == plan.timeshared[p].peak_bytes for p in plan.timeshared)
+    assert got["cuda_context"] == 500 << 20
+    assert predict_phases(cfg, prompts=4, group=4, micro_batch=2, grad_ckpt=True)["train"] == got["train"]
+
+
+def test_bandwidth_from_bench_json(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"line_rate": {"d2h_gbps": 50.0, "h2d_gbps": 40.0, "bidir_gbps": 80.0}}))
+    bw = Bandwidth.from_bench_json(str(path))
+    assert bw.seconds(0, 40_000_000_000) == pytest.approx(1.0)
+    assert bw.seconds(40e9, 40e9) == pytest.approx(1.0)  # both ways: 80e9 bytes at 80 GB/s
+    with pytest.raises(ValueError, match="line_rate"):
+        Bandwidth.from_bench_json({"other": 1})
+
+
+def test_invalid_configs_are_refused():
+    for bad in (dict(optimizer="sgd"), dict(zero_stage=4), dict(param_dtype="int8"), dict(micro_batch=0),
+                dict(lora_rank=4, lora_targets=("nope",))):
+        with pytest.raises(ValueError):
+            PlanConfig(shape="qwen2-0.5b", **bad)

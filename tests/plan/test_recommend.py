@@ -1,0 +1,57 @@
+"""recommend(): the cheapest set of levers that fits, every lever needed, misses stated."""
+
+import pytest
+
+from tidal.plan import GIB, LEVER_COSTS, PlanConfig, build_plan, recommend
+from tidal.plan.recommend import _apply
+
+SEVEN_B = dict(shape="qwen2-7b", prompts=64, group=8, prompt_len=128, gen_len=1024, micro_batch=8)
+
+
+def test_fits_as_configured_needs_nothing():
+    r = recommend(PlanConfig(shape="qwen2-0.5b"), gpu_mem_bytes=80 * GIB)
+    assert r.fits and r.levers == [] and r.miss_bytes == 0
+    assert r.plan.device_peak_bytes <= r.usable_bytes
+
+
+def test_levers_chosen_fit_and_each_is_needed():
+    config = PlanConfig(**SEVEN_B, timeshare=False)
+    r = recommend(config, gpu_mem_bytes=80 * GIB)
+    assert r.fits and r.levers
+    assert r.plan.device_peak_bytes <= r.usable_bytes
+    assert r.baseline_device_peak_bytes > r.usable_bytes
+    assert r.levers == sorted(r.levers, key=LEVER_COSTS.get)
+    # Dropping any chosen lever no longer fits (else a cheaper set would have been chosen).
+    for lever in r.levers:
+        rest = tuple(x for x in r.levers if x != lever)
+        assert build_plan(_apply(config, rest, 1)).device_peak_bytes > r.usable_bytes, lever
+        assert "without it" in r.reasons[lever]
+    # And the chosen set reproduces the reported plan.
+    assert build_plan(_apply(config, tuple(r.levers), 1)).device_peak_bytes == r.plan.device_peak_bytes
+
+
+def test_multi_gpu_uses_zero_when_one_gpu_cannot():
+    config = PlanConfig(shape="llama3-8b", prompts=16, group=4, prompt_len=256, gen_len=512, micro_batch=2)
+    one = recommend(config, gpu_mem_bytes=16 * GIB, gpus=1, allow_lora=False)
+    assert not one.fits and one.miss_bytes == one.plan.device_peak_bytes - one.usable_bytes > 0
+    assert "Nothing fits" in one.summary()[0]
+    eight = recommend(config, gpu_mem_bytes=16 * GIB, gpus=8, allow_lora=False)
+    assert eight.fits and any(x.startswith("zero") for x in eight.levers)
+    assert eight.plan.config.dp == 8
+
+
+def test_lora_is_the_last_resort():
+    # 7B bf16 weights on a 20 GiB GPU: CPU Adam's fp32 staging of the embedding gradient
+    # (3 GiB) is what tips it over; adapters avoid that gradient altogether.
+    config = PlanConfig(shape="qwen2-7b", prompts=4, group=4, micro_batch=2)
+    r = recommend(config, gpu_mem_bytes=20 * GIB)
+    assert r.fits and "lora" in r.levers and r.plan.config.lora_rank > 0
+    assert "changes what is trained" in r.reasons["lora"]
+    without = recommend(config, gpu_mem_bytes=20 * GIB, allow_lora=False)
+    assert not without.fits and "lora" not in without.levers
+    assert without.miss_bytes == without.plan.device_peak_bytes - without.usable_bytes
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        recommend(PlanConfig(shape="qwen2-0.5b"), gpu_mem_bytes=0)

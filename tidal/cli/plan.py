@@ -1,0 +1,152 @@
+"""``tidal plan``: the per-phase peak-memory model of a colocated RL step, and what to enable.
+
+Usage::
+
+    tidal plan (--preset qwen2-0.5b|qwen2-1.5b|qwen2-7b|llama3-8b | --config PATH/config.json)
+               [--gpu-mem-gib G] [--gpus N] [--zero-stage S] [--prompts P] [--group G]
+               [--prompt-len L] [--gen-len L] [--micro-batch B] [--grad-ckpt | --no-grad-ckpt]
+               [--optimizer adamw|adamw_offload|cpu_adam] [--lora-rank R] [--json [PATH]] ...
+
+Prints the per-phase table (GiB), the components of each phase, the predicted transition
+times, the recommendation (with ``--gpu-mem-gib``) and the assumptions. ``--json`` prints the
+same as JSON instead (or writes it to PATH). Nothing touches a GPU: it is arithmetic.
+
+Wiring (in ``tidal/cli/main.py``): ``from tidal.cli.plan import add_parser`` and add it to the
+subcommand list; ``add_parser`` sets ``run`` as the handler. Exit codes: 0 done (fitting or
+not: the report says), 2 usage error (unknown config, invalid value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["add_parser", "run"]
+
+EXIT_OK, EXIT_USAGE = 0, 2
+_PRESETS = ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "llama3-8b")  # mirrors tidal.plan.shapes.PRESETS
+_OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")  # mirrors tidal.plan.model.OPTIMIZERS
+_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _pos_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
+def _nonneg_int(text: str) -> int:
+    n = _pos_int(text) if text.strip() != "0" else 0
+    return n
+
+
+def _pos_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return x
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``plan`` on ``sub`` (the ``add_subparsers`` object of ``tidal``)."""
+    p = sub.add_parser(
+        "plan",
+        help="per-phase peak-memory model of an RL step; which offloads to enable",
+        description="Predict the peak GPU memory of each phase of a colocated GRPO step (rollout, "
+        "reference, train, optimizer step) with and without timesharing, the transition times, and "
+        "the cheapest set of memory levers that fits a GPU. Every assumption is printed.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=_PRESETS, default=None, help="model shape (default qwen2-1.5b)")
+    src.add_argument("--config", metavar="PATH", default=None, help="a Hugging Face config.json")
+    p.add_argument("--gpu-mem-gib", type=_pos_float, default=None,
+                   help="memory of one GPU in GiB; with it, a recommendation is made (80 GB H100: 79.2)")
+    p.add_argument("--gpus", type=_pos_int, default=1, help="GPUs (data-parallel degree; default 1)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
+    p.add_argument("--prompts", type=_pos_int, default=8, help="prompts per step, all GPUs (default 8)")
+    p.add_argument("--group", type=_pos_int, default=4, help="samples per prompt (default 4)")
+    p.add_argument("--prompt-len", type=_pos_int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--gen-len", type=_pos_int, default=256, help="max new tokens (default 256)")
+    p.add_argument("--micro-batch", type=_pos_int, default=4, help="train micro-batch, sequences (default 4)")
+    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=False,
+                   help="gradient checkpointing (default off)")
+    p.add_argument("--act-offload", action=argparse.BooleanOptionalAction, default=False,
+                   help="activation offload (default off)")
+    p.add_argument("--timeshare", action=argparse.BooleanOptionalAction, default=True,
+                   help="roles take turns on the GPU (default on)")
+    p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw", help="default adamw (states on the GPU)")
+    p.add_argument("--lora-rank", type=_nonneg_int, default=0, help="LoRA rank; 0 trains the full model (default)")
+    p.add_argument("--dtype", choices=_DTYPES, default="bf16", help="param/activation dtype (default bf16)")
+    p.add_argument("--optim-state-dtype", choices=_DTYPES, default=None,
+                   help="AdamW state dtype (default: the param dtype, as torch.optim.AdamW allocates)")
+    p.add_argument("--master-weights", action="store_true", help="fp32 master weights next to the optimizer states")
+    p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attention implementation (default sdpa)")
+    p.add_argument("--no-padding-mask", dest="padding_mask", action="store_false",
+                   help="batches carry no attention mask (default: padded batches with a mask)")
+    p.add_argument("--logprob-span", choices=("sequence", "completion"), default="sequence",
+                   help="positions whose log-probs are taken in fp32 (default sequence)")
+    p.add_argument("--context-mib", type=_nonneg_int, default=500, help="CUDA context, MiB (default 500, assumed)")
+    p.add_argument("--bench-json", metavar="PATH", default=None,
+                   help="take the line rate from a `tidal bench --json PATH` file")
+    p.add_argument("--d2h-gbps", type=_pos_float, default=None, help="device->host GB/s (default 55)")
+    p.add_argument("--h2d-gbps", type=_pos_float, default=None, help="host->device GB/s (default 55)")
+    p.add_argument("--bidir-gbps", type=_pos_float, default=None, help="both directions at once, GB/s (default 100)")
+    p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
+                   help="print JSON instead of the report (or write it to PATH)")
+    p.set_defaults(run=run)
+    return p
+
+
+def _bandwidth(args: argparse.Namespace):
+    import dataclasses  # noqa: PLC0415
+
+    from tidal.plan import Bandwidth  # noqa: PLC0415
+
+    bw = Bandwidth.from_bench_json(args.bench_json) if args.bench_json else Bandwidth()
+    over = {k: v for k, v in (("d2h_gbps", args.d2h_gbps), ("h2d_gbps", args.h2d_gbps),
+                              ("bidir_gbps", args.bidir_gbps)) if v is not None}
+    return dataclasses.replace(bw, **over)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the plan (and the recommendation) for ``args``; print it. Returns the exit code."""
+    from tidal.plan import GIB, PlanConfig, build_plan, format_plan, load_shape, recommend  # noqa: PLC0415
+
+    try:
+        shape = load_shape(args.config if args.config else (args.preset or "qwen2-1.5b"))
+        bw = _bandwidth(args)
+        config = PlanConfig(
+            shape=shape, param_dtype=args.dtype, optim_state_dtype=args.optim_state_dtype,
+            master_weights=args.master_weights, optimizer=args.optimizer, zero_stage=args.zero_stage, dp=args.gpus,
+            lora_rank=args.lora_rank, prompts=args.prompts, group=args.group, prompt_len=args.prompt_len,
+            gen_len=args.gen_len, micro_batch=args.micro_batch, padding_mask=args.padding_mask, attn=args.attn,
+            logprob_span=args.logprob_span, grad_ckpt=args.grad_ckpt, act_offload=args.act_offload,
+            timeshare=args.timeshare, cuda_context_bytes=args.context_mib << 20,
+        )
+    except (ValueError, OSError) as e:
+        print(f"tidal plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    plan = build_plan(config, bandwidth=bw)
+    rec = None
+    if args.gpu_mem_gib is not None:
+        rec = recommend(config, gpu_mem_bytes=int(args.gpu_mem_gib * GIB), gpus=args.gpus, bandwidth=bw)
+    if args.json is None:
+        print(format_plan(plan, rec), flush=True)
+        return EXIT_OK
+    data = {"plan": plan.to_dict(), "recommendation": rec.to_dict() if rec else None}
+    text = json.dumps(data, indent=2)
+    if args.json == "-":
+        print(text)
+    else:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {args.json}")
+    return EXIT_OK

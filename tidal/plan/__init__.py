@@ -1,0 +1,33 @@
+"""tidal.plan: a per-phase peak-memory model of a colocated RL step, and a lever recommender.
+
+Imports only the standard library (no torch, no CUDA): a plan is arithmetic on shapes.
+
+* :class:`ModelShape` (presets, ``ModelShape.from_hf_config``, ``ModelShape.from_json``);
+* :class:`PlanConfig` -> :func:`build_plan` -> :class:`Plan` (per-phase breakdown, peaks with
+  and without timeshare, transition times, assumptions);
+* :func:`predict_phases`: the calibration hook (predicted peak allocated bytes per phase);
+* :func:`recommend`: the cheapest set of memory levers that fits a GPU.
+"""
+
+from tidal.plan.model import (
+    GIB,
+    MIB,
+    OPTIMIZERS,
+    PHASES,
+    Bandwidth,
+    Phase,
+    Plan,
+    PlanConfig,
+    Transition,
+    build_plan,
+    predict_phases,
+)
+from tidal.plan.recommend import LEVER_COSTS, Recommendation, recommend
+from tidal.plan.report import format_plan
+from tidal.plan.shapes import LORA_TARGETS, PRESETS, ModelShape, load_shape, preset
+
+__all__ = [
+    "Bandwidth", "GIB", "LEVER_COSTS", "LORA_TARGETS", "MIB", "ModelShape", "OPTIMIZERS", "PHASES", "PRESETS",
+    "Phase", "Plan", "PlanConfig", "Recommendation", "Transition", "build_plan", "format_plan", "load_shape",
+    "predict_phases", "preset", "recommend",
+]

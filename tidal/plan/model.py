@@ -1,0 +1,372 @@
+"""The per-phase peak-memory model of one colocated RL (GRPO) step on one GPU.
+
+One step runs four phases in order: ``rollout`` (generation with a KV cache), ``reference``
+(frozen model, log-probs only), ``train`` (forward + backward of micro-batches) and
+``optimizer_step``. Each phase's peak = *resident* state (the roles that must be on the GPU)
++ the phase's largest *transient* (KV cache, activations, logits, temporaries). Both are in
+bytes allocated through torch's caching allocator (what ``torch.cuda.max_memory_allocated``
+reports); the CUDA context is a separate constant (:attr:`PlanConfig.cuda_context_bytes`),
+added only for driver-level totals.
+
+With ``timeshare=True`` only the active role's state is resident in a phase (tidal's
+:class:`~tidal.Timeshare`); ``all_resident`` gives the same phases with every role resident,
+for comparison. Transition times are bytes moved / bandwidth, the out-going and in-coming
+copies overlapped on separate copy engines.
+
+Every modelling choice is listed by :func:`Plan.assumptions`; :func:`predict_phases` is the
+calibration hook (predicted peak allocated bytes per phase for a configuration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from tidal.plan import activations as act
+from tidal.plan.phases import CPU_ADAM_CHUNK, gathered_params, reference_transient, role_state, rollout_transient, train_transient
+from tidal.plan.shapes import LORA_TARGETS, ModelShape, load_shape
+
+__all__ = ["PlanConfig", "Bandwidth", "Phase", "Transition", "Plan", "build_plan", "predict_phases",
+           "PHASES", "OPTIMIZERS", "MIB", "GIB"]
+
+MIB, GIB = 1 << 20, 1 << 30
+PHASES = ("rollout", "reference", "train", "optimizer_step")
+OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """Everything the model depends on. Sizes are per GPU unless the name says otherwise.
+
+    Model and precision: ``shape``; ``param_dtype`` (``bf16``/``fp16``/``fp32``, also the
+    activation dtype: no autocast); ``grad_dtype`` and ``optim_state_dtype`` default to the
+    param dtype (what ``torch.optim.AdamW`` allocates: ``zeros_like(param)``); set
+    ``optim_state_dtype="fp32"`` and ``master_weights=True`` for mixed-precision AdamW with
+    fp32 master weights. ``kv_dtype`` defaults to the param dtype.
+
+    Optimizer: ``"adamw"`` (states on the GPU; ``adamw_foreach``: torch's foreach step makes
+    one state-sized temporary, the fused one none), ``"adamw_offload"`` (states on the host
+    except during ``optimizer_step``), ``"cpu_adam"`` (:class:`tidal.CPUAdam`: no optimizer
+    bytes and no gradients kept on the GPU; each gradient is staged to the host in fp32 as it
+    is produced).
+
+    Sharding: ``zero_stage`` 0-3 over ``dp`` data-parallel GPUs: 1 shards optimizer states,
+    2 also gradients (one layer's unsharded gradients exist before its reduce-scatter), 3
+    also parameters (FSDP2: the root module's parameters stay gathered, and
+    ``zero3_gathered_layers`` layers are unsharded at once: the running one and the
+    prefetched one). ``prompts`` is global; each GPU rolls out ``ceil(prompts*group/dp)``.
+
+    LoRA: ``lora_rank > 0`` trains adapters on ``lora_targets`` (``lora_dtype``, fp32 as peft
+    casts them); the reference is the same base with adapters off (no second copy).
+
+    ``misc_bytes``: allocated bytes present in every phase besides the modelled ones (cuBLAS
+    workspace, small tensors; 40-100 MiB measured on an H200), outside the CUDA context.
+
+    RL step: ``prompts`` x ``group`` samples of ``prompt_len`` + ``gen_len`` tokens (every
+    sequence padded to the full length); ``micro_batch`` sequences per train forward/backward,
+    ``reference_micro_batch`` (default ``micro_batch``) per reference forward; ``padding_mask``:
+    batches carry an attention mask (left-padded prompts), see :mod:`tidal.plan.activations`.
+    ``logprob_span``: log-probs over every position (``"sequence"``) or the completion only.
+    ``logit_fp32_buffers``: fp32 ``(tokens x vocab)`` buffers alive at the train peak (the
+    log-softmax output, its incoming and its outgoing gradient: 3); ``keep_logits``: the caller
+    holds the model-dtype logits through backward (default: only log-probs are kept).
+    Rollout (HF ``generate``): ``sampling_fp32_buffers`` fp32 ``(batch x vocab)`` buffers at the
+    sampling step (fp32 logits, processed scores, probabilities, multinomial's exponential
+    draw and quotient: 5; ``min_new_tokens`` or top-k/top-p add one or two);
+    ``repeat_kv_in_decode``: each decode step repeats one layer's K/V to all heads (transformers
+    5.17 with a padding mask, measured; 5.23 packs GQA queries instead: set False).
+
+    Memory levers: ``timeshare``, ``grad_ckpt``, ``act_offload`` (tidal: at most two layers'
+    activations on the GPU), plus the optimizer and sharding choices above.
+    """
+
+    shape: ModelShape
+    param_dtype: str = "bf16"
+    grad_dtype: str | None = None
+    optim_state_dtype: str | None = None
+    master_weights: bool = False
+    kv_dtype: str | None = None
+    optimizer: str = "adamw"
+    adamw_foreach: bool = True
+    zero_stage: int = 0
+    dp: int = 1
+    zero3_gathered_layers: int = 2
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_dtype: str = "fp32"
+    prompts: int = 8
+    group: int = 4
+    prompt_len: int = 128
+    gen_len: int = 256
+    micro_batch: int = 4
+    reference_micro_batch: int | None = None
+    padding_mask: bool = True
+    attn: str = "sdpa"
+    logprob_span: str = "sequence"
+    logit_fp32_buffers: int = 3
+    keep_logits: bool = False
+    sampling_fp32_buffers: int = 5
+    repeat_kv_in_decode: bool = True
+    grad_ckpt: bool = False
+    act_offload: bool = False
+    timeshare: bool = True
+    rollout_shares_weights: bool = True
+    cuda_context_bytes: int = 500 * MIB
+    misc_bytes: int = 48 * MIB
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", load_shape(self.shape))
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        for name in ("param_dtype", "grad_dtype", "optim_state_dtype", "kv_dtype", "lora_dtype"):
+            if getattr(self, name) is not None:
+                act.dtype_bytes(getattr(self, name))
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
+        if self.attn not in act.ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attn must be one of {act.ATTN_IMPLEMENTATIONS}, got {self.attn!r}")
+        if self.logprob_span not in ("sequence", "completion"):
+            raise ValueError(f"logprob_span must be 'sequence' or 'completion', got {self.logprob_span!r}")
+        for name in ("dp", "prompts", "group", "prompt_len", "gen_len", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lora_rank", "logit_fp32_buffers", "sampling_fp32_buffers", "cuda_context_bytes", "misc_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.shape.lora_params(self.lora_rank, self.lora_targets)  # validates target names
+
+    def replace(self, **changes: Any) -> "PlanConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- derived sizes --------------------------------------------------------------------
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @property
+    def rollout_batch(self) -> int:
+        """Sequences generated on each GPU per step: ``ceil(prompts * group / dp)``."""
+        return -(-self.prompts * self.group // self.dp)
+
+    @property
+    def micro_batches(self) -> int:
+        """Train micro-batches per GPU per step (gradient accumulation steps)."""
+        return -(-self.rollout_batch // self.micro_batch)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = self.shape.to_dict()
+        d["lora_targets"] = list(self.lora_targets)
+        return d
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Bandwidth:
+    """Host<->GPU copy rates in GB/s (1e9 bytes/s). Defaults: pinned copies measured on an
+    H200 (DESIGN.md): 55 GB/s each way, ~100 GB/s with both copy engines busy."""
+
+    d2h_gbps: float = 55.0
+    h2d_gbps: float = 55.0
+    bidir_gbps: float = 100.0
+
+    def seconds(self, bytes_out: int, bytes_in: int) -> float:
+        """Time of an overlapped switch: each direction at its own rate, both together at
+        most at the bidirectional rate."""
+        t = max(bytes_out / (self.d2h_gbps * 1e9), bytes_in / (self.h2d_gbps * 1e9))
+        return max(t, (bytes_out + bytes_in) / (self.bidir_gbps * 1e9))
+
+    @classmethod
+    def from_bench_json(cls, source: str | dict) -> "Bandwidth":
+        """The line rate of a ``tidal bench --json PATH`` file (or its loaded dict)."""
+        data = source if isinstance(source, dict) else json.load(open(source))
+        line = data.get("line_rate", data)
+        try:
+            return cls(d2h_gbps=float(line["d2h_gbps"]), h2d_gbps=float(line["h2d_gbps"]),
+                       bidir_gbps=float(line["bidir_gbps"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"no line_rate.d2h_gbps/h2d_gbps/bidir_gbps in the bench JSON ({e})") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Phase:
+    """One phase's peak: ``resident`` and ``transient`` components (name -> bytes)."""
+
+    name: str
+    resident: dict[str, int]
+    transient: dict[str, int]
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.resident.values())
+
+    @property
+    def transient_bytes(self) -> int:
+        return sum(self.transient.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.resident_bytes + self.transient_bytes
+
+    def to_dict(self) -> dict:
+        return {"resident": dict(self.resident), "transient": dict(self.transient), "peak_bytes": self.peak_bytes}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Transition:
+    """Bytes moved between two phases and the predicted time of the overlapped switch."""
+
+    before: str
+    after: str
+    bytes_out: int
+    bytes_in: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The result of :func:`build_plan`. ``phases`` follows ``config.timeshare``;
+    ``timeshared`` / ``all_resident`` hold both modes for comparison. ``streamed``: bytes per
+    step that cross PCIe overlapped with compute (CPU Adam gradients/weights, activation
+    offload), with their time at the one-way rate."""
+
+    config: PlanConfig
+    bandwidth: Bandwidth
+    timeshared: dict[str, Phase]
+    all_resident: dict[str, Phase]
+    transitions: list[Transition]
+    streamed: dict[str, int]
+    host_bytes: int
+    assumptions: list[str]
+
+    @property
+    def phases(self) -> dict[str, Phase]:
+        return self.timeshared if self.config.timeshare else self.all_resident
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: self.phases[p].peak_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak allocated bytes of the configured mode (CUDA context not included)."""
+        return self.phases[self.peak_phase].peak_bytes
+
+    @property
+    def timeshare_peak_bytes(self) -> int:
+        return max(p.peak_bytes for p in self.timeshared.values())
+
+    @property
+    def all_resident_peak_bytes(self) -> int:
+        return max(p.peak_bytes for p in self.all_resident.values())
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """Driver-level estimate: peak allocated + CUDA context (allocator caching and
+        fragmentation on top are not modelled)."""
+        return self.peak_bytes + self.config.cuda_context_bytes
+
+    @property
+    def transition_seconds(self) -> float:
+        return sum(t.seconds for t in self.transitions)
+
+    def to_dict(self) -> dict:
+        return {
+            "config": self.config.to_dict(), "bandwidth": dataclasses.asdict(self.bandwidth),
+            "phases": {k: v.to_dict() for k, v in self.phases.items()},
+            "timeshared": {k: v.to_dict() for k, v in self.timeshared.items()},
+            "all_resident": {k: v.to_dict() for k, v in self.all_resident.items()},
+            "peak_phase": self.peak_phase, "peak_bytes": self.peak_bytes,
+            "timeshare_peak_bytes": self.timeshare_peak_bytes, "all_resident_peak_bytes": self.all_resident_peak_bytes,
+            "cuda_context_bytes": self.config.cuda_context_bytes, "device_peak_bytes": self.device_peak_bytes,
+            "transitions": [t.to_dict() for t in self.transitions], "transition_seconds": self.transition_seconds,
+            "streamed": dict(self.streamed), "host_bytes": self.host_bytes, "assumptions": list(self.assumptions),
+        }
+
+
+def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Plan:
+    """Predict every phase of one RL step for ``config``, in both residency modes."""
+    c, bw = config, bandwidth or Bandwidth()
+    st = role_state(c)
+    gathered = gathered_params(c)
+    actor_params = st["base"] + st["adapters"]
+    optim_in_train = st["optim"] if c.optimizer == "adamw" else 0
+    train_t, train_grads = train_transient(c, st)
+    step_t = {"adamw step temporary": st["step_temp"]} if st["step_temp"] else {}
+    if c.optimizer == "cpu_adam":
+        step_t = {"cpu adam weight chunks": 2 * CPU_ADAM_CHUNK}
+    transients = {"rollout": {**rollout_transient(c), **gathered}, "reference": {**reference_transient(c), **gathered},
+                  "train": {**train_t, **gathered}, "optimizer_step": step_t}
+
+    rollout_weights = {"rollout weights": st["rollout_copy"]} if st["rollout_copy"] else {"actor params": actor_params}
+    ref_weights = ({"actor params (base shared, adapters off)": actor_params} if c.lora_rank
+                   else {"reference params": st["reference"]})
+    ts_res = {
+        "rollout": rollout_weights,
+        "reference": ref_weights,
+        "train": {"actor params": actor_params, "grads": train_grads, "optimizer states": optim_in_train},
+        "optimizer_step": {"actor params": actor_params, "grads": st["grads"], "optimizer states": st["optim"]},
+    }
+    everything = {"actor params": actor_params, "reference params": st["reference"],
+                  "rollout weights": st["rollout_copy"], "optimizer states": optim_in_train}
+    all_res = {p: dict(everything) for p in PHASES}
+    all_res["train"]["grads"] = train_grads
+    all_res["optimizer_step"].update({"grads": st["grads"], "optimizer states": st["optim"]})
+
+    def phases(res: dict[str, dict[str, int]]) -> dict[str, Phase]:
+        res = {p: {**r, "misc (cuBLAS workspace, small tensors)": c.misc_bytes} for p, r in res.items()}
+        return {p: Phase(name=p, resident={k: v for k, v in res[p].items() if v},
+                         transient={k: v for k, v in transients[p].items() if v}) for p in PHASES}
+
+    moves: list[tuple[str, str, int, int]] = []
+    off_optim = st["optim"] if c.optimizer == "adamw_offload" else 0
+    if c.timeshare:
+        # What each switch moves. With LoRA the base stays (the reference is the base with
+        # adapters off) and only trainable state moves; a separate rollout copy swaps with
+        # the actor's params at both ends of the rollout.
+        base_moves = 0 if c.lora_rank else actor_params
+        own_optim = st["optim"] if c.optimizer != "cpu_adam" else 0
+        moves = [("rollout", "reference", st["rollout_copy"] or base_moves, st["reference"]),
+                 ("reference", "train", st["reference"], base_moves + optim_in_train),
+                 ("train", "optimizer_step", 0, off_optim),
+                 ("optimizer_step", "rollout", own_optim + (actor_params if st["rollout_copy"] else 0),
+                  st["rollout_copy"])]
+    elif off_optim:
+        moves = [("train", "optimizer_step", 0, off_optim), ("optimizer_step", "rollout", off_optim, 0)]
+    transitions = [Transition(before=a, after=b, bytes_out=o, bytes_in=i, seconds=bw.seconds(o, i))
+                   for a, b, o, i in moves if o or i]
+
+    streamed: dict[str, int] = {}
+    if c.optimizer == "cpu_adam":
+        streamed["cpu adam grads D2H (fp32)"] = st["trainable"] * 4 * c.micro_batches
+        streamed["cpu adam weights H2D (fp32)"] = st["trainable"] * 4
+    if c.act_offload and train_t.get("saved activations") and c.shape.layers > 2:
+        per = train_t["saved activations"] // min(2, c.shape.layers)
+        streamed["activation offload D2H+H2D"] = 2 * per * (c.shape.layers - 2) * c.micro_batches
+    host = st["optim"] if c.optimizer == "adamw_offload" else 0
+    if c.timeshare:  # every role's state that leaves the GPU at some switch (grads are dropped)
+        host = st["reference"] + (0 if c.lora_rank else actor_params) + st["optim"] + st["rollout_copy"]
+    if c.optimizer == "cpu_adam":
+        host += st["trainable"] * 16 + st["trainable"] * act.dtype_bytes(c.param_dtype)
+    from tidal.plan.assumptions import assumptions  # noqa: PLC0415 (a leaf module; avoids a cycle)
+    return Plan(config=c, bandwidth=bw, timeshared=phases(ts_res), all_resident=phases(all_res),
+                transitions=transitions, streamed=streamed, host_bytes=host, assumptions=assumptions(c, bw))
+
+
+def predict_phases(shape: Any, **config: Any) -> dict[str, int]:
+    """Predicted peak *allocated* bytes per phase (``torch.cuda.max_memory_allocated`` with the
+    peak reset right after the phase's role switch), for the same configuration as a
+    measured run: ``{"rollout", "reference", "train", "optimizer_step"}`` plus
+    ``"cuda_context"`` (the constant to add for driver-level figures, not in the others).
+
+    ``shape``: a :class:`ModelShape`, a preset name, a ``config.json`` path or a transformers
+    config object; ``config``: any :class:`PlanConfig` field (``timeshare`` defaults to True).
+    """
+    plan = build_plan(PlanConfig(shape=load_shape(shape), **config))
+    out = {name: phase.peak_bytes for name, phase in plan.phases.items()}
+    out["cuda_context"] = plan.config.cuda_context_bytes
+    return out

@@ -1,0 +1,161 @@
+"""Which memory levers to turn on so that an RL step fits a GPU, cheapest first.
+
+Levers, in order of what they cost (time, or a change of what is trained):
+
+1. ``timeshare``: roles take turns on the GPU (transitions at PCIe rate);
+2. ``optimizer_offload``: AdamW states on the host except during the step;
+3. ``grad_ckpt``: gradient checkpointing (one extra forward per layer in backward);
+4. ``cpu_adam``: the optimizer runs on the host, gradients stream out during backward;
+5. ``act_offload``: saved activations stream to the host and back;
+6. ``zero1`` / ``zero2`` / ``zero3``: shard across the GPUs (needs ``gpus > 1``; more
+   communication per stage);
+7. ``lora``: train adapters instead of the full model (a *suggestion*: it changes what is
+   trained).
+
+Costs are powers of two in that order, so the chosen set is the one whose most expensive
+lever is the cheapest, and every lever in it is needed (dropping any would give a cheaper set
+that, by construction, does not fit). Levers the configuration already has cost nothing.
+The whole space (at most 2 * 3 * 2 * 2 * 4 * 2 = 192 plans) is evaluated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from tidal.plan.model import GIB, Bandwidth, Plan, PlanConfig, build_plan
+
+__all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK"]
+
+LEVER_COSTS = {"timeshare": 1, "optimizer_offload": 2, "grad_ckpt": 4, "cpu_adam": 8, "act_offload": 16,
+               "zero1": 32, "zero2": 64, "zero3": 128, "lora": 1024}
+LORA_SUGGESTED_RANK = 16
+_WHY = {
+    "timeshare": "roles take turns: only the active role's state is on the GPU",
+    "optimizer_offload": "AdamW states wait on the host outside the optimizer step",
+    "grad_ckpt": "layers keep only their input; backward recomputes one layer at a time",
+    "cpu_adam": "no optimizer state or gradient stays on the GPU",
+    "act_offload": "at most two layers' activations stay on the GPU",
+    "zero1": "optimizer states sharded across the GPUs",
+    "zero2": "optimizer states and gradients sharded across the GPUs",
+    "zero3": "optimizer states, gradients and params sharded across the GPUs",
+    "lora": f"train rank-{LORA_SUGGESTED_RANK} adapters: trainable state becomes tiny and the reference shares the base "
+            "(changes what is trained)",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recommendation:
+    """The outcome of :func:`recommend`.
+
+    ``levers``: levers to turn on (cheapest first), with ``reasons[lever]`` saying what it
+    does and what the peak would be without it. ``plan``: the plan with them. ``fits``:
+    ``plan.device_peak_bytes <= usable_bytes``; when False, ``plan`` is the lowest-peak plan
+    found and ``miss_bytes`` says by how much it exceeds ``usable_bytes``.
+    """
+
+    fits: bool
+    levers: list[str]
+    reasons: dict[str, str]
+    plan: Plan
+    gpu_mem_bytes: int
+    usable_bytes: int
+    miss_bytes: int
+    baseline_device_peak_bytes: int
+
+    def summary(self) -> list[str]:
+        """Readable lines: what to enable and why, or by how much nothing fits."""
+        use, peak = self.usable_bytes / GIB, self.plan.device_peak_bytes / GIB
+        if self.fits and not self.levers:
+            return [f"Fits as configured: {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable."]
+        if self.fits:
+            lines = [f"Enable: {', '.join(self.levers)} -> {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable "
+                     f"(as configured: {self.baseline_device_peak_bytes / GIB:.2f} GiB)."]
+        else:
+            lines = [f"Nothing fits: the best plan ({', '.join(self.levers) or 'as configured'}) peaks at {peak:.2f} GiB "
+                     f"with context, {self.miss_bytes / GIB:.2f} GiB over the {use:.2f} GiB usable. Lower the micro-batch, "
+                     "the rollout batch (prompts x group per GPU) or the sequence length, or use more GPUs."]
+        lines += [f"  {lever}: {self.reasons[lever]}" for lever in self.levers]
+        return lines
+
+    def to_dict(self) -> dict:
+        return {"fits": self.fits, "levers": list(self.levers), "reasons": dict(self.reasons),
+                "gpu_mem_bytes": self.gpu_mem_bytes, "usable_bytes": self.usable_bytes, "miss_bytes": self.miss_bytes,
+                "device_peak_bytes": self.plan.device_peak_bytes, "peak_phase": self.plan.peak_phase,
+                "baseline_device_peak_bytes": self.baseline_device_peak_bytes, "config": self.plan.config.to_dict()}
+
+
+def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int) -> PlanConfig:
+    ch: dict = {}
+    for lever in levers:
+        if lever == "timeshare":
+            ch["timeshare"] = True
+        elif lever == "optimizer_offload":
+            ch["optimizer"] = "adamw_offload"
+        elif lever == "cpu_adam":
+            ch["optimizer"] = "cpu_adam"
+        elif lever in ("grad_ckpt", "act_offload"):
+            ch[lever] = True
+        elif lever.startswith("zero"):
+            ch["zero_stage"], ch["dp"] = int(lever[4]), gpus
+        elif lever == "lora":
+            ch["lora_rank"] = LORA_SUGGESTED_RANK
+    return base.replace(**ch)
+
+
+def _choices(base: PlanConfig, gpus: int) -> list[list[tuple[str, ...]]]:
+    """Per lever family, the options not already in ``base`` (the empty tuple = leave as is)."""
+    fams: list[list[tuple[str, ...]]] = []
+    if not base.timeshare:
+        fams.append([(), ("timeshare",)])
+    optim = [()]
+    if base.optimizer == "adamw":
+        optim.append(("optimizer_offload",))
+    if base.optimizer != "cpu_adam":
+        optim.append(("cpu_adam",))
+    fams.append(optim)
+    for flag in ("grad_ckpt", "act_offload"):
+        if not getattr(base, flag):
+            fams.append([(), (flag,)])
+    if gpus > 1:
+        fams.append([()] + [(f"zero{s}",) for s in range(max(base.zero_stage + 1, 1), 4)])
+    if not base.lora_rank:
+        fams.append([(), ("lora",)])
+    return fams
+
+
+def recommend(config: PlanConfig, *, gpu_mem_bytes: int, gpus: int = 1, reserve_fraction: float = 0.05,
+              bandwidth: Bandwidth | None = None, allow_lora: bool = True) -> Recommendation:
+    """The cheapest set of levers on top of ``config`` whose driver-level peak (allocated +
+    CUDA context) fits ``gpu_mem_bytes * (1 - reserve_fraction)`` on each of ``gpus`` GPUs.
+
+    ``reserve_fraction`` (default 5%) is kept free for allocator fragmentation and caching,
+    which the model does not predict. ``config.dp`` is set to ``gpus`` (data parallel over
+    all of them). Returns a :class:`Recommendation`.
+    """
+    if gpu_mem_bytes <= 0 or gpus < 1 or not 0 <= reserve_fraction < 1:
+        raise ValueError("gpu_mem_bytes must be > 0, gpus >= 1, 0 <= reserve_fraction < 1")
+    base = config.replace(dp=gpus)
+    usable = int(gpu_mem_bytes * (1 - reserve_fraction))
+    baseline = build_plan(base, bandwidth=bandwidth)
+    fams = _choices(base, gpus)
+    if not allow_lora:
+        fams = [f for f in fams if ("lora",) not in f]
+    scored = []
+    for combo in itertools.product(*fams):
+        levers = tuple(x for part in combo for x in part)
+        plan = build_plan(_apply(base, levers, gpus), bandwidth=bandwidth)
+        scored.append((sum(LEVER_COSTS[x] for x in levers), plan.device_peak_bytes, levers, plan))
+    fitting = [x for x in scored if x[1] <= usable]
+    fits = bool(fitting)
+    cost, peak, levers, plan = min(fitting or scored, key=lambda x: (x[0], x[1]) if fits else (x[1], x[0]))
+    by_levers = {x[2]: x[1] for x in scored}
+    reasons = {}
+    for lever in levers:
+        # Each family offers "leave as is", so the same set without this lever was evaluated.
+        without = by_levers[tuple(x for x in levers if x != lever)]
+        reasons[lever] = f"{_WHY[lever]}; without it {without / GIB:.2f} GiB"
+    levers_sorted = sorted(levers, key=LEVER_COSTS.get)
+    return Recommendation(fits=fits, levers=levers_sorted, reasons=reasons, plan=plan, gpu_mem_bytes=gpu_mem_bytes,
+                          usable_bytes=usable, miss_bytes=max(0, peak - usable),
+                          baseline_device_peak_bytes=baseline.device_peak_bytes)
