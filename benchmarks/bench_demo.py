@@ -52,6 +52,11 @@ def prediction(s: DemoSettings) -> dict[str, int]:
         prompts=s.prompts, group=s.group, prompt_len=s.digits + 2, gen_len=s.digits,
         micro_batch=s.micro_batch, padding_mask=False, logprob_span="completion",
         grad_ckpt=s.grad_ckpt, timeshare=True,
+        # The trainer's own buffers: log-probs over the 10 action ids only (so no fp32 vocab-wide
+        # buffer in training; backward through the slice makes one bf16 vocab-wide gradient,
+        # counted as one fp32-sized buffer), logits dropped before backward, its own sampling
+        # loop (one bf16 (batch x vocab) logits row per step) and no padding mask.
+        logit_fp32_buffers=1, keep_logits=False, sampling_fp32_buffers=1, repeat_kv_in_decode=False,
     )
 
 

@@ -2,8 +2,10 @@
 
 Usage::
 
+    tidal demo  [--device cpu|cuda|cuda:N] [--preset ...] [--steps N] [--optimizer adamw|cpu_adam] ...
     tidal bench [--preset tiny|qwen2-0.5b|qwen2-1.5b|qwen2-7b] [--device cpu|cuda|cuda:N]
                 [--warm-iters N] [--results PATH] [--json PATH]
+    tidal plan  [--preset qwen2-1.5b | --config config.json] [--gpu-mem-gib G] [--gpus N] ...
 
 Each subcommand registers itself with :func:`build_parser` through one ``_add_<name>``
 function and runs through one ``_run_<name>`` function, so ``demo`` and ``plan`` slot in
@@ -178,7 +180,13 @@ def _run_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_bench]
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from tidal.cli.plan import add_parser  # noqa: PLC0415 (arithmetic only: no torch model, no CUDA)
+
+    add_parser(sub)
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_bench, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -325,11 +325,12 @@ class GRPOTrainer:
                 chunk = seqs[i:j]
                 logits = self.policy(input_ids=chunk, use_cache=False, **kw).logits[:, -n_ans - 1:-1]
                 logp, ent = action_logprobs(logits, chunk[:, -n_ans:], ACTION_IDS, with_entropy=True)
+                del logits  # autograd keeps no reference: the (B, T, vocab) logits die before backward
                 old = old_logp[i:j] if old_logp is not None else logp.detach()
                 loss, st = grpo_loss(logp, old, adv[i:j], cfg.loss,
                                      ref_logp=ref_logp[i:j] if ref_logp is not None else None, entropy=ent)
                 (loss * ((j - i) / mini)).backward()
-                del logits, logp, ent, loss
+                del logp, ent, loss
                 self.timeline.sample()
                 for k, v in st.items():
                     totals[k] = totals.get(k, 0.0) + v
