@@ -186,7 +186,7 @@ def test_each_wait_prevents_its_race(wait):
 
 # ---- end to end ------------------------------------------------------------------------------------
 class _H2DDelay(torch.autograd.Function):
-    """Identity; its backward dirties the allocator pool with NaN blocks and queues a sleep on
+    """Identity; its backward fills the allocator's free blocks with NaN and queues a sleep on
     the offloader's H2D stream, so prefetches issued next land late into NaN buffers."""
 
     @staticmethod
@@ -196,8 +196,9 @@ class _H2DDelay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        torch.cuda.empty_cache()
-        decoys = [torch.full((N,), float("nan"), device="cuda") for _ in range(4)]
+        # Take every free block a reload could get and fill it with NaN (no synchronisation:
+        # the sleeps queued on the H2D stream must still be pending when the reload is used).
+        decoys = [torch.full((N,), float("nan"), device="cuda") for _ in range(12)]
         del decoys
         with torch.cuda.stream(ctx.off._mover.h2d_stream):
             torch.cuda._sleep(SLEEP)

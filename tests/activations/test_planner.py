@@ -76,15 +76,19 @@ def test_planner_prefers_what_is_cheap(rate, expect):
 
 
 def test_budget_calibrated_on_reference_peak():
+    """Parameters (static) and the head (fitted from the measured peak) are added to the
+    layers' resident activations."""
     p = _profiles()
-    ref = [O] * 8
+    ref = [O] * 7 + [K]
     rate = 50e9
+    static, head = 20 * GB, 3 * GB
     sim_ref = simulate(p, ref, d2h_bytes_per_s=rate, h2d_bytes_per_s=rate)
-    measured = sim_ref.memory_bytes + 20 * GB  # parameters, optimizer, logits: unseen by the model
-    plan = plan_layers(p, budget_bytes=26 * GB, reference_modes=ref, reference_peak_bytes=measured,
-                       d2h_bytes_per_s=rate, h2d_bytes_per_s=rate, margin_bytes=GB // 4)
-    assert plan.predicted_peak_bytes <= 26 * GB - GB // 4
-    assert plan.keep_all_peak_bytes == 20 * GB + 8 * GB
+    measured = static + sim_ref.tail_resident_bytes + head
+    plan = plan_layers(p, budget_bytes=30 * GB, reference_modes=ref, reference_peak_bytes=measured,
+                       static_bytes=static, d2h_bytes_per_s=rate, h2d_bytes_per_s=rate, margin_bytes=GB // 4)
+    assert plan.keep_all_peak_bytes == static + 8 * GB + head
+    assert plan.predicted_peak_bytes <= 30 * GB - GB // 4
+    assert plan.modes.count(K) >= 3  # only what the budget needs is moved
 
 
 def test_infeasible_budget_names_the_floor():

@@ -142,6 +142,8 @@ class StepReport:
         tail_forward_s / tail_backward_s: the part after the last layer (head, loss) in
             forward, and before the last layer's backward.
         peak_allocated_bytes: the allocator's peak during the step (``reset_peak``).
+        start_allocated_bytes: bytes allocated when the step started (parameters, optimizer
+            state, kept gradients): the planner's static part.
         host_reserved_bytes: pinned host bytes the offloader's arena holds.
     """
 
@@ -163,6 +165,7 @@ class StepReport:
     tail_forward_s: float | None = None
     tail_backward_s: float | None = None
     peak_allocated_bytes: int | None = None
+    start_allocated_bytes: int | None = None
     host_reserved_bytes: int = 0
 
     def summary(self) -> str:

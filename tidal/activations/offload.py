@@ -131,6 +131,7 @@ class _Step:
         self.bwd_start: Any = None
         self.bwd_end: Any = None
         self.peak: int | None = None
+        self.start_allocated = off.ops.allocated_bytes() if off.ops.is_accelerator else None
         self.stalls: list = []
         self.d2h_intervals: list = []
         self.h2d_intervals: list = []
@@ -566,6 +567,7 @@ class ActivationOffloader:
             group_saved_bytes=[g.saved_bytes for g in groups],
             group_input_bytes=[g.input_bytes for g in groups],
             peak_allocated_bytes=step.peak if step.peak is not None else self._peak(),
+            start_allocated_bytes=step.start_allocated,
             host_reserved_bytes=self._mover.arena.reserved_bytes,
         )
         if measured and groups:

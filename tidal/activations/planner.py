@@ -21,9 +21,11 @@ Model (:func:`simulate`), which mirrors what ``offload.py`` does:
   parameter gradients as the backward creates them; the model's peak is the maximum over all
   these points.
 
-The model is calibrated on the measured step: predicted peak = measured peak of the warm-up
-step + model(plan) - model(warm-up plan), so what the model leaves out (parameters, optimizer
-state, the head's logits, workspaces) cancels. ``margin_bytes`` covers the rest.
+The model is calibrated on the measured step: predicted peak = bytes allocated when the step
+started (parameters, optimizer state) + model(plan), where the model includes a head term
+(logits, loss) fitted so that the model reproduces the measured peak of the warm-up step at the
+point where the head runs (with the layers' resident activations under the warm-up plan).
+``margin_bytes`` covers what the model leaves out (workspaces inside a layer, fragmentation).
 
 Search: start with every layer kept; while the predicted peak exceeds the budget, apply the
 single-layer change with the least added step time per byte of peak it removes (counting only
@@ -82,6 +84,7 @@ class _Sim:
     step_s: float
     memory_bytes: int
     compute_s: float
+    tail_resident_bytes: int
 
 
 def _moved_bytes(p: LayerProfile, mode: LayerMode) -> int:
@@ -97,8 +100,11 @@ def simulate(
     tail_forward_s: float = 0.0,
     tail_backward_s: float = 0.0,
     prefetch_groups: int = 1,
+    tail_bytes: int = 0,
 ) -> _Sim:
-    """Step time, modelled activation+gradient peak and pure compute time of ``modes``."""
+    """Step time, modelled activation+gradient peak and pure compute time of ``modes``.
+    ``tail_bytes``: what the head and loss hold at their peak, on top of the layers' resident
+    activations at the end of the forward (the group in flight included)."""
     n = len(profiles)
     off = [modes[i].offloads and i < n - 1 for i in range(n)]
     t = 0.0
@@ -126,10 +132,11 @@ def simulate(
         last_ended = i
     t += tail_forward_s
     compute += tail_forward_s
+    tail_resident = resident
+    peak = max(peak, resident + tail_bytes)  # the head runs before the exit releases the last copy
     if inflight is not None:
         t = max(t, inflight[1])
         resident -= inflight[0]
-    peak = max(peak, resident)
     t += tail_backward_s
     compute += tail_backward_s
     grads = 0
@@ -164,7 +171,7 @@ def simulate(
         compute += work
         resident -= _moved_bytes(p, modes[b])
         grads += p.grad_bytes
-    return _Sim(step_s=t, memory_bytes=peak, compute_s=compute)
+    return _Sim(step_s=t, memory_bytes=peak, compute_s=compute, tail_resident_bytes=tail_resident)
 
 
 def _allowed(i: int, n: int, p: LayerProfile) -> list[LayerMode]:
@@ -181,6 +188,7 @@ def plan_layers(
     budget_bytes: int,
     reference_modes: Sequence[LayerMode],
     reference_peak_bytes: int,
+    static_bytes: int = 0,
     d2h_bytes_per_s: float,
     h2d_bytes_per_s: float,
     tail_forward_s: float = 0.0,
@@ -197,12 +205,16 @@ def plan_layers(
         raise ValueError("line rates must be > 0 bytes/s")
     kw = dict(d2h_bytes_per_s=d2h_bytes_per_s, h2d_bytes_per_s=h2d_bytes_per_s, tail_forward_s=tail_forward_s,
               tail_backward_s=tail_backward_s, prefetch_groups=prefetch_groups)
-    base = reference_peak_bytes - simulate(profiles, reference_modes, **kw).memory_bytes
+    # The head's share, fitted on the measured step: its peak, less what was allocated before
+    # the step, less the layers' activations resident when the head ran. If the measured peak
+    # was elsewhere, this overestimates the head: the prediction errs high, never low.
+    ref = simulate(profiles, reference_modes, **kw)
+    kw["tail_bytes"] = max(reference_peak_bytes - static_bytes - ref.tail_resident_bytes, 0)
     allowed = [_allowed(i, n, p) for i, p in enumerate(profiles)]
 
     def predict(modes: list[LayerMode]) -> tuple[int, _Sim]:
         sim = simulate(profiles, modes, **kw)
-        return base + sim.memory_bytes, sim
+        return static_bytes + sim.memory_bytes, sim
 
     target = budget_bytes - margin_bytes
     modes = [a[0] for a in allowed]
@@ -282,7 +294,8 @@ def plan_from_report(off: "ActivationOffloader", report: StepReport) -> Activati
     d2h, h2d = off.line_rate
     return plan_layers(
         profiles, budget_bytes=off.config.budget_bytes, reference_modes=report.modes,
-        reference_peak_bytes=report.peak_allocated_bytes, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
+        reference_peak_bytes=report.peak_allocated_bytes, static_bytes=report.start_allocated_bytes or 0,
+        d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
         tail_forward_s=report.tail_forward_s or 0.0, tail_backward_s=report.tail_backward_s or 0.0,
         prefetch_groups=off.config.prefetch_groups, margin_bytes=off.config.planner_margin_bytes,
     )
