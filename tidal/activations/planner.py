@@ -24,7 +24,9 @@ Model (:func:`simulate`), which mirrors what ``offload.py`` does:
 The model is calibrated on the measured step: predicted peak = bytes allocated when the step
 started (parameters, optimizer state) + model(plan), where the model includes a head term
 (logits, loss) fitted so that the model reproduces the measured peak of the warm-up step at the
-point where the head runs (with the layers' resident activations under the warm-up plan).
+point where the head runs (with the layers' resident activations under the warm-up plan), and
+applied conservatively (see :func:`plan_layers`). Measured on an H200 before that, a
+difference-only calibration under-predicted keep-heavy plans by one layer group.
 ``margin_bytes`` covers what the model leaves out (workspaces inside a layer, fragmentation).
 
 Search: start with every layer kept; while the predicted peak exceeds the budget, apply the
@@ -84,7 +86,7 @@ class _Sim:
     step_s: float
     memory_bytes: int
     compute_s: float
-    tail_resident_bytes: int
+    tail_resident_bytes: int  # layers' activations resident after the forward (copies released)
 
 
 def _moved_bytes(p: LayerProfile, mode: LayerMode) -> int:
@@ -132,11 +134,11 @@ def simulate(
         last_ended = i
     t += tail_forward_s
     compute += tail_forward_s
-    tail_resident = resident
     peak = max(peak, resident + tail_bytes)  # the head runs before the exit releases the last copy
     if inflight is not None:
         t = max(t, inflight[1])
         resident -= inflight[0]
+    tail_resident = resident
     t += tail_backward_s
     compute += tail_backward_s
     grads = 0
@@ -206,8 +208,10 @@ def plan_layers(
     kw = dict(d2h_bytes_per_s=d2h_bytes_per_s, h2d_bytes_per_s=h2d_bytes_per_s, tail_forward_s=tail_forward_s,
               tail_backward_s=tail_backward_s, prefetch_groups=prefetch_groups)
     # The head's share, fitted on the measured step: its peak, less what was allocated before
-    # the step, less the layers' activations resident when the head ran. If the measured peak
-    # was elsewhere, this overestimates the head: the prediction errs high, never low.
+    # the step, less the layers' activations resident after the forward (the smaller of the
+    # two head points, forward and backward), and applied at the larger one (with the copy
+    # still in flight). So the prediction errs high by at most one in-flight group whichever
+    # point the real peak is at; never low.
     ref = simulate(profiles, reference_modes, **kw)
     kw["tail_bytes"] = max(reference_peak_bytes - static_bytes - ref.tail_resident_bytes, 0)
     allowed = [_allowed(i, n, p) for i, p in enumerate(profiles)]
