@@ -8,7 +8,7 @@ and appends rows to ``benchmarks/RESULTS.md`` (``--no-results`` to skip).
 
 Usage::
 
-    python benchmarks/bench_demo.py                       # demo, two calibration configs, a reward run
+    python benchmarks/bench_demo.py                       # the demo's GPU default, three calibration configs
     python benchmarks/bench_demo.py --configs demo --steps 30
 """
 
@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import os
+import shutil
 import sys
 
 import torch
@@ -30,12 +32,11 @@ from tidal.plan import predict_phases  # noqa: E402
 CONFIGS = {
     # name: overrides of the GPU defaults of tidal demo
     "demo": {},
-    "cal-0.5b": {"preset": "qwen2-0.5b", "digits": 32, "prompts": 32, "group": 8, "micro_batch": 32,
-                 "grad_ckpt": False},
+    "cal-1.5b-cpu-adam-ckpt": {"preset": "qwen2-1.5b", "digits": 64, "prompts": 16, "group": 8, "micro_batch": 16,
+                               "grad_ckpt": True, "lr": 5e-5},
     "cal-1.5b-adamw-ckpt": {"preset": "qwen2-1.5b", "optimizer": "adamw", "digits": 64, "prompts": 32,
-                            "group": 8, "micro_batch": 32},
-    "reward-0.5b": {"preset": "qwen2-0.5b", "digits": 8, "prompts": 32, "group": 8, "micro_batch": 64,
-                    "lr": 1e-4, "grad_ckpt": False},
+                            "group": 8, "micro_batch": 32, "grad_ckpt": True, "lr": 5e-5},
+    "cal-0.5b-long": {"preset": "qwen2-0.5b", "digits": 32, "prompts": 32, "group": 8, "micro_batch": 32},
 }
 PHASES = ("rollout", "reference", "train")
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -62,9 +63,9 @@ def prediction(s: DemoSettings) -> dict[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="+", default=["demo", "cal-0.5b", "cal-1.5b-adamw-ckpt", "reward-0.5b"],
+    ap.add_argument("--configs", nargs="+", default=["demo", "cal-0.5b-long", "cal-1.5b-cpu-adam-ckpt", "cal-1.5b-adamw-ckpt"],
                     choices=sorted(CONFIGS))
-    ap.add_argument("--steps", type=int, default=20, help="steps of the demo and reward runs")
+    ap.add_argument("--steps", type=int, default=30, help="steps of the demo run")
     ap.add_argument("--cal-steps", type=int, default=4, help="steps of the calibration-only runs")
     ap.add_argument("--baseline-steps", type=int, default=1)
     ap.add_argument("--out", default="tidal-bench-demo")
@@ -91,7 +92,10 @@ def main() -> int:
         for ph in PHASES:
             meas = summary["phases"][ph]["compute_peak_allocated_bytes"]
             rows.append((name, s, ph, pred[ph], meas, summary))
+        gc.collect()  # the run's models must be gone before the next configuration measures
         torch.cuda.empty_cache()
+        if name == "demo" and summary.get("png"):
+            shutil.copy(summary["png"], os.path.join(args.out, "..", "timeline_demo.png"))
 
     print("\nplanner calibration (peak allocated per phase, after the phase's switch):")
     print(f"{'config':<22} {'phase':<10} {'predicted GiB':>13} {'measured GiB':>12} {'pred/meas':>9}")
@@ -109,14 +113,14 @@ def main() -> int:
                         f"{pred / 2**30:.3f} | {meas / 2**30:.3f} | {pred / meas:.3f} |\n")
             for name in dict.fromkeys(r[0] for r in rows):
                 summ = next(r[5] for r in rows if r[0] == name)
-                base_peak = summ["peak_all_resident_bytes"]
-                ratio = (f"{summ['peak_timeshare_bytes'] / base_peak:.2f}" if isinstance(base_peak, int)
-                         else str(base_peak))
+                base = ", ".join(
+                    f"{opt} {v / 2**30:.2f} GiB (ratio {summ['peak_timeshare_bytes'] / v:.2f})" if isinstance(v, int)
+                    else f"{opt} {v}" for opt, v in summ["peak_all_resident_by_optimizer"].items())
                 f.write(f"<!-- demo {name}: step {summ['step_seconds']:.3f} s, transitions "
                         f"{100 * summ['transition_fraction']:.1f}%, peak timeshare "
-                        f"{summ['peak_timeshare_bytes'] / 2**30:.2f} GiB vs all-resident "
-                        f"{base_peak / 2**30 if isinstance(base_peak, int) else base_peak} GiB (ratio {ratio}), "
-                        f"reward {summ['reward_first']:.3f} -> {summ['reward_last']:.3f} -->\n")
+                        f"{summ['peak_timeshare_bytes'] / 2**30:.2f} GiB; all resident: {base}; reward "
+                        f"{summ['reward_first']:.3f} -> {summ['reward_last']:.3f}; rollout left "
+                        f"{summ['rollout_left_allocated_bytes']} B; max unreleased {summ['max_unreleased_bytes']} B -->\n")
         print(f"rows appended to {args.results}")
     return 0
 

@@ -130,3 +130,32 @@ def test_timeshare_role_with_cpu_adam_moves_only_params():
         assert rec.bytes_out == params
         assert "lives on the host" in ts.report()
         ts.load("actor")
+
+
+@pytest.mark.parametrize("bound_mib", [None, 64])
+def test_inflight_gradients_are_bounded(bound_mib):
+    """With the D2H stream held up by queued GPU work, every bf16 gradient and its fp32 cast
+    would wait on the device at once; max_inflight_bytes makes the backward wait instead, so
+    the device never holds more than the bound plus the gradient just produced."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)]).cuda().to(torch.bfloat16)
+    per_grad = 2048 * 2048 * (2 + 4)  # bf16 gradient + its fp32 cast: 24 MiB
+    limit = (bound_mib or 1 << 20) * MiB  # None: effectively unbounded
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-3, max_inflight_bytes=limit)
+    x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    loss = model(x).float().pow(2).mean()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.cuda.stream(opt._d2h):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the copies queue behind this
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    opt.step()
+    opt.zero_grad()
+    if bound_mib is None:
+        assert extra >= 8 * per_grad, extra  # all eight pending together
+    else:
+        assert extra <= limit + 2 * per_grad + 8 * MiB, extra  # bound + the newest + activation grads
+    assert all(p.grad is None for p in model.parameters())

@@ -44,6 +44,7 @@ class DemoSettings:
     kl_coef: float = 0.02
     lora_rank: int = 0
     baseline_steps: int = 2
+    baseline_optimizers: tuple[str, ...] = ("same", "adamw")
     switch_extra_mib: int | None = 256
     seed: int = 0
     out_dir: str = "tidal-demo"
@@ -58,11 +59,11 @@ def defaults_for(device: str | None) -> dict:
     if device == "cpu":
         return {"device": "cpu", "preset": "nano", "steps": 200, "lr": 1e-3, "optimizer": "adamw",
                 "dtype": "float32", "digits": 4, "prompts": 16, "group": 8, "micro_batch": 64}
-    # Long answers from few prompts: generation dominates the step (as in real RL), so the
-    # switches are a small part of it, while the KV cache and activations (gradient
-    # checkpointing, micro-batches of 4) stay small next to the weights the roles swap.
-    return {"device": device, "preset": "qwen2-1.5b", "steps": 20, "lr": 5e-5, "optimizer": "cpu_adam",
-            "dtype": "bfloat16", "digits": 256, "prompts": 8, "group": 8, "micro_batch": 4, "grad_ckpt": True}
+    # Many samples of a short task: the reward rises within a few steps, and the rollout,
+    # reference and micro-batched training of 1024 samples make a step long enough that the
+    # switches are a small part of it.
+    return {"device": device, "preset": "qwen2-0.5b", "steps": 30, "lr": 1e-4, "optimizer": "cpu_adam",
+            "dtype": "bfloat16", "digits": 8, "prompts": 64, "group": 16, "micro_batch": 64, "grad_ckpt": False}
 
 
 def _build_policy(s: DemoSettings):
@@ -169,6 +170,11 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     run_s = time.perf_counter() - t_run
     timeline = trainer.timeline
     report = trainer.ts.report() if trainer.ts is not None else ""
+    records = trainer.ts.records if trainer.ts is not None else []
+    # What the driver did not get back after each switch (allocator segments still shared
+    # with live tensors); and what the rollout left allocated (its KV cache must be gone).
+    unreleased = max((r.unreleased_bytes for r in records), default=0)
+    rollout_left = max(r.phases["rollout"]["left_allocated_bytes"] for r in results)
     trainer.close()
     del trainer
     _free_device(s.device)
@@ -181,18 +187,23 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     trans_s = sum(v["transition_seconds"] for v in rows.values())
     peak_ts = max(v["peak_allocated_bytes"] for v in rows.values())
 
-    baseline_peak = None
-    if s.baseline_steps > 0:
+    # The same loop with every role resident: with this run's optimizer, and the usual way
+    # (GPU AdamW), each measured in this process after the timeshare run is gone.
+    baselines: dict[str, int | str] = {}
+    for which in dict.fromkeys(s.optimizer if b == "same" else b for b in s.baseline_optimizers):
+        if s.baseline_steps == 0:
+            break
         try:
-            base = _trainer(s, timeshare=False)
+            base = _trainer(dataclasses.replace(s, optimizer=which), timeshare=False)
             base_results = [base.step() for _ in range(s.baseline_steps)]
-            baseline_peak = max(v["peak_allocated_bytes"] for v in _phase_rows(base_results).values())
+            baselines[which] = max(v["peak_allocated_bytes"] for v in _phase_rows(base_results).values())
             base.close()
             del base
         except torch.OutOfMemoryError as e:
-            baseline_peak = "OOM"
-            log(f"all-resident baseline ran out of device memory: {str(e).splitlines()[0]}")
+            baselines[which] = "OOM"
+            log(f"all-resident baseline ({which}) ran out of device memory: {str(e).splitlines()[0]}")
         _free_device(s.device)
+    baseline_peak = baselines.get(s.optimizer)
 
     # ---- print ---------------------------------------------------------------------------
     on_gpu = s.device != "cpu"
@@ -209,18 +220,25 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     what = "allocated device memory" if on_gpu else "role state on the device (CPU run: no device allocator)"
     log(f"peak {what} with the timeshare: {format_bytes(peak_ts)}; state of all roles resident at once: "
         f"{format_bytes(all_state)}")
-    if baseline_peak == "OOM":
-        log("all roles resident (same loop, no timeshare): out of memory")
-    elif baseline_peak is not None:
-        log(f"all roles resident (same loop, no timeshare, {s.baseline_steps} steps): peak "
-            f"{format_bytes(baseline_peak)}; timeshare / all-resident = {peak_ts / baseline_peak:.2f}")
+    for which, peak in baselines.items():
+        how = f"optimizer {which}" + (" as above" if which == s.optimizer else " on the device, the usual way")
+        if peak == "OOM":
+            log(f"all roles resident ({how}, no timeshare): out of memory")
+        else:
+            log(f"all roles resident ({how}, no timeshare, {s.baseline_steps} steps): peak "
+                f"{format_bytes(peak)}; timeshare / all-resident = {peak_ts / peak:.2f}")
+    if on_gpu:
+        log(f"rollout KV cache: {format_bytes(rollout_left)} left allocated after any rollout; the driver got "
+            f"back all but {format_bytes(unreleased)} of what every switch freed ({len(records)} transitions)")
     log(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     png = os.path.join(s.out_dir, "timeline.png")
     summary = {
         "type": "summary", "settings": dataclasses.asdict(s), "params": n_params, "phases": rows,
         "step_seconds": step_s, "transition_seconds": trans_s, "transition_fraction": trans_s / step_s,
         "peak_timeshare_bytes": peak_ts, "all_resident_state_bytes": all_state,
-        "peak_all_resident_bytes": baseline_peak, "reward_first": first, "reward_last": last,
+        "peak_all_resident_bytes": baseline_peak, "peak_all_resident_by_optimizer": baselines,
+        "reward_first": first, "reward_last": last,
+        "rollout_left_allocated_bytes": rollout_left, "max_unreleased_bytes": unreleased,
         "device_name": torch.cuda.get_device_name(s.device) if on_gpu else "cpu",
         "torch": torch.__version__,
     }

@@ -14,9 +14,11 @@ gradient before the first update, so :meth:`CPUAdam.clip_grad_norm_` refuses aft
 backward, and without ``step_in_backward`` the grad copies still overlap backward while the
 updates run in ``step()``, after clipping.
 
-Memory per parameter: device 0 bytes of optimizer state or gradient (gradients leave the
-device as they are produced; a transient fp32 copy of one gradient or weight exists while it
-crosses); host 16 bytes (fp32 master and gradient, pinned; exp_avg, exp_avg_sq; +4 with
+Memory per parameter: device 0 bytes of optimizer state or gradient. Gradients leave the
+device as they are produced; while their copies are in flight the device holds each one and
+its fp32 cast, at most ``max_inflight_bytes`` of them (plus the one just produced): past that
+the backward waits for the oldest copy, so a backward faster than PCIe cannot pile every
+gradient up on the device. Host 16 bytes (fp32 master and gradient, pinned; exp_avg, exp_avg_sq; +4 with
 amsgrad) plus the parameter's own size in pinned staging for gradient accumulation.
 
 The CPU does only the fused update (memory-bound: ~28 bytes per parameter): dtype casts run
@@ -28,6 +30,7 @@ and ``step()`` consumes them (the next backward starts from zero, as after ``zer
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import queue
@@ -70,6 +73,9 @@ class CPUAdam(torch.optim.Optimizer):
         params, lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
         overlap: stream gradients to the host during backward (post-accumulate-grad hooks).
             ``False`` copies them in ``step()`` instead (the non-overlapped baseline).
+        max_inflight_bytes: device bytes of gradients (and their fp32 casts) whose copy to
+            the host may be pending at once during backward; beyond it the backward waits for
+            the oldest copy. Bounds the optimizer's transient device memory.
     """
 
     # Read by the timeshare (duck-typed, no import): this optimizer's state is on the host
@@ -78,7 +84,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-                 maximize: bool = False, overlap: bool = True) -> None:
+                 maximize: bool = False, overlap: bool = True, max_inflight_bytes: int = 512 << 20) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -88,6 +94,8 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ValueError(f"Invalid beta parameter at index {i}: {b}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if max_inflight_bytes < 0:
+            raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         self._host: dict[torch.Tensor, _HostParam] = {}
         self._group_of: dict[torch.Tensor, dict] = {}
@@ -95,6 +103,11 @@ class CPUAdam(torch.optim.Optimizer):
         # Removes the gradient hooks when the optimizer is collected (close() does it now).
         self._finalizer = weakref.finalize(self, _remove_hooks, self._hooks)
         self._overlap = overlap
+        self._max_inflight_bytes = max_inflight_bytes
+        # (copied event, device bytes, device tensors) of gradient copies not yet known done.
+        # Touched by the backward hooks and by _drain, which never run at the same time.
+        self._inflight: collections.deque = collections.deque()
+        self._inflight_bytes = 0
         self._ops: DeviceOps | None = None
         super().__init__(params, defaults)  # calls add_param_group for each group
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
@@ -184,8 +197,21 @@ class CPUAdam(torch.optim.Optimizer):
                 hp.staging.copy_(grad, non_blocking=True)
             copied = self._ops.new_event()
             copied.record(self._d2h)
+        nbytes = grad.numel() * grad.element_size() + (src.numel() * src.element_size() if src is not grad else 0)
+        self._inflight.append((copied, nbytes, (grad, src)))
+        self._inflight_bytes += nbytes
         self._start_worker()
-        self._queue.put((p, (grad, src), copied, grad_ready, first))
+        self._queue.put((p, None, copied, grad_ready, first))
+        self._release_inflight(self._max_inflight_bytes)
+
+    def _release_inflight(self, limit: int) -> None:
+        """Drop the device gradients whose copies are done, waiting for the oldest ones
+        while more than ``limit`` bytes are pending."""
+        while self._inflight and (self._inflight_bytes > limit or self._inflight[0][0].query()):
+            copied, nbytes, _refs = self._inflight.popleft()
+            if not self._unsafe_skip_waits:
+                copied.synchronize()  # the D2H copy must have read the block before it is reused
+            self._inflight_bytes -= nbytes
 
     def _accumulate(self, hp: _HostParam, grad: torch.Tensor | None, first: bool) -> None:
         """Fold a gradient into ``hp.grad``. ``grad`` None: it was copied there already."""
@@ -221,7 +247,7 @@ class CPUAdam(torch.optim.Optimizer):
                     copied.synchronize()  # the bytes must be on the host before we read them
                 if trace is not None:
                     trace.append(("on_host", time.perf_counter(), p.numel()))
-                del device_refs  # now the device gradient's blocks may be reused
+                del device_refs  # the backward hooks hold the device gradients (see _release_inflight)
                 self._accumulate(hp, None if first else hp.staging, first)
                 ready.append(p)
                 last_grad_ready = grad_ready
@@ -246,6 +272,7 @@ class CPUAdam(torch.optim.Optimizer):
             done = threading.Event()
             self._queue.put(done)
             done.wait()
+        self._release_inflight(0)
         if self._worker_error is not None:
             err, self._worker_error = self._worker_error, None
             raise RuntimeError("CPUAdam's gradient worker failed; the step was not taken") from err

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import time
+import weakref
 from typing import Iterator
 
 import torch
@@ -170,7 +171,11 @@ class GRPOTrainer:
             fused = self.ops.is_accelerator
             self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                                fused=fused or None)
-        self.timeline = timeline or MemoryTimeline(self.ops, state_bytes=self.state_bytes_on_device)
+        # A weak reference: the timeline outlives the trainer (it is written out after close())
+        # and must not keep the models alive.
+        me = weakref.ref(self)
+        self.timeline = timeline or MemoryTimeline(
+            self.ops, state_bytes=lambda: me().state_bytes_on_device() if me() is not None else 0)
         self.ts: Timeshare | None = None
         if cfg.timeshare:
             self.ts = Timeshare(self.device, config=cfg.timeshare_config)
@@ -248,9 +253,11 @@ class GRPOTrainer:
             # Separate the switch's peak from the phase's own, for the planner's calibration.
             switch_peak = self.ops.peak_allocated_bytes()
             self.ops.reset_peak()
+            alloc_start = self.ops.allocated_bytes()
             yield
             self.ops.synchronize()  # the compute peak must include the phase's queued kernels
             compute_peak = self.ops.peak_allocated_bytes()
+            alloc_end = self.ops.allocated_bytes()
         recs = self.ts.records[start:] if self.ts is not None else []
         # The switch is timed by wall clock (it includes allocation and release); optimizer
         # moves inside step() by their records.
@@ -261,6 +268,8 @@ class GRPOTrainer:
             "seconds": time.perf_counter() - t0, "peak_allocated_bytes": peak,
             "switch_peak_allocated_bytes": switch_peak, "compute_peak_allocated_bytes": compute_peak,
             "peak_driver_used_bytes": span.peak_driver_used_bytes,
+            # what the phase left allocated (0 for the rollout: its KV cache died with it)
+            "left_allocated_bytes": alloc_end - alloc_start,
             "moved_bytes": sum(r.bytes_in + r.bytes_out for r in recs),
             "transition_seconds": load_s + in_step_s,
         }
