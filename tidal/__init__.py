@@ -3,6 +3,14 @@
 Importing tidal touches no CUDA; a :class:`Timeshare` on an accelerator initialises it.
 """
 
+from tidal.activations import (
+    ActivationOffloadConfig,
+    ActivationOffloader,
+    ActivationPlan,
+    LayerMode,
+    StepReport,
+    offload_activations,
+)
 from tidal.errors import InsufficientMemoryError
 from tidal.memory import MemorySnapshot, host_rss_bytes, snapshot
 from tidal.optim import CPUAdam
@@ -12,6 +20,9 @@ from tidal.transfer import TransferConfig
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationOffloadConfig",
+    "ActivationOffloader",
+    "ActivationPlan",
     "CPUAdam",
     "InsufficientMemoryError",
     "MemorySnapshot",
@@ -20,7 +31,10 @@ __all__ = [
     "TimeshareConfig",
     "TransferConfig",
     "TransitionRecord",
+    "LayerMode",
+    "StepReport",
     "host_rss_bytes",
+    "offload_activations",
     "offload_optimizer",
     "snapshot",
 ]

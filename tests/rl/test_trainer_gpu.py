@@ -75,11 +75,12 @@ def test_roles_leave_the_device_at_driver_level():
     # double it.
     assert ref_used < weights + 300 * MiB, (ref_used, weights)
     assert min(used["policy"]) > weights - 64 * MiB
-    # the rollout's KV cache and logits are gone when it ends (allocator level)
+    # the rollout's KV cache and logits are gone when it ends (allocator level): what stays
+    # is its output, the sampled token ids and the sequences (int64, well under 1 MiB here)
     samples = tr.timeline.samples
     starts = [s["allocated"] for s in samples if s["label"] == "rollout start"]
     ends = [s["allocated"] for s in samples if s["label"] == "rollout end"]
-    assert ends[-1] == starts[-1], (starts, ends, rollout_alloc)
+    assert 0 <= ends[-1] - starts[-1] < MiB, (starts, ends, rollout_alloc)
     tr.close()
 
 
