@@ -189,19 +189,34 @@ class CPUAdam(torch.optim.Optimizer):
             if not self._unsafe_skip_waits:
                 # The gradient kernels are queued on the compute stream; copy after them.
                 self._d2h.wait_event(grad_ready)
-            if first:  # cast on the device, land in the fp32 host gradient: no CPU work
-                src = grad.float() if grad.dtype != torch.float32 else grad
-                hp.grad.copy_(src, non_blocking=True)
+            if first and grad.dtype != torch.float32 and grad.is_contiguous():
+                # Cast on the device, land in the fp32 host gradient (no CPU work), a chunk at
+                # a time so a big gradient (a tied embedding) never has a whole fp32 twin.
+                flat, host_flat = grad.view(-1), hp.grad.view(-1)
+                step = max(1, _CHUNK_BYTES // 4)
+                for a in range(0, flat.numel(), step):
+                    src = flat[a:a + step].float()
+                    host_flat[a:a + step].copy_(src, non_blocking=True)
+                    copied = self._ops.new_event()
+                    copied.record(self._d2h)
+                    self._hold(copied, src.numel() * 4, src)
             else:
-                src = grad
-                hp.staging.copy_(grad, non_blocking=True)
-            copied = self._ops.new_event()
-            copied.record(self._d2h)
-        nbytes = grad.numel() * grad.element_size() + (src.numel() * src.element_size() if src is not grad else 0)
-        self._inflight.append((copied, nbytes, (grad, src)))
-        self._inflight_bytes += nbytes
+                src = grad.float() if first and grad.dtype != torch.float32 else grad
+                (hp.grad if first else hp.staging).copy_(src, non_blocking=True)
+                copied = self._ops.new_event()
+                copied.record(self._d2h)
+                if src is not grad:
+                    self._hold(copied, src.numel() * 4, src)
+            # The device gradient lives until its last piece is copied (one stream: in order).
+            self._hold(copied, grad.numel() * grad.element_size(), grad)
         self._start_worker()
         self._queue.put((p, None, copied, grad_ready, first))
+
+    def _hold(self, copied: Any, nbytes: int, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` (read by a pending D2H copy) alive until ``copied``; then keep the
+        pending bytes within the bound."""
+        self._inflight.append((copied, nbytes, tensor))
+        self._inflight_bytes += nbytes
         self._release_inflight(self._max_inflight_bytes)
 
     def _release_inflight(self, limit: int) -> None:
