@@ -22,7 +22,7 @@ def _all_state_tensors(model, opt):
     return ts
 
 
-@pytest.mark.parametrize("residency", ["role", "step"])
+@pytest.mark.parametrize("residency", ["role", "step", "stream"])
 def test_round_trip_is_bit_exact_and_keeps_identity(residency):
     model, opt = make_trained()
     ref = TinyLM()

@@ -143,10 +143,11 @@ class OffloadStore:
         return [CopyItem(e.storage, self._slots[e.key][0], e.nbytes) for e in entries]
 
     # ---- verbs --------------------------------------------------------------------------------
-    def offload(self, entries: Sequence[StateEntry]) -> MoveResult:
+    def offload(self, entries: Sequence[StateEntry], *, release: bool | None = None) -> MoveResult:
         """Copy ``entries`` to host and free their device memory. Already-offloaded entries
-        are skipped. Blocks until the copies are done and the memory is back with the driver."""
-        return self.switch(entries, [])
+        are skipped. Blocks until the copies are done and (``release``, default the store's
+        ``release_to_driver``) the memory is back with the driver."""
+        return self.switch(entries, [], release=release)
 
     def reload(self, entries: Sequence[StateEntry], *, what: str = "reload") -> MoveResult:
         """Bring offloaded ``entries`` back (others are skipped). Raises
@@ -161,6 +162,7 @@ class OffloadStore:
         what: str = "switch",
         headroom_bytes: int = 0,
         extra_bytes: int | None = None,
+        release: bool | None = None,
     ) -> MoveResult:
         """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy.
 
@@ -255,7 +257,7 @@ class OffloadStore:
             del self._offloaded[e.key]
         engine.release_staging()
         t1 = time.perf_counter()
-        if out_todo and self.release_to_driver:
+        if out_todo and (self.release_to_driver if release is None else release):
             # Hand the freed blocks back to the driver: other processes (an inference engine)
             # only see what the driver sees.
             self.ops.empty_cache()

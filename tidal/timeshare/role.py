@@ -11,9 +11,9 @@ from tidal.state.collect import GradPolicy, StateEntry, collect_module_state, co
 
 __all__ = ["Role", "OptimizerResidency"]
 
-OptimizerResidency = Literal["step", "role"]
+OptimizerResidency = Literal["step", "stream", "role"]
 _GRAD_POLICIES = ("offload", "keep", "drop")
-_RESIDENCIES = ("step", "role")
+_RESIDENCIES = ("step", "stream", "role")
 
 
 @dataclasses.dataclass(eq=False)
@@ -25,7 +25,10 @@ class Role:
             the device, ``"drop"`` sets them to ``None`` when the role goes out (nothing moved).
         optimizer_residency: ``"step"`` (default) keeps optimizer state on the host except
             during ``optimizer.step()`` (loaded by a step pre-hook, offloaded by a post-hook),
-            so forward/backward peaks never include it; ``"role"`` moves it with the role.
+            so forward/backward peaks never include it; ``"stream"`` is ``"step"`` with the
+            state moved in and out a chunk of parameters at a time during ``step()``
+            (``TimeshareConfig.optimizer_chunk_bytes``), so the step's peak holds one chunk of
+            it, not all; ``"role"`` moves it with the role.
             (A ``step()`` that raises skips the post-hook; the state then goes back to the
             host when the role's ``use()`` block ends.)
     """
@@ -41,6 +44,8 @@ class Role:
     in_use: int = 0
     last_used: int = 0
     optimizer_locked: bool = False  # inside offload_optimizer(): step() must not run
+    streaming: bool = False  # inside a streamed step: the per-chunk step() calls skip the hooks
+    hidden_grads: dict | None = None  # grads a streamed step hid from the outer step()
     param_keys: frozenset[int] = frozenset()
     hooks: list = dataclasses.field(default_factory=list)
     _names: dict[int, str] | None = dataclasses.field(default=None, repr=False)

@@ -26,6 +26,7 @@ from tidal.errors import format_bytes
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
 from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.role import OptimizerResidency, Role
+from tidal.timeshare.stream import streamed_step
 from tidal.timeshare.telemetry import TransitionRecord, format_report
 from tidal.transfer.engine import TransferConfig
 
@@ -60,6 +61,8 @@ class TimeshareConfig:
             staging bucket each way). ``None`` (default): as much as is free, the fastest. Set
             it where the peak matters more than a few percent of switch speed: the copies still
             run on both engines, one bucket apart.
+        optimizer_chunk_bytes: with ``optimizer_residency="stream"``, the optimizer state
+            moved in and out at a time during ``step()``.
         min_offload_bytes: storages smaller than this stay put (scalars such as Adam's step).
         release_tolerance_bytes: warn when the driver gets back less than the freed bytes
             minus this (memory stuck in allocator segments shared with live tensors).
@@ -75,6 +78,7 @@ class TimeshareConfig:
     budget_bytes: int | None = None
     headroom_bytes: int = 0
     switch_extra_bytes: int | None = None
+    optimizer_chunk_bytes: int = 256 << 20
     min_offload_bytes: int = 16
     release_tolerance_bytes: int = 256 << 20
     release_to_driver: bool = True
@@ -85,6 +89,8 @@ class TimeshareConfig:
             raise ValueError(f"budget_bytes must be >= 0 or None, got {self.budget_bytes}")
         if self.switch_extra_bytes is not None and self.switch_extra_bytes < 0:
             raise ValueError(f"switch_extra_bytes must be >= 0 or None, got {self.switch_extra_bytes}")
+        if self.optimizer_chunk_bytes <= 0:
+            raise ValueError(f"optimizer_chunk_bytes must be > 0, got {self.optimizer_chunk_bytes}")
         for name in ("headroom_bytes", "min_offload_bytes", "release_tolerance_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -330,7 +336,7 @@ class Timeshare:
     def _settle_optimizer(self, role: Role) -> None:
         # With step residency the state belongs on the host outside step(); a step that
         # raised skipped the post-hook and left it on the device.
-        if role.resident and role.optimizer_residency == "step" and not role.optimizer_locked:
+        if role.resident and role.optimizer_residency in ("step", "stream") and not role.optimizer_locked:
             if any(e.nbytes > 0 for e in role.optim_entries(self.device, self.config.min_offload_bytes)):
                 self.offload_optimizer_state(role.name)
 
@@ -493,6 +499,8 @@ class Timeshare:
 
     def _make_step_pre_hook(self, role: Role):
         def pre(opt, args, kwargs):
+            if role.streaming:  # one chunk of a streamed step: its state is in already
+                return
             if role.optimizer_locked:
                 raise RuntimeError(
                     f"optimizer.step() of role {role.name!r} was called inside offload_optimizer(): "
@@ -503,12 +511,22 @@ class Timeshare:
                     f"optimizer.step() of role {role.name!r} was called while the role is "
                     f"offloaded; step inside `with ts.use({role.name!r}):`"
                 )
+            if role.optimizer_residency == "stream" and not getattr(opt, "tidal_state_on_host", False):
+                streamed_step(self, role, opt)  # the real update, chunk by chunk; step() then finds no grads
+                return
             self.reload_optimizer_state(role.name)
 
         return pre
 
     def _make_step_post_hook(self, role: Role):
         def post(opt, args, kwargs):
+            if role.streaming:
+                return
+            if role.hidden_grads is not None:  # a streamed step: its state is on the host already
+                for p, g in role.hidden_grads.items():
+                    p.grad = g
+                role.hidden_grads = None
+                return
             if role.optimizer_residency == "step":
                 self.offload_optimizer_state(role.name)
 

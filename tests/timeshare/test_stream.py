@@ -1,0 +1,114 @@
+"""optimizer_residency="stream": the optimizer's update runs a chunk of parameters at a time
+with only that chunk's state on the device, and computes exactly what one step() would."""
+
+import pytest
+import torch
+
+import tidal
+from tests.helpers import TinyLM, assert_same_state, lm_loss, snapshot_state
+
+
+def _opt(model, kind):
+    groups = [{"params": [p for n, p in model.named_parameters() if "norm" not in n], "weight_decay": 0.1},
+              {"params": [p for n, p in model.named_parameters() if "norm" in n], "weight_decay": 0.0}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=1e-2, **({"fused": True} if kind == "adamw-fused" else {}))
+
+
+def _train(kind, residency, steps=5, chunk_bytes=2048):
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.0)
+    opt = _opt(model, kind)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ts = None
+    if residency is not None:
+        ts = tidal.Timeshare("cpu", config=tidal.TimeshareConfig(optimizer_chunk_bytes=chunk_bytes))
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency=residency)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (4, 9), generator=gen)
+        lm_loss(model, ids).backward()
+        opt.step()
+        sched.step()
+        if ts is not None:
+            # between steps every optimizer state tensor is on the host (storage size 0)
+            assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values()
+                       for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 4), residency
+            ts.load("actor")  # resident, optimizer state still on the host
+        snap = snapshot_state(model)  # grads of this step still in place after step()
+        opt.zero_grad()
+    if ts is not None:
+        ts.close()
+    return snap, snapshot_state(model, opt)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw-fused", "sgd"])
+def test_streamed_step_is_bit_exact(kind):
+    want_grads, want = _train(kind, None)
+    got_grads, got = _train(kind, "stream")
+    assert_same_state(got_grads, want_grads)  # the grads hidden during the chunks came back
+    assert_same_state(got, want)
+
+
+def test_streamed_step_holds_one_chunk_of_state_at_a_time():
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    chunk = 4096
+    ts = tidal.Timeshare("cpu", config=tidal.TimeshareConfig(optimizer_chunk_bytes=chunk))
+    ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="stream")
+    on_device = []
+
+    def spy(o, args, kwargs):  # runs before every per-chunk step() too
+        on_device.append(sum(v.untyped_storage().nbytes() for st in o.state.values()
+                             for v in st.values() if isinstance(v, torch.Tensor) and v.numel() > 1))
+
+    opt.register_step_pre_hook(spy)
+    ids = torch.randint(0, 64, (4, 9))
+    largest = max(2 * p.numel() * p.element_size() for p in model.parameters())
+    total = sum(2 * p.numel() * p.element_size() for p in model.parameters())
+    for _ in range(3):
+        lm_loss(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(on_device) > 6  # several chunks per step, not one call
+    assert max(on_device) <= chunk + largest < total
+    assert max(on_device) > 0  # the state really was on the device for its chunk
+    kinds = {r.kind for r in ts.records}
+    assert "optim-stream" in kinds and "optim-in" in kinds
+    ts.close()
+
+
+def test_error_inside_a_streamed_step_restores_grads_and_state():
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ts = tidal.Timeshare("cpu", config=tidal.TimeshareConfig(optimizer_chunk_bytes=4096))
+    ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="stream")
+    ids = torch.randint(0, 64, (4, 9))
+    with ts.use("actor"):
+        lm_loss(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+    calls = []
+
+    def boom(o, args, kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+
+    h = opt.register_step_pre_hook(boom)
+    with ts.use("actor"):
+        lm_loss(model, ids).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        for n, p in model.named_parameters():
+            if n in grads:
+                assert torch.equal(p.grad, grads[n]), n
+    h.remove()
+    # the use() block's end put the state of the chunk that was in back on the host
+    assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values()
+               for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 4)
+    ts.close()

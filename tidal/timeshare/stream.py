@@ -1,0 +1,104 @@
+"""The streamed optimizer step: optimizer state brought in and sent out a chunk of
+parameters at a time, so ``step()`` never holds all of it on the device.
+
+With ``optimizer_residency="stream"`` the timeshare's step pre-hook runs the whole update
+here: the parameters with gradients are split into chunks of about
+``TimeshareConfig.optimizer_chunk_bytes`` of state; for each chunk its state is reloaded, the
+optimizer's own ``step()`` runs with only that chunk's gradients visible (every other
+``.grad`` is set aside, so the optimizer skips those parameters, as it skips any parameter
+without a gradient), and the next chunk's state comes in while this one's goes out, both copy
+engines busy. The outer ``step()`` then finds no gradient and does nothing; its post-hook puts
+the gradients back. Per-parameter optimizers (Adam, AdamW, SGD, ...) compute exactly what one
+call would: their update of a parameter reads only that parameter's state. Optimizers whose
+update couples parameters (LBFGS, a global-norm clip inside ``step()``) must not use it.
+
+Peak device memory of the step: params + grads + one chunk's state (two while the copies of
+neighbouring chunks overlap), instead of params + grads + all of it.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import TYPE_CHECKING
+
+import torch
+
+from tidal.state.collect import StateEntry, collect_optimizer_state
+
+if TYPE_CHECKING:
+    from tidal.timeshare.role import Role
+    from tidal.timeshare.timeshare import Timeshare
+
+__all__ = ["streamed_step"]
+
+
+def _state_bytes(opt: torch.optim.Optimizer, p: torch.Tensor) -> int:
+    st = opt.state.get(p, {})
+    held = sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
+    # Before the first step there is no state yet; Adam's two moments are the usual size.
+    return max(held, 2 * p.numel() * p.element_size())
+
+
+def _chunks(opt: torch.optim.Optimizer, params: list[torch.Tensor], chunk_bytes: int) -> list[list[torch.Tensor]]:
+    out, cur, cur_bytes = [], [], 0
+    for p in params:
+        cur.append(p)
+        cur_bytes += _state_bytes(opt, p)
+        if cur_bytes >= chunk_bytes:
+            out.append(cur)
+            cur, cur_bytes = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _entries(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer,
+             params: list[torch.Tensor]) -> list[StateEntry]:
+    # The state of these parameters only: a stand-in with the optimizer's `state` subset.
+    view = types.SimpleNamespace(state={p: opt.state[p] for p in params if p in opt.state})
+    # include_empty: offloaded storages have size 0 and must still be found.
+    return collect_optimizer_state([view], ts.device, names=role.param_names(),
+                                   min_offload_bytes=ts.config.min_offload_bytes, include_empty=True)
+
+
+def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
+    """Run ``opt``'s update chunk by chunk (see the module docstring). Leaves every state
+    tensor of ``opt`` on the host and the gradients set aside in ``role.hidden_grads`` for
+    the step post-hook to restore. On an error the gradients are restored at once."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    hidden = {p: p.grad for p in params}
+    others = ts._resident_keys(exclude=(role,))
+    role.streaming = True
+    ok = False
+    try:
+        for p in params:
+            p.grad = None
+        chunks = _chunks(opt, params, ts.config.optimizer_chunk_bytes)
+        incoming = [e for e in ts.store.resolve(_entries(ts, role, opt, chunks[0])) if ts.store.is_offloaded(e.key)] \
+            if chunks else []
+        if incoming:
+            ts._record("optim-in", (), role.name, ts.store.reload(incoming, what=f"optimizer state of {role.name!r}"),
+                       note="optimizer state chunk")
+        for i, chunk in enumerate(chunks):
+            for p in chunk:
+                p.grad = hidden[p]
+            opt.step()  # this chunk only: the hooks see role.streaming and stand aside
+            for p in chunk:
+                p.grad = None
+            out = [e for e in _entries(ts, role, opt, chunk) if e.nbytes > 0 and e.key not in others]
+            nxt = [e for e in ts.store.resolve(_entries(ts, role, opt, chunks[i + 1])) if ts.store.is_offloaded(e.key)] \
+                if i + 1 < len(chunks) else []
+            last = i + 1 == len(chunks)
+            # Blocks freed here are what the next chunk reuses: return them to the driver
+            # only once, after the last chunk.
+            move = ts.store.switch(out, nxt, what=f"optimizer state of {role.name!r}",
+                                   release=None if last else False)
+            ts._record("optim-stream", (role.name,), role.name if nxt else None, move, note="optimizer state chunk")
+        ok = True
+    finally:
+        role.streaming = False
+        if ok:
+            role.hidden_grads = hidden
+        else:
+            for p, g in hidden.items():
+                p.grad = g
