@@ -13,7 +13,7 @@ MiB = 1 << 20
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(12)]).cuda()  # 16 MiB of fp32 each
+    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(24)]).cuda()  # 16 MiB of fp32 each
 
 
 @pytest.mark.parametrize("fused", [False, True])

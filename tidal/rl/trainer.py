@@ -57,8 +57,8 @@ class GRPOConfig:
             matter, and costs one extra no-grad forward for the old log-probs).
         lr, weight_decay, max_grad_norm: the optimizer (AdamW semantics; norm clip over all
             params, 0 disables it).
-        optimizer: ``"adamw"`` (torch's, state on the device during ``step()`` only, on the
-            host otherwise when the timeshare is on) or ``"cpu_adam"`` (tidal.CPUAdam: state
+        optimizer: ``"adamw"`` (torch's; with the timeshare its state stays on the host and
+            comes in a chunk at a time during ``step()``) or ``"cpu_adam"`` (tidal.CPUAdam: state
             and update on the host, overlapped with backward).
         grad_ckpt: gradient checkpointing in training (non-reentrant); rollout keeps its cache.
         temperature: sampling temperature of the rollout.
@@ -180,7 +180,10 @@ class GRPOTrainer:
         if cfg.timeshare:
             self.ts = Timeshare(self.device, config=cfg.timeshare_config)
             # grads="drop": they are zeroed after every step, so a switch never has any to move.
-            self.ts.add_role("actor_train", model=policy, optimizer=self.optimizer, grads="drop")
+            # AdamW's state comes in a chunk at a time during step(), so the step's peak holds
+            # weights + grads + one chunk, not the whole state.
+            self.ts.add_role("actor_train", model=policy, optimizer=self.optimizer, grads="drop",
+                             optimizer_residency="stream")
             self.ts.add_role("rollout", model=policy)
             if self.use_reference:
                 self.ts.add_role("reference", model=self.reference if not self.lora else policy)
