@@ -43,21 +43,23 @@ _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def prediction(s: DemoSettings) -> dict[str, int]:
-    """The planner's per-phase peak for exactly what the demo runs: prompts of digits+2 tokens
-    with no padding mask, log-probs of the answer only, a timeshared step where AdamW's state
-    is on the host except during step()."""
+    """The planner's per-phase peak for exactly what the demo runs (tidal.rl.GRPOTrainer):
+    prompts of digits+2 tokens with no padding mask; its own sampling loop over the 10 digit
+    ids; reference and train forwards computing logits of the answer (+1) positions only and
+    log-probs over the 10 digit ids; a timeshared step whose optimizer step runs inside the
+    train phase (AdamW: fused, its state on the host except during step(); CPUAdam: gradients
+    stream out during backward, at most its default 512 MiB of copies pending)."""
     return predict_phases(
         s.preset, param_dtype=_DTYPES[s.dtype],
         optimizer="cpu_adam" if s.optimizer == "cpu_adam" else "adamw_offload",
         adamw_foreach=False,  # the trainer uses the fused AdamW on a GPU
         prompts=s.prompts, group=s.group, prompt_len=s.digits + 2, gen_len=s.digits,
         micro_batch=s.micro_batch, padding_mask=False, logprob_span="completion",
-        grad_ckpt=s.grad_ckpt, timeshare=True,
-        # The trainer's own buffers: log-probs over the 10 action ids only (so no fp32 vocab-wide
-        # buffer in training; backward through the slice makes one bf16 vocab-wide gradient,
-        # counted as one fp32-sized buffer), logits dropped before backward, its own sampling
-        # loop (one bf16 (batch x vocab) logits row per step) and no padding mask.
-        logit_fp32_buffers=1, keep_logits=False, sampling_fp32_buffers=1, repeat_kv_in_decode=False,
+        grad_ckpt=s.grad_ckpt, timeshare=True, lora_rank=s.lora_rank,
+        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+        completion_logits=True, action_vocab=10, keep_logits=False,  # logits_to_keep=answer+1, 10 digit ids
+        sampling="own", sampling_fp32_buffers=3,  # the digit slice in fp32, / temperature, softmax
+        repeat_kv_in_decode=False, step_in_train=True,
     )
 
 

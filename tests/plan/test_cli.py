@@ -58,3 +58,15 @@ def test_usage_errors(capsys, tmp_path):
     assert code == 2 and "neither a preset" in err
     with pytest.raises(SystemExit):
         _run(["--preset", "gpt-9"], capsys)
+
+
+def test_trainer_flags(capsys):
+    code, out, _ = _run(["--preset", "qwen2-0.5b", "--optimizer", "cpu_adam", "--logprob-span", "completion",
+                         "--completion-logits", "--action-vocab", "10", "--sampling", "own",
+                         "--cpu-adam-inflight-mib", "256", "--step-in-train", "--json"], capsys)
+    assert code == 0
+    cfg = json.loads(out)["plan"]["config"]
+    assert (cfg["completion_logits"], cfg["action_vocab"], cfg["sampling"], cfg["cpu_adam_inflight_bytes"],
+            cfg["step_in_train"]) == (True, 10, "own", 256 << 20, True)
+    code, _, err = _run(["--preset", "qwen2-0.5b", "--completion-logits"], capsys)
+    assert code == 2 and "logprob_span" in err

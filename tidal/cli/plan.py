@@ -5,7 +5,8 @@ Usage::
     tidal plan (--preset qwen2-0.5b|qwen2-1.5b|qwen2-7b|llama3-8b | --config PATH/config.json)
                [--gpu-mem-gib G] [--gpus N] [--zero-stage S] [--prompts P] [--group G]
                [--prompt-len L] [--gen-len L] [--micro-batch B] [--grad-ckpt | --no-grad-ckpt]
-               [--optimizer adamw|adamw_offload|cpu_adam] [--lora-rank R] [--json [PATH]] ...
+               [--optimizer adamw|adamw_offload|cpu_adam] [--lora-rank R] [--json [PATH]]
+               [--sampling own --action-vocab N --completion-logits --step-in-train] ...
 
 Prints the per-phase table (GiB), the components of each phase, the predicted transition
 times, the recommendation (with ``--gpu-mem-gib``) and the assumptions. ``--json`` prints the
@@ -93,6 +94,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="batches carry no attention mask (default: padded batches with a mask)")
     p.add_argument("--logprob-span", choices=("sequence", "completion"), default="sequence",
                    help="positions whose log-probs are taken in fp32 (default sequence)")
+    p.add_argument("--completion-logits", action="store_true",
+                   help="logits of the completion only (transformers' logits_to_keep); needs --logprob-span completion")
+    p.add_argument("--action-vocab", type=_pos_int, default=None,
+                   help="log-probs and sampling over this many token ids only (default: the vocabulary)")
+    p.add_argument("--sampling", choices=("generate", "own"), default="generate",
+                   help="rollout by HF generate (default) or a loop of one's own like tidal.rl's")
+    p.add_argument("--cpu-adam-inflight-mib", type=_nonneg_int, default=512,
+                   help="CPUAdam(max_inflight_bytes) in MiB (default 512)")
+    p.add_argument("--step-in-train", action="store_true",
+                   help="the optimizer step runs inside the train phase (its peak counts there)")
     p.add_argument("--context-mib", type=_nonneg_int, default=500, help="CUDA context, MiB (default 500, assumed)")
     p.add_argument("--bench-json", metavar="PATH", default=None,
                    help="take the line rate from a `tidal bench --json PATH` file")
@@ -128,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
             master_weights=args.master_weights, optimizer=args.optimizer, zero_stage=args.zero_stage, dp=args.gpus,
             lora_rank=args.lora_rank, prompts=args.prompts, group=args.group, prompt_len=args.prompt_len,
             gen_len=args.gen_len, micro_batch=args.micro_batch, padding_mask=args.padding_mask, attn=args.attn,
-            logprob_span=args.logprob_span, grad_ckpt=args.grad_ckpt, act_offload=args.act_offload,
+            logprob_span=args.logprob_span, completion_logits=args.completion_logits, action_vocab=args.action_vocab,
+            sampling=args.sampling, cpu_adam_inflight_bytes=args.cpu_adam_inflight_mib << 20,
+            step_in_train=args.step_in_train, grad_ckpt=args.grad_ckpt, act_offload=args.act_offload,
             timeshare=args.timeshare, cuda_context_bytes=args.context_mib << 20,
         )
     except (ValueError, OSError) as e:

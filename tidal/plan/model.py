@@ -24,7 +24,8 @@ import json
 from typing import Any
 
 from tidal.plan import activations as act
-from tidal.plan.phases import CPU_ADAM_CHUNK, gathered_params, reference_transient, role_state, rollout_transient, train_transient
+from tidal.plan.phases import (cpu_adam_step_transient, gathered_params, reference_transient, role_state,
+                               rollout_transient, train_transient)
 from tidal.plan.shapes import LORA_TARGETS, ModelShape, load_shape
 
 __all__ = ["PlanConfig", "Bandwidth", "Phase", "Transition", "Plan", "build_plan", "predict_phases",
@@ -33,6 +34,7 @@ __all__ = ["PlanConfig", "Bandwidth", "Phase", "Transition", "Plan", "build_plan
 MIB, GIB = 1 << 20, 1 << 30
 PHASES = ("rollout", "reference", "train", "optimizer_step")
 OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")
+SAMPLING = ("generate", "own")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,8 +50,11 @@ class PlanConfig:
     Optimizer: ``"adamw"`` (states on the GPU; ``adamw_foreach``: torch's foreach step makes
     one state-sized temporary, the fused one none), ``"adamw_offload"`` (states on the host
     except during ``optimizer_step``), ``"cpu_adam"`` (:class:`tidal.CPUAdam`: no optimizer
-    bytes and no gradients kept on the GPU; each gradient is staged to the host in fp32 as it
-    is produced).
+    bytes and no gradients kept on the GPU; each gradient is cast to fp32 on the GPU and copied
+    to the host as it is produced, at most ``cpu_adam_inflight_bytes`` of copies pending, as
+    ``CPUAdam(max_inflight_bytes=...)``, default 512 MiB). ``step_in_train``: ``step()`` runs
+    inside the measured train phase (tidal's GRPO trainer), so the train peak is the larger of
+    the forward/backward and the optimizer step (``optimizer_step`` is still reported alone).
 
     Sharding: ``zero_stage`` 0-3 over ``dp`` data-parallel GPUs: 1 shards optimizer states,
     2 also gradients (one layer's unsharded gradients exist before its reduce-scatter), 3
@@ -71,8 +76,18 @@ class PlanConfig:
     ``logit_fp32_buffers``: fp32 ``(tokens x vocab)`` buffers alive at the train peak (the
     log-softmax output, its incoming and its outgoing gradient: 3); ``keep_logits``: the caller
     holds the model-dtype logits through backward (default: only log-probs are kept).
+    ``completion_logits``: the forward computes logits only for the completion and the position
+    before it (transformers' ``logits_to_keep=gen_len + 1``; needs ``logprob_span="completion"``),
+    in reference and train. ``action_vocab``: log-probs (and own-loop sampling) over that many
+    token ids only, a slice of the model-dtype logits: its fp32 buffers are that narrow, and
+    backward through the slice makes model-dtype vocab-wide gradients (see
+    :mod:`tidal.plan.phases`); ``logit_fp32_buffers`` then does not apply.
+    ``sampling``: ``"generate"`` (HF ``generate``) or ``"own"`` (a loop like
+    :func:`tidal.rl.rollout.sample_answers`: prefill with ``logits_to_keep=1``, one token per
+    step through a DynamicCache, the previous step's logits held while the next are computed,
+    no vocab-wide fp32 buffer when ``action_vocab`` is set).
     Rollout (HF ``generate``): ``sampling_fp32_buffers`` fp32 ``(batch x vocab)`` buffers at the
-    sampling step (fp32 logits, processed scores, probabilities, multinomial's exponential
+    sampling step (with ``sampling="own"``: of width ``action_vocab`` or the vocabulary) (fp32 logits, processed scores, probabilities, multinomial's exponential
     draw and quotient: 5; ``min_new_tokens`` or top-k/top-p add one or two);
     ``repeat_kv_in_decode``: each decode step repeats one layer's K/V to all heads (transformers
     5.17 with a padding mask, measured; 5.23 packs GQA queries instead: set False).
@@ -89,6 +104,8 @@ class PlanConfig:
     kv_dtype: str | None = None
     optimizer: str = "adamw"
     adamw_foreach: bool = True
+    cpu_adam_inflight_bytes: int = 512 * MIB
+    step_in_train: bool = False
     zero_stage: int = 0
     dp: int = 1
     zero3_gathered_layers: int = 2
@@ -104,8 +121,11 @@ class PlanConfig:
     padding_mask: bool = True
     attn: str = "sdpa"
     logprob_span: str = "sequence"
+    completion_logits: bool = False
+    action_vocab: int | None = None
     logit_fp32_buffers: int = 3
     keep_logits: bool = False
+    sampling: str = "generate"
     sampling_fp32_buffers: int = 5
     repeat_kv_in_decode: bool = True
     grad_ckpt: bool = False
@@ -129,10 +149,18 @@ class PlanConfig:
             raise ValueError(f"attn must be one of {act.ATTN_IMPLEMENTATIONS}, got {self.attn!r}")
         if self.logprob_span not in ("sequence", "completion"):
             raise ValueError(f"logprob_span must be 'sequence' or 'completion', got {self.logprob_span!r}")
+        if self.completion_logits and self.logprob_span != "completion":
+            raise ValueError("completion_logits=True computes logits of the completion only: it needs "
+                             "logprob_span='completion'")
+        if self.sampling not in SAMPLING:
+            raise ValueError(f"sampling must be one of {SAMPLING}, got {self.sampling!r}")
+        if self.action_vocab is not None and not 1 <= self.action_vocab <= self.shape.vocab:
+            raise ValueError(f"action_vocab must be in [1, vocab={self.shape.vocab}], got {self.action_vocab}")
         for name in ("dp", "prompts", "group", "prompt_len", "gen_len", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lora_rank", "logit_fp32_buffers", "sampling_fp32_buffers", "cuda_context_bytes", "misc_bytes"):
+        for name in ("lora_rank", "logit_fp32_buffers", "sampling_fp32_buffers", "cuda_context_bytes", "misc_bytes",
+                     "cpu_adam_inflight_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.shape.lora_params(self.lora_rank, self.lora_targets)  # validates target names
@@ -298,7 +326,7 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
     train_t, train_grads = train_transient(c, st)
     step_t = {"adamw step temporary": st["step_temp"]} if st["step_temp"] else {}
     if c.optimizer == "cpu_adam":
-        step_t = {"cpu adam weight chunks": 2 * CPU_ADAM_CHUNK}
+        step_t = cpu_adam_step_transient(c)
     transients = {"rollout": {**rollout_transient(c), **gathered}, "reference": {**reference_transient(c), **gathered},
                   "train": {**train_t, **gathered}, "optimizer_step": step_t}
 
@@ -319,8 +347,14 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
 
     def phases(res: dict[str, dict[str, int]]) -> dict[str, Phase]:
         res = {p: {**r, "misc (cuBLAS workspace, small tensors)": c.misc_bytes} for p, r in res.items()}
-        return {p: Phase(name=p, resident={k: v for k, v in res[p].items() if v},
-                         transient={k: v for k, v in transients[p].items() if v}) for p in PHASES}
+        out = {p: Phase(name=p, resident={k: v for k, v in res[p].items() if v},
+                        transient={k: v for k, v in transients[p].items() if v}) for p in PHASES}
+        step = out["optimizer_step"]
+        if c.step_in_train and step.peak_bytes > out["train"].peak_bytes:
+            # step() runs inside the train phase: its peak is the phase's.
+            out["train"] = Phase(name="train", resident=dict(step.resident),
+                                 transient={f"optimizer step: {k}": v for k, v in step.transient.items()})
+        return out
 
     moves: list[tuple[str, str, int, int]] = []
     off_optim = st["optim"] if c.optimizer == "adamw_offload" else 0
@@ -342,7 +376,8 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
 
     streamed: dict[str, int] = {}
     if c.optimizer == "cpu_adam":
-        streamed["cpu adam grads D2H (fp32)"] = st["trainable"] * 4 * c.micro_batches
+        # the first micro-batch's gradients cross cast to fp32, later ones as they are
+        streamed["cpu adam grads D2H"] = st["trainable"] * (4 + st["ge"] * (c.micro_batches - 1))
         streamed["cpu adam weights H2D (fp32)"] = st["trainable"] * 4
     if c.act_offload and train_t.get("saved activations") and c.shape.layers > 2:
         per = train_t["saved activations"] // min(2, c.shape.layers)

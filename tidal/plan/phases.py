@@ -15,9 +15,9 @@ if TYPE_CHECKING:
     from tidal.plan.model import PlanConfig
 
 __all__ = ["role_state", "gathered_params", "rollout_transient", "reference_transient", "train_transient",
-           "CPU_ADAM_CHUNK"]
+           "cpu_adam_step_transient", "CPU_ADAM_CHUNK"]
 
-CPU_ADAM_CHUNK = 64 << 20  # tidal.optim.cpu_adam's fp32 chunk copied back per update
+CPU_ADAM_CHUNK = 64 << 20  # tidal.optim.cpu_adam: fp32 master bytes per update call (a larger param is alone)
 
 
 def _div(n: int, d: int) -> int:
@@ -58,6 +58,8 @@ def gathered_params(c: "PlanConfig") -> dict[str, int]:
 
 def rollout_transient(c: "PlanConfig") -> dict[str, int]:
     """Rollout transient: the larger of prefill, the last decode forward, the last sampling."""
+    if c.sampling == "own":
+        return _own_sampling_transient(c)
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
     kv_e = act.dtype_bytes(c.kv_dtype or c.param_dtype)
     b, per_tok = c.rollout_batch, act.kv_cache_bytes_per_token(s, kv_e=kv_e)
@@ -74,13 +76,50 @@ def rollout_transient(c: "PlanConfig") -> dict[str, int]:
         "last-position logits": vocab_row * e,
     }
     sample = {"kv cache": kv, "sampling logits": vocab_row * (e + 4 * c.sampling_fp32_buffers)}
-    t = b * c.prompt_len
-    prefill = {
-        "kv cache": t * per_tok,
+    return max((forward, sample, _prefill(c)), key=lambda d: sum(d.values()))
+
+
+def _prefill(c: "PlanConfig") -> dict[str, int]:
+    """The prompt forward: prompt KV + one layer's no-grad workspace (+ the prompt mask)."""
+    s, e = c.shape, act.dtype_bytes(c.param_dtype)
+    kv_e = act.dtype_bytes(c.kv_dtype or c.param_dtype)
+    b, t = c.rollout_batch, c.rollout_batch * c.prompt_len
+    return {
+        "kv cache": t * act.kv_cache_bytes_per_token(s, kv_e=kv_e),
         "prefill workspace": t * act.forward_workspace_bytes_per_token(s, e=e, padding_mask=c.padding_mask),
         "prefill mask": b * c.prompt_len ** 2 * (1 + e) if c.padding_mask else 0,
     }
-    return max((forward, sample, prefill), key=lambda d: sum(d.values()))
+
+
+def _own_sampling_transient(c: "PlanConfig") -> dict[str, int]:
+    """A sampling loop of one's own (tidal.rl.rollout.sample_answers): prefill keeps the
+    last position's logits only (``logits_to_keep=1``); each decode step feeds one token
+    through a DynamicCache and the caller holds the previous step's model-dtype
+    ``(batch, vocab)`` logits while the next ones are computed; the last token is sampled,
+    never fed, so the cache ends at ``seq_len - 1`` tokens. Sampling takes a softmax over
+    ``action_vocab`` ids (or the vocabulary) in fp32: ``sampling_fp32_buffers`` of that width."""
+    s, e = c.shape, act.dtype_bytes(c.param_dtype)
+    kv_e = act.dtype_bytes(c.kv_dtype or c.param_dtype)
+    b, per_tok = c.rollout_batch, act.kv_cache_bytes_per_token(s, kv_e=kv_e)
+    tokens = c.seq_len - 1
+    kv = b * tokens * per_tok
+    row = b * s.vocab * e
+    width = c.action_vocab or s.vocab
+    at_head = {"kv cache": kv, "previous step's logits": row, "last-position logits": row}
+    at_cat = {"kv cache": kv, "previous step's logits": row,
+              # DynamicCache appends with torch.cat: one layer's keys exist twice for a moment
+              "kv append copy": b * tokens * s.kv_dim * kv_e,
+              "decode repeat_kv": (2 * b * tokens * s.q_dim * e
+                                   if c.repeat_kv_in_decode and c.padding_mask and s.kv_heads != s.heads else 0)}
+    sample = {"kv cache": kv, "sampling logits": row + b * width * 4 * c.sampling_fp32_buffers}
+    prefill_head = {"kv cache": b * c.prompt_len * per_tok, "last-position logits": row}
+    return max((at_head, at_cat, sample, _prefill(c), prefill_head), key=lambda d: sum(d.values()))
+
+
+def _logit_positions(c: "PlanConfig") -> int:
+    """Positions per sequence whose logits the forward computes: all, or the completion and
+    the position before it (transformers' ``logits_to_keep=gen_len + 1``)."""
+    return c.gen_len + 1 if c.completion_logits else c.seq_len
 
 
 def reference_transient(c: "PlanConfig") -> dict[str, int]:
@@ -90,17 +129,71 @@ def reference_transient(c: "PlanConfig") -> dict[str, int]:
     span = mb * (c.seq_len if c.logprob_span == "sequence" else c.gen_len)
     mask = mb * c.seq_len ** 2 * (1 + e) if c.padding_mask else 0
     layer = t * act.forward_workspace_bytes_per_token(s, e=e, padding_mask=c.padding_mask) + mask
-    logits = t * s.vocab * e + span * s.vocab * 4 * 2  # logits, fp32 copy, log-softmax output
+    # logits (model dtype), then in fp32 a copy and the log-softmax output over the vocabulary
+    # or, with action_vocab, over that slice only
+    logits = mb * _logit_positions(c) * s.vocab * e + span * (c.action_vocab or s.vocab) * 4 * 2
     if logits >= layer:
         return {"logits + log-softmax": logits, "final hidden": t * s.hidden * e}
     return {"layer workspace": layer}
+
+
+def _train_logits(c: "PlanConfig", st: dict[str, int]) -> int:
+    """Largest logits-related transient of one micro-batch (forward end or backward start)."""
+    s, e = c.shape, act.dtype_bytes(c.param_dtype)
+    mb = c.micro_batch
+    span = mb * (c.seq_len if c.logprob_span == "sequence" else c.gen_len)
+    full = mb * _logit_positions(c) * s.vocab * e  # the model-dtype logits (or their gradient)
+    if c.action_vocab is None:
+        # Forward: model-dtype logits, fp32 copy, log-softmax output. Backward (log-softmax's):
+        # its output, incoming and outgoing gradients (+ the logits if the caller still holds them).
+        return max(full + span * s.vocab * 8,
+                   span * s.vocab * 4 * c.logit_fp32_buffers + (full if c.keep_logits else 0))
+    # Log-probs over action_vocab ids: the fp32 buffers are that narrow (copy, log-softmax,
+    # its exp for the entropy). Backward through the slices makes model-dtype vocab-wide
+    # gradients: the action slice's input (span positions) and, when the log-probs take fewer
+    # positions than the logits, the positions slice's input; then the LM head's backward
+    # makes its weight gradient next to the logits' gradient.
+    narrow = span * c.action_vocab * 4 * 3
+    held = full if c.keep_logits else 0
+    slices = span * s.vocab * e + (full if span < full // (s.vocab * e) else 0)
+    head = 0 if c.lora_rank else s.vocab * s.hidden * st["ge"]
+    return max(full, held + max(slices, full + head)) + narrow
+
+
+def _cpu_adam_inflight(c: "PlanConfig", st: dict[str, int]) -> dict[str, int]:
+    """Device bytes of CPU Adam's gradient copies in flight (tidal.CPUAdam's
+    ``max_inflight_bytes`` bound): each pending gradient holds its model-dtype tensor and its
+    fp32 cast (first micro-batch; later ones copy the gradient as is). Past the bound a hook
+    waits for the oldest copies, so at most ``bound + one gradient`` exist at once (all the
+    trainable gradients if fewer), and after a backward at most ``bound`` remain until the
+    next backward's first hook (``leftover``)."""
+    s = c.shape
+    per = st["ge"] + (4 if st["ge"] < 4 else 0)  # bytes per element in flight: grad + fp32 cast
+    every = st["trainable"] * per
+    bound = c.cpu_adam_inflight_bytes
+    if c.lora_rank:
+        largest = layer_max = max(c.lora_rank * max(a, b) for a, b in s.linear_shapes().values())
+        head = 0
+    else:
+        largest, layer_max = s.largest_param(), max(a * b for a, b in s.linear_shapes().values())
+        head = s.vocab * s.hidden
+    leftover = min(every, bound) if c.micro_batches > 1 else 0
+    return {
+        "largest": min(every, bound + largest * per),
+        # during a decoder layer's backward the embedding's gradient is not produced yet
+        "layer": min(every - (0 if c.lora_rank else s.embedding_params() * per), bound + layer_max * per),
+        # An untied head's gradient is the first of a backward: after the first micro-batch
+        # (nothing pending then; gradient + fp32 cast) only the previous one's leftover
+        # waits beside it, and it is copied as is.
+        "head": max(head * per, min(every, leftover + head * st["ge"])) if head else 0,
+        "leftover": leftover,
+    }
 
 
 def train_transient(c: "PlanConfig", st: dict[str, int]) -> tuple[dict[str, int], int]:
     """Train transient components at the peak, and the gradient bytes resident then."""
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
     t = c.micro_batch * c.seq_len
-    span = c.micro_batch * (c.seq_len if c.logprob_span == "sequence" else c.gen_len)
     lora_targets = c.lora_targets if c.lora_rank else ()
     layer = t * act.layer_saved_bytes_per_token(
         s, e=e, seq=c.seq_len, attn=c.attn, padding_mask=c.padding_mask,
@@ -109,27 +202,50 @@ def train_transient(c: "PlanConfig", st: dict[str, int]) -> tuple[dict[str, int]
     held = min(2, s.layers) if c.act_offload else s.layers
     saved = held * (ckpt_in if c.grad_ckpt else layer)
     extra = t * act.model_extra_saved_bytes_per_token(s, e=e, grad_ckpt=c.grad_ckpt)
-    # Forward: model-dtype logits, fp32 copy, log-softmax output. Backward (log-softmax's):
-    # its output, incoming and outgoing gradients (+ the logits if the caller still holds them).
-    logits = max(t * s.vocab * e + span * s.vocab * 8,
-                 span * s.vocab * 4 * c.logit_fp32_buffers + (t * s.vocab * e if c.keep_logits else 0))
+    logits = _train_logits(c, st)
     grads = st["grads"]
     if c.micro_batches == 1 and not c.lora_rank:
         # One micro-batch: at the logits backward only the LM head's gradient exists yet.
         first_grads = _div(s.vocab * s.hidden * st["ge"], c.dp if c.zero_stage >= 2 else 1)
     else:
         first_grads = grads  # from the 2nd micro-batch on, every gradient exists
-    if c.optimizer == "cpu_adam":
-        first_grads = 0
-    staging = {}
-    if c.optimizer == "cpu_adam":
-        biggest = s.largest_param() if not c.lora_rank else max(
-            c.lora_rank * max(a, b) for a, b in s.linear_shapes().values())
-        staging["cpu adam grad staging"] = biggest * (st["ge"] + 4)
     bucket = {"zero2 grad bucket": s.layer_params() * st["ge"]} if c.zero_stage >= 2 and c.dp > 1 and not c.lora_rank else {}
-    at_logits = {"saved activations": saved, "model-level saved": extra, "logits + log-softmax": logits, **staging}
-    at_layer = {"saved activations": saved, "model-level saved": extra,
-                "recompute (one layer)": layer if c.grad_ckpt else 0,
-                "backward workspace": t * act.backward_workspace_bytes_per_token(s, e=e), **staging, **bucket}
-    a, b = sum(at_logits.values()) + first_grads, sum(at_layer.values()) + grads
-    return (at_logits, first_grads) if a >= b else (at_layer, grads)
+    at_layer_base = {"saved activations": saved, "model-level saved": extra,
+                     "recompute (one layer)": layer if c.grad_ckpt else 0,
+                     "backward workspace": t * act.backward_workspace_bytes_per_token(s, e=e)}
+    if c.optimizer != "cpu_adam":
+        at_logits = {"saved activations": saved, "model-level saved": extra, "logits + log-softmax": logits}
+        at_layer = {**at_layer_base, **bucket}
+        a, b = sum(at_logits.values()) + first_grads, sum(at_layer.values()) + grads
+        return (at_logits, first_grads) if a >= b else (at_layer, grads)
+    # CPU Adam: no gradient stays; the copies in flight are the transient (see _cpu_adam_inflight).
+    fl = _cpu_adam_inflight(c, st)
+    tied = s.tied_embeddings and not c.lora_rank
+    # A tied LM head's gradient waits in autograd's input buffer for the embedding's, through
+    # the whole backward; it leaves (with its fp32 cast) at the end, when the activations are gone.
+    head_wait = {"tied lm_head grad (autograd buffer)": s.vocab * s.hidden * st["ge"]} if tied else {}
+    moments = [
+        {"saved activations": saved, "model-level saved": extra, "logits + log-softmax": logits,
+         "cpu adam grads in flight (previous micro-batch)": fl["leftover"]},
+        {**at_layer_base, **head_wait, "cpu adam grads in flight": fl["layer"]},
+        {"cpu adam grads in flight (incl. the largest)": fl["largest"]},
+    ]
+    if fl["head"] and not tied:  # an untied head's gradient leaves first, the activations all alive
+        moments.append({"saved activations": saved, "model-level saved": extra,
+                        "cpu adam grads in flight (incl. lm_head)": fl["head"]})
+    return max(moments, key=lambda d: sum(d.values())), 0
+
+
+def cpu_adam_step_transient(c: "PlanConfig") -> dict[str, int]:
+    """CPU Adam's ``step()``: the fp32 masters return to the device one parameter at a time
+    (``master.to(device)`` then a cast into the parameter); the previous one is still
+    referenced when the next is allocated, within an update call of >= 64 MiB of masters (a
+    parameter that big is alone in its call)."""
+    s = c.shape
+    if c.lora_rank:
+        big = max(c.lora_rank * max(a, b) for a, b in s.linear_shapes().values())
+        return {"cpu adam fp32 weights (H2D)": 2 * big * 4}
+    layer_max = max(a * b for a, b in s.linear_shapes().values())
+    largest = s.largest_param()
+    pair = largest + layer_max if largest * 4 < CPU_ADAM_CHUNK else max(largest, 2 * layer_max)
+    return {"cpu adam fp32 weights (H2D)": pair * 4}
