@@ -47,7 +47,7 @@ def prediction(s: DemoSettings) -> dict[str, int]:
     prompts of digits+2 tokens with no padding mask; its own sampling loop over the 10 digit
     ids; reference and train forwards computing logits of the answer (+1) positions only and
     log-probs over the 10 digit ids; a timeshared step whose optimizer step runs inside the
-    train phase (AdamW: fused, its state on the host except during step(); CPUAdam: gradients
+    train phase (AdamW: fused, its state streamed in a chunk at a time during step(); CPUAdam: gradients
     stream out during backward, at most its default 512 MiB of copies pending)."""
     return predict_phases(
         s.preset, param_dtype=_DTYPES[s.dtype],
@@ -60,6 +60,9 @@ def prediction(s: DemoSettings) -> dict[str, int]:
         completion_logits=True, action_vocab=10, keep_logits=False,  # logits_to_keep=answer+1, 10 digit ids
         sampling="own", sampling_fp32_buffers=3,  # the digit slice in fp32, / temperature, softmax
         repeat_kv_in_decode=False, step_in_train=True,
+        # AdamW: the timeshare streams its state in during step() (optimizer_residency="stream",
+        # TimeshareConfig.optimizer_chunk_bytes' default)
+        optim_stream_chunk_bytes=256 << 20 if s.optimizer != "cpu_adam" else None,
     )
 
 

@@ -127,3 +127,16 @@ def test_cpu_adam_step_returns_fp32_masters_param_by_param():
     # 17 MB each) together are smaller.
     assert step.transient == {"cpu adam fp32 weights (H2D)": V * H * 4}
     assert step.peak_bytes == PARAMS + V * H * 4
+
+
+def test_streamed_adamw_step_holds_two_chunks_of_state():
+    kw = dict(optimizer="adamw_offload", adamw_foreach=False)
+    whole = _phase("optimizer_step", **kw)
+    streamed = _phase("optimizer_step", optim_stream_chunk_bytes=256 * MIB, **kw)
+    assert whole.resident["optimizer states"] == 2 * PARAMS  # bf16 exp_avg + exp_avg_sq
+    # The embedding's state (2 x bf16 of vocab x hidden, > 256 MiB) is a chunk alone; the next
+    # chunk closes at >= 256 MiB, overshooting by at most one MLP matrix's state.
+    assert streamed.resident["optimizer states"] == V * H * 4 + 256 * MIB + 4864 * 896 * 4
+    assert whole.peak_bytes - streamed.peak_bytes == 2 * PARAMS - (V * H * 4 + 256 * MIB + 4864 * 896 * 4)
+    with pytest.raises(ValueError, match="optim_stream_chunk_bytes"):
+        PlanConfig(**DEMO, optimizer="cpu_adam", optim_stream_chunk_bytes=256 * MIB)

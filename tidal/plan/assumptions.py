@@ -82,7 +82,11 @@ def assumptions(c, bw) -> list[str]:
         out.append("AdamW states on the GPU" + (" (foreach step: one state-sized temporary)." if c.adamw_foreach
                                                   else " (fused step: no temporary)."))
     elif c.optimizer == "adamw_offload":
-        out.append("AdamW states on the host except during optimizer_step (moved in before it, out after it).")
+        out.append("AdamW states on the host except during optimizer_step (moved in before it, out after it)."
+                   if c.optim_stream_chunk_bytes is None else
+                   f"AdamW states on the host; step() brings them in {_mib(c.optim_stream_chunk_bytes)} chunks of "
+                   "parameters (the next chunk in while this one goes out: two chunks, each up to one parameter's "
+                   "state over the size, the embedding's alone).")
     else:
         out.append("CPU Adam (tidal.CPUAdam): no optimizer state or gradient kept on the GPU; each gradient is cast to "
                    "fp32 on the GPU and copied to the host as backward produces it; gradient + cast of copies not yet "

@@ -55,6 +55,9 @@ class PlanConfig:
     ``CPUAdam(max_inflight_bytes=...)``, default 512 MiB). ``step_in_train``: ``step()`` runs
     inside the measured train phase (tidal's GRPO trainer), so the train peak is the larger of
     the forward/backward and the optimizer step (``optimizer_step`` is still reported alone).
+    ``optim_stream_chunk_bytes`` (``adamw_offload`` only): the states come in a chunk of
+    parameters at a time during ``step()`` (the timeshare's ``optimizer_residency="stream"``,
+    ``TimeshareConfig.optimizer_chunk_bytes``, 256 MiB there); ``None``: all at once.
 
     Sharding: ``zero_stage`` 0-3 over ``dp`` data-parallel GPUs: 1 shards optimizer states,
     2 also gradients (one layer's unsharded gradients exist before its reduce-scatter), 3
@@ -105,6 +108,7 @@ class PlanConfig:
     optimizer: str = "adamw"
     adamw_foreach: bool = True
     cpu_adam_inflight_bytes: int = 512 * MIB
+    optim_stream_chunk_bytes: int | None = None
     step_in_train: bool = False
     zero_stage: int = 0
     dp: int = 1
@@ -152,6 +156,9 @@ class PlanConfig:
         if self.completion_logits and self.logprob_span != "completion":
             raise ValueError("completion_logits=True computes logits of the completion only: it needs "
                              "logprob_span='completion'")
+        if self.optim_stream_chunk_bytes is not None and (self.optimizer != "adamw_offload"
+                                                          or self.optim_stream_chunk_bytes < 1):
+            raise ValueError("optim_stream_chunk_bytes needs optimizer='adamw_offload' and a size >= 1")
         if self.sampling not in SAMPLING:
             raise ValueError(f"sampling must be one of {SAMPLING}, got {self.sampling!r}")
         if self.action_vocab is not None and not 1 <= self.action_vocab <= self.shape.vocab:
@@ -327,6 +334,19 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
     step_t = {"adamw step temporary": st["step_temp"]} if st["step_temp"] else {}
     if c.optimizer == "cpu_adam":
         step_t = cpu_adam_step_transient(c)
+    step_states = st["optim"]
+    if c.optim_stream_chunk_bytes is not None:
+        # Streamed step: a chunk closes once it holds >= chunk bytes of state, so a chunk is at
+        # most chunk + one parameter's state; the embedding (the first parameter) is alone in
+        # its chunk when its state is that big. Two chunks at once: the next comes in while
+        # this one goes out.
+        s = c.shape
+        per = st["optim"] / max(st["trainable"], 1)  # state bytes per trainable element
+        big = (s.largest_param() if not c.lora_rank else
+               max(c.lora_rank * max(a, b) for a, b in s.linear_shapes().values())) * per
+        layer_max = max(a * b for a, b in s.linear_shapes().values()) * per if not c.lora_rank else big
+        chunk = c.optim_stream_chunk_bytes
+        step_states = min(st["optim"], int(max(big, chunk) + chunk + layer_max))
     transients = {"rollout": {**rollout_transient(c), **gathered}, "reference": {**reference_transient(c), **gathered},
                   "train": {**train_t, **gathered}, "optimizer_step": step_t}
 
@@ -337,13 +357,15 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         "rollout": rollout_weights,
         "reference": ref_weights,
         "train": {"actor params": actor_params, "grads": train_grads, "optimizer states": optim_in_train},
-        "optimizer_step": {"actor params": actor_params, "grads": st["grads"], "optimizer states": st["optim"]},
+        "optimizer_step": {"actor params": actor_params, "grads": st["grads"], "optimizer states": step_states},
     }
     everything = {"actor params": actor_params, "reference params": st["reference"],
                   "rollout weights": st["rollout_copy"], "optimizer states": optim_in_train}
     all_res = {p: dict(everything) for p in PHASES}
     all_res["train"]["grads"] = train_grads
     all_res["optimizer_step"].update({"grads": st["grads"], "optimizer states": st["optim"]})
+    if c.optim_stream_chunk_bytes is not None:  # the states are on the host even with every role "resident"
+        all_res["optimizer_step"]["optimizer states"] = step_states
 
     def phases(res: dict[str, dict[str, int]]) -> dict[str, Phase]:
         res = {p: {**r, "misc (cuBLAS workspace, small tensors)": c.misc_bytes} for p, r in res.items()}
