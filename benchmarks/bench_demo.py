@@ -32,6 +32,7 @@ from tidal.plan import predict_phases  # noqa: E402
 CONFIGS = {
     # name: overrides of the GPU defaults of tidal demo
     "demo": {},
+    "demo-adamw": {"optimizer": "adamw"},
     "cal-1.5b-cpu-adam-ckpt": {"preset": "qwen2-1.5b", "digits": 64, "prompts": 16, "group": 8, "micro_batch": 16,
                                "grad_ckpt": True, "lr": 5e-5},
     "cal-1.5b-adamw-ckpt": {"preset": "qwen2-1.5b", "optimizer": "adamw", "digits": 64, "prompts": 32,
@@ -68,10 +69,10 @@ def prediction(s: DemoSettings) -> dict[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="+", default=["demo", "cal-0.5b-long", "cal-1.5b-cpu-adam-ckpt", "cal-1.5b-adamw-ckpt"],
+    ap.add_argument("--configs", nargs="+", default=["demo", "demo-adamw", "cal-0.5b-long", "cal-1.5b-cpu-adam-ckpt", "cal-1.5b-adamw-ckpt"],
                     choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=30, help="steps of the demo run")
-    ap.add_argument("--cal-steps", type=int, default=4, help="steps of the calibration-only runs")
+    ap.add_argument("--cal-steps", type=int, default=6, help="steps of the other runs")
     ap.add_argument("--baseline-steps", type=int, default=1)
     ap.add_argument("--out", default="tidal-bench-demo")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))
@@ -90,7 +91,7 @@ def main() -> int:
         base = defaults_for("cuda")
         base.update(CONFIGS[name])
         s = DemoSettings(**base, baseline_steps=args.baseline_steps, out_dir=os.path.join(args.out, name))
-        s = dataclasses.replace(s, steps=args.steps if not name.startswith("cal-") else args.cal_steps)
+        s = dataclasses.replace(s, steps=args.steps if name == "demo" else args.cal_steps)
         print(f"\n=== {name}: {s}")
         summary = run_demo(s, log=lambda line: print(line, flush=True))
         pred = prediction(s)
