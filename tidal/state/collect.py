@@ -51,7 +51,10 @@ def _plain_tensors(t: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, s
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         for attr in attrs:
-            yield from _plain_tensors(getattr(t, attr), f"{name}.{attr}")
+            inner = getattr(t, attr)
+            # Flattening may also list opaque non-tensors (DTensor: its device mesh).
+            if isinstance(inner, torch.Tensor):
+                yield from _plain_tensors(inner, f"{name}.{attr}")
         return
     yield t, name
 

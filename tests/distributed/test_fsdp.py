@@ -1,0 +1,215 @@
+"""ZeRO stages through FSDP2 on a CPU mesh (gloo, 2 processes), and sharded roles in a timeshare."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import tidal
+from tidal.distributed import local_state_bytes, no_sync, shard_model, zero_stage_of
+from tests.distributed.multiproc import run_distributed
+
+
+class Net(nn.Module):
+    """LM-shaped: embedding, blocks (the FSDP units), head. Vocab 63 so rank 1's shard of the
+    embedding is shorter than rank 0's (FSDP2 pads it: the padding must move too)."""
+
+    def __init__(self, vocab: int = 63, hidden: int = 24, layers: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                          nn.Linear(4 * hidden, hidden), *([nn.Dropout(dropout)] if dropout else []))
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for blk in self.blocks:
+            x = x + blk(x)
+        return self.head(self.norm(x))
+
+
+def make(stage: int, *, seed: int = 0, dropout: float = 0.0, **kw) -> Net:
+    torch.manual_seed(seed)  # same full weights on every rank before sharding
+    net = Net(dropout=dropout)
+    return shard_model(net, zero_stage=stage, layers=net.blocks, **kw)
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 63, (4, 9), generator=g)
+
+
+def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The live local tensors (not copies) of params, grads and optimizer state, by name."""
+    out: dict[str, torch.Tensor] = {}
+    names = {}
+    for n, p in model.named_parameters():
+        names[id(p)] = n
+        out[n] = local(p)
+        if p.grad is not None:
+            out[n + ".grad"] = local(p.grad)
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            out[f"opt:{names[id(p)]}.{k}"] = local(v)
+    return out
+
+
+def train_step(model, opt, step: int, rank: int) -> float:
+    loss = loss_of(model, batch(step, rank))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+# ---- workers (run in each of 2 processes) ---------------------------------------------------
+
+def _roundtrip_worker(rank: int, world_size: int) -> None:
+    for stage in (0, 1, 2, 3):
+        model = make(stage)
+        assert zero_stage_of(model) == stage
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            train_step(model, opt, step, rank)
+        # A forward with grad disabled leaves only shards behind at every stage (stages 0-2
+        # through shard_model's hook), so a switch moves exactly the role's shards.
+        with torch.no_grad():
+            model(batch(9, rank))
+        assert all(isinstance(p, DTensor) for p in model.parameters()), f"stage {stage}: unsharded params left"
+        loss_of(model, batch(2, rank)).backward()  # keep grads, so they move too
+
+        live = state_tensors(model, opt)
+        before = {k: v.clone() for k, v in live.items()}
+        full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        shard_bytes = local_state_bytes(model)
+        if stage == 0:
+            assert shard_bytes == full_bytes
+        else:  # this rank's share, FSDP2's padding included
+            assert shard_bytes < 0.6 * full_bytes, (stage, shard_bytes, full_bytes)
+
+        with tidal.Timeshare("cpu") as ts:
+            ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+            storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in live.values()}
+            # Role bytes: the local shards of params, grads and Adam moments (not full tensors);
+            # Adam's step scalars stay put (below min_offload_bytes).
+            assert ts.role_bytes("actor") == sum(n for n in storages.values() if n >= 16)
+            ts.offload("actor")
+            for k, t in live.items():
+                if t.untyped_storage().nbytes() and not k.endswith(".step"):
+                    raise AssertionError(f"stage {stage}: {k} still holds memory after offload")
+            ts.load("actor")
+            after = state_tensors(model, opt)
+            for k, t in live.items():
+                assert after[k] is t, f"stage {stage}: {k} is a new tensor object"
+                assert torch.equal(t, before[k]), f"stage {stage}: {k} changed across offload/reload"
+            with ts.use("actor"):
+                opt.step()
+                opt.zero_grad()
+                assert torch.isfinite(torch.tensor(train_step(model, opt, 3, rank)))
+
+
+def _run_loop(rank: int, *, timeshare: bool, steps: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:
+    actor = make(3, seed=0, dropout=0.1)
+    ref = make(3, seed=1)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2, weight_decay=0.01)
+    ts = None
+    if timeshare:
+        ts = tidal.Timeshare("cpu")
+        ts.add_role("actor", model=actor, optimizer=opt)  # optimizer state on host between steps
+        ts.add_role("reference", model=ref)
+    torch.manual_seed(100 + rank)  # dropout draws: same in both runs
+    losses = []
+    for step in range(steps):
+        ids = batch(step, rank)
+        with ts.use("reference") if ts else _nullctx():
+            with torch.no_grad():
+                ref_logp = ref(ids[:, :-1]).log_softmax(-1)
+        with ts.use("actor") if ts else _nullctx():
+            logp = actor(ids[:, :-1]).log_softmax(-1)
+            loss = nn.functional.nll_loss(logp.reshape(-1, 63), ids[:, 1:].reshape(-1))
+            loss = loss + 0.1 * (logp.exp() * (logp - ref_logp)).sum(-1).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    if ts is not None:
+        ts.offload_all()  # end with everything on the host: close() must bring it back intact
+        ts.close()
+    return losses, {k: v.clone() for k, v in state_tensors(actor, opt).items()}
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _equivalence_worker(rank: int, world_size: int) -> None:
+    plain_losses, plain_state = _run_loop(rank, timeshare=False)
+    ts_losses, ts_state = _run_loop(rank, timeshare=True)
+    assert plain_losses == ts_losses, (plain_losses, ts_losses)
+    assert plain_state.keys() == ts_state.keys()
+    assert any(".exp_avg_sq" in k for k in plain_state)
+    for k in plain_state:
+        assert torch.equal(plain_state[k], ts_state[k]), f"{k} differs with the timeshare"
+
+
+def _accumulation_worker(rank: int, world_size: int) -> None:
+    # Stage 1 accumulates full local grads and reduces once; stage 2 reduce-scatters each
+    # micro-batch. Same sum, different reduction order: equal up to rounding.
+    grads = {}
+    for stage in (1, 2):
+        model = make(stage)
+        with no_sync(model):
+            loss_of(model, batch(0, rank)).backward()
+        if stage == 1:  # no reduction yet: the grad is this rank's alone, unsharded
+            assert not any(isinstance(p.grad, DTensor) for p in model.parameters() if p.grad is not None)
+        loss_of(model, batch(1, rank)).backward()
+        grads[stage] = {n: local(p.grad).clone() for n, p in model.named_parameters()}
+    for n in grads[1]:
+        torch.testing.assert_close(grads[1][n], grads[2][n], rtol=1e-5, atol=1e-6)
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+def test_sharded_role_offload_reload_bit_exact_every_stage():
+    run_distributed(_roundtrip_worker)
+
+
+def test_stage3_training_with_timeshare_identical_to_without():
+    run_distributed(_equivalence_worker)
+
+
+def test_stage1_no_sync_accumulates_like_stage2():
+    run_distributed(_accumulation_worker)
+
+
+def test_shard_model_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="zero_stage must be one of"):
+        shard_model(nn.Linear(2, 2), zero_stage=4)
+    with pytest.raises(ValueError, match="zero_stage must be one of"):
+        shard_model(nn.Linear(2, 2), zero_stage=True)
+    with pytest.raises(ValueError, match="init_process_group"):
+        shard_model(nn.Linear(2, 2), zero_stage=3)
+    with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
+        shard_model(nn.Linear(2, 2), zero_stage=3, mp_policy="bf16")
+    with pytest.raises(ValueError, match="no_sync"):
+        with no_sync(nn.Linear(2, 2)):
+            pass

@@ -1,0 +1,140 @@
+"""Sharded save and load through ``torch.distributed.checkpoint`` (DCP), committed atomically.
+
+Every rank writes its own shards (no gather to one rank, no full copy of the model anywhere);
+the checkpoint becomes visible only when complete (``atomic.py``), and loading reads bytes
+straight into the live tensors (``state.py``), including the host copies of a role a
+:class:`tidal.Timeshare` has offloaded.
+
+Memory cost of a save, per rank: DCP's writer copies one tensor at a time to the host
+(``thread_count=1``; with more threads, ``copy_ahead_bytes`` per thread) and writes it, so the
+extra host memory is about the largest local shard; tensors already on the host (offloaded
+roles, CPU training) are written from where they are. No device memory is allocated beyond
+what DCP's per-tensor ``.cpu()`` needs (none: device-to-host copies allocate on the host).
+Loading reads each tensor's bytes into the live tensor, with one host buffer per tensor read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from tidal.checkpoint import atomic
+from tidal.checkpoint.atomic import CheckpointError
+from tidal.checkpoint.state import TrainState
+
+__all__ = ["CheckpointConfig", "save", "load", "load_latest"]
+
+_APP = "app"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """
+    Attributes:
+        thread_count: writer threads per rank (DCP ``FileSystemWriter``). 1 stages one tensor
+            at a time; more overlap device-to-host copies with writes.
+        copy_ahead_bytes: with ``thread_count > 1``, bytes each thread may copy to the host
+            ahead of its writes (bounds the staging memory).
+        keep_last: after a commit, delete all but the newest this many checkpoints (``None``
+            keeps every one).
+    """
+
+    thread_count: int = 1
+    copy_ahead_bytes: int = 10_000_000
+    keep_last: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {self.thread_count}")
+        if self.copy_ahead_bytes < 0:
+            raise ValueError(f"copy_ahead_bytes must be >= 0, got {self.copy_ahead_bytes}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {self.keep_last} (0 would delete the "
+                             f"checkpoint just written)")
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_state(state: TrainState) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a tidal.checkpoint.TrainState, got {type(state).__name__}")
+
+
+def save(directory: str | os.PathLike, state: TrainState, *, step: int | None = None,
+         config: CheckpointConfig | None = None) -> Path:
+    """Save ``state`` as ``<directory>/step-<step>`` and point ``latest`` at it. Every rank
+    calls it. ``step`` defaults to ``state.step`` (and is stored there). Returns the path.
+
+    Atomic: the checkpoint is written into ``.tmp-<step>`` and renamed once complete, so a
+    crash (or ``kill -9``) at any point leaves the previous checkpoint as ``latest``.
+    Raises ``ValueError`` if ``step-<step>`` exists already (checkpoints are never overwritten).
+    """
+    _check_state(state)
+    config = config or CheckpointConfig()
+    if step is not None:
+        state.step = int(step)
+    if state.step < 0:
+        raise ValueError(f"step must be >= 0, got {state.step}")
+    root = Path(directory)
+    tmp = atomic.on_rank0(lambda: atomic.prepare_tmp(root, state.step))
+    writer = FileSystemWriter(str(tmp), sync_files=True, thread_count=config.thread_count,
+                              per_thread_copy_ahead=config.copy_ahead_bytes)
+    # DCP's save ends once the coordinator has written .metadata and told every rank.
+    dcp.save({_APP: state}, storage_writer=writer)
+    return atomic.on_rank0(lambda: atomic.commit(root, state.step, _world_size(), keep_last=config.keep_last))
+
+
+def load(path: str | os.PathLike, state: TrainState) -> int:
+    """Load the checkpoint at ``path`` (a ``step-N`` directory) into ``state`` in place and
+    return its step. Every rank calls it.
+
+    Raises :class:`~tidal.checkpoint.CheckpointError` (a ``ValueError``) on every rank if the
+    checkpoint is partial or corrupted, naming what is wrong and the previous complete one.
+    The model and optimizers must have the same structure as when saved; the world size may
+    differ (DCP reshards), except that new ranks keep their own RNG state.
+    """
+    _check_state(state)
+    path = Path(path)
+
+    def check() -> bool:
+        atomic.validate(path)
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return sorted(keys)
+
+    keys = atomic.on_rank0(check)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    has_rng = f"{_APP}.rng/rank{rank}" in keys
+    if state.rng and not has_rng:
+        warnings.warn(f"{path} holds no RNG state for rank {rank} (saved with fewer ranks); this rank keeps "
+                      f"its current RNG", stacklevel=2)
+    state.load_rng = has_rng
+    try:
+        dcp.load({_APP: state}, storage_reader=FileSystemReader(str(path)))
+    except (ValueError, TypeError):
+        raise  # tidal's own checks (CheckpointError included) say what is wrong already
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} passed the completeness checks but reading it failed "
+                              f"({type(e).__name__}: {e}): a shard may be damaged in place, or the model or "
+                              f"optimizer differ from the saved ones") from e
+    finally:
+        state.load_rng = True
+    return state.step
+
+
+def load_latest(directory: str | os.PathLike, state: TrainState) -> int | None:
+    """Load the checkpoint ``<directory>/latest`` names into ``state``; return its step, or
+    None (nothing loaded) when the directory holds no checkpoint yet, for
+    ``start = load_latest(d, state) or 0``."""
+    _check_state(state)
+    path = atomic.on_rank0(lambda: atomic.latest_path(Path(directory)))
+    if path is None:
+        return None
+    return load(path, state)
