@@ -23,28 +23,12 @@ import json
 import sys
 from typing import Callable, Sequence
 
+from tidal.cli.args import device_arg, nonneg_int, positive_int
+
 __all__ = ["build_parser", "main"]
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SKIPPED = 0, 1, 2, 3
 _PRESETS = ("nano", "tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b")  # mirrors tidal.cli.models.PRESETS
-
-
-def _device_arg(text: str) -> str:
-    # Validate the spelling only; whether the device exists is checked when it is opened,
-    # with a message that says what is visible.
-    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
-        return text
-    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
-    return n
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -58,11 +42,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--preset", choices=_PRESETS, default=None,
                    help="model shape (random weights, no download); default qwen2-1.5b on cuda, tiny on cpu")
-    p.add_argument("--device", type=_device_arg, default=None,
+    p.add_argument("--device", type=device_arg, default=None,
                    help="cpu, cuda or cuda:N; default cuda when available, else cpu")
-    p.add_argument("--warm-iters", type=_nonneg_int, default=3,
+    p.add_argument("--warm-iters", type=nonneg_int, default=3,
                    help="warm cycles after the cold one; medians are taken over them (default 3)")
-    p.add_argument("--line-mib", type=_nonneg_int, default=None,
+    p.add_argument("--line-mib", type=nonneg_int, default=None,
                    help="size of the line-rate buffer in MiB (default 1024 on a GPU, 16 on cpu)")
     p.add_argument("--results", metavar="PATH", default=None,
                    help="append a markdown row to PATH (header written if the file is new)")
@@ -109,13 +93,6 @@ def _run_bench(args: argparse.Namespace) -> int:
     return EXIT_OK if result["bit_exact"] else EXIT_WRONG
 
 
-def _positive_int(text: str) -> int:
-    n = _nonneg_int(text)
-    if n == 0:
-        raise argparse.ArgumentTypeError("expected an integer >= 1, got 0")
-    return n
-
-
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
@@ -123,32 +100,32 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         description="Train a Qwen2-shape model (random weights, no download) on a digit task with GRPO; "
         "its rollout, reference and training roles share the device through tidal's timeshare. Prints "
         "per-phase time, peak memory and bytes moved, the peak against all roles resident, and writes "
-        "a memory-timeline PNG and a JSONL log. Defaults: a tiny model on the CPU; a 1.5B shape with "
-        "CPU Adam on a GPU.",
+        "a memory-timeline PNG and a JSONL log. Defaults: a tiny model on the CPU; a Qwen2-0.5B shape "
+        "with CPU Adam and gradient checkpointing on a GPU.",
     )
-    p.add_argument("--device", type=_device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
-    p.add_argument("--preset", choices=_PRESETS, default=None, help="model shape (default nano on cpu, qwen2-1.5b on a GPU)")
-    p.add_argument("--steps", type=_positive_int, default=None, help="GRPO steps (default 200 on cpu, 30 on a GPU)")
+    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
+    p.add_argument("--preset", choices=_PRESETS, default=None, help="model shape (default nano on cpu, qwen2-0.5b on a GPU)")
+    p.add_argument("--steps", type=positive_int, default=None, help="GRPO steps (default 200 on cpu, 30 on a GPU)")
     p.add_argument("--task", choices=("copy", "reverse", "sort", "add"), default="copy")
-    p.add_argument("--digits", type=_positive_int, default=None, help="digits per prompt (= answer tokens)")
-    p.add_argument("--prompts", type=_positive_int, default=None, help="prompts per step")
-    p.add_argument("--group", type=_positive_int, default=None, help="samples per prompt (GRPO group)")
-    p.add_argument("--micro-batch", type=_positive_int, default=None, help="sequences per forward/backward")
+    p.add_argument("--digits", type=positive_int, default=None, help="digits per prompt (= answer tokens)")
+    p.add_argument("--prompts", type=positive_int, default=None, help="prompts per step")
+    p.add_argument("--group", type=positive_int, default=None, help="samples per prompt (GRPO group)")
+    p.add_argument("--micro-batch", type=positive_int, default=None, help="sequences per forward/backward")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--optimizer", choices=("adamw", "cpu_adam"), default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=None,
                    help="gradient checkpointing in training (default: on on a GPU, off on cpu)")
     p.add_argument("--kl-coef", type=float, default=0.02, help="KL to the reference (0: no reference role)")
-    p.add_argument("--lora-rank", type=_nonneg_int, default=0, help="train LoRA adapters of this rank (needs peft)")
-    p.add_argument("--baseline-steps", type=_nonneg_int, default=2,
+    p.add_argument("--lora-rank", type=nonneg_int, default=0, help="train LoRA adapters of this rank (needs peft)")
+    p.add_argument("--baseline-steps", type=nonneg_int, default=2,
                    help="steps of the same loop with all roles resident, to measure its peak (0: skip)")
-    p.add_argument("--switch-extra-mib", type=_nonneg_int, default=256,
+    p.add_argument("--switch-extra-mib", type=nonneg_int, default=256,
                    help="cap on how much a role switch overlaps: one role's state plus this many MiB "
                    "(default 256; --full-overlap lifts the cap)")
     p.add_argument("--full-overlap", action="store_true",
                    help="let switches hold both roles' state at once (fastest, higher peak)")
-    p.add_argument("--seed", type=_nonneg_int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--out", default="tidal-demo", help="folder for timeline.png and demo.jsonl")
     p.set_defaults(run=_run_demo)
 

@@ -23,37 +23,14 @@ import argparse
 import json
 import sys
 
+from tidal.cli.args import nonneg_int, positive_float, positive_int
+
 __all__ = ["add_parser", "run"]
 
 EXIT_OK, EXIT_USAGE = 0, 2
 _PRESETS = ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "llama3-8b")  # mirrors tidal.plan.shapes.PRESETS
 _OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")  # mirrors tidal.plan.model.OPTIMIZERS
 _DTYPES = ("bf16", "fp16", "fp32")
-
-
-def _pos_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
-    return n
-
-
-def _nonneg_int(text: str) -> int:
-    n = _pos_int(text) if text.strip() != "0" else 0
-    return n
-
-
-def _pos_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return x
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -68,15 +45,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=_PRESETS, default=None, help="model shape (default qwen2-1.5b)")
     src.add_argument("--config", metavar="PATH", default=None, help="a Hugging Face config.json")
-    p.add_argument("--gpu-mem-gib", type=_pos_float, default=None,
+    p.add_argument("--gpu-mem-gib", type=positive_float, default=None,
                    help="memory of one GPU in GiB; with it, a recommendation is made (80 GB H100: 79.2)")
-    p.add_argument("--gpus", type=_pos_int, default=1, help="GPUs (data-parallel degree; default 1)")
+    p.add_argument("--gpus", type=positive_int, default=1, help="GPUs (data-parallel degree; default 1)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
-    p.add_argument("--prompts", type=_pos_int, default=8, help="prompts per step, all GPUs (default 8)")
-    p.add_argument("--group", type=_pos_int, default=4, help="samples per prompt (default 4)")
-    p.add_argument("--prompt-len", type=_pos_int, default=128, help="prompt tokens (default 128)")
-    p.add_argument("--gen-len", type=_pos_int, default=256, help="max new tokens (default 256)")
-    p.add_argument("--micro-batch", type=_pos_int, default=4, help="train micro-batch, sequences (default 4)")
+    p.add_argument("--prompts", type=positive_int, default=8, help="prompts per step, all GPUs (default 8)")
+    p.add_argument("--group", type=positive_int, default=4, help="samples per prompt (default 4)")
+    p.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--gen-len", type=positive_int, default=256, help="max new tokens (default 256)")
+    p.add_argument("--micro-batch", type=positive_int, default=4, help="train micro-batch, sequences (default 4)")
     p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=False,
                    help="gradient checkpointing (default off)")
     p.add_argument("--act-offload", action=argparse.BooleanOptionalAction, default=False,
@@ -84,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--timeshare", action=argparse.BooleanOptionalAction, default=True,
                    help="roles take turns on the GPU (default on)")
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw", help="default adamw (states on the GPU)")
-    p.add_argument("--lora-rank", type=_nonneg_int, default=0, help="LoRA rank; 0 trains the full model (default)")
+    p.add_argument("--lora-rank", type=nonneg_int, default=0, help="LoRA rank; 0 trains the full model (default)")
     p.add_argument("--dtype", choices=_DTYPES, default="bf16", help="param/activation dtype (default bf16)")
     p.add_argument("--optim-state-dtype", choices=_DTYPES, default=None,
                    help="AdamW state dtype (default: the param dtype, as torch.optim.AdamW allocates)")
@@ -96,20 +73,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="positions whose log-probs are taken in fp32 (default sequence)")
     p.add_argument("--completion-logits", action="store_true",
                    help="logits of the completion only (transformers' logits_to_keep); needs --logprob-span completion")
-    p.add_argument("--action-vocab", type=_pos_int, default=None,
+    p.add_argument("--action-vocab", type=positive_int, default=None,
                    help="log-probs and sampling over this many token ids only (default: the vocabulary)")
     p.add_argument("--sampling", choices=("generate", "own"), default="generate",
                    help="rollout by HF generate (default) or a loop of one's own like tidal.rl's")
-    p.add_argument("--cpu-adam-inflight-mib", type=_nonneg_int, default=512,
+    p.add_argument("--cpu-adam-inflight-mib", type=nonneg_int, default=512,
                    help="CPUAdam(max_inflight_bytes) in MiB (default 512)")
     p.add_argument("--step-in-train", action="store_true",
                    help="the optimizer step runs inside the train phase (its peak counts there)")
-    p.add_argument("--context-mib", type=_nonneg_int, default=500, help="CUDA context, MiB (default 500, assumed)")
+    p.add_argument("--context-mib", type=nonneg_int, default=500, help="CUDA context, MiB (default 500, assumed)")
     p.add_argument("--bench-json", metavar="PATH", default=None,
                    help="take the line rate from a `tidal bench --json PATH` file")
-    p.add_argument("--d2h-gbps", type=_pos_float, default=None, help="device->host GB/s (default 55)")
-    p.add_argument("--h2d-gbps", type=_pos_float, default=None, help="host->device GB/s (default 55)")
-    p.add_argument("--bidir-gbps", type=_pos_float, default=None, help="both directions at once, GB/s (default 100)")
+    p.add_argument("--d2h-gbps", type=positive_float, default=None, help="device->host GB/s (default 55)")
+    p.add_argument("--h2d-gbps", type=positive_float, default=None, help="host->device GB/s (default 55)")
+    p.add_argument("--bidir-gbps", type=positive_float, default=None, help="both directions at once, GB/s (default 100)")
     p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
                    help="print JSON instead of the report (or write it to PATH)")
     p.set_defaults(run=run)
