@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _train(model, ref, opt, sched, ts, steps: range, rank: int) -> list[float]:
     losses = []
     for step in steps:
-        ids = batch(step, rank)
+        ids = batch(step, rank, ts.device)
         with ts.use("reference"):
             with torch.no_grad():
                 ref_logits = ref(ids[:, :-1])
@@ -39,19 +39,21 @@ def _train(model, ref, opt, sched, ts, steps: range, rank: int) -> list[float]:
     return losses
 
 
-def _setup(seed_rng: int):
-    model, ref = make(3, seed=0, dropout=0.1), make(3, seed=1)
+def _setup(seed_rng: int, device: str = "cpu"):
+    model, ref = make(3, seed=0, dropout=0.1, device=device), make(3, seed=1, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    ts = tidal.Timeshare("cpu")
+    ts = tidal.Timeshare(device)
     ts.add_role("actor", model=model, optimizer=opt)
     ts.add_role("reference", model=ref)
     torch.manual_seed(seed_rng)
     return model, ref, opt, sched, ts
 
 
-def _resume_worker(rank: int, world_size: int, directory: str) -> None:
-    model, ref, opt, sched, ts = _setup(100 + rank)
+def _resume_worker(rank: int, world_size: int, directory: str, device: str = "cpu") -> None:
+    if device != "cpu":
+        device = f"{device}:{rank}"
+    model, ref, opt, sched, ts = _setup(100 + rank, device)
     state = TrainState(model, opt, scheduler=sched, timeshare=ts)
     _train(model, ref, opt, sched, ts, range(3), rank)
     ts.load("reference")  # the actor is offloaded: its checkpoint comes from the host copies
@@ -64,7 +66,7 @@ def _resume_worker(rank: int, world_size: int, directory: str) -> None:
     expected = {k: v.clone() for k, v in state_tensors(model, opt).items()}
     ts.close()
 
-    model2, ref2, opt2, sched2, ts2 = _setup(999)  # other RNG; fresh optimizer
+    model2, ref2, opt2, sched2, ts2 = _setup(999, device)  # other RNG; fresh optimizer
     state2 = TrainState(model2, opt2, scheduler=sched2, timeshare=ts2)
     ts2.offload("actor")
     with pytest.raises(ValueError, match="make the role resident"):

@@ -192,19 +192,20 @@ def _older(p: Path, than: Path) -> bool:
     return bool(a and b and int(a.group(1)) < int(b.group(1)))
 
 
-def on_rank0(fn: Callable[[], T]) -> T:
+def on_rank0(fn: Callable[[], T], *, group=None) -> T:
     """Run ``fn`` on rank 0 and give every rank its result, or raise its exception on every
-    rank (so no rank waits in a collective that another has left)."""
+    rank (so no rank waits in a collective that another has left). ``group``: the group to
+    broadcast over (None: the default group); its rank 0 runs ``fn``."""
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed:
         return fn()
     box: list = [None]
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         try:
             box[0] = ("ok", fn())
         except Exception as e:  # re-raised on every rank below
             box[0] = ("error", e)
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     kind, value = box[0]
     if kind == "error":
         raise value

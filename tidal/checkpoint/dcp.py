@@ -11,6 +11,11 @@ extra host memory is about the largest local shard; tensors already on the host 
 roles, CPU training) are written from where they are. No device memory is allocated beyond
 what DCP's per-tensor ``.cpu()`` needs (none: device-to-host copies allocate on the host).
 Loading reads each tensor's bytes into the live tensor, with one host buffer per tensor read.
+
+Coordination (plans, metadata, the commit's outcome) runs over a gloo group: the default group
+where it is gloo already, otherwise one gloo group over all ranks, created at the first save or
+load (a collective: every rank calls save/load, so every rank creates it) and reused. Nothing
+of it touches the device, so an NCCL job's save allocates no device memory for its messages.
 """
 
 from __future__ import annotations
@@ -59,6 +64,22 @@ class CheckpointConfig:
                              f"checkpoint just written)")
 
 
+_GLOO: list = []  # [(default group, gloo group)] for the current default group
+
+
+def _group():
+    """The group DCP and the commit coordinate over: None (the default group) when it is gloo
+    or there is no process group, else a gloo group over all ranks, made once."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "gloo":
+        return None
+    world = dist.group.WORLD
+    if not _GLOO or _GLOO[0][0] is not world:  # first use, or the default group was re-created
+        _GLOO[:] = [(world, dist.new_group(backend="gloo"))]
+    return _GLOO[0][1]
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -84,12 +105,14 @@ def save(directory: str | os.PathLike, state: TrainState, *, step: int | None = 
     if state.step < 0:
         raise ValueError(f"step must be >= 0, got {state.step}")
     root = Path(directory)
-    tmp = atomic.on_rank0(lambda: atomic.prepare_tmp(root, state.step))
+    group = _group()
+    tmp = atomic.on_rank0(lambda: atomic.prepare_tmp(root, state.step), group=group)
     writer = FileSystemWriter(str(tmp), sync_files=True, thread_count=config.thread_count,
                               per_thread_copy_ahead=config.copy_ahead_bytes)
     # DCP's save ends once the coordinator has written .metadata and told every rank.
-    dcp.save({_APP: state}, storage_writer=writer)
-    return atomic.on_rank0(lambda: atomic.commit(root, state.step, _world_size(), keep_last=config.keep_last))
+    dcp.save({_APP: state}, storage_writer=writer, process_group=group)
+    return atomic.on_rank0(lambda: atomic.commit(root, state.step, _world_size(), keep_last=config.keep_last),
+                           group=group)
 
 
 def load(path: str | os.PathLike, state: TrainState) -> int:
@@ -109,7 +132,8 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         return sorted(keys)
 
-    keys = atomic.on_rank0(check)
+    group = _group()
+    keys = atomic.on_rank0(check, group=group)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     has_rng = f"{_APP}.rng/rank{rank}" in keys
     if state.rng and not has_rng:
@@ -117,7 +141,7 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
                       f"its current RNG", stacklevel=2)
     state.load_rng = has_rng
     try:
-        dcp.load({_APP: state}, storage_reader=FileSystemReader(str(path)))
+        dcp.load({_APP: state}, storage_reader=FileSystemReader(str(path)), process_group=group)
     except (ValueError, TypeError):
         raise  # tidal's own checks (CheckpointError included) say what is wrong already
     except Exception as e:
@@ -134,7 +158,7 @@ def load_latest(directory: str | os.PathLike, state: TrainState) -> int | None:
     None (nothing loaded) when the directory holds no checkpoint yet, for
     ``start = load_latest(d, state) or 0``."""
     _check_state(state)
-    path = atomic.on_rank0(lambda: atomic.latest_path(Path(directory)))
+    path = atomic.on_rank0(lambda: atomic.latest_path(Path(directory)), group=_group())
     if path is None:
         return None
     return load(path, state)

@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from tidal.state.collect import storage_key
+
 __all__ = ["TrainState"]
 
 
@@ -113,25 +115,24 @@ class TrainState(Stateful):
     # ---- where each tensor lives --------------------------------------------------------------
     def _host_view(self, plain: torch.Tensor, where: str) -> torch.Tensor:
         """``plain`` (a non-wrapper tensor whose storage is offloaded) as a view of its host copy."""
-        storage = plain.untyped_storage()
         store = getattr(self.timeshare, "store", None)
-        key = storage._cdata
-        if store is None or not store.is_offloaded(key):
+        raw = store.host_view(storage_key(plain.untyped_storage())) if store is not None else None
+        if raw is None:
             raise ValueError(
                 f"{where}: its storage has no memory and no timeshare holds it"
                 + ("" if store is not None else " (no timeshare= was given)")
                 + "; pass the Timeshare that offloaded this role as TrainState(timeshare=ts), or "
                 "make the role resident before saving"
             )
-        # Read-only use of the store's host slot for this storage (see the README's request for
-        # a public OffloadStore accessor).
-        slot = store._slots[key][0]
-        chunk = store.arena._chunks[slot.chunk]
+        # uint8, exactly the storage's bytes; read by save, written in place by load, both
+        # while the role stays offloaded (OffloadStore.host_view's contract).
         itemsize = plain.element_size()
-        if slot.offset % itemsize:
-            raise ValueError(f"{where}: host slot at byte {slot.offset} is not aligned to {itemsize} bytes")
+        if raw.storage_offset() % itemsize:
+            raise ValueError(f"{where}: its host copy starts at byte {raw.storage_offset()} of its host chunk, "
+                             f"not aligned to {itemsize} bytes")
         host = torch.empty(0, dtype=plain.dtype)
-        host.set_(chunk.untyped_storage(), slot.offset // itemsize + plain.storage_offset(), plain.size(), plain.stride())
+        host.set_(raw.untyped_storage(), raw.storage_offset() // itemsize + plain.storage_offset(), plain.size(),
+                  plain.stride())
         return host
 
     def _resolve(self, t: torch.Tensor, where: str) -> torch.Tensor:

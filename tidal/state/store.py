@@ -99,6 +99,23 @@ class OffloadStore:
     def all_offloaded(self) -> list[StateEntry]:
         return list(self._offloaded.values())
 
+    def host_view(self, key: int) -> torch.Tensor | None:
+        """The host copy of the offloaded storage ``key`` (``storage_key(storage)``): a 1-D
+        ``uint8`` tensor of exactly its ``nbytes``, a view into the store's host arena (no
+        copy). None when the storage is not offloaded (its bytes are on the device, or the
+        store never held it).
+
+        Contract: the view is the storage's only copy while it is offloaded, and is valid only
+        until the storage is reloaded (then its slot may hold another storage's bytes). Treat
+        it as read-only (e.g. to save it without a reload). The one sanctioned write is
+        replacing its bytes in place with bytes of the same layout while it stays offloaded
+        (``tidal.checkpoint`` loading into an offloaded role): the next reload brings back
+        what was written. Never resize, pin or unpin it.
+        """
+        if key not in self._offloaded:
+            return None
+        return self.arena.view(self._slots[key][0])
+
     @property
     def offloaded_bytes(self) -> int:
         return sum(e.nbytes for e in self._offloaded.values())
