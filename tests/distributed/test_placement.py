@@ -12,15 +12,8 @@ import time
 import pytest
 
 from tidal.distributed.lease import GPULease, start_lease_actor
-from tidal.distributed.placement import (
-    CPUWorker,
-    GPURole,
-    PlacementError,
-    PlacementSpec,
-    _Node,
-    _plan_groups,
-    place,
-)
+from tidal.distributed.placement import CPUWorker, GPURole, PlacementError, PlacementSpec, place
+from tidal.distributed.placement_plan import _Node, _plan_groups
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -27,11 +27,14 @@ Contract:
 
 Why a small server and not file locks: ``flock`` gives crash safety for free but neither FIFO
 order, nor a place to carry the release confirmation, nor expiry of a holder that is alive but
-stuck, and it is confined to one host's filesystem. The state machine (:class:`LeaseTable`) is
-pure Python and transport-free; two thin transports serve it: :class:`LeaseServer`, a
-threaded TCP server speaking JSON lines (no Ray needed: tests, ``multiprocessing``, plain
-launchers), and a Ray actor (:func:`start_lease_actor`) for Ray clusters. The TCP server has
-no authentication: bind it to loopback (the default) or a trusted network only.
+stuck, and it is confined to one host's filesystem. The module layout follows the parts: the
+state machine (:class:`LeaseTable`, :mod:`tidal.distributed.lease_core`) is pure Python and
+transport-free; two thin transports serve it (:mod:`tidal.distributed.lease_server`):
+:class:`LeaseServer`, a threaded TCP server speaking JSON lines (no Ray needed: tests,
+``multiprocessing``, plain launchers), and a Ray actor (:func:`start_lease_actor`) for Ray
+clusters; this module is the client (:class:`GPULease`) and the glue to a
+:class:`~tidal.Timeshare` (:func:`timeshare_callbacks`). The TCP server has no
+authentication: bind it to loopback (the default) or a trusted network only.
 
 Blocking waits are served by the arbiter (a wait returns on grant or after at most
 ``ttl_s / 2``), so a hand-over costs one message round trip, not a polling interval.
@@ -39,16 +42,29 @@ Blocking waits are served by the arbiter (a wait returns on grant or after at mo
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
 import os
 import socket
-import socketserver
 import threading
 import time
 from typing import Any, Callable, Iterator
+
+from tidal.distributed.lease_core import (
+    LeaseError,
+    LeaseExpiredError,
+    LeaseTable,
+    LeaseTimeoutError,
+    LeaseUsageError,
+    _check,
+)
+from tidal.distributed.lease_server import (
+    LeaseServer,
+    _RayBackend,
+    _TCPBackend,
+    start_lease_actor,
+)
 
 __all__ = [
     "GPULease", "LeaseConfig", "LeaseError", "LeaseExpiredError", "LeaseGrant", "LeaseServer",
@@ -56,408 +72,6 @@ __all__ = [
 ]
 
 
-class LeaseError(RuntimeError):
-    """The lease could not be used (server unreachable, release callback failed)."""
-
-
-class LeaseUsageError(LeaseError, ValueError):
-    """The lease was used wrongly: double acquire, release without holding, unknown ticket."""
-
-
-class LeaseExpiredError(LeaseError):
-    """This holder lost its turn: no heartbeat reached the arbiter for ``ttl_s``."""
-
-
-class LeaseTimeoutError(LeaseError, TimeoutError):
-    """``acquire_timeout_s`` passed before the turn came; the request was withdrawn."""
-
-
-_ERRORS = {c.__name__: c for c in (LeaseError, LeaseUsageError, LeaseExpiredError, LeaseTimeoutError)}
-
-
-@dataclasses.dataclass
-class _Ticket:
-    ticket: int
-    holder: str
-    role: str
-    deadline: float
-    requested_at: float
-    granted_at: float | None = None
-
-
-class LeaseTable:
-    """The arbiter's state, without transport. Not thread-safe: a server serialises calls.
-
-    Every method sweeps first (expires silent holders and waiters, grants the head of the
-    queue when the lease is free), so expiry needs no timer thread: any call, including a
-    waiter's periodic wait, moves the lease on. ``clock`` is injectable for tests.
-    """
-
-    def __init__(self, *, ttl_s: float, clock: Callable[[], float] = time.monotonic,
-                 history_len: int = 1024) -> None:
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.ttl_s = float(ttl_s)
-        self._clock = clock
-        self._next_ticket = 1
-        self._holder: _Ticket | None = None
-        self._queue: collections.deque[_Ticket] = collections.deque()
-        self._by_holder: dict[str, _Ticket] = {}
-        self._expired: dict[int, str] = {}  # ticket -> why, so late callers get a clear answer
-        self._previous: dict | None = None  # how the last turn ended, handed to the next holder
-        self.history: collections.deque[dict] = collections.deque(maxlen=history_len)
-
-    # ---- operations (each returns a JSON-able dict) -------------------------------------------
-    def request(self, *, holder: str, role: str) -> dict:
-        self.sweep()
-        if not holder or not role:
-            raise LeaseUsageError(f"holder and role must be non-empty strings, got {holder!r}, {role!r}")
-        other = self._by_holder.get(holder)
-        if other is not None:
-            doing = "holds" if other is self._holder else "is already waiting for"
-            raise LeaseUsageError(
-                f"double acquire: holder {holder!r} {doing} the lease (ticket {other.ticket}, role "
-                f"{other.role!r}) and asked again for role {role!r}. A holder takes one turn at a "
-                f"time: release the first before asking again (or give each process its own holder name)")
-        now = self._clock()
-        t = _Ticket(self._next_ticket, holder, role, now + self.ttl_s, now)
-        self._next_ticket += 1
-        self._queue.append(t)
-        self._by_holder[holder] = t
-        self.sweep()
-        return self.status(ticket=t.ticket)
-
-    def status(self, *, ticket: int) -> dict:
-        t = self._find(ticket)
-        if t is None:
-            return {"state": "expired", "ticket": ticket, "why": self._expired[ticket]}
-        out = {"state": "granted" if t is self._holder else "waiting", "ticket": ticket,
-               "ttl_s": self.ttl_s, "holder": self._describe(self._holder)}
-        if t is self._holder:
-            out["previous"] = self._previous
-            out["waited_s"] = t.granted_at - t.requested_at
-        else:
-            out["position"] = self._queue.index(t)
-        return out
-
-    def touch(self, *, ticket: int) -> dict:
-        """Heartbeat (holder) or keep-alive (waiter): push the deadline ``ttl_s`` ahead."""
-        self.sweep()
-        t = self._find(ticket)
-        if t is None:
-            raise LeaseExpiredError(f"ticket {ticket} {self._expired[ticket]}")
-        t.deadline = self._clock() + self.ttl_s
-        return self.status(ticket=ticket)
-
-    def release(self, *, ticket: int, confirmation: Any = None) -> dict:
-        self.sweep()
-        t = self._find(ticket)
-        if t is None:
-            raise LeaseExpiredError(
-                f"ticket {ticket} {self._expired[ticket]}; the release came too late: another "
-                f"holder may have used the GPU meanwhile")
-        if t is not self._holder:
-            raise LeaseUsageError(
-                f"release without holding: ticket {ticket} (holder {t.holder!r}, role {t.role!r}) "
-                f"is waiting at position {self._queue.index(t)}; withdraw a request with cancel")
-        self._end_turn(t, "released", confirmation)
-        self.sweep()
-        return {"state": "released", "ticket": ticket}
-
-    def cancel(self, *, ticket: int) -> dict:
-        """Withdraw a request. A ticket granted meanwhile is released (nothing was loaded)."""
-        self.sweep()
-        t = self._find(ticket)
-        if t is None:
-            return {"state": "expired", "ticket": ticket}
-        if t is self._holder:
-            self._end_turn(t, "cancelled", None)
-        else:
-            self._queue.remove(t)
-            del self._by_holder[t.holder]
-            self.history.append({"event": "cancel", "ticket": ticket, "holder": t.holder, "role": t.role})
-        self.sweep()
-        return {"state": "cancelled", "ticket": ticket}
-
-    def snapshot(self) -> dict:
-        self.sweep()
-        return {"ttl_s": self.ttl_s, "holder": self._describe(self._holder),
-                "waiting": [self._describe(t) for t in self._queue], "history": list(self.history)}
-
-    # ---- bookkeeping --------------------------------------------------------------------------
-    def sweep(self) -> None:
-        now = self._clock()
-        h = self._holder
-        if h is not None and h.deadline < now:
-            self._expire(h, f"expired: holder {h.holder!r} (role {h.role!r}) sent no heartbeat "
-                            f"for ttl_s={self.ttl_s} s while holding", now)
-            self._end_turn(h, "expired", None)
-        for t in [t for t in self._queue if t.deadline < now]:
-            self._queue.remove(t)
-            self._expire(t, f"expired: waiter {t.holder!r} (role {t.role!r}) was not heard from "
-                            f"for ttl_s={self.ttl_s} s while waiting", now)
-        if self._holder is None and self._queue:
-            t = self._queue.popleft()
-            t.granted_at = now
-            t.deadline = now + self.ttl_s
-            self._holder = t
-            self.history.append({"event": "grant", "ticket": t.ticket, "holder": t.holder,
-                                 "role": t.role, "time": now})
-
-    def next_deadline(self) -> float | None:
-        """The earliest time a sweep could change something (for servers' wait timeouts)."""
-        ds = [t.deadline for t in self._queue] + ([self._holder.deadline] if self._holder else [])
-        return min(ds) if ds else None
-
-    def _find(self, ticket: int) -> _Ticket | None:
-        if self._holder is not None and self._holder.ticket == ticket:
-            return self._holder
-        for t in self._queue:
-            if t.ticket == ticket:
-                return t
-        if ticket in self._expired:
-            return None
-        raise LeaseUsageError(f"unknown ticket {ticket}: it was never issued by this lease or its "
-                              f"turn already ended (release without holding?)")
-
-    def _expire(self, t: _Ticket, why: str, now: float) -> None:
-        self._by_holder.pop(t.holder, None)
-        self._expired[t.ticket] = why
-        if len(self._expired) > 4096:  # bounded: forget the oldest expiries
-            del self._expired[next(iter(self._expired))]
-        self.history.append({"event": "expire", "ticket": t.ticket, "holder": t.holder,
-                             "role": t.role, "time": now})
-
-    def _end_turn(self, t: _Ticket, how: str, confirmation: Any) -> None:
-        now = self._clock()
-        self._holder = None
-        self._by_holder.pop(t.holder, None)
-        self._previous = {"ticket": t.ticket, "holder": t.holder, "role": t.role, "how": how,
-                          "held_s": now - (t.granted_at or now), "confirmation": confirmation}
-        self.history.append({"event": how, "ticket": t.ticket, "holder": t.holder, "role": t.role,
-                             "time": now, "confirmation": confirmation})
-
-    @staticmethod
-    def _describe(t: _Ticket | None) -> dict | None:
-        return None if t is None else {"ticket": t.ticket, "holder": t.holder, "role": t.role}
-
-
-_OPS = ("request", "status", "touch", "release", "cancel", "snapshot")
-
-
-def _dispatch(table: LeaseTable, op: str, kwargs: dict) -> dict:
-    if op not in _OPS:
-        raise LeaseUsageError(f"unknown lease operation {op!r}; expected one of {_OPS}")
-    return getattr(table, op)(**kwargs)
-
-
-def _reply(fn: Callable[[], dict]) -> dict:
-    try:
-        return {"ok": True, **fn()}
-    except LeaseError as e:
-        return {"ok": False, "error": type(e).__name__, "message": str(e)}
-    except (TypeError, ValueError) as e:  # malformed request from a client
-        return {"ok": False, "error": "LeaseUsageError", "message": f"bad request: {e}"}
-
-
-# ---- transport 1: TCP, JSON lines -------------------------------------------------------------
-class _Handler(socketserver.StreamRequestHandler):
-    def setup(self) -> None:
-        super().setup()
-        self.server.connections.add(self.connection)  # type: ignore[attr-defined]
-
-    def finish(self) -> None:
-        self.server.connections.discard(self.connection)  # type: ignore[attr-defined]
-        super().finish()
-
-    def handle(self) -> None:
-        server: LeaseServer = self.server.lease_server  # type: ignore[attr-defined]
-        for line in self.rfile:
-            try:
-                msg = json.loads(line)
-                op, kwargs = msg["op"], msg.get("kwargs", {})
-            except (ValueError, KeyError, TypeError) as e:
-                out = {"ok": False, "error": "LeaseUsageError", "message": f"bad request: {e}"}
-            else:
-                out = server._serve(op, kwargs)
-            try:
-                self.wfile.write(json.dumps(out).encode() + b"\n")
-                self.wfile.flush()
-            except OSError:  # the client went away (killed, or closed mid-wait)
-                return
-
-
-class _TCPServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-class LeaseServer:
-    """The arbiter over TCP (one thread per client connection), run in any process.
-
-    ``LeaseServer(ttl_s=10).start()`` serves on ``address`` (``"host:port"``; port 0 picks a
-    free one) from a daemon thread until :meth:`close`.
-    """
-
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 10.0) -> None:
-        self.table = LeaseTable(ttl_s=ttl_s)
-        self._cond = threading.Condition()
-        self._server = _TCPServer((host, port), _Handler)
-        self._server.lease_server = self  # type: ignore[attr-defined]
-        self._server.connections = set()  # type: ignore[attr-defined]
-        self._thread: threading.Thread | None = None
-
-    @property
-    def address(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
-
-    def start(self) -> "LeaseServer":
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="tidal-lease-server", daemon=True)
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        """Stop serving and drop every client connection (their next call raises LeaseError)."""
-        self._server.shutdown()
-        self._server.server_close()
-        for conn in list(self._server.connections):  # type: ignore[attr-defined]
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-
-    def __enter__(self) -> "LeaseServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _serve(self, op: str, kwargs: dict) -> dict:
-        with self._cond:
-            if op != "wait":
-                out = _reply(lambda: _dispatch(self.table, op, kwargs))
-                self._cond.notify_all()
-                return out
-            return _reply(lambda: self._wait(**kwargs))
-
-    def _wait(self, *, ticket: int, timeout_s: float) -> dict:
-        # Called with the condition held. Capped at ttl/2 so a blocked waiter never outlives
-        # its own keep-alive; every wake sweeps, which is what expires a silent holder.
-        end = time.monotonic() + min(float(timeout_s), self.table.ttl_s / 2)
-        st = self.table.touch(ticket=ticket)
-        while st["state"] == "waiting" and (left := end - time.monotonic()) > 0:
-            nd = self.table.next_deadline()
-            self._cond.wait(left if nd is None else max(0.0, min(left, nd - time.monotonic()) + 1e-3))
-            self.table.sweep()
-            st = self.table.status(ticket=ticket)
-        self._cond.notify_all()  # a sweep may have granted someone else
-        return st
-
-
-class _TCPBackend:
-    def __init__(self, address: str, *, connect_timeout_s: float) -> None:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"lease address must be 'host:port', got {address!r}")
-        self.address = address
-        try:
-            self._sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
-        except OSError as e:
-            raise LeaseError(f"cannot reach the lease server at {address}: {e}. Start one with "
-                             f"LeaseServer(...).start() and pass its address") from e
-        self._sock.settimeout(None)
-        self._file = self._sock.makefile("rwb")
-        self._lock = threading.Lock()
-
-    def call(self, op: str, **kwargs) -> dict:
-        with self._lock:  # one request in flight per connection (heartbeat thread vs caller)
-            try:
-                self._file.write(json.dumps({"op": op, "kwargs": kwargs}).encode() + b"\n")
-                self._file.flush()
-                line = self._file.readline()
-            except OSError as e:
-                raise LeaseError(f"lease server at {self.address} failed during {op!r}: {e}") from e
-        if not line:
-            raise LeaseError(f"lease server at {self.address} closed the connection during {op!r}")
-        return json.loads(line)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._file.close()
-            self._sock.close()
-
-
-# ---- transport 2: a Ray actor ---------------------------------------------------------------
-_ACTOR_CLASS = None
-
-
-def _lease_actor_class():
-    global _ACTOR_CLASS
-    if _ACTOR_CLASS is None:
-        import asyncio  # noqa: PLC0415
-
-        import ray  # noqa: PLC0415  (optional dependency: tidal[ray])
-
-        class GPULeaseActor:
-            """The arbiter as an async Ray actor: one event loop serialises the table."""
-
-            def __init__(self, ttl_s: float) -> None:
-                self.table = LeaseTable(ttl_s=ttl_s)
-                self._cond: asyncio.Condition | None = None
-
-            async def call(self, op: str, kwargs: dict) -> dict:
-                if self._cond is None:
-                    self._cond = asyncio.Condition()
-                async with self._cond:
-                    if op == "wait":
-                        out = await self._wait(**kwargs)
-                    else:
-                        out = _reply(lambda: _dispatch(self.table, op, kwargs))
-                    self._cond.notify_all()
-                    return out
-
-            async def _wait(self, *, ticket: int, timeout_s: float) -> dict:
-                end = time.monotonic() + min(float(timeout_s), self.table.ttl_s / 2)
-                st = _reply(lambda: self.table.touch(ticket=ticket))
-                while st.get("state") == "waiting" and (left := end - time.monotonic()) > 0:
-                    nd = self.table.next_deadline()
-                    wait_s = left if nd is None else max(0.0, min(left, nd - time.monotonic()) + 1e-3)
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._cond.wait(), wait_s)
-                    st = _reply(lambda: (self.table.sweep(), self.table.status(ticket=ticket))[1])
-                return st
-
-        _ACTOR_CLASS = ray.remote(num_cpus=0, max_concurrency=1000)(GPULeaseActor)
-    return _ACTOR_CLASS
-
-
-def start_lease_actor(name: str, *, ttl_s: float = 10.0, namespace: str | None = None, **options):
-    """Start, or get if it lives, the arbiter of one GPU as a named Ray actor (it lives as long
-    as the job that started it). Every process sharing the GPU passes the same ``name`` (e.g.
-    ``Placement.lease_name(role, index)``) and wraps the handle in :class:`GPULease`. Extra
-    ``options`` go to ``.options()`` (e.g. a scheduling strategy to keep it on the GPU's node)."""
-    cls = _lease_actor_class()
-    return cls.options(name=name, namespace=namespace, get_if_exists=True, **options).remote(ttl_s)
-
-
-class _RayBackend:
-    def __init__(self, actor) -> None:
-        self.actor = actor
-        self.address = f"ray actor {actor}"
-
-    def call(self, op: str, **kwargs) -> dict:
-        import ray  # noqa: PLC0415
-
-        try:
-            return ray.get(self.actor.call.remote(op, kwargs))
-        except ray.exceptions.RayActorError as e:
-            raise LeaseError(f"the lease actor died during {op!r}: {e}") from e
-
-    def close(self) -> None:
-        pass
-
-
-# ---- client ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LeaseConfig:
     """
@@ -514,12 +128,6 @@ class _Heartbeat(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
-
-
-def _check(out: dict) -> dict:
-    if not out.get("ok", False):
-        raise _ERRORS.get(out.get("error"), LeaseError)(out.get("message", repr(out)))
-    return out
 
 
 def _jsonable(value: Any) -> Any:
@@ -674,7 +282,6 @@ class GPULease:
             raise LeaseExpiredError(f"role {role!r} lost its place in the queue: {st.get('why', st)}")
         return LeaseGrant(holder=self.holder, role=role, ticket=ticket, waited_s=st["waited_s"],
                           ttl_s=st["ttl_s"], previous=st.get("previous"))
-
 
 
 def timeshare_callbacks(ts, role: str) -> dict:

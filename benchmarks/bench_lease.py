@@ -1,0 +1,237 @@
+"""Cross-process lease hand-over vs an in-process switch, on one GPU (issue 7).
+
+    python benchmarks/bench_lease.py [--role-gb 2] [--turns 6] [--results PATH]
+
+Two roles of equal size (Linear layers with grads and AdamW state, ``optimizer_residency="role"``
+so every byte moves with the role):
+
+- **cross-process**: each role in its own spawned process and its own ``tidal.Timeshare``,
+  taking turns through a :class:`~tidal.distributed.LeaseServer` (TCP, no Ray) with
+  :func:`~tidal.distributed.timeshare_callbacks`. One hand-over is: the holder leaves its turn
+  -> its offload is done and confirmed at driver level -> the waiter is granted -> the
+  waiter's reload is done. Split into offload / grant / reload (``time.monotonic`` is one
+  clock for every process of the machine).
+- **in-process**: both roles in one ``Timeshare``; ``with ts.use(other):`` switches them in one
+  overlapped transition (D2H and H2D on separate copy engines), the same bytes each way. Also
+  the same two moves one after the other in one process (``offload_all()`` then ``load()``),
+  which is what the lease has to do: it separates the cost of crossing processes from the
+  cost of not overlapping.
+
+Every figure is the median of the warm hand-overs (the first ``--skip`` are left out; the
+first is printed too). GB/s counts the bytes out plus the bytes in. ``--results`` appends a
+row to the section "## Cross-process lease (issue 7)" at the end of that file (the section is
+started if the file does not end with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tidal  # noqa: E402
+from tidal.distributed.lease import GPULease, LeaseServer, timeshare_callbacks  # noqa: E402
+
+SECTION = "## Cross-process lease (issue 7)"
+WIDTH = 4096
+ROLES = ("A", "B")
+
+
+def _layers(role_gb: float) -> int:
+    per_layer = (WIDTH * WIDTH + WIDTH) * 4 * 4  # fp32 params + grads + exp_avg + exp_avg_sq
+    return max(1, round(role_gb * 1e9 / per_layer))
+
+
+def _make_role(ts, name: str, layers: int) -> None:
+    """A role on the device with its grads and AdamW state, registered in ``ts``."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, device="cuda") for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(8, WIDTH, device="cuda")).square().mean().backward()
+    opt.step()
+    torch.cuda.synchronize()
+    ts.add_role(name, model=model, optimizer=opt, optimizer_residency="role")
+
+
+def _worker(role: str, address: str, layers: int, turns: int, hold_s: float, barrier, out_path: str) -> None:
+    torch.cuda.init()
+    ts = tidal.Timeshare("cuda")
+    rows = []
+    with GPULease(address, holder=f"{role}:{os.getpid()}") as lease:
+        barrier.wait(120)
+        with lease.hold(role=role, release_fn=ts.offload_all):  # bring the role into being
+            _make_role(ts, role, layers)
+        cb = timeshare_callbacks(ts, role)
+        for _ in range(turns):
+            row: dict = {"role": role}
+
+            def acquire_fn() -> None:
+                row["granted"] = time.monotonic()
+                cb["acquire_fn"]()
+                torch.cuda.synchronize()
+                row["loaded"] = time.monotonic()
+                row["bytes_in"] = ts.records[-1].bytes_in
+
+            def release_fn() -> dict:
+                conf = cb["release_fn"]()
+                row["offloaded"] = time.monotonic()
+                row["bytes_out"] = conf["bytes_out"]
+                return conf
+
+            with lease.hold(role=role, acquire_fn=acquire_fn, release_fn=release_fn) as grant:
+                row["ticket"], row["after"] = grant.ticket, (grant.previous or {}).get("ticket")
+                time.sleep(hold_s)  # the other process is queued by now: a hand-over has a waiter
+                row["leave"] = time.monotonic()
+            rows.append(row)
+    with open(out_path, "w") as f:
+        json.dump({"role_bytes": ts.role_bytes(role), "rows": rows}, f)
+    barrier.wait(120)  # neither exits (freeing its context) while the other still takes turns
+
+
+def cross_process(layers: int, turns: int, hold_s: float, skip: int) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(len(ROLES))
+    with tempfile.TemporaryDirectory() as d, LeaseServer(ttl_s=60.0) as server:
+        procs = [ctx.Process(target=_worker, args=(r, server.address, layers, turns, hold_s, barrier,
+                                                   os.path.join(d, r))) for r in ROLES]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + 300
+        while any(p.is_alive() for p in procs) and time.monotonic() < end:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break  # one failed: the other would wait for its turn or the barrier forever
+            time.sleep(0.05)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        if any(p.exitcode != 0 for p in procs):
+            raise SystemExit(f"a worker failed: exit codes {[p.exitcode for p in procs]}")
+        got = {r: json.load(open(os.path.join(d, r))) for r in ROLES}
+    turns_all = sorted((t for r in ROLES for t in got[r]["rows"]), key=lambda t: t["granted"])
+    hand = []
+    for prev, nxt in zip(turns_all, turns_all[1:]):
+        assert nxt["granted"] >= prev["offloaded"], "two holders at once"
+        if prev["role"] == nxt["role"] or nxt["after"] != prev["ticket"]:
+            continue  # not a hand-over between processes (or an untimed turn came between)
+        hand.append({"total": nxt["loaded"] - prev["leave"], "offload": prev["offloaded"] - prev["leave"],
+                     "grant": nxt["granted"] - prev["offloaded"], "reload": nxt["loaded"] - nxt["granted"],
+                     "bytes": prev["bytes_out"] + nxt["bytes_in"]})
+    if len(hand) <= skip:
+        raise SystemExit(f"only {len(hand)} hand-overs between processes; raise --turns")
+    warm = hand[skip:]
+    med = {k: statistics.median(h[k] for h in warm) for k in ("total", "offload", "grant", "reload", "bytes")}
+    return {"role_bytes": got["A"]["role_bytes"], "first": hand[0], "median": med, "count": len(warm)}
+
+
+def in_process(layers: int, turns: int, skip: int) -> dict:
+    ts = tidal.Timeshare("cuda")
+    for r in ROLES:
+        _make_role(ts, r, layers)
+        ts.offload(r)
+    switch, seq = [], []
+    ts.load(ROLES[0])
+    for i in range(turns * len(ROLES)):
+        nxt = ROLES[(i + 1) % len(ROLES)]
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        with ts.use(nxt):
+            torch.cuda.synchronize()
+            t1 = time.monotonic()
+        rec = ts.records[-1]
+        switch.append({"total": t1 - t0, "bytes": rec.bytes_out + rec.bytes_in})
+    for i in range(turns * len(ROLES)):
+        nxt = ROLES[i % len(ROLES)]
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        out = ts.offload_all()
+        rec = ts.load(nxt)
+        torch.cuda.synchronize()
+        seq.append({"total": time.monotonic() - t0, "bytes": (out.bytes_out if out else 0) + (rec.bytes_in if rec else 0)})
+    role_bytes = ts.role_bytes(ROLES[0])
+    ts.close()
+    return {"role_bytes": role_bytes,
+            "switch": {k: statistics.median(s[k] for s in switch[skip:]) for k in ("total", "bytes")},
+            "switch_first": switch[0]["total"],
+            "sequential": {k: statistics.median(s[k] for s in seq[skip:]) for k in ("total", "bytes")}}
+
+
+def _gbps(b: float, s: float) -> float:
+    return b / s / 1e9 if s > 0 else float("nan")
+
+
+def append_row(path: str, gpu: str, versions: str, cross: dict, local: dict, layers: int) -> None:
+    text = open(path).read() if os.path.exists(path) else ""
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    with open(path, "a") as f:
+        if not heads or heads[-1] != SECTION:
+            f.write(("\n" if text and not text.endswith("\n\n") else "") + f"""{SECTION}
+
+Two roles of equal size (fp32 Linear {WIDTH}x{WIDTH} layers with grads and AdamW state, all of it
+moving with the role). Cross-process: each role in its own process and `Timeshare`, taking turns
+through a `LeaseServer` (TCP) with `timeshare_callbacks`; a hand-over runs from the holder
+leaving its turn to the next holder's reload being done, as offload (and driver-level
+confirmation) / grant (the arbiter's round trip) / reload. In-process: both roles in one
+`Timeshare`; switch = `with ts.use(other)` (offload and reload overlapped), sequential =
+`offload_all()` then `load()`. Medians of the warm hand-overs; GB/s counts bytes out + in;
+ratio = cross-process hand-over / in-process switch.
+Command: `python benchmarks/bench_lease.py --results benchmarks/RESULTS.md`.
+
+| date | GPU | versions | role state GB | hand-over s (offload / grant / reload) | hand-over GB/s | first hand-over s | in-process switch s | switch GB/s | in-process sequential s | sequential GB/s | ratio cross / switch | ratio cross / sequential |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
+""")
+        m, sw, sq = cross["median"], local["switch"], local["sequential"]
+        f.write(f"| {datetime.datetime.now():%Y-%m-%d %H:%M} | {gpu} | {versions} | {cross['role_bytes'] / 1e9:.2f} "
+                f"({layers} layers) | {m['total']:.4f} ({m['offload']:.4f} / {m['grant']:.4f} / {m['reload']:.4f}) | "
+                f"{_gbps(m['bytes'], m['total']):.1f} | {cross['first']['total']:.4f} | {sw['total']:.4f} | "
+                f"{_gbps(sw['bytes'], sw['total']):.1f} | {sq['total']:.4f} | {_gbps(sq['bytes'], sq['total']):.1f} | "
+                f"{m['total'] / sw['total']:.2f} | {m['total'] / sq['total']:.2f} |\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role-gb", type=float, default=2.0, help="state bytes of each role (GB, approximate)")
+    ap.add_argument("--turns", type=int, default=6, help="turns per role")
+    ap.add_argument("--skip", type=int, default=2, help="hand-overs left out of the medians (warm-up)")
+    ap.add_argument("--hold-s", type=float, default=0.05, help="how long each turn holds the lease")
+    ap.add_argument("--results", default=None, help="append a row to this markdown file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_lease: needs a CUDA device; skipped")
+        return 0
+    gpu = torch.cuda.get_device_name()
+    versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}, tidal {tidal.__version__}"
+    layers = _layers(args.role_gb)
+    print(f"{gpu} | {versions} | {layers} layers of {WIDTH}x{WIDTH} per role", flush=True)
+    cross = cross_process(layers, args.turns, args.hold_s, args.skip)  # before this process touches CUDA
+    local = in_process(layers, args.turns, args.skip)
+    m, f0, sw, sq = cross["median"], cross["first"], local["switch"], local["sequential"]
+    print(f"role state: {cross['role_bytes'] / 1e9:.3f} GB each (in-process {local['role_bytes'] / 1e9:.3f} GB)")
+    print(f"cross-process hand-over (median of {cross['count']}): {m['total']:.4f} s = offload {m['offload']:.4f} "
+          f"+ grant {m['grant']:.4f} + reload {m['reload']:.4f}; {m['bytes'] / 1e9:.3f} GB moved, "
+          f"{_gbps(m['bytes'], m['total']):.1f} GB/s (offload {_gbps(m['bytes'] / 2, m['offload']):.1f}, "
+          f"reload {_gbps(m['bytes'] / 2, m['reload']):.1f})")
+    print(f"  first hand-over: {f0['total']:.4f} s (offload {f0['offload']:.4f}, grant {f0['grant']:.4f}, "
+          f"reload {f0['reload']:.4f})")
+    print(f"in-process switch (ts.use, overlapped): {sw['total']:.4f} s, {sw['bytes'] / 1e9:.3f} GB, "
+          f"{_gbps(sw['bytes'], sw['total']):.1f} GB/s (first {local['switch_first']:.4f} s)")
+    print(f"in-process sequential (offload_all, load): {sq['total']:.4f} s, {_gbps(sq['bytes'], sq['total']):.1f} GB/s")
+    print(f"ratio cross-process / in-process switch: {m['total'] / sw['total']:.2f}; "
+          f"/ in-process sequential: {m['total'] / sq['total']:.2f}")
+    if args.results:
+        append_row(args.results, gpu, versions, cross, local, layers)
+        print(f"row appended to {args.results} ({SECTION})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
