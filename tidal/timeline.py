@@ -103,6 +103,32 @@ class MemoryTimeline:
             return self.ops.allocated_bytes()
         return self._state_bytes() if self._state_bytes is not None else 0
 
+    @classmethod
+    def merge(cls, ops: DeviceOps, dumps: dict[str, dict]) -> "MemoryTimeline":
+        """One timeline from the timelines of several processes on one host and device
+        (``{"t0": absolute perf_counter start, "samples", "phases", "marks"}`` each, as the
+        role workers report them). ``allocated`` becomes the sum over the processes of each
+        one's latest sample (each allocator sees only its own process); ``driver_used`` is
+        the device's, whichever process read it."""
+        tl = cls(ops)
+        t0 = min(d["t0"] for d in dumps.values())
+        tl._t0 = t0
+        events = sorted(((d["t0"] - t0 + s["t"], name, s) for name, d in dumps.items() for s in d["samples"]),
+                        key=lambda e: e[0])
+        latest: dict[str, int] = {}
+        for t, name, s in events:
+            latest[name] = s["allocated"]
+            tl.samples.append({**s, "t": t, "allocated": sum(latest.values()), "process": name})
+        for name, d in dumps.items():
+            shift = d["t0"] - t0
+            for p in d["phases"]:
+                tl.phases.append(PhaseSpan(**{**p, "start_s": p["start_s"] + shift, "end_s": p["end_s"] + shift}))
+            for m in d["marks"]:
+                tl.marks.append({**m, "t": m["t"] + shift, "label": f"{name}: {m['label']}"})
+        tl.phases.sort(key=lambda p: p.start_s)
+        tl.marks.sort(key=lambda m: m["t"])
+        return tl
+
     # ---- output -----------------------------------------------------------------------------
     def write_jsonl(self, path: str, *, extra: list[dict] = ()) -> None:
         """One JSON object a line: ``{"type": "sample"|"phase"|"mark"|..., ...}``."""

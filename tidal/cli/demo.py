@@ -23,6 +23,9 @@ from tidal.errors import format_bytes
 __all__ = ["DemoSettings", "defaults_for", "run_demo"]
 
 PHASES = ("rollout", "reference", "train")
+# where the roles run: this process (a Timeshare), or workers of their own processes sharing
+# the device through a GPU lease (Ray actors, or spawned processes)
+ROLE_PLACES = ("local", "processes", "ray")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +51,11 @@ class DemoSettings:
     switch_extra_mib: int | None = 256
     seed: int = 0
     out_dir: str = "tidal-demo"
+    roles: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.roles not in ROLE_PLACES:
+            raise ValueError(f"roles must be one of {ROLE_PLACES}, got {self.roles!r}")
 
 
 def defaults_for(device: str | None) -> dict:
@@ -67,7 +75,11 @@ def defaults_for(device: str | None) -> dict:
             "dtype": "bfloat16", "digits": 8, "prompts": 64, "group": 16, "micro_batch": 64, "grad_ckpt": True}
 
 
-def _build_policy(s: DemoSettings):
+def build_policy(s: DemoSettings, device: str | None = None):
+    """The demo's policy on ``device`` (default ``s.device``): a picklable factory for the
+    role workers is ``functools.partial(build_policy, settings)``."""
+    if device is not None:
+        s = dataclasses.replace(s, device=device)
     try:
         import transformers  # noqa: F401, PLC0415 (the demo needs a Hugging Face model)
     except ImportError as e:
@@ -85,18 +97,23 @@ def _build_policy(s: DemoSettings):
     return model
 
 
-def _trainer(s: DemoSettings, *, timeshare: bool):
-    from tidal.rl import DigitTask, GRPOConfig, GRPOTrainer, LossConfig  # noqa: PLC0415
+def _grpo_config(s: DemoSettings, *, timeshare: bool):
+    from tidal.rl import DigitTask, GRPOConfig, LossConfig  # noqa: PLC0415
     from tidal.timeshare import TimeshareConfig  # noqa: PLC0415
 
     # A capped switch overlap keeps a switch's peak at one role's state plus the cap, instead
     # of both roles' state at once; the copies still run on both engines.
     extra = None if s.switch_extra_mib is None else s.switch_extra_mib << 20
-    cfg = GRPOConfig(task=DigitTask(name=s.task, num_digits=s.digits), prompts_per_step=s.prompts,
-                     group_size=s.group, micro_batch=s.micro_batch, lr=s.lr, optimizer=s.optimizer,
-                     grad_ckpt=s.grad_ckpt, loss=LossConfig(kl_coef=s.kl_coef), timeshare=timeshare,
-                     timeshare_config=TimeshareConfig(switch_extra_bytes=extra), seed=s.seed)
-    return GRPOTrainer(_build_policy(s), config=cfg)
+    return GRPOConfig(task=DigitTask(name=s.task, num_digits=s.digits), prompts_per_step=s.prompts,
+                      group_size=s.group, micro_batch=s.micro_batch, lr=s.lr, optimizer=s.optimizer,
+                      grad_ckpt=s.grad_ckpt, loss=LossConfig(kl_coef=s.kl_coef), timeshare=timeshare,
+                      timeshare_config=TimeshareConfig(switch_extra_bytes=extra), seed=s.seed)
+
+
+def _trainer(s: DemoSettings, *, timeshare: bool):
+    from tidal.rl import GRPOTrainer  # noqa: PLC0415
+
+    return GRPOTrainer(build_policy(s), config=_grpo_config(s, timeshare=timeshare))
 
 
 def _progress(steps: int):
@@ -145,6 +162,10 @@ def _phase_rows(results: list) -> dict[str, dict]:
 
 def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     """Run the demo; returns every figure it printed (also in ``demo.jsonl``)."""
+    if s.roles != "local":
+        from tidal.cli.demo_remote import run_remote_demo  # noqa: PLC0415
+
+        return run_remote_demo(s, log=log)
 
     os.makedirs(s.out_dir, exist_ok=True)
     torch.manual_seed(s.seed)

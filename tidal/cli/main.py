@@ -126,6 +126,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--full-overlap", action="store_true",
                    help="let switches hold both roles' state at once (fastest, higher peak)")
     p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--roles", choices=("local", "processes", "ray"), default="local",
+                   help="where the roles run: this process (default), or the policy and the reference "
+                   "as workers of their own processes sharing the device through a GPU lease, as spawned "
+                   "processes or as Ray actors (needs tidal[ray]); the verifier then runs in a CPU worker")
     p.add_argument("--out", default="tidal-demo", help="folder for timeline.png and demo.jsonl")
     p.set_defaults(run=_run_demo)
 
@@ -148,7 +152,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     settings = DemoSettings(**chosen, task=args.task, kl_coef=args.kl_coef,
                             lora_rank=args.lora_rank, baseline_steps=args.baseline_steps, seed=args.seed,
                             switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
-                            out_dir=args.out)
+                            out_dir=args.out, roles=args.roles)
     try:
         run_demo(settings, log=lambda line: print(line, flush=True))
     except (ImportError, ValueError) as e:

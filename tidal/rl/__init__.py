@@ -1,8 +1,10 @@
-"""The reference RL loop: GRPO with rollout, reference and training roles on one device."""
+"""The reference RL loop: GRPO with rollout, reference and training roles on one device, in
+one process (:class:`GRPOTrainer`) or as workers of separate processes (:class:`RemoteGRPO`)."""
 
 from tidal.rl.grpo import LossConfig, action_logprobs, group_advantages, grpo_loss, kl_k3
 from tidal.rl.rollout import sample_answers
 from tidal.rl.tasks import TASKS, DigitTask
+from tidal.rl.remote import RemoteConfig, RemoteGRPO, WorkerError
 from tidal.rl.trainer import GRPOConfig, GRPOTrainer, StepResult
 
 __all__ = [
@@ -10,6 +12,8 @@ __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
     "LossConfig",
+    "RemoteConfig",
+    "RemoteGRPO",
     "StepResult",
     "TASKS",
     "action_logprobs",
@@ -17,4 +21,5 @@ __all__ = [
     "grpo_loss",
     "kl_k3",
     "sample_answers",
+    "WorkerError",
 ]

@@ -26,20 +26,21 @@ import copy
 import dataclasses
 import time
 import weakref
-from typing import Iterator
 
 import torch
 
 from tidal.device import DeviceOps
+from tidal.distributed.lease import GPULease
 from tidal.optim import CPUAdam
 from tidal.rl.grpo import LossConfig, action_logprobs, group_advantages, grpo_loss
+from tidal.rl.phases import RoleTurns
 from tidal.rl.rollout import logits_kwargs, sample_answers
 from tidal.rl.tasks import DIGIT0, TASK_VOCAB, DigitTask
 from tidal.state import storage_key
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare, TimeshareConfig
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "StepResult"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "StepResult", "answer_logprobs", "draw_prompts", "prompt_generator"]
 
 ACTION_IDS = (DIGIT0, TASK_VOCAB)  # the policy's action space: the ten digit tokens
 OPTIMIZERS = ("adamw", "cpu_adam")
@@ -130,6 +131,34 @@ def _is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
+def prompt_generator(config: GRPOConfig) -> torch.Generator:
+    """The host generator prompts are drawn from (seeded from ``config.seed``)."""
+    return torch.Generator().manual_seed(config.seed + 1)
+
+
+def draw_prompts(config: GRPOConfig, generator: torch.Generator) -> torch.Tensor:
+    """One step's prompts on the host, each repeated ``group_size`` times (its group)."""
+    prompts = config.task.prompts(config.prompts_per_step, generator)
+    return prompts.repeat_interleave(config.group_size, dim=0)
+
+
+def answer_logprobs(model: torch.nn.Module, seqs: torch.Tensor, answer_len: int, *, micro_batch: int,
+                    on_chunk=None) -> torch.Tensor:
+    """No-grad log-probs of the last ``answer_len`` tokens of ``seqs`` over the action ids,
+    ``micro_batch`` sequences per forward (only one micro-batch's logits exist at a time)."""
+    out = []
+    kw = logits_kwargs(model, answer_len + 1)
+    with torch.no_grad():
+        for i in range(0, seqs.shape[0], micro_batch):
+            chunk = seqs[i:i + micro_batch]
+            logits = model(input_ids=chunk, use_cache=False, **kw).logits[:, -answer_len - 1:-1]
+            out.append(action_logprobs(logits, chunk[:, -answer_len:], ACTION_IDS)[0])
+            del logits
+            if on_chunk is not None:
+                on_chunk()
+    return torch.cat(out)
+
+
 class GRPOTrainer:
     """GRPO on a Hugging Face causal LM, roles colocated on ``policy``'s device.
 
@@ -141,11 +170,25 @@ class GRPOTrainer:
         reference: the frozen reference; default a deep copy of ``policy`` made here (for a
             LoRA policy none is made). Ignored when ``config.loss.kl_coef == 0``.
         timeline: where memory samples go (one is made if None).
+        remote_reference: the reference runs in another process (:mod:`tidal.rl.workers`);
+            this trainer then has no reference role and ``train_phase`` takes its log-probs.
+        lease: a cross-process :class:`~tidal.distributed.GPULease` of the device: every
+            phase's role comes in on a turn of the lease, and every role here is offloaded
+            when the turn ends, so roles in other processes can use the device in between.
     """
 
     def __init__(self, policy: torch.nn.Module, *, config: GRPOConfig | None = None,
-                 reference: torch.nn.Module | None = None, timeline: MemoryTimeline | None = None) -> None:
+                 reference: torch.nn.Module | None = None, timeline: MemoryTimeline | None = None,
+                 remote_reference: bool = False, lease: GPULease | None = None) -> None:
         self.config = cfg = config or GRPOConfig()
+        if lease is not None and not cfg.timeshare:
+            raise ValueError("lease= takes turns with other processes by offloading this trainer's roles "
+                             "through its Timeshare; it needs GRPOConfig(timeshare=True)")
+        if lease is not None and not isinstance(lease, GPULease):
+            raise TypeError(f"lease must be a tidal.distributed.GPULease, got {type(lease).__name__}")
+        if remote_reference and reference is not None:
+            raise ValueError("remote_reference=True: the reference lives in another process, so "
+                             "reference= must be None")
         vocab = policy.get_output_embeddings().weight.shape[0]
         if vocab < TASK_VOCAB:
             raise ValueError(f"the policy's vocabulary has {vocab} tokens; the task needs at least {TASK_VOCAB}")
@@ -154,10 +197,13 @@ class GRPOTrainer:
         self.ops = DeviceOps(self.device)
         self.lora = _is_lora(policy)
         self.use_reference = cfg.loss.kl_coef > 0
+        # With the reference in another process this trainer holds no reference role: its
+        # log-probs arrive as an argument of train_phase().
+        self.local_reference = self.use_reference and not remote_reference
         if reference is not None and (self.lora or not self.use_reference):
             raise ValueError("reference= is not used here: a LoRA policy is its own reference (adapters "
                              "off), and kl_coef=0 needs none; pass reference=None")
-        if self.use_reference and not self.lora:
+        if self.local_reference and not self.lora:
             reference = reference if reference is not None else copy.deepcopy(policy)
             reference.requires_grad_(False).eval()
         self.reference = reference
@@ -185,11 +231,12 @@ class GRPOTrainer:
             self.ts.add_role("actor_train", model=policy, optimizer=self.optimizer, grads="drop",
                              optimizer_residency="stream")
             self.ts.add_role("rollout", model=policy)
-            if self.use_reference:
+            if self.local_reference:
                 self.ts.add_role("reference", model=self.reference if not self.lora else policy)
+        self.turns = RoleTurns(self.ops, self.timeline, self.ts, lease)
         self.step_index = 0
         self._gen_device = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        self._gen_prompts = torch.Generator().manual_seed(cfg.seed + 1)
+        self._gen_prompts = prompt_generator(cfg)
 
     # ---- memory accounting ------------------------------------------------------------------
     def _modules(self) -> list[torch.nn.Module]:
@@ -228,98 +275,61 @@ class GRPOTrainer:
         optim = 0 if isinstance(self.optimizer, CPUAdam) else 2 * grads  # exp_avg + exp_avg_sq
         return sum(weights.values()) + grads + optim
 
-    # ---- roles ------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _role(self, name: str) -> Iterator[float]:
-        """Make role ``name`` resident for the block; yields the wall seconds that took."""
-        if self.ts is None:
-            yield 0.0
-            return
-        start = len(self.ts.records)
-        t0 = time.perf_counter()
-        self.ts.load(name)
-        load_s = time.perf_counter() - t0
-        for rec in self.ts.records[start:]:
-            self.timeline.mark(f"{rec.kind} -> {name}", bytes=rec.bytes_in + rec.bytes_out, seconds=rec.seconds)
-        with self.ts.use(name):
-            yield load_s
-
-    @contextlib.contextmanager
-    def _phase(self, name: str, result: StepResult) -> Iterator[None]:
-        """A phase of the step: its role made resident, its time, peak memory and the bytes
-        moved for it (the switch that brought the role in, and optimizer state moved in and
-        out around ``step()``)."""
-        start = len(self.ts.records) if self.ts is not None else 0
-        t0 = time.perf_counter()
-        role = "actor_train" if name == "train" else name
-        with self.timeline.phase(name, step=self.step_index) as span, self._role(role) as load_s:
-            # Separate the switch's peak from the phase's own, for the planner's calibration.
-            switch_peak = self.ops.peak_allocated_bytes()
-            self.ops.reset_peak()
-            alloc_start = self.ops.allocated_bytes()
-            yield
-            self.ops.synchronize()  # the compute peak must include the phase's queued kernels
-            compute_peak = self.ops.peak_allocated_bytes()
-            alloc_end = self.ops.allocated_bytes()
-        recs = self.ts.records[start:] if self.ts is not None else []
-        # The switch is timed by wall clock (it includes allocation and release); optimizer
-        # moves inside step() by their records.
-        in_step_s = sum(r.seconds for r in recs if r.kind.startswith("optim"))
-        peak = span.peak_allocated_bytes if not self.ops.is_accelerator else max(
-            span.peak_allocated_bytes, switch_peak, compute_peak)
-        result.phases[name] = {
-            "seconds": time.perf_counter() - t0, "peak_allocated_bytes": peak,
-            "switch_peak_allocated_bytes": switch_peak, "compute_peak_allocated_bytes": compute_peak,
-            "peak_driver_used_bytes": span.peak_driver_used_bytes,
-            # what the phase left allocated (0 for the rollout: its KV cache died with it)
-            "left_allocated_bytes": alloc_end - alloc_start,
-            "moved_bytes": sum(r.bytes_in + r.bytes_out for r in recs),
-            "transition_seconds": load_s + in_step_s,
-        }
-
     # ---- the step ---------------------------------------------------------------------------
     def _logprobs(self, model: torch.nn.Module, seqs: torch.Tensor, answer_len: int) -> torch.Tensor:
-        """No-grad log-probs of the answer tokens, micro-batched."""
-        out = []
-        kw = logits_kwargs(model, answer_len + 1)
-        with torch.no_grad():
-            for i in range(0, seqs.shape[0], self.config.micro_batch):
-                chunk = seqs[i:i + self.config.micro_batch]
-                logits = model(input_ids=chunk, use_cache=False, **kw).logits[:, -answer_len - 1:-1]
-                out.append(action_logprobs(logits, chunk[:, -answer_len:], ACTION_IDS)[0])
-                del logits
-                self.timeline.sample()
-        return torch.cat(out)
+        return answer_logprobs(model, seqs, answer_len, micro_batch=self.config.micro_batch,
+                               on_chunk=self.timeline.sample)
 
-    def step(self) -> StepResult:
-        """One GRPO step: rollout, reference log-probs, then ``mini_batches`` updates."""
-        cfg, task = self.config, self.config.task
-        t0 = time.perf_counter()
-        prompts = task.prompts(cfg.prompts_per_step, self._gen_prompts)
-        prompts = prompts.repeat_interleave(cfg.group_size, dim=0).to(self.device)
-        res = StepResult(step=self.step_index, reward_mean=0.0, reward_std=0.0, stats={})
-        n_ans = task.answer_len
+    def next_prompts(self) -> torch.Tensor:
+        """The next step's prompts on the host (see :func:`draw_prompts`), drawn from the
+        trainer's own generator, so a run is reproducible."""
+        return draw_prompts(self.config, self._gen_prompts)
 
-        with self._phase("rollout", res):
+    def rollout_phase(self, prompts: torch.Tensor, res: StepResult) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sample answers to ``prompts``; returns ``(seqs, old_logp)`` on the device (old
+        log-probs only with ``mini_batches > 1``)."""
+        cfg, n_ans = self.config, self.config.task.answer_len
+        prompts = prompts.to(self.device)
+        with self.turns.phase("rollout", role="rollout", into=res.phases, step=self.step_index):
             answers = sample_answers(self.policy, prompts, n_ans, ACTION_IDS, generator=self._gen_device,
                                      temperature=cfg.temperature, on_step=lambda _i: self.timeline.sample())
             seqs = torch.cat([prompts, answers], dim=1)
             old_logp = self._logprobs(self.policy, seqs, n_ans) if cfg.mini_batches > 1 else None
-        rewards = task.rewards(prompts, answers)
+        return seqs, old_logp
+
+    def reference_phase(self, seqs: torch.Tensor, res: StepResult) -> torch.Tensor:
+        """The reference's log-probs of the answers in ``seqs``."""
+        if not self.local_reference:
+            raise ValueError("this trainer has no reference role (kl_coef=0 or remote_reference=True)")
+        with self.turns.phase("reference", role="reference", into=res.phases, step=self.step_index):
+            ctx = self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
+            with ctx:
+                return self._logprobs(self.reference if not self.lora else self.policy, seqs,
+                                      self.config.task.answer_len)
+
+    def train_phase(self, seqs: torch.Tensor, adv: torch.Tensor, old_logp: torch.Tensor | None,
+                    ref_logp: torch.Tensor | None, res: StepResult) -> None:
+        """``mini_batches`` updates on the sampled ``seqs``; fills ``res.stats``."""
+        if self.use_reference and ref_logp is None:
+            raise ValueError("kl_coef > 0: train_phase needs the reference log-probs (ref_logp)")
+        put = (lambda t: t.to(self.device) if t is not None else None)
+        with self.turns.phase("train", role="actor_train", into=res.phases, step=self.step_index):
+            res.stats = self._train(put(seqs), self.config.task.answer_len, put(adv), put(old_logp), put(ref_logp))
+        self.step_index += 1
+
+    def step(self) -> StepResult:
+        """One GRPO step: rollout, reference log-probs, then ``mini_batches`` updates."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        res = StepResult(step=self.step_index, reward_mean=0.0, reward_std=0.0, stats={})
+        prompts = self.next_prompts()
+        seqs, old_logp = self.rollout_phase(prompts, res)
+        rewards = cfg.task.rewards(prompts.to(self.device), seqs[:, prompts.shape[1]:])
         res.reward_mean, res.reward_std = float(rewards.mean()), float(rewards.std())
         adv = group_advantages(rewards, cfg.group_size).to(self.device)
-
-        ref_logp = None
-        if self.use_reference:
-            with self._phase("reference", res):
-                ctx = self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
-                with ctx:
-                    ref_logp = self._logprobs(self.reference if not self.lora else self.policy, seqs, n_ans)
-
-        with self._phase("train", res):
-            res.stats = self._train(seqs, n_ans, adv, old_logp, ref_logp)
+        ref_logp = self.reference_phase(seqs, res) if self.use_reference else None
+        self.train_phase(seqs, adv, old_logp, ref_logp, res)
         res.seconds = time.perf_counter() - t0
-        self.step_index += 1
         return res
 
     def _train(self, seqs: torch.Tensor, n_ans: int, adv: torch.Tensor, old_logp: torch.Tensor | None,

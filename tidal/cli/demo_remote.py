@@ -1,0 +1,146 @@
+"""``tidal demo --roles ray|processes``: the GRPO demo with its roles in separate processes.
+
+The policy (rollout + actor_train) and the reference are workers of their own processes on one
+device, taking turns through a cross-process GPU lease; the verifier runs in CPU workers
+(:class:`tidal.rl.RemoteGRPO`). Prints the per-phase table, the hand-overs between the
+processes (seconds, and the driver-level free memory each release confirmed), the reward, and
+writes ``demo.jsonl`` and a ``timeline.png`` merged from the workers' timelines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from tidal.errors import format_bytes
+
+__all__ = ["run_remote_demo"]
+
+
+def _start_ray(device: str, gpu_resource: str) -> bool:
+    """Start a local Ray instance unless one is running; returns whether it was started here."""
+    try:
+        import ray  # noqa: PLC0415  (optional dependency: tidal[ray])
+    except ImportError as e:
+        raise ImportError("--roles ray runs the roles as Ray actors: pip install 'tidal[ray]' "
+                          "(or --roles processes, which needs no Ray)") from e
+    if ray.is_initialized():
+        return False
+    # On the CPU a custom resource stands in for the GPU the colocated roles share.
+    resources = {gpu_resource: 1} if device == "cpu" else None
+    ray.init(resources=resources, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def run_remote_demo(s, *, log: Callable[[str], None] = print) -> dict:
+    """Run the demo with ``s.roles`` in ``("ray", "processes")``; returns its figures."""
+    from tidal.cli.demo import PHASES, _grpo_config, _phase_rows, _progress, build_policy  # noqa: PLC0415
+    from tidal.rl import RemoteConfig, RemoteGRPO  # noqa: PLC0415
+    from tidal.timeline import MemoryTimeline  # noqa: PLC0415
+    from tidal.device import DeviceOps  # noqa: PLC0415
+
+    if s.lora_rank:
+        raise ValueError("--roles ray|processes runs a full-weight policy; LoRA (--lora-rank) runs with "
+                         "--roles local, where the base with adapters off is the reference")
+    os.makedirs(s.out_dir, exist_ok=True)
+    device = "cpu" if s.device == "cpu" else "cuda"
+    gpu_resource = "tidal_device" if device == "cpu" else "GPU"
+    started_ray = _start_ray(device, gpu_resource) if s.roles == "ray" else False
+    remote = RemoteConfig(backend=s.roles, device=device, gpu_resource=gpu_resource)
+    cfg = _grpo_config(s, timeshare=True)
+    log(f"tidal demo: GRPO on '{s.task}' ({s.digits} digits), {s.preset}, {s.prompts} prompts x {s.group} "
+        f"samples, optimizer {s.optimizer}; roles in separate processes ({s.roles}): policy "
+        f"(rollout + actor_train) and reference share {s.device} through a GPU lease, the verifier "
+        f"runs in a CPU worker")
+    results = []
+    t_start = time.perf_counter()
+    try:
+        with RemoteGRPO(functools.partial(build_policy, s), config=cfg, remote=remote) as run:
+            log(f"workers started in {time.perf_counter() - t_start:.1f} s")
+            if run.placement is not None:
+                log(run.placement.report())
+            bar = _progress(s.steps)
+            for i in range(s.steps):
+                r = run.step()
+                results.append(r)
+                if bar is not None:
+                    bar.set_postfix(reward=f"{r.reward_mean:.3f}", kl=f"{r.stats.get('kl', 0.0):.3f}")
+                    bar.update(1)
+                elif i % max(1, s.steps // 10) == 0 or i == s.steps - 1:
+                    log(f"  step {i:>4}  reward {r.reward_mean:.3f}  kl {r.stats.get('kl', 0.0):.3f}")
+            if bar is not None:
+                bar.close()
+            timelines = run.timelines()
+    finally:
+        if started_ray:
+            import ray  # noqa: PLC0415
+
+            ray.shutdown()
+
+    rows = _phase_rows(results)
+    steady = results[1:] or results
+    step_s = statistics.fmean(r.seconds for r in steady)
+    trans_s = sum(v["transition_seconds"] for v in rows.values())
+    k = max(1, s.steps // 10)
+    first = statistics.fmean(r.reward_mean for r in results[:k])
+    last = statistics.fmean(r.reward_mean for r in results[-k:])
+    # Each hand-over: the previous holder's release, confirmed at driver level in its process.
+    handovers = [r.phases[n]["previous_holder"] for r in steady for n in PHASES
+                 if n in r.phases and r.phases[n].get("previous_holder")]
+    frees = [h["confirmation"]["driver_free_bytes"] for h in handovers
+             if isinstance(h.get("confirmation"), dict) and "driver_free_bytes" in h["confirmation"]]
+
+    on_gpu = s.device != "cpu"
+    log("")
+    log(f"{'phase':<10} {'s/step':>8} {'peak alloc':>11} {'peak used':>10} {'moved/step':>11} "
+        f"{'transit s':>9} {'GB/s':>6}")
+    for name, v in rows.items():
+        used = format_bytes(v["peak_driver_used_bytes"]) if on_gpu else "-"
+        log(f"{name:<10} {v['seconds']:>8.3f} {format_bytes(v['peak_allocated_bytes']):>11} {used:>10} "
+            f"{format_bytes(int(v['moved_bytes'])):>11} {v['transition_seconds']:>9.4f} {v['transition_gbps']:>6.1f}")
+    log(f"step {step_s:.3f} s; hand-overs (offload in one process, confirm, reload in the next) "
+        f"{trans_s:.4f} s = {100 * trans_s / step_s:.1f}% of the step (steps after the first)")
+    if on_gpu and frees:
+        log(f"driver-level free memory confirmed by each releasing process: min {format_bytes(min(frees))}, "
+            f"max {format_bytes(max(frees))} over {len(frees)} hand-overs")
+    log(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
+
+    summary = {
+        "type": "summary", "settings": dataclasses.asdict(s), "phases": rows, "step_seconds": step_s,
+        "transition_seconds": trans_s, "transition_fraction": trans_s / step_s, "reward_first": first,
+        "reward_last": last, "handovers": len(handovers),
+        "min_confirmed_driver_free_bytes": min(frees) if frees else None,
+        "device_name": torch.cuda.get_device_name(0) if on_gpu and torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+    }
+    # The driver reads no device itself (it would take a CUDA context on the shared GPU):
+    # the merged timeline is the workers' samples.
+    ops = DeviceOps("cpu")
+    if on_gpu:
+        ops = _RemoteOps()
+    timeline = MemoryTimeline.merge(ops, timelines)
+    jsonl = os.path.join(s.out_dir, "demo.jsonl")
+    timeline.write_jsonl(jsonl, extra=[r.as_dict() for r in results] + [summary])
+    png = os.path.join(s.out_dir, "timeline.png")
+    try:
+        timeline.plot(png, title=f"tidal demo ({s.roles}): GRPO on {s.preset}, {summary['device_name']}: "
+                      f"memory of the role processes taking turns", rewards=[r.reward_mean for r in results])
+        summary["png"] = png
+    except ImportError as e:
+        log(f"no PNG: {e}")
+    log(f"wrote {jsonl}" + (f" and {png}" if "png" in summary else ""))
+    return summary
+
+
+class _RemoteOps:
+    """Stands in for the device's ops when plotting samples taken in other processes: the
+    plot only asks whether the samples came from an accelerator, and the device's name."""
+
+    is_accelerator = True
+    device = "the shared GPU"
