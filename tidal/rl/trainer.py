@@ -33,6 +33,7 @@ from tidal.device import DeviceOps
 from tidal.distributed.lease import GPULease
 from tidal.optim import CPUAdam
 from tidal.rl.grpo import LossConfig, action_logprobs, group_advantages, grpo_loss
+from tidal.rl.modes import role_mode, set_checkpointing
 from tidal.rl.phases import RoleTurns
 from tidal.rl.rollout import logits_kwargs, sample_answers
 from tidal.rl.tasks import DIGIT0, TASK_VOCAB, DigitTask
@@ -118,15 +119,6 @@ class StepResult:
         return {"type": "step", **dataclasses.asdict(self)}
 
 
-def _enable_checkpointing(model: torch.nn.Module) -> None:
-    # Non-reentrant: it composes with saved-tensor hooks and with inputs that need no grad.
-    # transformers >= 5.2x renamed the method (the old name warns); both take the same kwargs.
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 def _is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
@@ -208,8 +200,9 @@ class GRPOTrainer:
             reference.requires_grad_(False).eval()
         self.reference = reference
         if cfg.grad_ckpt:
-            _enable_checkpointing(policy)
-        policy.config.use_cache = False  # training forward; the rollout asks for its cache explicitly
+            # On for good: HF layers checkpoint only in train mode, which only the training
+            # phase sets (role_mode); the rollout and reference run in eval mode.
+            set_checkpointing(policy, True)
         params = [p for p in policy.parameters() if p.requires_grad]
         if cfg.optimizer == "cpu_adam":
             self.optimizer = CPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -290,7 +283,8 @@ class GRPOTrainer:
         log-probs only with ``mini_batches > 1``)."""
         cfg, n_ans = self.config, self.config.task.answer_len
         prompts = prompts.to(self.device)
-        with self.turns.phase("rollout", role="rollout", into=res.phases, step=self.step_index):
+        with self.turns.phase("rollout", role="rollout", into=res.phases, step=self.step_index), \
+                role_mode(self.policy, "rollout"):
             answers = sample_answers(self.policy, prompts, n_ans, ACTION_IDS, generator=self._gen_device,
                                      temperature=cfg.temperature, on_step=lambda _i: self.timeline.sample())
             seqs = torch.cat([prompts, answers], dim=1)
@@ -301,11 +295,12 @@ class GRPOTrainer:
         """The reference's log-probs of the answers in ``seqs``."""
         if not self.local_reference:
             raise ValueError("this trainer has no reference role (kl_coef=0 or remote_reference=True)")
-        with self.turns.phase("reference", role="reference", into=res.phases, step=self.step_index):
+        model = self.reference if not self.lora else self.policy
+        with self.turns.phase("reference", role="reference", into=res.phases, step=self.step_index), \
+                role_mode(model, "reference"):
             ctx = self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
             with ctx:
-                return self._logprobs(self.reference if not self.lora else self.policy, seqs,
-                                      self.config.task.answer_len)
+                return self._logprobs(model, seqs, self.config.task.answer_len)
 
     def train_phase(self, seqs: torch.Tensor, adv: torch.Tensor, old_logp: torch.Tensor | None,
                     ref_logp: torch.Tensor | None, res: StepResult) -> None:
@@ -313,7 +308,8 @@ class GRPOTrainer:
         if self.use_reference and ref_logp is None:
             raise ValueError("kl_coef > 0: train_phase needs the reference log-probs (ref_logp)")
         put = (lambda t: t.to(self.device) if t is not None else None)
-        with self.turns.phase("train", role="actor_train", into=res.phases, step=self.step_index):
+        with self.turns.phase("train", role="actor_train", into=res.phases, step=self.step_index), \
+                role_mode(self.policy, "actor_train"):
             res.stats = self._train(put(seqs), self.config.task.answer_len, put(adv), put(old_logp), put(ref_logp))
         self.step_index += 1
 
@@ -335,7 +331,6 @@ class GRPOTrainer:
     def _train(self, seqs: torch.Tensor, n_ans: int, adv: torch.Tensor, old_logp: torch.Tensor | None,
                ref_logp: torch.Tensor | None) -> dict[str, float]:
         cfg = self.config
-        self.policy.train()
         kw = logits_kwargs(self.policy, n_ans + 1)
         mini = cfg.batch_size // cfg.mini_batches
         totals: dict[str, float] = {}

@@ -27,6 +27,7 @@ import torch
 from tidal.device import DeviceOps
 from tidal.distributed.lease import GPULease, LeaseConfig
 from tidal.rl.grpo import group_advantages
+from tidal.rl.modes import role_mode
 from tidal.rl.phases import RoleTurns
 from tidal.rl.trainer import GRPOConfig, GRPOTrainer, StepResult, answer_logprobs
 from tidal.state import storage_key
@@ -160,8 +161,9 @@ class ReferenceWorker:
         """The reference's log-probs of the answers in ``seqs`` (host tensor) and the phase."""
         phases: dict = {}
         with self.turns.phase("reference", role="reference", into=phases, step=self.step_index):
-            ref_logp = answer_logprobs(self.model, seqs.to(self.device), self.config.task.answer_len,
-                                       micro_batch=self.config.micro_batch, on_chunk=self.timeline_.sample)
+            with role_mode(self.model, "reference"):
+                ref_logp = answer_logprobs(self.model, seqs.to(self.device), self.config.task.answer_len,
+                                           micro_batch=self.config.micro_batch, on_chunk=self.timeline_.sample)
             ref_logp = _host(ref_logp)
         self.step_index += 1
         return {"ref_logp": ref_logp, "phases": phases}
