@@ -277,7 +277,7 @@ class OffloadStore:
         if out_todo and (self.release_to_driver if release is None else release):
             # Hand the freed blocks back to the driver: other processes (an inference engine)
             # only see what the driver sees.
-            self.ops.empty_cache()
+            self.ops.release_to_driver()
         after = snapshot(self.ops)
         self.last_move = MoveResult(
             bytes_out=freeable,
