@@ -160,7 +160,7 @@ class DeviceOps:
         if clear is not None:
             self.synchronize()  # queued matmuls may still read their workspace
             clear()
-        self.module.empty_cache()
+        self.empty_cache()
 
     # ---- host memory --------------------------------------------------------------------
     def new_host_buffer(self, nbytes: int, *, pin: bool) -> torch.Tensor:
