@@ -34,7 +34,9 @@ def _start_ray(device: str, gpu_resource: str) -> bool:
         return False
     # On the CPU a custom resource stands in for the GPU the colocated roles share.
     resources = {gpu_resource: 1} if device == "cpu" else None
-    ray.init(resources=resources, include_dashboard=False, log_to_driver=True)
+    # Ray's CPUs are logical: at least 4, so the three workers fit on a small machine too.
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), resources=resources, include_dashboard=False,
+             log_to_driver=True)
     return True
 
 
@@ -52,7 +54,14 @@ def run_remote_demo(s, *, log: Callable[[str], None] = print) -> dict:
     device = "cpu" if s.device == "cpu" else "cuda"
     gpu_resource = "tidal_device" if device == "cpu" else "GPU"
     started_ray = _start_ray(device, gpu_resource) if s.roles == "ray" else False
-    remote = RemoteConfig(backend=s.roles, device=device, gpu_resource=gpu_resource)
+    # The policy worker gets the host's CPUs but two (the reference and the verifier): Ray
+    # caps an actor's torch threads at its CPUs, and CPU Adam's update runs on them.
+    policy_cpus = 1
+    if s.roles == "ray":
+        import ray  # noqa: PLC0415
+
+        policy_cpus = max(1, int(ray.available_resources().get("CPU", 1)) - 2)
+    remote = RemoteConfig(backend=s.roles, device=device, gpu_resource=gpu_resource, policy_cpus=policy_cpus)
     cfg = _grpo_config(s, timeshare=True)
     log(f"tidal demo: GRPO on '{s.task}' ({s.digits} digits), {s.preset}, {s.prompts} prompts x {s.group} "
         f"samples, optimizer {s.optimizer}; roles in separate processes ({s.roles}): policy "

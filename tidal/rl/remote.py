@@ -57,6 +57,10 @@ class RemoteConfig:
         acquire_timeout_s: most seconds a turn may wait (None: as long as the queue takes).
         gpu_resource: the Ray resource counting GPUs (a custom one for a CPU device).
         placement_timeout_s: most seconds to wait for Ray to place the workers.
+        policy_cpus: CPUs Ray reserves for the policy worker. Ray caps an actor's torch
+            threads at its CPUs, and CPU Adam's host update runs on them: measured on an
+            H200 host, the demo's train phase took 8.7 s with 1 CPU against 2.5 s unlimited
+            (spawned processes). Ignored by ``"processes"`` (no cap).
     """
 
     backend: Literal["ray", "processes"] = "ray"
@@ -66,12 +70,15 @@ class RemoteConfig:
     acquire_timeout_s: float | None = 600.0
     gpu_resource: str = "GPU"
     placement_timeout_s: float = 60.0
+    policy_cpus: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in ("ray", "processes"):
             raise ValueError(f"backend must be 'ray' or 'processes', got {self.backend!r}")
         if self.reward_workers < 1:
             raise ValueError(f"reward_workers must be >= 1, got {self.reward_workers}")
+        if not isinstance(self.policy_cpus, int) or self.policy_cpus < 1:
+            raise ValueError(f"policy_cpus must be an int >= 1, got {self.policy_cpus!r}")
         if not self.lease_ttl_s > 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
 
@@ -235,7 +242,7 @@ class RemoteGRPO:
             raise ValueError("backend='ray' runs the roles as Ray actors: call ray.init(...) first "
                              "(or use backend='processes' for one host without Ray)")
         r, cfg = self.remote, self.config
-        roles = [GPURole(name="policy", colocate="gpu0")]
+        roles = [GPURole(name="policy", colocate="gpu0", cpus=r.policy_cpus)]
         if use_ref:
             roles.append(GPURole(name="reference", colocate="gpu0"))
         spec = PlacementSpec(roles=roles, workers=[CPUWorker(name="reward", count=r.reward_workers)],
