@@ -1,6 +1,6 @@
-"""Work across processes and nodes: ZeRO stages through FSDP2, Ray placement of colocated roles
-and CPU workers, and a cross-process GPU lease. Ray is imported only when used (extra
-``tidal[ray]``)."""
+"""Work across processes and nodes: ZeRO stages through FSDP2, DeepSpeed engines as timeshare
+roles, Ray placement of colocated roles and CPU workers, and a cross-process GPU lease. Ray and
+DeepSpeed are imported only when used (extras ``tidal[ray]``, ``tidal[deepspeed]``)."""
 
 from tidal.distributed.fsdp import (
     ZERO_STAGES,
@@ -23,16 +23,32 @@ from tidal.distributed.lease import (
     start_lease_actor,
     timeshare_callbacks,
 )
-from tidal.distributed.placement import CPUWorker, GPURole, Placement, PlacementError, PlacementSpec, place
+from tidal.distributed.placement import (
+    CPUWorker,
+    GPURole,
+    Placement,
+    PlacementError,
+    PlacementSpec,
+    place,
+)
+
+# The DeepSpeed adapter's names resolve on first access: importing tidal.distributed loads
+# neither its module nor deepspeed.
+_DEEPSPEED_NAMES = ("DeepSpeedOffload", "add_deepspeed_role", "describe_deepspeed_state", "deepspeed_state_bytes")
+
+
+def __getattr__(name: str):
+    if name in _DEEPSPEED_NAMES:
+        from tidal.distributed import deepspeed as _deepspeed
+
+        return getattr(_deepspeed, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ZERO_STAGES",
-    "local_state_bytes",
-    "no_sync",
-    "reshard",
-    "shard_model",
-    "zero_stage_of",
     "CPUWorker",
+    "DeepSpeedOffload",
     "GPULease",
     "GPURole",
     "LeaseConfig",
@@ -46,7 +62,15 @@ __all__ = [
     "Placement",
     "PlacementError",
     "PlacementSpec",
+    "add_deepspeed_role",
+    "deepspeed_state_bytes",
+    "describe_deepspeed_state",
+    "local_state_bytes",
+    "no_sync",
     "place",
+    "reshard",
+    "shard_model",
     "start_lease_actor",
     "timeshare_callbacks",
+    "zero_stage_of",
 ]

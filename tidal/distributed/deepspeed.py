@@ -1,0 +1,570 @@
+"""DeepSpeed engines as timeshare roles (extra ``tidal[deepspeed]``; DeepSpeed is imported only
+when one of these functions is called).
+
+``add_deepspeed_role(ts, "actor_train", engine)`` registers a ``deepspeed.initialize`` engine
+(ZeRO stage 0-3) with a :class:`tidal.Timeshare`; ``ts.use`` / ``ts.offload`` / switches then
+move this rank's share of the engine's device state with tidal's transfer engine (pinned once,
+both copy engines, storages resized to 0 so tensor objects and DeepSpeed's views stay valid).
+
+What a DeepSpeed engine holds on the device between steps, and how each part is found:
+
+- the module's parameters, their gradients and its buffers. At ZeRO-1/2 the 16-bit
+  params are views into one flat buffer per group (``bit16_groups_flat``): the whole buffer,
+  alignment padding included, is one storage and moves once. At ZeRO-3 a param's own storage
+  is empty unless it is persistent (small params stay gathered); its partition is ``ds_tensor``,
+  a view into the flat ``lp_param_buffer``.
+- the fp32 master partitions (``single_partition_of_fp32_groups`` at ZeRO-1/2,
+  ``fp32_partitioned_groups_flat`` at ZeRO-3, per-param fp32 copies at stage 0): they are the
+  params of the inner torch optimizer, so they move as that optimizer's parameters.
+- the inner torch optimizer's state (``exp_avg``, ``exp_avg_sq``, keyed by the fp32 partitions):
+  the role's optimizer state, so ``optimizer_residency`` applies to it.
+- DeepSpeed's own buffers: gradient partitions (ZeRO-3's persistent
+  ``grad_partitions_flat_buffer``; ZeRO-1/2's ``averaged_gradients`` and ipg buckets while
+  gradients are being accumulated), ZeRO-3's reduce bucket (``ipg_buckets[dtype].buffer``,
+  ``reduce_bucket_size`` elements, kept for the engine's life; its contents are dead between
+  steps, but it is moved like the rest, which costs its bytes each way), the param coordinator's and
+  the parameters' own tensors (``ds_tensor``, ``ds_secondary_tensor``, ``grad_accum``). These
+  are found by walking the engine's object graph (DeepSpeed's objects, lists, dicts; never
+  into torch modules or optimizers) at every transition, so buffers DeepSpeed creates or drops
+  between steps are always the ones moved, and a DeepSpeed release that renames an attribute
+  does not leave memory behind silently.
+
+Scalars (the grad norm, the overflow flag) stay put (``TimeshareConfig.min_offload_bytes``).
+State DeepSpeed already keeps on the host (ZeRO-Offload's CPU optimizer) is not touched.
+
+:class:`DeepSpeedOffload` moves one engine out and back outside a timeshare, either with
+tidal's transfer engine (``via="tidal"``, every stage) or with DeepSpeed's own
+``engine.offload_states()`` / ``reload_states()`` (``via="deepspeed"``), so the two can be
+compared on the same engine (``benchmarks/bench_deepspeed.py``). DeepSpeed 0.19.8 implements
+those for its ZeRO-1/2 optimizer with any torch optimizer and for ZeRO-3 with its own
+``FusedAdam`` only; not at stage 0, nor for its ``BF16_Optimizer`` (what ZeRO-1 becomes with
+bf16 params and fp32 gradient accumulation), nor with ``offload_param``: those are refused
+with a ``ValueError`` saying so. Its ZeRO-3 offload drops the reduce bucket's contents and the
+gathered persistent params (rebuilt at the next forward) instead of moving them.
+
+Storages come back at new device addresses (as with FSDP's resharding): views stay valid, but
+anything that captured a ``data_ptr()`` (a CUDA graph) must be captured again.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import types
+import weakref
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+import torch.utils.hooks
+from typing_extensions import Self  # a dependency of torch
+
+from tidal.errors import format_bytes
+from tidal.memory import snapshot
+from tidal.state.store import MoveResult
+from tidal.timeshare.role import OptimizerResidency, Role
+from tidal.timeshare.timeshare import Timeshare, TimeshareConfig
+
+__all__ = ["DeepSpeedOffload", "Via", "add_deepspeed_role", "deepspeed_state_bytes", "describe_deepspeed_state"]
+
+Via = Literal["tidal", "deepspeed"]
+_VIAS = ("tidal", "deepspeed")
+_RESIDENCIES = ("role", "step")
+
+# engine -> what manages its state ("role 'x' of a Timeshare" / "DeepSpeedOffload(via=...)"):
+# two managers of one engine would each think they own its storages.
+_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+# The walk over DeepSpeed's objects: deep enough for ipg_buckets[dtype].buffer[i] and
+# param._hp_mapping.optim_fragment[key]; a cycle or a deep unrelated structure stops here.
+_MAX_DEPTH = 8
+_LEAVES = (int, float, bool, str, bytes, complex, type(None))
+# Exact types never walked into (a set lookup is the walk's cheapest test): scalars, and the
+# functions, bound methods and hook handles DeepSpeed attaches to every parameter.
+_LEAF_TYPES = frozenset(_LEAVES + (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+                                   functools.partial, torch.Size, torch.dtype, torch.device,
+                                   torch.utils.hooks.RemovableHandle))
+# Engine attributes that are the user's, not the engine's state.
+_SKIP_ENGINE_ATTRS = frozenset({"_modules", "_parameters", "_buffers", "training_dataloader"})
+_SKIP_PARAM_ATTRS = frozenset({"_hp_mapping"})
+# Streams DeepSpeed keeps (torch.cuda.Stream is a class on every build: a stub without CUDA).
+_STREAM_TYPES = (torch.Stream, torch.cuda.Stream)
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError(
+            "tidal's DeepSpeed adapter needs the deepspeed package; install it with "
+            "`pip install \"tidal[deepspeed]\"` (DS_BUILD_OPS=0 builds it without compiling ops)"
+        ) from e
+    return deepspeed
+
+
+def _check_engine(engine: object) -> None:
+    _import_deepspeed()
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(f"engine must be a deepspeed.runtime.engine.DeepSpeedEngine (what deepspeed.initialize "
+                        f"returns first), got {type(engine).__name__}")
+
+
+def _claim(engine: torch.nn.Module, owner: str) -> None:
+    held = _OWNERS.get(engine)
+    if held is not None:
+        raise ValueError(f"this DeepSpeed engine is already managed by {held}; an engine's state can be "
+                         f"moved by one manager only (each keeps its own record of where every storage "
+                         f"is). Use that one, or close it first")
+    _OWNERS[engine] = owner
+
+
+def _inner_optimizer(engine) -> torch.optim.Optimizer | None:
+    """The torch optimizer that owns the master weights and moments: DeepSpeed wraps it one
+    level deep (ZeRO-1/2/3, fp16/bf16 wrappers) or uses it as is (fp32, stage 0)."""
+    opt = engine.optimizer
+    for _ in range(4):
+        if opt is None or isinstance(opt, torch.optim.Optimizer):
+            return opt
+        opt = getattr(opt, "optimizer", None)
+    return None
+
+
+def _deepspeed_fields(obj: object):
+    # Only DeepSpeed's own objects are opened (buckets, coordinators, loss scalers): a torch
+    # module, optimizer, process group or the user's objects are not the engine's state.
+    if isinstance(obj, type) or not type(obj).__module__.startswith("deepspeed."):
+        return None
+    fields = getattr(obj, "__dict__", None)
+    return fields.items() if isinstance(fields, dict) else None
+
+
+def _path_name(path: tuple) -> str:
+    parts: list[str] = []
+    while path:
+        path, key = path
+        if isinstance(key, str):
+            parts.append(f".{key}")
+        elif isinstance(key, torch.Tensor):
+            parts.append(f"[tensor{tuple(key.shape)}]")
+        else:
+            parts.append(f"[{key!r}]" if isinstance(key, (int, float, torch.dtype)) else f"[{type(key).__name__}]")
+    return "".join(reversed(parts)).lstrip(".")
+
+
+def _walk(engine) -> tuple[dict[int, tuple[torch.Tensor, tuple]], list]:
+    """The engine's own tensors: every tensor reachable from the engine's attributes and from
+    DeepSpeed's attributes on its parameters, through lists, tuples, dicts and DeepSpeed's
+    objects (never into a torch module or optimizer: the role collects those itself).
+
+    Returns ``{storage key: (a tensor on it, its path)}`` (one entry per storage; the path is
+    a linked tuple, named by :func:`_path_name` only where needed) and the streams found.
+    """
+    found: dict[int, tuple[torch.Tensor, tuple]] = {}
+    streams: list = []
+    seen: set[int] = set()
+    stack: list[tuple[object, tuple, int]] = []
+    for key, value in vars(engine).items():
+        if key not in _SKIP_ENGINE_ATTRS and type(value) not in _LEAF_TYPES:
+            stack.append((value, ((), f"engine.{key}"), 1))
+    # Attributes DeepSpeed hangs on the parameters: ZeRO-3's partition (ds_tensor) and hpZ
+    # copy, gradient accumulators. _hp_mapping holds only views of the flat 16-bit buffer, the
+    # masters and the moments, all collected elsewhere: skipped, it is most of the walk.
+    for name, p in engine.module.named_parameters():
+        for key, value in vars(p).items():
+            if key not in _SKIP_PARAM_ATTRS and type(value) not in _LEAF_TYPES:
+                stack.append((value, ((), f"param[{name}].{key}"), 1))
+    while stack:
+        obj, path, depth = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            # The storage is what moves; a tensor's own attributes are not walked.
+            found.setdefault(obj.untyped_storage()._cdata, (obj, path))
+            continue
+        if isinstance(obj, _STREAM_TYPES):
+            streams.append(obj)
+            continue
+        if depth >= _MAX_DEPTH or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            continue
+        if isinstance(obj, dict):
+            items = obj.items()
+        elif isinstance(obj, (list, tuple)):
+            items = enumerate(obj)
+        else:
+            items = _deepspeed_fields(obj)
+            if items is None:
+                continue
+        depth += 1
+        for key, value in items:
+            if type(value) not in _LEAF_TYPES:
+                stack.append((value, (path, key), depth))
+    return found, streams
+
+
+def _optimizer_storage_keys(opt: torch.optim.Optimizer | None) -> set[int]:
+    """Storages the role already collects as the inner optimizer's params and state."""
+    keys: set[int] = set()
+    if opt is None:
+        return keys
+    for group in opt.param_groups:
+        for p in group["params"]:
+            keys.add(p.untyped_storage()._cdata)
+            if p.grad is not None:
+                keys.add(p.grad.untyped_storage()._cdata)
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                keys.add(value.untyped_storage()._cdata)
+    return keys
+
+
+class _EngineState(torch.nn.Module):
+    """A DeepSpeed engine's device tensors, presented to tidal's collector as the buffers of a
+    module: the wrapped module's parameters, their gradients and its buffers, then the tensors
+    DeepSpeed keeps itself (gradient buckets and partitions, ZeRO-3's partitions and
+    coordinator buffers). The inner optimizer's parameters (the fp32 masters) and state are
+    left out: the role collects those as its optimizer's, so ``optimizer_residency`` applies.
+
+    ``named_buffers`` looks everything up each time it is called, so it lists what exists
+    *now*. The wrapped module is not handed to the timeshare itself: ZeRO-3 replaces its
+    parameters' storages at every gather and release, and the timeshare's forward guard
+    remembers parameter storages by key from registration on (a freed storage's key can be
+    reused by another, offloaded one). The role is guarded by its residency instead (see
+    :func:`add_deepspeed_role`). It registers no parameters and has no forward.
+
+    Every collection also makes the current stream wait for DeepSpeed's side streams (reduction,
+    all-gather): tidal's D2H copies wait for the current stream, so they then also wait for
+    any gradient reduction or parameter gather DeepSpeed left in flight. A stream wait does not
+    block the host.
+    """
+
+    def __init__(self, engine: torch.nn.Module, inner: torch.optim.Optimizer | None) -> None:
+        super().__init__()
+        # Kept out of nn.Module's registries: registering the engine as a submodule would make
+        # its parameters this module's too.
+        self.__dict__["_engine"] = engine
+        self.__dict__["_inner"] = inner
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        engine = self._engine
+        found, streams = _walk(engine)
+        if streams:
+            device = _engine_device(engine)
+            current = torch.get_device_module(device).current_stream(device)
+            for s in streams:
+                # DeepSpeed's side streams may still write gradient or parameter buffers; the
+                # copies that move them wait for the current stream, so it waits for these.
+                if s.device == current.device:
+                    current.wait_stream(s)
+        skip = _optimizer_storage_keys(self._inner)
+        for name, p in engine.module.named_parameters(remove_duplicate=False):
+            yield f"{prefix}module.{name}", p
+            if p.grad is not None and p.grad.untyped_storage()._cdata not in skip:
+                yield f"{prefix}module.{name}.grad", p.grad
+        for name, b in engine.module.named_buffers(remove_duplicate=False):
+            yield f"{prefix}module.{name}", b
+        for key, (t, path) in found.items():
+            if key not in skip:
+                yield prefix + _path_name(path), t
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - never called
+        raise RuntimeError("_EngineState only lists a DeepSpeed engine's tensors; it has no forward")
+
+
+def _engine_device(engine) -> torch.device:
+    dev = torch.device(engine.device)
+    if dev.type != "cpu" and dev.index is None:
+        dev = torch.device(dev.type, torch.get_device_module(dev.type).current_device())
+    return dev
+
+
+def add_deepspeed_role(
+    ts: Timeshare,
+    name: str,
+    engine: torch.nn.Module,
+    *,
+    optimizer_residency: OptimizerResidency = "role",
+) -> Role:
+    """Register a DeepSpeed engine as role ``name`` of ``ts``; returns the :class:`Role`.
+
+    Contract: afterwards ``ts.use(name)`` / ``ts.offload(name)`` / switches move this rank's
+    device state of the engine (module params and buffers, fp32 masters, optimizer moments,
+    DeepSpeed's gradient and bucket buffers; see the module docstring), bit-exact and in place.
+    Run the engine (``engine(...)``, ``engine.backward``, ``engine.step``) only while the role
+    is resident: its forward raises otherwise, as does the inner optimizer's ``step()``. Do not
+    call ``engine.offload_states()`` on a registered engine, nor save a checkpoint with
+    ``engine.save_checkpoint`` while it is offloaded (its tensors are empty then). Every
+    gradient buffer DeepSpeed holds moves with the role (dropping one would break its
+    accumulation), so there is no ``grads`` choice. Between steps ZeRO-1/2 hold no gradient
+    buffers; ZeRO-3 keeps its gradient partitions and a reduce bucket of
+    ``reduce_bucket_size`` elements, both moved.
+
+    Args:
+        ts: the timeshare; its device must be the engine's (``engine.device``).
+        name: the role's name.
+        engine: what ``deepspeed.initialize`` returned first (ZeRO stage 0-3, fp32/fp16/bf16).
+        optimizer_residency: ``"role"`` (default) moves the optimizer moments with the role.
+            ``"step"`` keeps them on the host except during the inner optimizer's ``step()``,
+            so forward and backward never hold them; DeepSpeed calls that ``step()`` once per
+            parameter group (ZeRO-1/2) or sub-group (ZeRO-3), so with several groups the
+            moments cross PCIe once per group per step. The fp32 masters are the inner
+            optimizer's parameters and move with the role either way. ``"stream"`` is refused:
+            its chunked update would split DeepSpeed's flat partitions.
+
+    Memory cost: host RAM equal to the engine's device state bytes (pinned once, here), device
+    memory of one staging bucket per direction during a transition. Each transition walks the
+    engine's objects (milliseconds for a model of a few hundred tensors).
+    """
+    _check_engine(engine)
+    if not isinstance(ts, Timeshare):
+        raise TypeError(f"ts must be a tidal.Timeshare, got {type(ts).__name__}")
+    if optimizer_residency not in _RESIDENCIES:
+        why = (" (its chunked step would split DeepSpeed's flat master partitions and bypass the "
+               "wrapper's per-group step)") if optimizer_residency == "stream" else ""
+        raise ValueError(f"optimizer_residency for a DeepSpeed role must be one of {_RESIDENCIES}, got "
+                         f"{optimizer_residency!r}{why}")
+    device = _engine_device(engine)
+    if device != ts.device:
+        raise ValueError(f"the engine lives on {device} but the timeshare on {ts.device}; create the "
+                         f"Timeshare on the engine's device (engine.device)")
+    _claim(engine, f"role {name!r} of a Timeshare")
+    early: list = []
+    try:
+        inner = _inner_optimizer(engine)
+        if optimizer_residency == "step" and inner is not None:
+            # Registered before the timeshare's hooks, so it runs before the one that sends
+            # the moments back to the host.
+            early = _link_moments_while_resident(engine.optimizer, inner)
+        role = ts.add_role(name, model=_EngineState(engine, inner), optimizer=inner, grads="offload",
+                           optimizer_residency=optimizer_residency)
+    except BaseException:
+        for h in early:
+            h.remove()
+        _OWNERS.pop(engine, None)
+        raise
+    role.hooks.extend(early)
+
+    def guard(module, args):
+        if not role.resident:
+            raise RuntimeError(f"DeepSpeed role {name!r} is offloaded (its state is on the host); run the "
+                               f"engine inside `with ts.use({name!r}):` or call ts.load({name!r}) first")
+
+    # On the engine (its forward runs first) and, ahead of DeepSpeed's own hooks, on the module
+    # (ZeRO-3's pre-forward hook would gather from empty partitions before any later hook).
+    role.hooks.append(engine.register_forward_pre_hook(guard))
+    role.hooks.append(engine.module.register_forward_pre_hook(guard, prepend=True))
+    role.hooks.append(_Release(engine))
+    return role
+
+
+def _link_moments_while_resident(wrapper, inner: torch.optim.Optimizer) -> list:
+    """With step residency, let DeepSpeed make its views of the moments while they are on the
+    device.
+
+    After the first optimizer step, DeepSpeed's ZeRO-1/2 and BF16 wrappers create views of the
+    new ``exp_avg`` / ``exp_avg_sq`` for each parameter (``_hp_mapping.optim_fragment``, read by
+    ``safe_get_full_optimizer_state``), once, after the inner ``step()`` returns. By then the
+    timeshare's step post-hook has sent the moments to the host, and a view of an emptied
+    storage is refused. This post-hook, registered first, asks the wrapper to link right after
+    the inner step, on the state it has. At ZeRO-1/2 the wrapper steps one group at a time with
+    only that group visible, so this links the first group, as DeepSpeed's own lazy link does
+    (it finds no state for the other groups at that point either). Wrappers without the lazy
+    link (ZeRO-3, stage 0) get no hook.
+    """
+    link = getattr(wrapper, "_lazy_init_hp_params_optimizer_state", None)
+    if not callable(link) or getattr(wrapper, "_hp_optimizer_states_linked", True):
+        return []
+
+    def link_now(opt, args, kwargs) -> None:
+        if not wrapper._hp_optimizer_states_linked:
+            link()
+
+    return [inner.register_step_post_hook(link_now)]
+
+
+class _Release:
+    """A role hook handle: releases the engine's claim when the timeshare closes."""
+
+    def __init__(self, engine) -> None:
+        self._engine = weakref.ref(engine)
+
+    def remove(self) -> None:
+        engine = self._engine()
+        if engine is not None:
+            _OWNERS.pop(engine, None)
+
+
+def _check_offload_states(engine, deepspeed) -> None:
+    """Raise if DeepSpeed's own offload_states cannot move this engine's whole state."""
+    opt = engine.optimizer
+    stage = engine.zero_optimization_stage()
+    version = deepspeed.__version__
+    if opt is None or not hasattr(opt, "offload_states") or not hasattr(engine, "offload_states"):
+        raise ValueError(
+            f"DeepSpeed {version} implements engine.offload_states() only for ZeRO stages 1-3 with an "
+            f"optimizer; this engine is stage {stage} with {type(opt).__name__ if opt is not None else 'no'} "
+            f"optimizer. Use via='tidal', which moves any stage")
+    param_offload = engine.zero_offload_param()
+    if param_offload is not None and str(getattr(param_offload.device, "value", param_offload.device)) != "none":
+        raise ValueError("DeepSpeed's offload_states refuses engines whose parameters are offloaded "
+                         "(zero_optimization.offload_param); they are on the host already")
+    if stage == 3:
+        from deepspeed.ops.adam import FusedAdam
+
+        inner = _inner_optimizer(engine)
+        if type(inner) is not FusedAdam:
+            raise ValueError(
+                f"DeepSpeed {version}'s ZeRO-3 offload_states moves the master weights and moments only "
+                f"for DeepSpeed's FusedAdam (it asserts so); this engine's optimizer is "
+                f"{type(inner).__name__}. Use via='tidal' (any torch optimizer), or build the engine "
+                f"with deepspeed.ops.adam.FusedAdam")
+
+
+class DeepSpeedOffload:
+    """Move one DeepSpeed engine's device state to the host and back, outside a timeshare.
+
+    ``via="tidal"`` (default): a one-role :class:`tidal.Timeshare` on ``engine.device`` made
+    with ``config``, through :func:`add_deepspeed_role` (every ZeRO stage; storages resized in
+    place; pinned host memory reserved here, once). ``via="deepspeed"``: DeepSpeed's
+    ``engine.offload_states(pin_memory=True, non_blocking=True)`` and
+    ``reload_states(non_blocking=True)``, then a device synchronize; DeepSpeed 0.19 supports
+    this for ZeRO-1/2 and, with DeepSpeed's ``FusedAdam`` only, ZeRO-3 (checked here, with a
+    ``ValueError`` naming what is missing). DeepSpeed pins its host buffers at the first
+    offload and replaces tensors' ``.data`` rather than resizing storages.
+
+    :meth:`offload` and :meth:`reload` block until the copies are done and return a
+    :class:`~tidal.state.store.MoveResult`. For ``via="tidal"`` its bytes are the storages
+    moved; for ``via="deepspeed"`` they are the change of the allocator's allocated bytes
+    (what DeepSpeed freed or allocated), and ``release_seconds`` is 0 since DeepSpeed returns
+    the memory to the driver inside its own call.
+
+    Memory cost: host RAM equal to the moved bytes (tidal: pinned at construction; DeepSpeed:
+    pinned at the first offload and kept).
+    """
+
+    def __init__(self, engine: torch.nn.Module, *, via: Via = "tidal", config: TimeshareConfig | None = None) -> None:
+        _check_engine(engine)
+        if via not in _VIAS:
+            raise ValueError(f"via must be one of {_VIAS}, got {via!r}")
+        if config is not None and via != "tidal":
+            raise ValueError("config applies to via='tidal' only (DeepSpeed's offload_states has its own settings)")
+        self.engine = engine
+        self.via = via
+        self.offloaded = False
+        self.device = _engine_device(engine)
+        self.timeshare: Timeshare | None = None
+        if via == "deepspeed":
+            _check_offload_states(engine, _import_deepspeed())
+            _claim(engine, "DeepSpeedOffload(via='deepspeed')")
+            from tidal.device import DeviceOps
+
+            self._ops = DeviceOps(self.device)
+        else:
+            self.timeshare = Timeshare(self.device, config=config)
+            add_deepspeed_role(self.timeshare, "engine", engine)
+            self._ops = self.timeshare.ops
+
+    def state_bytes(self) -> int:
+        """Bytes of the engine's state on its device now (0 while offloaded): module params and
+        buffers, masters, moments and DeepSpeed's buffers, each storage once."""
+        return deepspeed_state_bytes(self.engine)
+
+    def offload(self) -> MoveResult:
+        """Move the engine's state to the host and return its device memory to the driver."""
+        if self.offloaded:
+            raise RuntimeError("the engine is offloaded already; call reload() first")
+        if self.timeshare is not None:
+            self.timeshare.offload("engine")
+            move = self.timeshare.store.last_move
+        else:
+            move = self._deepspeed_move(out=True)
+        self.offloaded = True
+        return move
+
+    def reload(self) -> MoveResult:
+        """Bring the engine's state back to the device (bit-exact)."""
+        if not self.offloaded:
+            raise RuntimeError("the engine is not offloaded; call offload() first")
+        if self.timeshare is not None:
+            self.timeshare.load("engine")
+            move = self.timeshare.store.last_move
+        else:
+            move = self._deepspeed_move(out=False)
+        self.offloaded = False
+        return move
+
+    def _deepspeed_move(self, *, out: bool) -> MoveResult:
+        ops = self._ops
+        # Kernels still queued (a step) must finish before DeepSpeed reads or replaces the state,
+        # and the timing below must not include them.
+        ops.synchronize()
+        before = snapshot(ops)
+        t0 = time.perf_counter()
+        if out:
+            self.engine.offload_states(pin_memory=True, non_blocking=True)
+        else:
+            self.engine.reload_states(non_blocking=True)
+        # DeepSpeed's non-blocking copies: done only when the device says so.
+        ops.synchronize()
+        seconds = time.perf_counter() - t0
+        after = snapshot(ops)
+        delta = before.allocated_bytes - after.allocated_bytes
+        return MoveResult(bytes_out=max(delta, 0) if out else 0, bytes_in=0 if out else max(-delta, 0),
+                          seconds=seconds, release_seconds=0.0, driver_free_before=before.driver_free_bytes,
+                          driver_free_after=after.driver_free_bytes, segments=0)
+
+    def close(self) -> None:
+        """Bring the state back if it is out and release the engine (and tidal's host memory)."""
+        if self.offloaded:
+            self.reload()
+        if self.timeshare is not None:
+            self.timeshare.close()
+        else:
+            _OWNERS.pop(self.engine, None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = "host" if self.offloaded else "device"
+        return f"DeepSpeedOffload(via={self.via!r}, device={str(self.device)!r}, state on {where})"
+
+
+def _entries(engine, min_offload_bytes: int) -> list:
+    from tidal.state.collect import collect_module_state, collect_optimizer_state
+
+    device = _engine_device(engine)
+    inner = _inner_optimizer(engine)
+    params = [p for g in inner.param_groups for p in g["params"]] if inner is not None else []
+    entries = collect_module_state([_EngineState(engine, inner)], device, extra_params=params,
+                                   min_offload_bytes=min_offload_bytes)
+    if inner is not None:
+        keys = {e.key for e in entries}
+        entries += [e for e in collect_optimizer_state([inner], device, min_offload_bytes=min_offload_bytes)
+                    if e.key not in keys]
+    return entries
+
+
+def deepspeed_state_bytes(engine: torch.nn.Module, *, min_offload_bytes: int = 16) -> int:
+    """Bytes of a DeepSpeed engine's state on its device now, each storage once: what
+    :func:`add_deepspeed_role` moves (0 for what is offloaded). Storages smaller than
+    ``min_offload_bytes`` (scalars, which stay put) are left out, as a timeshare with the
+    default ``TimeshareConfig`` does."""
+    _check_engine(engine)
+    return sum(e.nbytes for e in _entries(engine, min_offload_bytes))
+
+
+def describe_deepspeed_state(engine: torch.nn.Module) -> str:
+    """One line per device storage of the engine's state: bytes, kind and the path that
+    reaches it (``engine.optimizer.ipg_buckets[torch.bfloat16].buffer``), largest first. A
+    debugging aid: what :func:`add_deepspeed_role` would move now."""
+    _check_engine(engine)
+    rows = sorted(_entries(engine, 0), key=lambda e: -e.nbytes)
+    return "\n".join(f"{format_bytes(e.nbytes):>12}  {e.kind:<6}  {e.name}" for e in rows)
