@@ -29,6 +29,7 @@ old export there. Leftovers of killed exports are removed by the next export to 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import os
@@ -206,7 +207,14 @@ class _Gloo:
         self.meshes: dict = {}
 
     def group(self, ranks: list[int]):
-        group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, sort_ranks=False)
+        kw = {}
+        if "sort_ranks" in inspect.signature(dist.new_group).parameters:
+            kw["sort_ranks"] = False  # keep the mesh's order (torch >= 2.12)
+        elif list(ranks) != sorted(ranks):
+            raise ValueError(f"this torch ({torch.__version__}) sorts a new group's ranks, and the mesh "
+                             f"orders them {list(ranks)}; export from a checkpoint instead "
+                             f"(export_hf_from_checkpoint)")
+        group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, **kw)
         self.groups.append(group)
         return group
 
