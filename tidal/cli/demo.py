@@ -124,6 +124,34 @@ def _progress(steps: int):
     return tqdm(total=steps, desc="GRPO", unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
+def run_steps(step: Callable[[], object], steps: int, log: Callable[[str], None]) -> list:
+    """``steps`` calls of ``step()`` with a progress bar (or a log line every tenth step)
+    showing the reward and KL; returns the step results."""
+    results = []
+    bar = _progress(steps)
+    for i in range(steps):
+        r = step()
+        results.append(r)
+        if bar is not None:
+            bar.set_postfix(reward=f"{r.reward_mean:.3f}", kl=f"{r.stats.get('kl', 0.0):.3f}")
+            bar.update(1)
+        elif i % max(1, steps // 10) == 0 or i == steps - 1:
+            log(f"  step {i:>4}  reward {r.reward_mean:.3f}  kl {r.stats.get('kl', 0.0):.3f}")
+    if bar is not None:
+        bar.close()
+    return results
+
+
+def log_phase_table(rows: dict[str, dict], *, on_gpu: bool, mem_name: str, log: Callable[[str], None]) -> None:
+    """The per-phase table of :func:`_phase_rows`."""
+    log(f"{'phase':<10} {'s/step':>8} {mem_name:>11} {'peak used':>10} {'moved/step':>11} "
+        f"{'transit s':>9} {'GB/s':>6}")
+    for name, v in rows.items():
+        used = format_bytes(v["peak_driver_used_bytes"]) if on_gpu else "-"
+        log(f"{name:<10} {v['seconds']:>8.3f} {format_bytes(v['peak_allocated_bytes']):>11} {used:>10} "
+            f"{format_bytes(int(v['moved_bytes'])):>11} {v['transition_seconds']:>9.4f} {v['transition_gbps']:>6.1f}")
+
+
 def _free_device(device: str) -> None:
     import gc  # noqa: PLC0415
 
@@ -176,19 +204,8 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         + (f", LoRA r={s.lora_rank}" if s.lora_rank else "") + f", on {s.device}")
     all_state = trainer.all_resident_state_bytes()
     jsonl = os.path.join(s.out_dir, "demo.jsonl")
-    results = []
-    bar = _progress(s.steps)
     t_run = time.perf_counter()
-    for i in range(s.steps):
-        r = trainer.step()
-        results.append(r)
-        if bar is not None:
-            bar.set_postfix(reward=f"{r.reward_mean:.3f}", kl=f"{r.stats.get('kl', 0.0):.3f}")
-            bar.update(1)
-        elif i % max(1, s.steps // 10) == 0 or i == s.steps - 1:
-            log(f"  step {i:>4}  reward {r.reward_mean:.3f}  kl {r.stats.get('kl', 0.0):.3f}")
-    if bar is not None:
-        bar.close()
+    results = run_steps(trainer.step, s.steps, log)
     run_s = time.perf_counter() - t_run
     timeline = trainer.timeline
     report = trainer.ts.report() if trainer.ts is not None else ""
@@ -232,12 +249,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     on_gpu = s.device != "cpu"
     mem_name = "peak alloc" if on_gpu else "peak state"
     log("")
-    log(f"{'phase':<10} {'s/step':>8} {mem_name:>11} {'peak used':>10} {'moved/step':>11} "
-        f"{'transit s':>9} {'GB/s':>6}")
-    for name, v in rows.items():
-        used = format_bytes(v["peak_driver_used_bytes"]) if on_gpu else "-"
-        log(f"{name:<10} {v['seconds']:>8.3f} {format_bytes(v['peak_allocated_bytes']):>11} {used:>10} "
-            f"{format_bytes(int(v['moved_bytes'])):>11} {v['transition_seconds']:>9.4f} {v['transition_gbps']:>6.1f}")
+    log_phase_table(rows, on_gpu=on_gpu, mem_name=mem_name, log=log)
     log(f"step {step_s:.3f} s; transitions {trans_s:.4f} s = {100 * trans_s / step_s:.1f}% of the step "
         f"(steps after the first; {run_s:.1f} s in all)")
     what = "allocated device memory" if on_gpu else "role state on the device (CPU run: no device allocator)"

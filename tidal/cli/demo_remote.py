@@ -42,7 +42,7 @@ def _start_ray(device: str, gpu_resource: str) -> bool:
 
 def run_remote_demo(s, *, log: Callable[[str], None] = print) -> dict:
     """Run the demo with ``s.roles`` in ``("ray", "processes")``; returns its figures."""
-    from tidal.cli.demo import PHASES, _grpo_config, _phase_rows, _progress, build_policy  # noqa: PLC0415
+    from tidal.cli.demo import PHASES, _grpo_config, _phase_rows, build_policy, log_phase_table, run_steps  # noqa: PLC0415
     from tidal.rl import RemoteConfig, RemoteGRPO  # noqa: PLC0415
     from tidal.timeline import MemoryTimeline  # noqa: PLC0415
     from tidal.device import DeviceOps  # noqa: PLC0415
@@ -74,17 +74,7 @@ def run_remote_demo(s, *, log: Callable[[str], None] = print) -> dict:
             log(f"workers started in {time.perf_counter() - t_start:.1f} s")
             if run.placement is not None:
                 log(run.placement.report())
-            bar = _progress(s.steps)
-            for i in range(s.steps):
-                r = run.step()
-                results.append(r)
-                if bar is not None:
-                    bar.set_postfix(reward=f"{r.reward_mean:.3f}", kl=f"{r.stats.get('kl', 0.0):.3f}")
-                    bar.update(1)
-                elif i % max(1, s.steps // 10) == 0 or i == s.steps - 1:
-                    log(f"  step {i:>4}  reward {r.reward_mean:.3f}  kl {r.stats.get('kl', 0.0):.3f}")
-            if bar is not None:
-                bar.close()
+            results = run_steps(run.step, s.steps, log)
             timelines = run.timelines()
     finally:
         if started_ray:
@@ -107,12 +97,7 @@ def run_remote_demo(s, *, log: Callable[[str], None] = print) -> dict:
 
     on_gpu = s.device != "cpu"
     log("")
-    log(f"{'phase':<10} {'s/step':>8} {'peak alloc':>11} {'peak used':>10} {'moved/step':>11} "
-        f"{'transit s':>9} {'GB/s':>6}")
-    for name, v in rows.items():
-        used = format_bytes(v["peak_driver_used_bytes"]) if on_gpu else "-"
-        log(f"{name:<10} {v['seconds']:>8.3f} {format_bytes(v['peak_allocated_bytes']):>11} {used:>10} "
-            f"{format_bytes(int(v['moved_bytes'])):>11} {v['transition_seconds']:>9.4f} {v['transition_gbps']:>6.1f}")
+    log_phase_table(rows, on_gpu=on_gpu, mem_name="peak alloc", log=log)
     log(f"step {step_s:.3f} s; hand-overs (offload in one process, confirm, reload in the next) "
         f"{trans_s:.4f} s = {100 * trans_s / step_s:.1f}% of the step (steps after the first)")
     if on_gpu and frees:
