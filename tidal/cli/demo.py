@@ -152,6 +152,19 @@ def log_phase_table(rows: dict[str, dict], *, on_gpu: bool, mem_name: str, log: 
             f"{format_bytes(int(v['moved_bytes'])):>11} {v['transition_seconds']:>9.4f} {v['transition_gbps']:>6.1f}")
 
 
+def write_outputs(timeline, results: list, summary: dict, *, jsonl: str, png: str, title: str,
+                  log: Callable[[str], None]) -> None:
+    """``demo.jsonl`` (samples, phases, marks, steps, summary) and the timeline PNG (skipped
+    with a note when matplotlib is missing); sets ``summary["png"]`` when written."""
+    timeline.write_jsonl(jsonl, extra=[r.as_dict() for r in results] + [summary])
+    try:
+        timeline.plot(png, title=title, rewards=[r.reward_mean for r in results])
+        summary["png"] = png
+    except ImportError as e:
+        log(f"no PNG: {e}")
+    log(f"wrote {jsonl}" + (f" and {png}" if "png" in summary else ""))
+
+
 def _free_device(device: str) -> None:
     import gc  # noqa: PLC0415
 
@@ -278,14 +291,8 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         "device_name": torch.cuda.get_device_name(s.device) if on_gpu else "cpu",
         "torch": torch.__version__,
     }
-    timeline.write_jsonl(jsonl, extra=[r.as_dict() for r in results] + [summary])
-    try:
-        timeline.plot(png, title=f"tidal demo: GRPO on {s.preset}, {summary['device_name']}: memory of the "
-                      f"roles taking turns", rewards=[r.reward_mean for r in results])
-        summary["png"] = png
-    except ImportError as e:
-        log(f"no PNG: {e}")
-    log(f"wrote {jsonl}" + (f" and {png}" if "png" in summary else ""))
+    write_outputs(timeline, results, summary, jsonl=jsonl, png=png, log=log,
+                  title=f"tidal demo: GRPO on {s.preset}, {summary['device_name']}: memory of the roles taking turns")
     if report:
         summary["timeshare_report"] = report
     return summary

@@ -42,7 +42,8 @@ def _start_ray(device: str, gpu_resource: str) -> bool:
 
 def run_remote_demo(s, *, log: Callable[[str], None] = print) -> dict:
     """Run the demo with ``s.roles`` in ``("ray", "processes")``; returns its figures."""
-    from tidal.cli.demo import PHASES, _grpo_config, _phase_rows, build_policy, log_phase_table, run_steps  # noqa: PLC0415
+    from tidal.cli.demo import (  # noqa: PLC0415
+        PHASES, _grpo_config, _phase_rows, build_policy, log_phase_table, run_steps, write_outputs)
     from tidal.rl import RemoteConfig, RemoteGRPO  # noqa: PLC0415
     from tidal.timeline import MemoryTimeline  # noqa: PLC0415
     from tidal.device import DeviceOps  # noqa: PLC0415
@@ -119,16 +120,10 @@ def run_remote_demo(s, *, log: Callable[[str], None] = print) -> dict:
     if on_gpu:
         ops = _RemoteOps()
     timeline = MemoryTimeline.merge(ops, timelines)
-    jsonl = os.path.join(s.out_dir, "demo.jsonl")
-    timeline.write_jsonl(jsonl, extra=[r.as_dict() for r in results] + [summary])
-    png = os.path.join(s.out_dir, "timeline.png")
-    try:
-        timeline.plot(png, title=f"tidal demo ({s.roles}): GRPO on {s.preset}, {summary['device_name']}: "
-                      f"memory of the role processes taking turns", rewards=[r.reward_mean for r in results])
-        summary["png"] = png
-    except ImportError as e:
-        log(f"no PNG: {e}")
-    log(f"wrote {jsonl}" + (f" and {png}" if "png" in summary else ""))
+    write_outputs(timeline, results, summary, jsonl=os.path.join(s.out_dir, "demo.jsonl"),
+                  png=os.path.join(s.out_dir, "timeline.png"), log=log,
+                  title=f"tidal demo ({s.roles}): GRPO on {s.preset}, {summary['device_name']}: memory of "
+                  f"the role processes taking turns")
     return summary
 
 
