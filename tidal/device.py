@@ -18,7 +18,61 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["DeviceOps", "host_available_bytes"]
+__all__ = ["DeviceOps", "SyncPolicy", "host_available_bytes", "sync_policy", "use_sync_policy"]
+
+
+class SyncPolicy:
+    """How tidal orders its work: every stream wait, event wait and host wait tidal makes, and
+    every step of a transition where an exception may land, goes through the current policy,
+    by name. The default policy simply waits (and does nothing at a :meth:`point`).
+
+    This is the one seam the tests inject: a race test installs a policy that drops one named
+    wait (and checks it was reached) to show the test detects the missing wait; the fault
+    sweep installs one that raises at the k-th call, for every k, to show no state is lost
+    wherever an exception lands. Production code never switches a wait off.
+
+    On ``device="cpu"`` streams and events are None: the waits are trivially met, but the
+    policy still sees every call, so the fault sweep runs on the CPU path too.
+    """
+
+    def wait_stream(self, name: str, consumer: Any, producer: Any) -> None:
+        """``consumer`` runs what is queued on it from now on after what ``producer`` has queued."""
+        if consumer is not None:
+            consumer.wait_stream(producer)
+
+    def wait_event(self, name: str, stream: Any, event: Any) -> None:
+        """``stream`` runs what is queued on it from now on after ``event`` (no host blocking)."""
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    def wait_host(self, name: str, event: Any) -> None:
+        """The host blocks until ``event`` has completed."""
+        if event is not None:
+            event.synchronize()
+
+    def point(self, name: str) -> None:
+        """A step of a transition where an exception may land (nothing to do by default)."""
+
+
+_POLICY: list[SyncPolicy] = [SyncPolicy()]
+
+
+def sync_policy() -> SyncPolicy:
+    """The policy in force (process-wide: the copy worker threads use it too)."""
+    return _POLICY[0]
+
+
+@contextlib.contextmanager
+def use_sync_policy(policy: SyncPolicy) -> Iterator[SyncPolicy]:
+    """Install ``policy`` for the block (process-wide), restoring the previous one after."""
+    if not isinstance(policy, SyncPolicy):
+        raise TypeError(f"policy must be a tidal.device.SyncPolicy, got {type(policy).__name__}")
+    previous = _POLICY[0]
+    _POLICY[0] = policy
+    try:
+        yield policy
+    finally:
+        _POLICY[0] = previous
 
 
 def host_available_bytes() -> int:
@@ -97,6 +151,19 @@ class DeviceOps:
     def synchronize(self) -> None:
         if self.is_accelerator:
             self.module.synchronize(self.device)
+
+    # ---- ordering, through the sync policy (see SyncPolicy) ------------------------------
+    def wait_stream(self, name: str, consumer: Any, producer: Any) -> None:
+        _POLICY[0].wait_stream(name, consumer, producer)
+
+    def wait_event(self, name: str, stream: Any, event: Any) -> None:
+        _POLICY[0].wait_event(name, stream, event)
+
+    def wait_host(self, name: str, event: Any) -> None:
+        _POLICY[0].wait_host(name, event)
+
+    def point(self, name: str) -> None:
+        _POLICY[0].point(name)
 
     # ---- memory -----------------------------------------------------------------------
     def driver_free_bytes(self) -> tuple[int, int]:

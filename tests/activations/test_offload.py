@@ -15,7 +15,9 @@ from tidal.activations.layers import RecomputePatch
 from tests.activations.models import (
     AttnBlock, MixedLM, assert_bitwise_equal, grads_of, tiny_qwen2,
 )
+from tests.policies import SkipWaits
 from tests.transfer.fakes import FakeAccelOps
+from tidal.device import use_sync_policy
 
 CFG = ActivationOffloadConfig(min_offload_bytes=256)
 
@@ -307,13 +309,15 @@ def test_fake_accelerator_issues_every_wait():
     reload_done = {r.h2d_done.id for b in off._step.batches for r in b.records}
     assert reload_done <= h2d_done
     assert {e for s, e in waits if s == "compute" and e in h2d_done} == reload_done
-    # Switching a wait off removes it (the flag the GPU race tests use).
+    # A sync policy dropping these waits removes every one (the seam the GPU race tests use).
     ops.log.clear()
-    off._mover._unsafe_skip_waits = {"produce", "release", "alloc", "consume", "reload_after_offload"}
-    with off:
-        loss = model(_ids())
-    loss.backward()
+    names = {"act_produce", "act_release", "act_alloc", "act_consume", "act_reload_after_offload"}
+    with use_sync_policy(SkipWaits(names)) as policy:
+        with off:
+            loss = model(_ids())
+        loss.backward()
     assert not any(x[0] == "wait_event" for x in ops.log)
+    assert set(policy.skipped) == names
 
 
 def test_fsdp2_wrapped_layers_bit_exact(tmp_path):

@@ -16,8 +16,9 @@ import torch.nn as nn
 from tidal.activations import ActivationOffloadConfig, ActivationOffloader, LayerMode
 from tidal.activations.mover import Batch, GroupMover
 from tidal.activations.saved import SavedStorage
-from tidal.device import DeviceOps
+from tidal.device import DeviceOps, use_sync_policy
 from tests.activations.models import assert_bitwise_equal, grads_of, tiny_qwen2
+from tests.policies import SkipWaits
 
 pytestmark = pytest.mark.gpu
 
@@ -179,8 +180,9 @@ RACES = {
 def test_each_wait_prevents_its_race(wait):
     assert RACES[wait](_mover()), f"corrupted with every wait in place ({wait} scenario)"
     m = _mover()
-    m._unsafe_skip_waits = {wait}
-    assert not RACES[wait](m), f"the {wait} scenario did not detect the missing wait"
+    with use_sync_policy(SkipWaits({f"act_{wait}"})) as policy:
+        assert not RACES[wait](m), f"the {wait} scenario did not detect the missing wait"
+    assert policy.skipped, f"the {wait} wait was never reached"
     torch.cuda.synchronize()
 
 
@@ -231,14 +233,15 @@ def _torture(skip: set[str]) -> tuple[dict, dict]:
     model.zero_grad(set_to_none=True)
     x.grad = None
     off = ActivationOffloader(model, layers=list(model), config=ActivationOffloadConfig())
-    off._mover._unsafe_skip_waits = skip
     off_ref[0] = off
     junk = torch.full((6 * N,), float("nan"), device="cuda")
     del junk
-    with off:
-        loss = (model(x) * 1.0).sum()
-    loss.backward()
-    torch.cuda.synchronize()
+    with use_sync_policy(SkipWaits({f"act_{w}" for w in skip})) as policy:
+        with off:
+            loss = (model(x) * 1.0).sum()
+        loss.backward()
+        torch.cuda.synchronize()
+    assert {n[len("act_"):] for n in policy.skipped} == set(skip)
     # Groups 0-2 are offloaded (the last never is); x itself is the caller's and stays.
     assert off.report().bytes_offloaded == 5 * N * 4
     return ref, grads_of(model) | {"x": x.grad.clone()}

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 
 import tidal
+from tests.policies import SkipWaits
+from tidal.device import use_sync_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -82,39 +84,86 @@ class _SlowGrad(torch.autograd.Function):
 
 
 def test_race_grad_copy_waits_for_the_gradient_kernel():
-    def run(skip_waits: bool) -> torch.Tensor:
+    def run(skip: frozenset) -> torch.Tensor:
         w = nn.Parameter(torch.zeros(64 * MiB // 4, device="cuda"))
         opt = tidal.CPUAdam([w], lr=0.5, weight_decay=0.0)
         junk = torch.full_like(w, float("nan"))
         del junk  # the gradient will get this NaN-filled block
-        opt._unsafe_skip_waits = skip_waits
-        _SlowGrad.apply(w).sum().backward()
-        opt._unsafe_skip_waits = False
-        opt.step()
+        with use_sync_policy(SkipWaits(skip)) as policy:
+            _SlowGrad.apply(w).sum().backward()
+            opt.step()
+        assert set(policy.skipped) == skip
         torch.cuda.synchronize()
         return w.detach().clone()
 
-    good = run(skip_waits=False)
+    good = run(frozenset())
     assert torch.isfinite(good).all() and (good < 0).all()  # grad 2.0 everywhere: w moves down
-    bad = run(skip_waits=True)
+    bad = run(frozenset({"grad_d2h_after_backward"}))
     assert not torch.equal(good, bad), "the race test must detect a missing grad-copy wait"
 
 
 def test_race_next_kernel_waits_for_new_weights():
-    def run(skip_waits: bool) -> bool:
+    def run(skip: frozenset) -> bool:
         w = nn.Parameter(torch.ones(256 * MiB // 4, device="cuda"))
         opt = tidal.CPUAdam([w], lr=0.5, weight_decay=0.0)
         w.sum().backward()
         torch.cuda.synchronize()
-        opt._unsafe_skip_waits = skip_waits
-        opt.step()
-        seen = w.detach().clone()  # queued right after step(): must see the new weights
-        opt._unsafe_skip_waits = False
+        with use_sync_policy(SkipWaits(skip)) as policy:
+            opt.step()
+            seen = w.detach().clone()  # queued right after step(): must see the new weights
+        assert set(policy.skipped) == skip
         torch.cuda.synchronize()
         return torch.equal(seen, w.detach())
 
-    assert run(skip_waits=False)
-    assert not run(skip_waits=True), "the race test must detect a missing compute-after-H2D wait"
+    assert run(frozenset())
+    assert not run(frozenset({"compute_after_weights_h2d"})), \
+        "the race test must detect a missing compute-after-H2D wait"
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward runs behind a long queued GPU sleep."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return g
+
+
+def _detached_reuse_grad(opt_kind: str, skip: frozenset = frozenset()) -> torch.Tensor:
+    """``x.grad`` of ``loss = ((x @ w.detach()) @ w).sum()``: in backward, w's gradient is
+    complete (and, inside step_in_backward, its update starts) before the node of
+    ``x @ w.detach()`` reads w to compute ``x.grad``; that read must see the old w."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(2048, 2048, device="cuda") / 45)
+    x = torch.randn(256, 2048, device="cuda", requires_grad=True)
+    opt = tidal.CPUAdam([w], lr=10.0, weight_decay=0.0) if opt_kind == "cpu_adam" else None
+    a = _SlowBackward.apply(x @ w.detach())  # its backward (reading w) queues behind a sleep
+    loss = (a @ w).sum()
+    with use_sync_policy(SkipWaits(skip)) as policy:
+        if opt is None:
+            loss.backward()
+        else:
+            with opt.step_in_backward():
+                loss.backward()
+            opt.step()
+    assert set(policy.skipped) == skip
+    torch.cuda.synchronize()
+    return x.grad.clone()
+
+
+def test_step_in_backward_keeps_old_weights_for_later_backward_reads():
+    """Issue 12, item 4: a backward node that reads a weight whose gradient is already done
+    (here ``x @ w.detach()``) must read the old weight, though the update of that weight ran
+    during the backward (H100 before the fix: max|x.grad| 1456 vs 24.7, 3 of 3 runs)."""
+    want = _detached_reuse_grad("autograd")
+    got = _detached_reuse_grad("cpu_adam")
+    assert torch.equal(got, want), (got.abs().max().item(), want.abs().max().item())
+    bad = _detached_reuse_grad("cpu_adam", frozenset({"weights_h2d_after_backward"}))
+    assert not torch.equal(bad, want), "the race test must detect weights landing during the backward"
 
 
 def test_timeshare_role_with_cpu_adam_moves_only_params():

@@ -80,35 +80,51 @@ def test_streamed_step_holds_one_chunk_of_state_at_a_time():
     ts.close()
 
 
-def test_error_inside_a_streamed_step_restores_grads_and_state():
-    torch.manual_seed(0)
+def _stream_actor(seed=0):
+    torch.manual_seed(seed)
     model = TinyLM(dropout=0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ts = tidal.Timeshare("cpu", config=tidal.TimeshareConfig(optimizer_chunk_bytes=4096))
     ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="stream")
-    ids = torch.randint(0, 64, (4, 9))
-    with ts.use("actor"):
-        lm_loss(model, ids).backward()
-        opt.step()
-        opt.zero_grad()
-    calls = []
+    return model, opt, ts
 
-    def boom(o, args, kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("boom")
 
-    h = opt.register_step_pre_hook(boom)
-    with ts.use("actor"):
-        lm_loss(model, ids).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        with pytest.raises(RuntimeError, match="boom"):
+def test_error_inside_a_streamed_step_consumes_only_the_chunks_stepped_and_step_again_completes_it():
+    ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for fail in (False, True):
+        model, opt, ts = _stream_actor()
+        with ts.use("actor"):
+            lm_loss(model, ids).backward()
             opt.step()
-        for n, p in model.named_parameters():
-            if n in grads:
-                assert torch.equal(p.grad, grads[n]), n
-    h.remove()
-    # the use() block's end put the state of the chunk that was in back on the host
-    assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values()
-               for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 4)
-    ts.close()
+            opt.zero_grad()
+        calls = []
+
+        def boom(o, args, kwargs):
+            calls.append(1)
+            if fail and len(calls) == 3:  # the outer step, then chunks 0 and 1 stepped, chunk 2 refused
+                raise RuntimeError("boom")
+
+        h = opt.register_step_pre_hook(boom)
+        with ts.use("actor"):
+            lm_loss(model, ids).backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            if fail:
+                with pytest.raises(RuntimeError, match="boom"):
+                    opt.step()
+                kept = {n for n, p in model.named_parameters() if p.grad is not None}
+                # Chunks 0 and 1 consumed their grads; every other grad is back, unchanged.
+                assert 0 < len(kept) < len(grads)
+                for n in kept:
+                    assert torch.equal(dict(model.named_parameters())[n].grad, grads[n]), n
+                h.remove()
+            opt.step()  # completes the interrupted step
+        h.remove()
+        # the use() block's end put the optimizer state back on the host
+        assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values()
+                   for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 4)
+        ts.close()
+        runs.append(snapshot_state(model, opt))
+    # snapshot_state includes grads: drop them (the interrupted run consumed some)
+    want, got = ({k: v for k, v in r.items() if not k.endswith(".grad")} for r in runs)
+    assert_same_state(got, want)

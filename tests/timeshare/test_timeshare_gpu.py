@@ -8,6 +8,8 @@ import torch.nn as nn
 
 import tidal
 from tests.helpers import assert_same_state, snapshot_state
+from tests.policies import SkipWaits
+from tidal.device import use_sync_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -88,29 +90,29 @@ def test_round_trip_bit_exact_hf_model_with_fused_adam():
 def test_race_offload_waits_for_compute_stream():
     """A write queued behind a long GPU sleep must be in the offloaded copy."""
 
-    def run(skip_waits: bool) -> bool:
+    def run(skip: frozenset) -> bool:
         model = Blob(big_mib=512, n_big=2, n_small=0).cuda()
         with tidal.Timeshare("cuda") as ts:
             ts.add_role("a", model=model)
-            ts.store.engine._unsafe_skip_waits = skip_waits
-            torch.cuda._sleep(SLEEP_CYCLES)
-            with torch.no_grad():
-                for p in model.big:
-                    p.fill_(7.0)
-            ts.offload("a")
-            ts.store.engine._unsafe_skip_waits = False
+            with use_sync_policy(SkipWaits(skip)) as policy:
+                torch.cuda._sleep(SLEEP_CYCLES)
+                with torch.no_grad():
+                    for p in model.big:
+                        p.fill_(7.0)
+                ts.offload("a")
+            assert set(policy.skipped) == skip  # the wait was there and was dropped
             ts.load("a")
             torch.cuda.synchronize()
             return all(bool((p == 7.0).all()) for p in model.big)
 
-    assert run(skip_waits=False)
-    assert not run(skip_waits=True), "the race test must detect a missing D2H wait"
+    assert run(frozenset())
+    assert not run(frozenset({"d2h_after_compute"})), "the race test must detect a missing D2H wait"
 
 
 def test_race_reload_waits_for_compute_stream():
     """A reloaded storage may reuse a block that a queued kernel still writes."""
 
-    def run(skip_waits: bool) -> bool:
+    def run(skip: frozenset) -> bool:
         model = Blob(big_mib=512, n_big=1, n_small=0).cuda()
         with torch.no_grad():
             model.big[0].fill_(3.0)
@@ -121,20 +123,20 @@ def test_race_reload_waits_for_compute_stream():
             torch.cuda._sleep(SLEEP_CYCLES)
             junk.fill_(float("nan"))  # queued behind the sleep
             del junk  # its block goes back to the cache, the fill still pending
-            ts.store.engine._unsafe_skip_waits = skip_waits
-            ts.load("a")
-            ts.store.engine._unsafe_skip_waits = False
+            with use_sync_policy(SkipWaits(skip)) as policy:
+                ts.load("a")
+            assert set(policy.skipped) == skip
             torch.cuda.synchronize()
             return bool((model.big[0] == 3.0).all())
 
-    assert run(skip_waits=False)
-    assert not run(skip_waits=True), "the race test must detect a missing H2D-after-compute wait"
+    assert run(frozenset())
+    assert not run(frozenset({"h2d_after_compute"})), "the race test must detect a missing H2D-after-compute wait"
 
 
 def test_race_compute_waits_for_reload():
     """Kernels launched right after load() must see the reloaded bytes, not the old block."""
 
-    def run(skip_waits: bool) -> bool:
+    def run(skip: frozenset) -> bool:
         model = Blob(big_mib=1024, n_big=1, n_small=0).cuda()
         with torch.no_grad():
             model.big[0].fill_(5.0)
@@ -144,15 +146,17 @@ def test_race_compute_waits_for_reload():
             junk = torch.full((1024 * MiB // 4,), float("nan"), device="cuda")
             torch.cuda.synchronize()
             del junk  # cached block full of NaN: the reload will get it
-            ts.store.engine._unsafe_skip_waits = skip_waits
-            ts.load("a")
-            seen = model.big[0].clone()  # queued on the compute stream at once
-            ts.store.engine._unsafe_skip_waits = False
+            with use_sync_policy(SkipWaits(skip)) as policy:
+                ts.load("a")
+                seen = model.big[0].clone()  # queued on the compute stream at once
+            assert set(policy.skipped) == skip
             torch.cuda.synchronize()
             return bool((seen == 5.0).all())
 
-    assert run(skip_waits=False)
-    assert not run(skip_waits=True), "the race test must detect a missing compute-after-H2D wait"
+    assert run(frozenset())
+    # The host also waits for the reload before load() returns; both orderings must go.
+    assert not run(frozenset({"compute_after_h2d", "reload_done"})), \
+        "the race test must detect a missing compute-after-H2D wait"
 
 
 def test_reload_that_cannot_fit_raises_and_keeps_state():

@@ -28,6 +28,9 @@ class FakeStream:
     def wait_event(self, event: "FakeEvent") -> None:
         self.log.append(("wait_event", self.name, event.id))
 
+    def synchronize(self) -> None:
+        self.log.append(("stream_sync", self.name))
+
     def __repr__(self) -> str:
         return f"FakeStream({self.name})"
 

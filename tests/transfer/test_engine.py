@@ -3,9 +3,10 @@ import dataclasses
 import pytest
 import torch
 
-from tidal.device import DeviceOps
-from tidal.transfer import CopyItem, HostArena, Segment, TransferConfig, TransferEngine, byte_view
+from tests.policies import SkipWaits
 from tests.transfer.fakes import FakeAccelOps, align_up
+from tidal.device import DeviceOps, use_sync_policy
+from tidal.transfer import CopyItem, HostArena, Segment, TransferConfig, TransferEngine, byte_view
 
 KiB = 1024
 
@@ -186,7 +187,7 @@ def _round_trip(eng):
     eng.begin_out()
     events = [eng.copy_out(seg) for seg in segs]
     for ev in events:
-        eng.wait(ev)
+        eng.wait("test", ev)
     for t in tensors:
         t.untyped_storage().resize_(0)
     # The host holds the bytes.
@@ -199,7 +200,7 @@ def _round_trip(eng):
     for seg in segs:
         last = eng.copy_in(seg)
     eng.publish(last)
-    eng.wait(last)
+    eng.wait("test", last)
     eng.release_staging()
     for t, c in zip(tensors, clones):
         assert torch.equal(t, c)
@@ -265,7 +266,7 @@ def test_copies_are_ordered_by_stream_waits_and_events():
     (seg,) = eng.plan(items)
     eng.begin_out()
     ev = eng.copy_out(seg)
-    eng.wait(ev)
+    eng.wait("test", ev)
     assert ops.log[0] == ("wait_stream", d2h, "compute")  # D2H waits for the producers
     assert ("enter", d2h) in ops.log and ("record", d2h, ev.id) in ops.log
     assert ops.log[-1] == ("sync", ev.id)
@@ -278,18 +279,20 @@ def test_copies_are_ordered_by_stream_waits_and_events():
     assert ops.log[-1] == ("wait_event", "compute", ev.id)  # consumers wait for the data
     ops.log.clear()
     eng.publish(None)
-    eng.wait(None)
+    eng.wait("test", None)
     assert ops.log == []
 
 
-def test_unsafe_skip_waits_removes_every_wait():
+def test_a_sync_policy_sees_every_wait_and_can_drop_them():
     ops = FakeAccelOps()
     eng = _engine(ops, bucket_bytes=64 * KiB, small_tensor_bytes=16 * KiB)
-    eng._unsafe_skip_waits = True
     (seg,) = eng.plan(_items(eng.arena, [100, 100]))
-    eng.begin_out()
-    eng.wait(eng.copy_out(seg))
-    eng.begin_in()
-    eng.publish(eng.copy_in(seg))
+    names = ("d2h_after_compute", "free_after_d2h", "h2d_after_compute", "compute_after_h2d")
+    with use_sync_policy(SkipWaits(names)) as policy:
+        eng.begin_out()
+        eng.wait("free_after_d2h", eng.copy_out(seg))
+        eng.begin_in()
+        eng.publish(eng.copy_in(seg))
+    assert sorted(policy.skipped) == sorted(names)  # every wait was reached, by its name
     kinds = {entry[0] for entry in ops.log}
     assert not kinds & {"wait_stream", "wait_event", "sync"}

@@ -17,10 +17,11 @@ Protocol, per offload batch (the storages one layer group offloads):
 * :meth:`GroupMover.dispose`: a storage whose views all died gives its host slot back; if a
   reload of it was never consumed, its block and slot are first ordered after that copy.
 
-Every wait can be switched off for the race tests through ``_unsafe_skip_waits`` (a set of
-the names above: ``produce``, ``release``, ``reload_after_offload``, ``alloc``, ``consume``,
-``dispose``); never in real code. On ``device="cpu"`` there are no streams or events: copies are
-synchronous and every wait is trivially met, while the bookkeeping runs unchanged.
+Every wait goes through tidal's sync policy (``tidal.device.SyncPolicy``) under one of the
+names in ``WAIT_NAMES`` (``act_produce``, ``act_release``, ``act_reload_after_offload``,
+``act_alloc``, ``act_consume``, ``act_dispose``), which is how the race tests drop one. On
+``device="cpu"`` there are no streams or events: copies are synchronous and every wait is
+trivially met, while the bookkeeping runs unchanged.
 
 Memory cost: host, the arena (pinned once, exact size, reused by every later step; it grows
 only when a step offloads more than any step before); device, one staging bucket per
@@ -39,7 +40,8 @@ from tidal.transfer import CopyItem, HostArena, TransferConfig, TransferEngine
 
 __all__ = ["Batch", "GroupMover", "Timer"]
 
-WAIT_NAMES = frozenset({"produce", "release", "reload_after_offload", "alloc", "consume", "dispose"})
+WAIT_NAMES = frozenset({"act_produce", "act_release", "act_reload_after_offload", "act_alloc", "act_consume",
+                        "act_dispose"})
 
 
 class Timer:
@@ -93,14 +95,10 @@ class GroupMover:
         self.stalls: list[tuple[str, int, Any, Any]] = []  # (phase, group index, start, end)
         self.d2h_intervals: list[tuple[Any, Any]] = []
         self.h2d_intervals: list[tuple[Any, Any]] = []
-        self._unsafe_skip_waits: set[str] = set()  # test-only: see the module docstring
 
-    def _skip(self, name: str) -> bool:
-        return name in self._unsafe_skip_waits
-
-    def _waited(self, stream: Any, event: Any, phase: str, group: int) -> None:
+    def _waited(self, name: str, stream: Any, event: Any, phase: str, group: int) -> None:
         start = self.timer.mark(stream)
-        stream.wait_event(event)
+        self.ops.wait_event(name, stream, event)
         end = self.timer.mark(stream)
         if start is not None:
             self.stalls.append((phase, group, start, end))
@@ -108,12 +106,11 @@ class GroupMover:
     # ---- device -> host ----------------------------------------------------------------------
     def offload(self, batch: Batch) -> None:
         """Queue the D2H copy of every storage of ``batch`` into fresh host slots."""
-        accel = self.ops.is_accelerator
-        if accel and not self._skip("produce"):
+        if self.ops.is_accelerator:
             produced = self.ops.new_event()
             produced.record(self.ops.current_stream())
             # D2H must not read the activations before the compute kernels that write them ran.
-            self.d2h_stream.wait_event(produced)
+            self.ops.wait_event("act_produce", self.d2h_stream, produced)
         slots = self.arena.reserve([r.nbytes for r in batch.records])
         items = []
         for rec, slot in zip(batch.records, slots):
@@ -128,10 +125,10 @@ class GroupMover:
 
     def release(self, batch: Batch, *, phase: str = "forward") -> None:
         """Drop the device copies of an offloaded batch, ordered after its D2H copy."""
-        if batch.d2h_done is not None and not self._skip("release"):
+        if batch.d2h_done is not None:
             # Dropped blocks go back to the compute stream's pool at once; the next kernel
             # that gets one must not overwrite it before the D2H copy has read it.
-            self._waited(self.ops.current_stream(), batch.d2h_done, phase, batch.index)
+            self._waited("act_release", self.ops.current_stream(), batch.d2h_done, phase, batch.index)
         for rec in batch.records:
             rec.x_gpu = None
         batch.released = True
@@ -149,15 +146,13 @@ class GroupMover:
             # stream's order after the views die, so no record_stream is needed.
             rec.x_gpu = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.ops.device)
         if self.ops.is_accelerator:
-            if not self._skip("alloc"):
-                alloc_ready = self.ops.new_event()
-                alloc_ready.record(compute)
-                # The blocks may have just been freed by compute kernels still queued; the
-                # H2D copy must not overwrite them before those kernels ran.
-                self.h2d_stream.wait_event(alloc_ready)
-            if batch.d2h_done is not None and not self._skip("reload_after_offload"):
-                # The host copy must be complete before it is read back.
-                self.h2d_stream.wait_event(batch.d2h_done)
+            alloc_ready = self.ops.new_event()
+            alloc_ready.record(compute)
+            # The blocks may have just been freed by compute kernels still queued; the
+            # H2D copy must not overwrite them before those kernels ran.
+            self.ops.wait_event("act_alloc", self.h2d_stream, alloc_ready)
+            # The host copy must be complete before it is read back.
+            self.ops.wait_event("act_reload_after_offload", self.h2d_stream, batch.d2h_done)
         items = [CopyItem(r.x_gpu.untyped_storage(), r.slot, r.nbytes) for r in records]
         start = self.timer.mark(self.h2d_stream)
         h2d_done = None
@@ -180,9 +175,8 @@ class GroupMover:
         stream = self.ops.current_stream()
         if any(s == stream for s in rec.waited_streams):
             return
-        if not self._skip("consume"):
-            # Kernels that read the reloaded activation must run after its H2D copy landed.
-            self._waited(stream, event, "backward", group)
+        # Kernels that read the reloaded activation must run after its H2D copy landed.
+        self._waited("act_consume", stream, event, "backward", group)
         rec.waited_streams.append(stream)
         rec.reload_pending_read = False
 
@@ -191,11 +185,11 @@ class GroupMover:
         if rec.disposed:
             return
         rec.disposed = True
-        if rec.reload_pending_read and rec.h2d_done is not None and not self._skip("dispose"):
+        if rec.reload_pending_read and rec.h2d_done is not None:
             # A reload nobody consumed may still be copying: the block must not go back to
             # the compute stream's pool, nor the slot to the next D2H, before it finished.
-            rec.alloc_stream.wait_event(rec.h2d_done)
-            self.d2h_stream.wait_event(rec.h2d_done)
+            self.ops.wait_event("act_dispose", rec.alloc_stream, rec.h2d_done)
+            self.ops.wait_event("act_dispose", self.d2h_stream, rec.h2d_done)
         if rec.slot is not None:
             self.arena.release(rec.slot)
             rec.slot = None

@@ -142,20 +142,14 @@ def _agree(group, fn: Callable[[], T]) -> T:
 
 def _host_view(plain: torch.Tensor, timeshare: Any, where: str) -> torch.Tensor:
     """``plain`` (its storage offloaded: 0 bytes) read from its host copy, without a reload;
-    the same view ``TrainState`` saves from (``OffloadStore.host_view``)."""
+    the same view ``state_dict()`` and ``TrainState`` hand out (``OffloadStore.host_tensor``)."""
     store = getattr(timeshare, "store", None)
-    raw = store.host_view(storage_key(plain.untyped_storage())) if store is not None else None
-    if raw is None:
+    host = store.host_tensor(plain) if store is not None else None
+    if host is None:
         raise ValueError(f"{where}: its storage has no memory and no timeshare holds it"
                          + ("" if store is not None else " (no timeshare= was given)")
                          + "; pass the Timeshare that offloaded this role as export_hf(..., timeshare=ts), "
                          "or make the role resident first")
-    itemsize = plain.element_size()
-    if raw.storage_offset() % itemsize:
-        raise ValueError(f"{where}: its host copy is not aligned to {itemsize} bytes")
-    host = torch.empty(0, dtype=plain.dtype)
-    host.set_(raw.untyped_storage(), raw.storage_offset() // itemsize + plain.storage_offset(), plain.size(),
-              plain.stride())
     return host
 
 

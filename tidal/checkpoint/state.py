@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tidal.state.collect import storage_key
+from tidal.state.foreign import moved_out, readable
 
 __all__ = ["TrainState"]
 
@@ -113,38 +113,20 @@ class TrainState(Stateful):
         self._handed: dict | None = None
 
     # ---- where each tensor lives --------------------------------------------------------------
-    def _host_view(self, plain: torch.Tensor, where: str) -> torch.Tensor:
-        """``plain`` (a non-wrapper tensor whose storage is offloaded) as a view of its host copy."""
+    def _resolve(self, t: torch.Tensor, where: str) -> torch.Tensor:
+        """``t``, or, if its storage is offloaded, the same view of its host copy (read by
+        save, written in place by load, both while the role stays offloaded)."""
+        if not moved_out(t):
+            return t
         store = getattr(self.timeshare, "store", None)
-        raw = store.host_view(storage_key(plain.untyped_storage())) if store is not None else None
-        if raw is None:
+        host = readable(store, t) if store is not None else t
+        if host is t:
             raise ValueError(
                 f"{where}: its storage has no memory and no timeshare holds it"
                 + ("" if store is not None else " (no timeshare= was given)")
                 + "; pass the Timeshare that offloaded this role as TrainState(timeshare=ts), or "
                 "make the role resident before saving"
             )
-        # uint8, exactly the storage's bytes; read by save, written in place by load, both
-        # while the role stays offloaded (OffloadStore.host_view's contract).
-        itemsize = plain.element_size()
-        if raw.storage_offset() % itemsize:
-            raise ValueError(f"{where}: its host copy starts at byte {raw.storage_offset()} of its host chunk, "
-                             f"not aligned to {itemsize} bytes")
-        host = torch.empty(0, dtype=plain.dtype)
-        host.set_(raw.untyped_storage(), raw.storage_offset() // itemsize + plain.storage_offset(), plain.size(),
-                  plain.stride())
-        return host
-
-    def _resolve(self, t: torch.Tensor, where: str) -> torch.Tensor:
-        local = _local(t)
-        if type(local) not in (torch.Tensor, torch.nn.Parameter):
-            return t  # other wrapper subclasses are saved as they are
-        if local.numel() == 0 or local.untyped_storage().nbytes() > 0:
-            return t
-        host = self._host_view(local, where)
-        if isinstance(t, DTensor):
-            # Built directly: DTensor.from_local would move the host view to the mesh's device.
-            return DTensor(host, t._spec, requires_grad=False)
         return host
 
     # ---- Stateful ------------------------------------------------------------------------------

@@ -7,12 +7,22 @@ buffer. ``step()`` runs torch's fused CPU AdamW kernel over the fp32 master weig
 copies the new weights back on the H2D stream, chunk by chunk, so the CPU update of one chunk
 overlaps the copy of the previous one.
 
-With ``with opt.step_in_backward(): loss.backward()`` the update of each parameter starts as
-soon as its gradient is on the host, while backward continues (the biggest overlap). That is
-only valid for the last micro-batch and without global-norm clipping: clipping needs every
-gradient before the first update, so :meth:`CPUAdam.clip_grad_norm_` refuses after such a
-backward, and without ``step_in_backward`` the grad copies still overlap backward while the
-updates run in ``step()``, after clipping.
+With ``with opt.step_in_backward(): loss.backward()`` the host update of each parameter
+starts as soon as its gradient is on the host, while backward continues (the biggest overlap).
+The new weights are copied into the parameters only once the backward has been queued in
+full (when the block ends), never during it: a later backward node may read a parameter whose
+gradient is already done (``x @ w.detach()``, a weight read by two branches), and must read
+the old value. That mode is only valid for the last micro-batch and without global-norm
+clipping: clipping needs every gradient before the first update, so
+:meth:`CPUAdam.clip_grad_norm_` refuses after such a backward, and without
+``step_in_backward`` the grad copies still overlap backward while the updates run in
+``step()``, after clipping.
+
+Exceptions: an update is all-or-nothing per parameter; ``step()`` interrupted part-way (any
+exception, ``KeyboardInterrupt`` included) leaves each parameter either stepped (its new
+weights queued and published) or not (its gradient kept), so calling ``step()`` again
+completes exactly that step. A gradient lost to a failed copy makes ``step()`` refuse until
+``zero_grad()``.
 
 Memory per parameter: device 0 bytes of optimizer state or gradient. Gradients leave the
 device as they are produced; while their copies are in flight the device holds each one and
@@ -54,16 +64,20 @@ _BATCH_BYTES = 512 << 20  # fp32 bytes of gradients the worker takes into one in
 class _HostParam:
     """Host-side buffers of one parameter."""
 
-    __slots__ = ("grad", "staging", "seen", "has_grad", "updated", "staging_free")
+    __slots__ = ("grad", "staging", "seen", "has_grad", "updated", "landed", "staging_free")
 
     def __init__(self, grad: torch.Tensor, staging: torch.Tensor) -> None:
         self.grad = grad  # fp32 accumulated gradient (pinned: the first micro-batch lands here)
         self.staging = staging  # pinned, param dtype: later micro-batches land here, then add
         self.seen = False  # a gradient copy was queued since the last step (set by the hook)
         self.has_grad = False  # the worker has it in `grad`
-        self.updated = False
+        self.updated = False  # the host master holds this step's update
+        self.landed = False  # the update's copy into the parameter is queued
         self.staging_free = threading.Event()
         self.staging_free.set()
+
+    def reset(self) -> None:
+        self.seen = self.has_grad = self.updated = self.landed = False
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -113,9 +127,13 @@ class CPUAdam(torch.optim.Optimizer):
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._worker_error: BaseException | None = None
+        self._grads_lost: str | None = None  # why step() must refuse until zero_grad()
         self._in_backward_step = False
+        # Params updated on the host inside step_in_backward() whose new weights wait for the
+        # end of the backward; and, once it ended, the event the copies wait on.
+        self._pending: list[torch.Tensor] = []
+        self._backward_done: Any = None
         self._h2d_done: Any = None
-        self._unsafe_skip_waits = False  # test-only: lets race tests show they catch a missing wait
         self.trace: list | None = None  # diagnostics: set to [] to record (event, time, numel)
 
     # ---- setup ----------------------------------------------------------------------------
@@ -166,29 +184,33 @@ class CPUAdam(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:  # another hook consumed it
             return
-        if self._in_backward_step and hp.updated:
+        in_step = self._in_backward_step
+        if in_step and hp.updated:
             raise RuntimeError(
                 "a second backward reached a parameter already updated inside this "
                 "step_in_backward() block; wrap only the last micro-batch's backward in it"
             )
         p.grad = None  # the device gradient is freed once its copy is done (we hold `grad`)
         first, hp.seen = not hp.seen, True
+        if grad.numel() == 0:  # nothing to copy or update; the step just counts it
+            hp.has_grad = True
+            return
         if not self._ops.is_accelerator:
             self._accumulate(hp, grad, first)
-            if self._in_backward_step:
-                self._update([p])
+            if in_step:
+                self._adam([p])
+                self._pending.append(p)  # its weights change when the backward is over
             return
         if not first:
             hp.staging_free.wait()  # the worker still reads the previous micro-batch's copy
             hp.staging_free.clear()
         compute = self._ops.current_stream()
         grad_ready = self._ops.new_event()
-        # Marks the point where the grad is written and every backward use of p is queued.
+        # Marks the point where the grad is written.
         grad_ready.record(compute)
         with self._ops.on_stream(self._d2h):
-            if not self._unsafe_skip_waits:
-                # The gradient kernels are queued on the compute stream; copy after them.
-                self._d2h.wait_event(grad_ready)
+            # The gradient kernels are queued on the compute stream; copy after them.
+            self._ops.wait_event("grad_d2h_after_backward", self._d2h, grad_ready)
             if first and grad.dtype != torch.float32 and grad.is_contiguous():
                 # Cast on the device, land in the fp32 host gradient (no CPU work), a chunk at
                 # a time so a big gradient (a tied embedding) never has a whole fp32 twin.
@@ -210,7 +232,7 @@ class CPUAdam(torch.optim.Optimizer):
             # The device gradient lives until its last piece is copied (one stream: in order).
             self._hold(copied, grad.numel() * grad.element_size(), grad)
         self._start_worker()
-        self._queue.put((p, None, copied, grad_ready, first))
+        self._queue.put((p, copied, first, in_step))
 
     def _hold(self, copied: Any, nbytes: int, tensor: torch.Tensor) -> None:
         """Keep ``tensor`` (read by a pending D2H copy) alive until ``copied``; then keep the
@@ -223,9 +245,10 @@ class CPUAdam(torch.optim.Optimizer):
         """Drop the device gradients whose copies are done, waiting for the oldest ones
         while more than ``limit`` bytes are pending."""
         while self._inflight and (self._inflight_bytes > limit or self._inflight[0][0].query()):
-            copied, nbytes, _refs = self._inflight.popleft()
-            if not self._unsafe_skip_waits:
-                copied.synchronize()  # the D2H copy must have read the block before it is reused
+            copied, nbytes, _refs = self._inflight[0]
+            # The D2H copy must have read the block before it is reused.
+            self._ops.wait_host("grad_free_after_d2h", copied)
+            self._inflight.popleft()
             self._inflight_bytes -= nbytes
 
     def _accumulate(self, hp: _HostParam, grad: torch.Tensor | None, first: bool) -> None:
@@ -248,38 +271,52 @@ class CPUAdam(torch.optim.Optimizer):
             weakref.finalize(self, self._queue.put, _STOP)
 
     def _work(self, items: list[tuple]) -> None:
-        """Bring a batch of queued gradients into the host accumulators and, inside
-        step_in_backward(), update those parameters with one fused call (one call per
+        """Bring a batch of queued gradients into the host accumulators and, for those queued
+        inside step_in_backward(), update those parameters with one fused call (one call per
         parameter would spend the CPU on call overhead instead of the update)."""
         trace = self.trace
-        ready, last_grad_ready = [], None
-        for p, device_refs, copied, grad_ready, first in items:
+        ready = []
+        for p, copied, first, in_step in items:
             hp = self._host[p]
             try:
                 if trace is not None:
                     trace.append(("dequeued", time.perf_counter(), p.numel()))
-                if not self._unsafe_skip_waits:
-                    copied.synchronize()  # the bytes must be on the host before we read them
+                # The bytes must be on the host before we read them.
+                self._ops.wait_host("grad_host_read_after_d2h", copied)
                 if trace is not None:
                     trace.append(("on_host", time.perf_counter(), p.numel()))
-                del device_refs  # the backward hooks hold the device gradients (see _release_inflight)
                 self._accumulate(hp, None if first else hp.staging, first)
-                ready.append(p)
-                last_grad_ready = grad_ready
+                if in_step:
+                    ready.append(p)
             except BaseException as e:  # surfaced by the next drain
                 self._worker_error = e
+                self._grads_lost = f"the gradient of a parameter of shape {tuple(p.shape)} was lost ({e!r})"
             finally:
                 hp.staging_free.set()
-        if self._in_backward_step and ready:
+        if ready:
             try:
-                # grad_ready events are recorded in order on the compute stream: the last one
-                # covers every earlier parameter of the batch.
-                self._update(ready, after=last_grad_ready)
+                self._adam(ready)
             except BaseException as e:
                 self._worker_error = e
+                return
+            if self._backward_done is not None:
+                self._land(ready, after=self._backward_done)
+            else:
+                self._pending.extend(ready)
             if trace is not None:
                 now = time.perf_counter()
                 trace.extend(("updated", now, p.numel()) for p in ready)
+
+    def _backward_over(self, done: Any) -> None:
+        """Worker side of the end of a step_in_backward() backward: copy the weights updated
+        so far, and from now on each right after its update."""
+        self._backward_done = done
+        pending, self._pending = self._pending, []
+        try:
+            self._land(pending, after=done)
+        except BaseException as e:
+            self._pending = pending + self._pending
+            self._worker_error = e
 
     def _drain(self) -> None:
         """Wait until every queued gradient is on the host (and in-backward updates ran)."""
@@ -295,9 +332,9 @@ class CPUAdam(torch.optim.Optimizer):
     def _collect_device_grads(self) -> None:
         """overlap=False: copy every ``p.grad`` to the host now (cast to fp32 on the device)."""
         pending = []
-        if self._ops.is_accelerator and not self._unsafe_skip_waits:
+        if self._ops.is_accelerator:
             # Gradients were written by kernels queued on the compute stream.
-            self._d2h.wait_stream(self._ops.current_stream())
+            self._ops.wait_stream("grads_d2h_after_compute", self._d2h, self._ops.current_stream())
         for p, hp in self._host.items():
             if p.grad is None:
                 continue
@@ -313,8 +350,7 @@ class CPUAdam(torch.optim.Optimizer):
                 ev.record(self._d2h)
             pending.append((p, hp, ev, src, first))
         for p, hp, ev, src, first in pending:
-            if not self._unsafe_skip_waits:
-                ev.synchronize()  # the host reads it next
+            self._ops.wait_host("grads_host_read_after_d2h", ev)  # the host reads it next
             self._accumulate(hp, None if first else hp.staging, first)
             p.grad = None
         del pending
@@ -359,15 +395,38 @@ class CPUAdam(torch.optim.Optimizer):
         ``step()`` after it as usual (it completes and publishes the updates)."""
         if not self._overlap:
             raise ValueError("step_in_backward() needs CPUAdam(overlap=True)")
+        self._check_grads()
         self._drain()
         self._wait_previous_h2d()
         self._in_backward_step = True
+        self._backward_done = None
         try:
             yield
         finally:
+            self._in_backward_step = False  # gradients queued from now on are plain ones
+            try:
+                self._end_backward_step()
+            finally:
+                self._backward_done = None
+                self._publish()
+
+    def _end_backward_step(self) -> None:
+        """The backward under step_in_backward() is queued in full (or raised): the weights
+        updated during it may now change."""
+        if self._ops is None:
+            return
+        done = None
+        if self._ops.is_accelerator:
+            done = self._ops.new_event()
+            done.record(self._ops.current_stream())  # after every kernel the backward queued
+        if self._worker is not None and self._worker.is_alive():
+            self._queue.put(functools.partial(self._backward_over, done))
             self._drain()
-            self._in_backward_step = False
-            self._publish()
+        else:
+            self._release_inflight(0)
+        if self._pending:  # CPU path, or a worker that died before the barrier
+            pending, self._pending = self._pending, []
+            self._land(pending, after=done)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -385,32 +444,34 @@ class CPUAdam(torch.optim.Optimizer):
                     )
         if self._ops is None:  # no trainable parameters
             return loss
+        self._check_grads()
         self._drain()
         if not self._overlap:
             self._collect_device_grads()
         self._wait_previous_h2d()
-        if self._ops is not None and self._ops.is_accelerator and not self._unsafe_skip_waits:
-            # New weights must not land while queued kernels (forward/backward) still read
-            # the old ones.
-            self._h2d.wait_stream(self._ops.current_stream())
-        todo = [p for p, hp in self._host.items() if hp.has_grad and not hp.updated]
-        chunk, chunk_bytes = [], 0
-        for p in todo:
-            chunk.append(p)
-            chunk_bytes += p.numel() * 4
-            if chunk_bytes >= _CHUNK_BYTES:
-                self._update(chunk)
-                chunk, chunk_bytes = [], 0
-        if chunk:
-            self._update(chunk)
-        self._publish()
+        try:
+            todo = [p for p, hp in self._host.items() if hp.has_grad and not hp.updated]
+            for chunk in _chunks(todo):
+                self._adam(chunk)
+                self._land(chunk, after=None)
+            # Updated inside step_in_backward(), or before an exception stopped a step().
+            self._land([p for p, hp in self._host.items() if hp.updated and not hp.landed], after=None)
+        finally:
+            self._publish()  # whatever was queued, the next kernels read
         for hp in self._host.values():  # step() consumes the gradients
-            hp.seen = hp.has_grad = hp.updated = False
+            hp.reset()
         return loss
 
-    def _update(self, params: list[torch.Tensor], *, after: Any = None) -> None:
-        """Fused AdamW on the host for ``params``, then queue their new weights to the device
-        (fp32 over PCIe, cast there: the CPU, the bottleneck, does nothing but the update)."""
+    def _check_grads(self) -> None:
+        if self._grads_lost is not None:
+            raise RuntimeError(
+                f"CPUAdam cannot step: {self._grads_lost} in an earlier backward, so the gradients "
+                f"held are incomplete. Call zero_grad() and run the backward again"
+            )
+
+    def _adam(self, params: list[torch.Tensor]) -> None:
+        """Fused AdamW on the host masters of ``params`` (one call per param group). All or
+        nothing: the step counters go back if the update raises."""
         groups: dict[int, list[torch.Tensor]] = {}
         for p in params:
             groups.setdefault(id(self._group_of[p]), []).append(p)
@@ -418,50 +479,79 @@ class CPUAdam(torch.optim.Optimizer):
             g = self._group_of[ps[0]]
             sts = [self.state[p] for p in ps]
             steps = [s["step"] for s in sts]
+            self._ops.point("cpu_adam_update")
             torch._foreach_add_(steps, 1)
-            torch._fused_adamw_(
-                [s["master"] for s in sts], [self._host[p].grad for p in ps],
-                [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts],
-                [s["max_exp_avg_sq"] for s in sts] if g["amsgrad"] else [], steps,
-                lr=float(g["lr"]), beta1=g["betas"][0], beta2=g["betas"][1], weight_decay=g["weight_decay"],
-                eps=g["eps"], amsgrad=g["amsgrad"], maximize=g["maximize"],
-            )
-            for p, s in zip(ps, sts):
+            try:
+                torch._fused_adamw_(
+                    [s["master"] for s in sts], [self._host[p].grad for p in ps],
+                    [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts],
+                    [s["max_exp_avg_sq"] for s in sts] if g["amsgrad"] else [], steps,
+                    lr=float(g["lr"]), beta1=g["betas"][0], beta2=g["betas"][1], weight_decay=g["weight_decay"],
+                    eps=g["eps"], amsgrad=g["amsgrad"], maximize=g["maximize"],
+                )
+            except BaseException:
+                torch._foreach_sub_(steps, 1)
+                raise
+            for p in ps:
                 self._host[p].updated = True
-                if not self._ops.is_accelerator:
-                    # detach(): this may run in the worker thread, where no_grad is not set.
-                    p.detach().copy_(s["master"])
-                    continue
-                with self._ops.on_stream(self._h2d):
-                    if after is not None and not self._unsafe_skip_waits:
-                        # In backward: the kernels that read p's old value are queued before it.
-                        self._h2d.wait_event(after)
-                    if p.dtype == torch.float32:
-                        p.detach().copy_(s["master"], non_blocking=True)
-                    else:  # allocated on the H2D stream, freed in its order
-                        master_dev = s["master"].to(p.device, non_blocking=True)
-                        p.detach().copy_(master_dev)
+
+    def _land(self, params: list[torch.Tensor], *, after: Any) -> None:
+        """Queue the new weights of updated ``params`` into the parameters (fp32 over PCIe,
+        cast on the device: the CPU, the bottleneck, does nothing but the update). ``after``:
+        the event that ends the backward they were updated in (None: the compute stream now)."""
+        if not params:
+            return
+        if not self._ops.is_accelerator:
+            for p in params:
+                # detach(): this may run in the worker thread, where no_grad is not set.
+                p.detach().copy_(self.state[p]["master"])
+                self._host[p].landed = True
+            return
+        if after is None:
+            # New weights must not land while queued kernels (forward/backward) still read
+            # the old ones.
+            self._ops.wait_stream("weights_h2d_after_compute", self._h2d, self._ops.current_stream())
+        else:
+            # Every backward kernel (those reading the old weights included) is queued before it.
+            self._ops.wait_event("weights_h2d_after_backward", self._h2d, after)
+        with self._ops.on_stream(self._h2d):
+            for p in params:
+                master = self.state[p]["master"]
+                if p.dtype == torch.float32:
+                    p.detach().copy_(master, non_blocking=True)
+                else:  # allocated on the H2D stream, freed in its order
+                    p.detach().copy_(master.to(p.device, non_blocking=True))
+                self._host[p].landed = True
+                self._ops.point("cpu_adam_landed")
 
     def _wait_previous_h2d(self) -> None:
-        if self._h2d_done is not None and not self._unsafe_skip_waits:
-            # The last step's weights are copied out of the masters we are about to rewrite.
-            self._h2d_done.synchronize()
+        # The last step's weights are copied out of the masters we are about to rewrite.
+        self._ops.wait_host("masters_write_after_h2d", self._h2d_done)
 
     def _publish(self) -> None:
         if self._ops is None or not self._ops.is_accelerator:
             return
         done = self._ops.new_event()
         done.record(self._h2d)
-        if not self._unsafe_skip_waits:
-            # Kernels queued from now on (the next forward) read the new weights.
-            self._ops.current_stream().wait_event(done)
+        # Kernels queued from now on (the next forward) read the new weights.
+        self._ops.wait_event("compute_after_weights_h2d", self._ops.current_stream(), done)
         self._h2d_done = done
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._drain()
-        for p, hp in self._host.items():
-            hp.seen = hp.has_grad = hp.updated = False
-            p.grad = None
+        try:
+            self._drain()
+        finally:
+            # Masters updated whose weights never landed (an exception ended the step) land
+            # now: the parameters must always match the masters the next update starts from.
+            if self._ops is not None:
+                self._pending = []
+                self._land([p for p, hp in self._host.items() if hp.updated and not hp.landed], after=None)
+                self._publish()
+            # Gradients are discarded either way, so a worker error is forgotten with them.
+            for p, hp in self._host.items():
+                hp.reset()
+                p.grad = None
+            self._grads_lost = None
         super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
@@ -506,6 +596,20 @@ class CPUAdam(torch.optim.Optimizer):
             g.update({k: v for k, v in sg.items() if k != "params"})
 
 
+def _chunks(params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """``params`` in runs of about ``_CHUNK_BYTES`` of fp32 master: one run's copy to the
+    device overlaps the next run's update on the host."""
+    chunk, nbytes = [], 0
+    for p in params:
+        chunk.append(p)
+        nbytes += p.numel() * 4
+        if nbytes >= _CHUNK_BYTES:
+            yield chunk
+            chunk, nbytes = [], 0
+    if chunk:
+        yield chunk
+
+
 def _worker_loop(work: "queue.SimpleQueue[Any]", opt_ref: "weakref.ref[CPUAdam]") -> None:
     """Gradient worker: host-side accumulation (and in-backward updates) off the autograd
     thread. It takes every gradient queued so far as one batch (up to a barrier), so it
@@ -530,7 +634,9 @@ def _worker_loop(work: "queue.SimpleQueue[Any]", opt_ref: "weakref.ref[CPUAdam]"
             del opt, batch
         if item is _STOP:
             return
-        if isinstance(item, threading.Event):
+        if isinstance(item, functools.partial):  # the end of a step_in_backward() backward
+            item()
+        elif isinstance(item, threading.Event):
             item.set()
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -74,9 +74,15 @@ class OffloadStore:
         self.engine = TransferEngine(ops, self.arena, self.config)
         self._slots: dict[int, tuple[HostSlot, weakref.ref]] = {}
         self._offloaded: dict[int, StateEntry] = {}  # strong refs keep offloaded storages alive
+        self._in_flight = False  # a move is under way, or was interrupted (see recover())
         self.last_move: MoveResult | None = None
 
     # ---- queries ----------------------------------------------------------------------------
+    @property
+    def interrupted(self) -> bool:
+        """A move was interrupted by an exception and :meth:`recover` has not run since."""
+        return self._in_flight
+
     def is_offloaded(self, key: int) -> bool:
         return key in self._offloaded
 
@@ -116,6 +122,22 @@ class OffloadStore:
             return None
         return self.arena.view(self._slots[key][0])
 
+    def host_tensor(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` (a plain tensor whose storage is offloaded) as the same view (dtype, size,
+        stride, storage offset) of its host copy: what ``t`` would read if it were resident.
+        No copy; the :meth:`host_view` contract applies. None when ``t``'s storage is not
+        offloaded in this store."""
+        raw = self.host_view(t.untyped_storage()._cdata)
+        if raw is None:
+            return None
+        itemsize = t.element_size()
+        # Slots start at a multiple of the arena's alignment (512 bytes): every dtype's
+        # element size divides it, so the host copy is a whole number of elements in.
+        assert raw.storage_offset() % itemsize == 0, (raw.storage_offset(), itemsize)
+        host = torch.empty(0, dtype=t.dtype)
+        host.set_(raw.untyped_storage(), raw.storage_offset() // itemsize + t.storage_offset(), t.size(), t.stride())
+        return host
+
     @property
     def offloaded_bytes(self) -> int:
         return sum(e.nbytes for e in self._offloaded.values())
@@ -152,12 +174,25 @@ class OffloadStore:
                 self._slots[e.key] = (slot, weakref.ref(e.storage))
 
     def _reclaim_dead_slots(self) -> None:
+        self.forget_unreferenced()
         dead = [k for k, (_, ref) in self._slots.items() if ref() is None]
         for k in dead:
             self.arena.release(self._slots.pop(k)[0])
 
+    def forget_unreferenced(self) -> int:
+        """Drop offloaded storages that no tensor uses any more (their only holder is this
+        store's record): gradients set to None, optimizer state replaced by a
+        ``load_state_dict``. Keeping them would hold their host slots for ever and bring dead
+        bytes back at :meth:`close`. Returns how many were dropped."""
+        # _storage_Use_Count counts the holders of the storage: every tensor (view) on it,
+        # plus one for the Python storage object the record holds.
+        dead = [k for k, e in self._offloaded.items() if torch._C._storage_Use_Count(e.storage._cdata) <= 1]
+        for k in dead:
+            del self._offloaded[k]
+        return len(dead)
+
     def _items(self, entries: Sequence[StateEntry]) -> list[CopyItem]:
-        return [CopyItem(e.storage, self._slots[e.key][0], e.nbytes) for e in entries]
+        return [CopyItem(e.storage, self._slots[e.key][0], e.nbytes, e) for e in entries]
 
     # ---- verbs --------------------------------------------------------------------------------
     def offload(self, entries: Sequence[StateEntry], *, release: bool | None = None) -> MoveResult:
@@ -191,7 +226,21 @@ class OffloadStore:
         ``extra_bytes`` caps the overlap: at no point do the two sides hold more than the
         larger of them plus ``extra_bytes`` (None: as much as is free). The copies still run
         on both engines, one segment apart, since freeing waits only for one D2H segment.
+
+        Atomic per storage under any exception (``KeyboardInterrupt`` included), wherever it
+        lands: an out-going storage becomes tracked only once its D2H copy has completed, and
+        is freed after; an incoming one stays tracked until its H2D copy has completed. So
+        every storage is always either resident (valid bytes on the device) or tracked (valid
+        bytes on the host). On an exception the store waits for the copies in flight,
+        finishes the out-going storages whose copies were queued (tracked, then freed), frees
+        the incoming ones (their host copies stay the truth) and re-raises. Should a second
+        exception land in that handling, the rule still holds: :meth:`recover` (run by the
+        next move, or by the caller) finishes it. The caller learns where each storage is from
+        :meth:`is_offloaded`.
         """
+        if self._in_flight:
+            self.recover()
+        self.forget_unreferenced()
         engine = self.engine
         # Dedup by key: entries of several roles may list a shared storage more than once; it
         # must move (and be counted) once.
@@ -215,64 +264,18 @@ class OffloadStore:
                 "that are not part of any role (activations, caches).",
             )
         self.prepare(out_todo)
-        t0 = time.perf_counter()
         coalesce = need_in <= room and self.ops.is_accelerator and self.config.coalesce_allocations
-        out_segs = engine.plan(self._items(out_todo))
-        in_segs = engine.plan(self._items(in_todo))
-        engine.begin_out()
-        out_events = [engine.copy_out(seg) for seg in out_segs]
-        engine.begin_in()
-        freed = 0
-        last_in_event = None
-        loaded: list[Segment] = []
-        reserved_until, reserve_target = 0, 64 << 20
-        alloc_seconds = 0.0
+        t0 = time.perf_counter()
+        self._in_flight = True  # cleared once every storage is where the bookkeeping says
         try:
-            for i, seg in enumerate(in_segs):
-                ta = time.perf_counter()
-                if coalesce and i >= reserved_until:
-                    # Reserve memory for the next run of segments while the copies queued so
-                    # far are in flight; runs grow so the first copy starts at once.
-                    reserved_until = self._reserve_device_block(in_segs, i, reserve_target)
-                    reserve_target = min(2 * reserve_target, 2 << 30)
-                while seg.nbytes > room and freed < len(out_segs):
-                    room += self._free_segment(out_segs[freed], out_events[freed])
-                    freed += 1
-                # Listed before allocating, so a failure part-way through a bucket still undoes
-                # the storages of that bucket already allocated.
-                loaded.append(seg)
-                for item in seg.items:
-                    item.storage.resize_(item.nbytes)
-                alloc_seconds += time.perf_counter() - ta
-                room -= seg.nbytes
-                last_in_event = engine.copy_in(seg)
+            segments, alloc_seconds = self._move(out_todo, in_todo, room, coalesce)
         except BaseException:
-            # An allocation failed (fragmentation, another process): undo the allocations,
-            # keep the host copies, finish the out-going half so its state is consistent.
-            # H2D copies already queued still write into the loaded storages: wait for them
-            # (one stream, so the last event covers all) before their blocks can be reused.
-            self.engine.wait(last_in_event)
-            for seg in loaded:
-                for item in seg.items:
-                    item.storage.resize_(0)
-            while freed < len(out_segs):
-                self._free_segment(out_segs[freed], out_events[freed])
-                freed += 1
-            for e in out_todo:
-                self._offloaded[e.key] = e
-            engine.release_staging()
+            self.recover()
             raise
-        while freed < len(out_segs):
-            self._free_segment(out_segs[freed], out_events[freed])
-            freed += 1
-        engine.publish(last_in_event)
-        engine.wait(last_in_event)
+        finally:
+            engine.release_staging()
         seconds = time.perf_counter() - t0
-        for e in out_todo:
-            self._offloaded[e.key] = e
-        for e in in_todo:
-            del self._offloaded[e.key]
-        engine.release_staging()
+        self._in_flight = False
         t1 = time.perf_counter()
         if out_todo and (self.release_to_driver if release is None else release):
             # Hand the freed blocks back to the driver: other processes (an inference engine)
@@ -286,11 +289,83 @@ class OffloadStore:
             release_seconds=time.perf_counter() - t1,
             driver_free_before=before.driver_free_bytes,
             driver_free_after=after.driver_free_bytes,
-            segments=len(out_segs) + len(in_segs),
+            segments=segments,
             alloc_seconds=alloc_seconds,
         )
         return self.last_move
 
+    def _move(self, out_todo: list[StateEntry], in_todo: list[StateEntry], room: int,
+              coalesce: bool) -> tuple[int, float]:
+        """The copies of :meth:`switch`, in an order where an exception at any point leaves
+        every storage resident or tracked. Returns (segments, seconds spent allocating)."""
+        # Interrupted: a storage is tracked only once its D2H copy has completed (so its host
+        # copy is whole), and an incoming one stays tracked until its H2D copy has completed.
+        engine, ops = self.engine, self.ops
+        out_segs = engine.plan(self._items(out_todo))
+        in_segs = engine.plan(self._items(in_todo))
+        ops.point("planned")
+        engine.begin_out()
+        out_events: list = []
+        freed = 0
+        try:
+            for seg in out_segs:
+                out_events.append(engine.copy_out(seg))
+            engine.begin_in()
+            last_in_event = None
+            reserved_until, reserve_target = 0, 64 << 20
+            alloc_seconds = 0.0
+            for i, seg in enumerate(in_segs):
+                ta = time.perf_counter()
+                if coalesce and i >= reserved_until:
+                    # Reserve memory for the next run of segments while the copies queued so
+                    # far are in flight; runs grow so the first copy starts at once.
+                    reserved_until = self._reserve_device_block(in_segs, i, reserve_target)
+                    reserve_target = min(2 * reserve_target, 2 << 30)
+                while seg.nbytes > room and freed < len(out_segs):
+                    room += self._free_segment(out_segs[freed], out_events[freed])
+                    freed += 1
+                # The storages stay tracked (offloaded) while they are allocated and written:
+                # an exception before their copy completed frees them again in recover().
+                for item in seg.items:
+                    item.storage.resize_(item.nbytes)
+                ops.point("reload_allocated")
+                alloc_seconds += time.perf_counter() - ta
+                room -= seg.nbytes
+                last_in_event = engine.copy_in(seg)
+            while freed < len(out_segs):
+                self._free_segment(out_segs[freed], out_events[freed])
+                freed += 1
+        except BaseException:
+            # Finish the out-going half whose copies were queued (the storages then live on
+            # the host only, tracked), so a failed switch is at least a complete offload.
+            engine.drain()
+            while freed < len(out_events):
+                self._free_segment(out_segs[freed], None)
+                freed += 1
+            raise
+        engine.publish(last_in_event)
+        # The bytes must have landed before the storages count as resident.
+        engine.wait("reload_done", last_in_event)
+        for e in in_todo:
+            del self._offloaded[e.key]
+            ops.point("reload_untracked")
+        return len(out_segs) + len(in_segs), alloc_seconds
+
+    def recover(self) -> list[StateEntry]:
+        """Make the bookkeeping true again after a move that an exception interrupted: wait
+        for every copy still in flight, then free the device bytes of every tracked storage
+        that has any (an incoming one whose copy did not finish, or an out-going one tracked
+        but not yet freed): its host copy is complete and is the truth. Idempotent; cheap
+        when nothing was interrupted. Returns the entries it freed."""
+        self.engine.drain()
+        freed = []
+        for e in self._offloaded.values():
+            if e.storage.nbytes() > 0:
+                e.storage.resize_(0)
+                freed.append(e)
+        self.engine.release_staging()
+        self._in_flight = False
+        return freed
     def _reserve_device_block(self, segs: Sequence[Segment], first: int, target_bytes: int) -> int:
         """Make the caching allocator hold one free block that fits the large storages of
         ``segs[first:j]`` (about ``target_bytes``), so their ``resize_`` calls split it instead
@@ -313,14 +388,19 @@ class OffloadStore:
         return j
 
     def _free_segment(self, seg: Segment, event: object) -> int:
-        # The D2H copy must have read the bytes before the allocator may hand the block out.
-        self.engine.wait(event)
+        # The D2H copy must have read the bytes (and written the host copy) before the storage
+        # counts as offloaded and the allocator may hand its block out.
+        self.engine.wait("free_after_d2h", event)
         for item in seg.items:
+            self._offloaded[item.tag.key] = item.tag  # tracked first: the host copy is complete
+            self.ops.point("offload_tracked")
             item.storage.resize_(0)
         return seg.nbytes
 
     def close(self) -> None:
         """Release host memory. Refuses while state is offloaded (it would be lost)."""
+        if self._in_flight:
+            self.recover()
         if self._offloaded:
             raise RuntimeError(
                 f"cannot close the store: {len(self._offloaded)} storages are offloaded and "

@@ -13,6 +13,7 @@ is pinned on the first call only and reused after.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import Iterator
 
@@ -20,6 +21,7 @@ import torch
 
 from tidal.device import DeviceOps
 from tidal.state.collect import StateEntry, collect_module_state, collect_optimizer_state
+from tidal.state.foreign import install_optimizer_hooks
 from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.timeshare import timeshare_of
 from tidal.transfer.engine import TransferConfig
@@ -67,11 +69,26 @@ def offload_optimizer(
     Memory: frees the state's device bytes for the block; holds the same bytes in pinned host
     memory (kept for reuse across calls). On exit the state returns, or, for a timeshare role
     with the default ``optimizer_residency="step"``, stays on the host until the next
-    ``step()`` brings it in.
+    ``step()`` brings it in. ``optimizer.state_dict()`` and ``load_state_dict()`` are right
+    inside the block (they read and write the host copies).
+
+    If the state cannot come back on exit (:class:`~tidal.InsufficientMemoryError`: the block
+    left too little room), the error is raised and nothing is lost: the state stays on the
+    host and the next ``step()`` (or a backward reaching a gradient that is out) brings it in
+    first. An optimizer whose state lives on the host by design (:class:`tidal.CPUAdam`) has
+    nothing to move: the block runs unchanged, with a warning.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"offload_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     result = OptimizerOffload()
+    if getattr(optimizer, "tidal_state_on_host", False):
+        warnings.warn(
+            f"offload_optimizer() ignored: {type(optimizer).__name__} keeps its state and gradients on "
+            f"the host already, so there is nothing to move; the block runs as it is",
+            stacklevel=3,
+        )
+        yield result
+        return
     owner = timeshare_of(optimizer)
     if owner is not None:
         ts, name = owner
@@ -109,12 +126,54 @@ def offload_optimizer(
             "Step after the `with` block ends"
         )
 
-    handle = optimizer.register_step_pre_hook(refuse_step)
+    handles = [optimizer.register_step_pre_hook(refuse_step), *install_optimizer_hooks(store, optimizer)]
+    back = False
     try:
         result.out = store.offload(entries)
-        try:
-            yield result
-        finally:
-            result.back = store.reload(entries, what="reloading optimizer state after offload_optimizer()")
+        yield result
     finally:
-        handle.remove()
+        try:
+            result.back = store.reload(entries, what="reloading optimizer state after offload_optimizer()")
+            back = True
+        finally:
+            for h in handles:
+                h.remove()
+            if not back:
+                # The state could not come back (no room, or an exception interrupted the
+                # moves): it stays on the host, found again by whatever touches it next.
+                _Stranded(optimizer, store, entries).install()
+
+
+class _Stranded:
+    """Optimizer state (and grads) that ``offload_optimizer`` could not bring back. The next
+    ``step()``, or a backward reaching a parameter whose gradient is out, reloads it first
+    (raising :class:`~tidal.InsufficientMemoryError` again, with nothing lost, if there is
+    still no room); ``state_dict()``/``load_state_dict()`` read and write its host copies."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: OffloadStore, entries: list[StateEntry]) -> None:
+        self.store = store
+        self.entries = entries
+        self.handles: list = []
+        self.optimizer = optimizer
+
+    def install(self) -> None:
+        opt = self.optimizer
+        self.handles += install_optimizer_hooks(self.store, opt)
+        self.handles.append(opt.register_step_pre_hook(lambda o, args, kwargs: self.reload()))
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and self.store.is_offloaded(p.grad.untyped_storage()._cdata):
+                    # Runs before autograd accumulates into p.grad.
+                    self.handles.append(p.register_hook(self._before_accumulate))
+
+    def _before_accumulate(self, grad: torch.Tensor) -> torch.Tensor:
+        self.reload()
+        return grad
+
+    def reload(self) -> None:
+        if not self.handles:
+            return
+        self.store.reload(self.entries, what="reloading optimizer state that offload_optimizer() left on the host")
+        for h in self.handles:
+            h.remove()
+        self.handles = []

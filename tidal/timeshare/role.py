@@ -46,7 +46,6 @@ class Role:
     optimizer_locked: bool = False  # inside offload_optimizer(): step() must not run
     streaming: bool = False  # inside a streamed step: the per-chunk step() calls skip the hooks
     hidden_grads: dict | None = None  # grads a streamed step hid from the outer step()
-    param_keys: frozenset[int] = frozenset()
     hooks: list = dataclasses.field(default_factory=list)
     _names: dict[int, str] | None = dataclasses.field(default=None, repr=False)
 

@@ -64,9 +64,12 @@ def _entries(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer,
 def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
     """Run ``opt``'s update chunk by chunk (see the module docstring). Leaves every state
     tensor of ``opt`` on the host and the gradients set aside in ``role.hidden_grads`` for
-    the step post-hook to restore. On an error the gradients are restored at once."""
+    the step post-hook to restore. On an exception the gradients of the chunks not yet
+    stepped are restored at once (those stepped stay consumed), so ``step()`` again finishes
+    the step."""
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
     hidden = {p: p.grad for p in params}
+    stepped: set[torch.Tensor] = set()
     others = ts._resident_keys(exclude=(role,))
     role.streaming = True
     ok = False
@@ -83,6 +86,7 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
             for p in chunk:
                 p.grad = hidden[p]
             opt.step()  # this chunk only: the hooks see role.streaming and stand aside
+            stepped.update(chunk)
             for p in chunk:
                 p.grad = None
             out = [e for e in _entries(ts, role, opt, chunk) if e.nbytes > 0 and e.key not in others]
@@ -100,5 +104,9 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
         if ok:
             role.hidden_grads = hidden
         else:
+            # The chunks already stepped consumed their gradients; the others get theirs back,
+            # so calling step() again completes exactly this step (optimizers skip parameters
+            # without a gradient).
             for p, g in hidden.items():
-                p.grad = g
+                if p not in stepped:
+                    p.grad = g

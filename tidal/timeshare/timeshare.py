@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import warnings
 import weakref
 from typing import Iterator, Sequence
@@ -24,6 +25,7 @@ import torch
 from tidal.device import DeviceOps
 from tidal.errors import format_bytes
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
+from tidal.state.foreign import install_module_hooks, install_optimizer_hooks, moved_out
 from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.role import OptimizerResidency, Role
 from tidal.timeshare.stream import streamed_step
@@ -128,6 +130,9 @@ class Timeshare:
         self.records: list[TransitionRecord] = []
         self._clock = 0
         self.closed = False
+        # Set before a transition changes anything and cleared once the roles' flags agree with
+        # the store again: if it is still set, an exception interrupted one (see _recover).
+        self._interrupted = False
 
     # ---- registration ------------------------------------------------------------------------
     @property
@@ -150,6 +155,7 @@ class Timeshare:
         an offloaded role) starts as not resident; ``use()`` brings it in.
         """
         self._check_open()
+        self._recover_if_interrupted()
         if not isinstance(name, str) or not name:
             raise ValueError(f"role name must be a non-empty string, got {name!r}")
         if name in self._roles:
@@ -171,27 +177,39 @@ class Timeshare:
         entries = self.store.resolve(model_live) + self.store.resolve(
             role.optim_entries(self.device, self.config.min_offload_bytes))
         if not entries:
-            where = "no tensors at all" if not self._has_state_elsewhere(role) else (
-                f"no state on {self.device}: its tensors are on another device. Move the model to "
-                f"{self.device} before adding the role")
-            raise ValueError(f"role {name!r} has {where}")
-        role.param_keys = frozenset(e.key for e in model_live if e.kind == "param")
+            raise ValueError(f"role {name!r} has {self._why_no_state(role)}")
         role.resident = not any(self.store.is_offloaded(e.key) for e in entries)
         self.store.prepare([e for e in entries if not self.store.is_offloaded(e.key)])
-        for m in modules:
-            role.hooks.append(m.register_forward_pre_hook(self._make_forward_guard(role)))
+        guard = self._make_forward_guard(role)
+        seen: set[int] = set()
+        for top in modules:
+            # Every submodule: code that calls a block of the model directly must be refused
+            # too, not only the model's own forward.
+            for m in top.modules():
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    role.hooks.append(m.register_forward_pre_hook(guard))
+        role.hooks += install_module_hooks(self.store, modules)
         for opt in optimizers:
             role.hooks.append(opt.register_step_pre_hook(self._make_step_pre_hook(role)))
             role.hooks.append(opt.register_step_post_hook(self._make_step_post_hook(role)))
+            role.hooks += install_optimizer_hooks(self.store, opt, after_load=self._make_after_load(role))
             _OPTIMIZER_OWNERS[opt] = (weakref.ref(self), name)
         self._roles[name] = role
         self._touch(role)
         return role
 
-    def _has_state_elsewhere(self, role: Role) -> bool:
-        return any(True for m in role.modules for _ in m.parameters()) or any(
-            True for o in role.optimizers for g in o.param_groups for _ in g["params"]
-        )
+    def _why_no_state(self, role: Role) -> str:
+        tensors = [t for m in role.modules for t in itertools.chain(m.parameters(), m.buffers())]
+        tensors += [p for o in role.optimizers for g in o.param_groups for p in g["params"]]
+        elsewhere = sorted({str(t.device) for t in tensors if t.device != self.device})
+        if elsewhere:
+            return (f"no state on {self.device}: its tensors are on {', '.join(elsewhere)}. Move the model "
+                    f"to {self.device} before adding the role")
+        if not tensors:
+            return "no tensors at all (no parameters, buffers or optimizer parameters)"
+        return (f"no state to move: its {len(tensors)} tensors are empty or smaller than "
+                f"min_offload_bytes={self.config.min_offload_bytes}, so they stay where they are")
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -239,6 +257,7 @@ class Timeshare:
         nothing had to move."""
         self._check_open()
         self._check_not_in_backward("load")
+        self._recover_if_interrupted()
         role = self.role(name)
         evict = self._choose_evictions(role)
         if role.resident and not evict:
@@ -251,6 +270,7 @@ class Timeshare:
         Storages shared with a resident role stay. Returns None if already offloaded."""
         self._check_open()
         self._check_not_in_backward("offload")
+        self._recover_if_interrupted()
         role = self.role(name)
         if not role.resident:
             return None
@@ -261,6 +281,7 @@ class Timeshare:
         """Offload every resident role that is not in use."""
         self._check_open()
         self._check_not_in_backward("offload_all")
+        self._recover_if_interrupted()
         out = [r for r in self._roles.values() if r.resident]
         for r in out:
             self._check_evictable(r, reason="offload_all()")
@@ -282,6 +303,9 @@ class Timeshare:
         Raises (and changes nothing) if they do not all fit on the device."""
         if self.closed:
             return
+        if self._interrupted:
+            self.store.recover()  # no roll-forward: everything comes back just below
+        self.store.forget_unreferenced()
         parked = self.store.all_offloaded()
         if parked:
             self.store.reload(parked, what="close() bringing every role back")
@@ -305,24 +329,27 @@ class Timeshare:
                                 kind: str = "optim-out") -> TransitionRecord | None:
         """Move the role's optimizer state (and its params' grads if ``grads``) to the host;
         its params stay. Storages another resident role holds stay too."""
+        self._recover_if_interrupted()
         role = self.role(name)
         live = self._optimizer_live(role, grads)
         others = self._resident_keys(exclude=(role,))
         entries = [e for e in live if e.nbytes > 0 and e.key not in others]
         if not entries:
             return None
-        move = self.store.offload(entries)
+        move = self._guarded(lambda: self.store.offload(entries), touches_model=grads)
         return self._record(kind, (name,), None, move, note="optimizer state" + (" + grads" if grads else ""))
 
     def reload_optimizer_state(self, name: str, *, grads: bool = False,
                                kind: str = "optim-in") -> TransitionRecord | None:
         """Bring the role's offloaded optimizer state (and grads if ``grads``) back."""
+        self._recover_if_interrupted()
         role = self.role(name)
         live = self._optimizer_live(role, grads)
         entries = [e for e in self.store.resolve(live) if self.store.is_offloaded(e.key)]
         if not entries:
             return None
-        move = self.store.reload(entries, what=f"reloading the optimizer state of role {name!r}")
+        move = self._guarded(lambda: self.store.reload(entries, what=f"reloading the optimizer state of role {name!r}"),
+                             touches_model=grads)
         return self._record(kind, (), name, move, note="optimizer state" + (" + grads" if grads else ""))
 
     def _optimizer_live(self, role: Role, grads: bool) -> list[StateEntry]:
@@ -335,10 +362,23 @@ class Timeshare:
 
     def _settle_optimizer(self, role: Role) -> None:
         # With step residency the state belongs on the host outside step(); a step that
-        # raised skipped the post-hook and left it on the device.
-        if role.resident and role.optimizer_residency in ("step", "stream") and not role.optimizer_locked:
+        # raised skipped the post-hook and left it on the device. A role that is out keeps
+        # none of it on the device (a load_state_dict may have created it there).
+        off_device = not role.resident or role.optimizer_residency in ("step", "stream")
+        if off_device and not role.optimizer_locked:
             if any(e.nbytes > 0 for e in role.optim_entries(self.device, self.config.min_offload_bytes)):
                 self.offload_optimizer_state(role.name)
+
+    def _make_after_load(self, role: Role):
+        def after_load(opt):
+            # torch's load_state_dict replaced the state tensors it could not load in place
+            # with new ones on the device: the old ones' host copies are dead, the new ones
+            # go where this role keeps its optimizer state now.
+            self.store.forget_unreferenced()
+            if role.in_use == 0 or role.optimizer_residency == "role":
+                self._settle_optimizer(role)
+
+        return after_load
 
     # ---- internals --------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -424,7 +464,8 @@ class Timeshare:
             )
         return evict
 
-    def _transition(self, evict: list[Role], incoming: Role | None) -> TransitionRecord | None:
+    def _transition(self, evict: list[Role], incoming: Role | None, *,
+                    recovering: bool = False) -> TransitionRecord | None:
         keep = self._resident_keys(exclude=evict)
         in_entries: list[StateEntry] = []
         if incoming is not None:
@@ -436,26 +477,75 @@ class Timeshare:
         for r in evict:
             out_entries += [e for e in self._live(r) if e.key not in keep and not self.store.is_offloaded(e.key)]
         what = f"loading role {incoming.name!r}" if incoming else "offload"
-        try:
-            move = self.store.switch(out_entries, in_entries, what=what,
-                                     headroom_bytes=self.config.headroom_bytes,
-                                     extra_bytes=self.config.switch_extra_bytes)
-        except BaseException:
-            # The store finishes an outgoing half it has started (its storages are then on the
-            # host only); the flags must say so, or the roles would run on freed storages.
-            if any(self.store.is_offloaded(e.key) for e in out_entries):
-                for r in evict:
-                    r.resident = False
-                    self._drop_grads(r, keep)
-            raise
+        move = self._guarded(lambda: self.store.switch(
+            out_entries, in_entries, what=what, headroom_bytes=self.config.headroom_bytes,
+            extra_bytes=self.config.switch_extra_bytes), touches_model=True, recovering=recovering)
+        self._interrupted = True  # until the flags below are all set
         for r in evict:
             r.resident = False
             self._drop_grads(r, keep)
         if incoming is not None:
             incoming.resident = True
             self._touch(incoming)
+        self._interrupted = False
         kind = "switch" if evict and incoming else ("reload" if incoming else "offload")
         return self._record(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
+
+    # ---- recovery from an interrupted transition ------------------------------------------
+    def _guarded(self, move, *, touches_model: bool, recovering: bool = False):
+        """Run a store move. If it raises (anything, ``KeyboardInterrupt`` included), the store
+        has already made every storage resident or tracked; when the move touched model state
+        (params, buffers, grads) the roles' flags are then brought in line with the store
+        (:meth:`_recover`) before the exception goes on."""
+        if touches_model:
+            self._interrupted = True  # write-ahead: cleared only when the flags are right again
+        try:
+            result = move()
+        except BaseException:
+            if touches_model and not recovering:
+                self._recover()
+            raise
+        if touches_model and not recovering:
+            self._interrupted = False
+        return result
+
+    def _recover_if_interrupted(self) -> None:
+        if self._interrupted or self.store.interrupted:
+            self._recover()
+
+    def _recover(self) -> None:
+        """Bring every role to a state its flag describes after an interrupted transition.
+
+        The store first frees whatever it tracked but had not freed (its host copies are the
+        truth). Then per role, from where its parameters and buffers actually are: all on the
+        device -> resident; all on the host -> not resident (what it still holds on the device,
+        its grads or optimizer state, goes out too); part-way -> finished the way that needs
+        no new device memory (out), unless the role is in use (then brought back in). A
+        resident role whose grads are out (outside ``offload_optimizer(grads=True)``) gets
+        them back, since a backward would accumulate into them. If that work raises too, the
+        timeshare stays marked interrupted and the next verb tries again; the flags are
+        already safe (a role counts as resident only when all of it is).
+        """
+        self._interrupted = True
+        self.store.recover()
+        out, back = [], []
+        for r in self._roles.values():
+            model = self._live(r, optim=False)
+            held = [e for e in model if e.kind != "grad"]
+            n_out = sum(self.store.is_offloaded(e.key) for e in held)
+            grads_out = any(self.store.is_offloaded(e.key) for e in model if e.kind == "grad")
+            r.resident = n_out == 0 and (not grads_out or r.optimizer_locked)
+            if r.resident:
+                continue
+            if r.in_use or (n_out == 0 and grads_out):
+                back.append(r)
+            elif any(not self.store.is_offloaded(e.key) and e.nbytes > 0 for e in model):
+                out.append(r)
+        if out:
+            self._transition(out, None, recovering=True)
+        for r in back:
+            self._transition([], r, recovering=True)
+        self._interrupted = False
 
     def _drop_grads(self, role: Role, keep: set[int]) -> None:
         # grads="drop": free the role's grads once it is out, but never a grad that a role
@@ -486,14 +576,21 @@ class Timeshare:
 
     # ---- hooks ------------------------------------------------------------------------------
     def _make_forward_guard(self, role: Role):
-        store = self.store
-
         def guard(module, args):
-            if any(store.is_offloaded(k) for k in role.param_keys):
-                raise RuntimeError(
-                    f"role {role.name!r} is offloaded (its parameters are on the host); run its "
-                    f"model inside `with ts.use({role.name!r}):` or call ts.load({role.name!r}) first"
-                )
+            if self._interrupted:
+                self._recover()
+            if role.resident:
+                return
+            # The role is out; this module may still run if its own tensors are on the device
+            # (shared with a resident role, or too small to move). Its children check theirs.
+            for name, t in itertools.chain(module._parameters.items(), module._buffers.items()):
+                if t is not None and moved_out(t):
+                    raise RuntimeError(
+                        f"role {role.name!r} is offloaded: {type(module).__name__}.{name} has no device "
+                        f"memory (its bytes are on the host). Run the model inside "
+                        f"`with ts.use({role.name!r}):`, or call ts.load({role.name!r}) first. To read "
+                        f"its values without loading it, use state_dict()"
+                    )
 
         return guard
 
@@ -501,6 +598,7 @@ class Timeshare:
         def pre(opt, args, kwargs):
             if role.streaming:  # one chunk of a streamed step: its state is in already
                 return
+            self._recover_if_interrupted()
             if role.optimizer_locked:
                 raise RuntimeError(
                     f"optimizer.step() of role {role.name!r} was called inside offload_optimizer(): "

@@ -108,7 +108,15 @@ class HostArena:
             slots[i] = slot
         if missing:
             total = sum(_align_up(sizes[i], self._alignment) for i in missing)
-            chunk_id = self._new_chunk(total)
+            try:
+                chunk_id = self._new_chunk(total)
+            except BaseException:
+                # The host could not give (or pin) the memory: hand back the free ranges taken
+                # above, so a failed reserve leaves the arena exactly as it was.
+                for slot in slots:
+                    if slot is not None:
+                        self._give_back(slot)
+                raise
             offset = 0
             for i in missing:
                 slots[i] = HostSlot(chunk_id, offset, sizes[i])
@@ -118,6 +126,10 @@ class HostArena:
 
     def release(self, slot: HostSlot) -> None:
         """Give a slot back; its space is reused by later :meth:`reserve` calls."""
+        self._give_back(slot)
+        self._used_bytes -= slot.nbytes
+
+    def _give_back(self, slot: HostSlot) -> None:
         span = _align_up(slot.nbytes, self._alignment)
         if span == 0:
             return  # a zero-byte slot owns no bytes (it may sit inside a free range)
@@ -138,7 +150,6 @@ class HostArena:
         if i > 0 and offs[i - 1] + sizes[i - 1] == offs[i]:
             sizes[i - 1] += sizes.pop(i)
             offs.pop(i)
-        self._used_bytes -= slot.nbytes
 
     def view(self, slot: HostSlot) -> torch.Tensor:
         """The slot as a uint8 host tensor (no copy)."""

@@ -77,6 +77,7 @@ class CopyItem:
     storage: torch.UntypedStorage
     slot: HostSlot
     nbytes: int
+    tag: Any = None  # the caller's record of the storage (the state layer's entry)
 
 
 @dataclasses.dataclass
@@ -117,9 +118,6 @@ class TransferEngine:
         self._staging_in: torch.Tensor | None = None
         self.bytes_out = 0
         self.bytes_in = 0
-        # Test-only switch that removes the stream waits, so the race tests can show that
-        # they detect a missing wait. Never set it in real code.
-        self._unsafe_skip_waits = False
 
     # ---- planning ---------------------------------------------------------------------------
     def plan(self, items: Sequence[CopyItem]) -> list[Segment]:
@@ -154,10 +152,9 @@ class TransferEngine:
 
     # ---- device -> host -------------------------------------------------------------------
     def begin_out(self) -> None:
-        if self.ops.is_accelerator and not self._unsafe_skip_waits:
-            # The state may still be written by kernels queued on the compute stream
-            # (an optimizer step, a forward); the D2H stream must not read it before them.
-            self.d2h_stream.wait_stream(self.ops.current_stream())
+        # The state may still be written by kernels queued on the compute stream
+        # (an optimizer step, a forward); the D2H stream must not read it before them.
+        self.ops.wait_stream("d2h_after_compute", self.d2h_stream, self.ops.current_stream())
 
     def copy_out(self, seg: Segment) -> Any:
         """Queue the copy of a segment to its host slots; returns the event that marks it
@@ -173,14 +170,14 @@ class TransferEngine:
                 for it in seg.items:
                     self.arena.view(it.slot).copy_(byte_view(it.storage), non_blocking=True)
             self.bytes_out += seg.nbytes
+            self.ops.point("d2h_queued")  # queued, its event not yet recorded
             return self._record(self.d2h_stream)
 
     # ---- host -> device -------------------------------------------------------------------
     def begin_in(self) -> None:
-        if self.ops.is_accelerator and not self._unsafe_skip_waits:
-            # Storages (re)allocated on the compute stream may sit in blocks that kernels
-            # queued there still use; the H2D stream must not overwrite them before that.
-            self.h2d_stream.wait_stream(self.ops.current_stream())
+        # Storages (re)allocated on the compute stream may sit in blocks that kernels
+        # queued there still use; the H2D stream must not overwrite them before that.
+        self.ops.wait_stream("h2d_after_compute", self.h2d_stream, self.ops.current_stream())
 
     def copy_in(self, seg: Segment) -> Any:
         """Queue the copy of a segment from its host slots into its (already allocated)
@@ -196,18 +193,26 @@ class TransferEngine:
                 for it in seg.items:
                     byte_view(it.storage).copy_(self.arena.view(it.slot), non_blocking=True)
             self.bytes_in += seg.nbytes
+            self.ops.point("h2d_queued")  # queued, its event not yet recorded
             return self._record(self.h2d_stream)
 
     def publish(self, event: Any) -> None:
         """Make the compute stream wait for an H2D event (no host blocking)."""
-        if event is not None and not self._unsafe_skip_waits:
-            # Kernels on the compute stream may read reloaded state only after it landed.
-            self.ops.current_stream().wait_event(event)
+        # Kernels on the compute stream may read reloaded state only after it landed.
+        self.ops.wait_event("compute_after_h2d", self.ops.current_stream(), event)
 
-    def wait(self, event: Any) -> None:
-        """Block the host until ``event`` (a copy) has completed."""
-        if event is not None and not self._unsafe_skip_waits:
-            event.synchronize()
+    def wait(self, name: str, event: Any) -> None:
+        """Block the host until ``event`` (a copy) has completed; ``name`` says why (the sync
+        policy sees it)."""
+        self.ops.wait_host(name, event)
+
+    def drain(self) -> None:
+        """Block the host until every copy queued on either copy stream has completed, also
+        those whose event was never recorded (an exception landed between the two): after
+        it, no copy reads or writes any device block or host slot."""
+        for stream in (self.d2h_stream, self.h2d_stream):
+            if stream is not None:
+                stream.synchronize()
 
     def release_staging(self) -> None:
         """Drop the staging buffers (their blocks return to the copy streams' pools)."""

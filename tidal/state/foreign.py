@@ -1,0 +1,186 @@
+"""What code that does not know tidal sees of state tidal has moved out.
+
+Trainers, loggers and checkpointers call ``module.state_dict()``, ``optimizer.state_dict()``
+and their ``load_state_dict`` at any time. Without help, an offloaded tensor (its storage
+resized to 0 bytes) would be pickled as an empty storage (``torch.save`` then writes a file
+that does not load) or read through a null pointer (a segfault on the CPU, an illegal-address
+fault that poisons the CUDA context on a GPU).
+
+The hooks installed here make both directions right wherever the state lives:
+
+* ``state_dict()``: every value whose storage is offloaded is replaced by the same view of its
+  host copy (a CPU tensor; a ``DTensor`` keeps its spec). No reload, no device memory, no copy:
+  like any ``state_dict`` value, it aliases the live state (here, its host copy), so read it or
+  save it before the next transition of that state.
+* ``load_state_dict()``: a value for an offloaded tensor is written into its host copy (cast as
+  ``copy_`` would), and the live tensor keeps its identity; the next reload brings the loaded
+  bytes in. Values for resident tensors load as torch loads them.
+
+A *locator* is anything with ``host_tensor(t) -> Tensor | None`` (the host view of ``t`` if
+its storage is offloaded there): an :class:`~tidal.state.store.OffloadStore`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+
+__all__ = ["Locator", "readable", "install_module_hooks", "install_optimizer_hooks", "moved_out"]
+
+
+class Locator(Protocol):
+    def host_tensor(self, t: torch.Tensor) -> torch.Tensor | None: ...
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``t``'s bytes (a DTensor's local shard)."""
+    return t if type(t) in _PLAIN else getattr(t, "_local_tensor", t)
+
+
+def moved_out(t: torch.Tensor) -> bool:
+    """``t`` has elements but its storage has no memory (offloaded, or freed by its owner)."""
+    local = _local(t)
+    return local.numel() > 0 and local.untyped_storage().nbytes() == 0
+
+
+def readable(store: Locator, t: torch.Tensor) -> torch.Tensor:
+    """``t`` if its bytes are on the device; else the same view of its host copy (a
+    ``DTensor`` rewrapped with its spec). An empty storage that the store does not hold (not
+    tidal's) is returned as it is."""
+    local = _local(t)
+    if local.numel() == 0 or local.untyped_storage().nbytes() > 0:
+        return t
+    host = store.host_tensor(local)
+    if host is None:
+        return t
+    if local is t:
+        return host
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (only sharded state gets here)
+
+    # Built directly: DTensor.from_local would move the host view to the mesh's device.
+    return DTensor(host, t._spec, requires_grad=False)
+
+
+def _write_host(store: Locator, live: torch.Tensor, value: Any, where: str) -> bool:
+    """Write ``value`` into the host copy of ``live`` if ``live`` is offloaded; returns whether
+    it did. Raises ``ValueError`` for a value that cannot be written there."""
+    if not isinstance(value, torch.Tensor) or not moved_out(live):
+        return False
+    local = _local(live)
+    host = store.host_tensor(local)
+    if host is None:
+        return False
+    src = _local(value) if type(value) not in _PLAIN else value
+    if (local is not live) != (src is not value):
+        raise ValueError(
+            f"{where}: the value and the offloaded tensor are not both plain or both sharded "
+            f"(DTensor); load it while the role is resident (ts.load(name)), or pass a state dict "
+            f"of the same kind as state_dict() returns"
+        )
+    if tuple(src.shape) != tuple(host.shape):
+        return False  # torch reports the size mismatch itself
+    host.copy_(src)
+    return True
+
+
+# ---- modules ----------------------------------------------------------------------------------
+def _direct(module: torch.nn.Module):
+    return itertools.chain(module._parameters.items(), module._buffers.items())
+
+
+def _module_state_dict_hook(store: Locator, module, state_dict, prefix, local_metadata) -> None:
+    for name, t in _direct(module):
+        key = prefix + name
+        value = state_dict.get(key)
+        if t is not None and isinstance(value, torch.Tensor):
+            state_dict[key] = readable(store, value)
+
+
+def _module_load_hook(store: Locator, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                      errors) -> None:
+    for name, t in _direct(module):
+        key = prefix + name
+        if t is None or key not in state_dict:
+            continue
+        if _write_host(store, t, state_dict[key], key):
+            # The bytes are in the host copy; torch's copy_ of a tensor into itself is a no-op,
+            # so the offloaded tensor is neither read nor written, and keeps its identity.
+            state_dict[key] = t
+
+
+def install_module_hooks(store: Locator, modules: Iterable[torch.nn.Module]) -> list:
+    """Make ``state_dict``/``load_state_dict`` of every module (and submodule) of ``modules``
+    right while their tensors are offloaded in ``store``. Returns the hook handles."""
+    handles = []
+    seen: set[int] = set()
+    for top in modules:
+        for m in top.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            handles.append(m.register_state_dict_post_hook(_bind(_module_state_dict_hook, store)))
+            handles.append(m.register_load_state_dict_pre_hook(_bind(_module_load_hook, store)))
+    return handles
+
+
+def _bind(fn: Callable, store: Locator) -> Callable:
+    def hook(*args):
+        return fn(store, *args)
+
+    return hook
+
+
+# ---- optimizers -------------------------------------------------------------------------------
+def _optimizer_state_dict_hook(store: Locator, optimizer, state_dict: dict) -> dict:
+    state = state_dict.get("state", {})
+    out: dict = {}
+    for k, per_param in state.items():
+        if isinstance(per_param, dict) and any(
+            isinstance(v, torch.Tensor) and moved_out(v) for v in per_param.values()
+        ):
+            # A new dict: torch's state_dict() hands out the optimizer's own per-param dicts.
+            per_param = {n: readable(store, v) if isinstance(v, torch.Tensor) else v for n, v in per_param.items()}
+        out[k] = per_param
+    return {**state_dict, "state": out}
+
+
+def _optimizer_load_hook(store: Locator, optimizer, state_dict: dict) -> dict:
+    saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    by_id = dict(zip(saved_ids, params))  # torch maps saved state to params in this order
+    out: dict = {}
+    for k, per_param in state_dict.get("state", {}).items():
+        p = by_id.get(k)
+        live = optimizer.state.get(p) if p is not None else None
+        if isinstance(per_param, dict) and live:
+            new = dict(per_param)
+            for n, v in per_param.items():
+                cur = live.get(n)
+                # Handed back only where torch's load keeps it as it is (same dtype and device
+                # as the param): a cast would read the offloaded tensor.
+                keeps = isinstance(cur, torch.Tensor) and cur.device == p.device and (
+                    cur.dtype == p.dtype or not p.is_floating_point())
+                if keeps and _write_host(store, cur, v, f"optimizer state {k}.{n}"):
+                    new[n] = cur
+            per_param = new
+        out[k] = per_param
+    return {**state_dict, "state": out}
+
+
+def install_optimizer_hooks(store: Locator, optimizer: torch.optim.Optimizer,
+                            after_load: Callable[[torch.optim.Optimizer], None] | None = None) -> list:
+    """Make ``optimizer.state_dict()``/``load_state_dict()`` right while its state is offloaded
+    in ``store``. ``after_load(optimizer)`` runs after every load (the owner then settles state
+    the load created on the device). Returns the hook handles."""
+    handles = [
+        optimizer.register_state_dict_post_hook(_bind(_optimizer_state_dict_hook, store)),
+        optimizer.register_load_state_dict_pre_hook(_bind(_optimizer_load_hook, store)),
+    ]
+    if after_load is not None:
+        handles.append(optimizer.register_load_state_dict_post_hook(after_load))
+    return handles
