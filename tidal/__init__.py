@@ -14,6 +14,7 @@ from tidal.activations import (
 from tidal.errors import InsufficientMemoryError
 from tidal.memory import MemorySnapshot, host_rss_bytes, snapshot
 from tidal.optim import CPUAdam
+from tidal.state.strict import StrictAccessError, strict_access
 from tidal.timeshare import Role, Timeshare, TimeshareConfig, TransitionRecord, offload_optimizer
 from tidal.transfer import TransferConfig
 
@@ -27,6 +28,7 @@ __all__ = [
     "InsufficientMemoryError",
     "MemorySnapshot",
     "Role",
+    "StrictAccessError",
     "Timeshare",
     "TimeshareConfig",
     "TransferConfig",
@@ -37,4 +39,5 @@ __all__ = [
     "offload_activations",
     "offload_optimizer",
     "snapshot",
+    "strict_access",
 ]

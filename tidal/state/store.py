@@ -75,6 +75,8 @@ class OffloadStore:
         self._slots: dict[int, tuple[HostSlot, weakref.ref]] = {}
         self._offloaded: dict[int, StateEntry] = {}  # strong refs keep offloaded storages alive
         self._in_flight = False  # a move is under way, or was interrupted (see recover())
+        # key -> (slot, its host tensor) for host copies handed out (host_view), until reloaded
+        self._exposed: dict[int, tuple[HostSlot, torch.Tensor]] = {}
         self.last_move: MoveResult | None = None
 
     # ---- queries ----------------------------------------------------------------------------
@@ -107,20 +109,28 @@ class OffloadStore:
 
     def host_view(self, key: int) -> torch.Tensor | None:
         """The host copy of the offloaded storage ``key`` (``storage_key(storage)``): a 1-D
-        ``uint8`` tensor of exactly its ``nbytes``, a view into the store's host arena (no
+        ``uint8`` tensor of exactly its ``nbytes``, with a storage of exactly those bytes (so
+        ``torch.save`` writes them and nothing else), aliasing the store's host arena (no
         copy). None when the storage is not offloaded (its bytes are on the device, or the
         store never held it).
 
-        Contract: the view is the storage's only copy while it is offloaded, and is valid only
-        until the storage is reloaded (then its slot may hold another storage's bytes). Treat
-        it as read-only (e.g. to save it without a reload). The one sanctioned write is
-        replacing its bytes in place with bytes of the same layout while it stays offloaded
-        (``tidal.checkpoint`` loading into an offloaded role): the next reload brings back
-        what was written. Never resize, pin or unpin it.
+        Contract: the view is the storage's only copy while it is offloaded, and holds its
+        bytes only until the storage is reloaded (its slot then waits for the next offload,
+        which overwrites it). Treat it as read-only (e.g. to save it without a reload). The
+        one sanctioned write is replacing its bytes in place with bytes of the same layout
+        while it stays offloaded (a ``load_state_dict`` or checkpoint loaded into an
+        offloaded role): the next reload brings back what was written. Never resize, pin or
+        unpin it.
         """
         if key not in self._offloaded:
             return None
-        return self.arena.view(self._slots[key][0])
+        slot = self._slots[key][0]
+        held = self._exposed.get(key)
+        if held is None or held[0] != slot:
+            # One storage per slot while the storage stays offloaded: two views of a tied
+            # weight share it, as the tensors they stand for do.
+            held = self._exposed[key] = (slot, self.arena.slot_tensor(slot))
+        return held[1].view(-1)
 
     def host_tensor(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t`` (a plain tensor whose storage is offloaded) as the same view (dtype, size,
@@ -130,13 +140,7 @@ class OffloadStore:
         raw = self.host_view(t.untyped_storage()._cdata)
         if raw is None:
             return None
-        itemsize = t.element_size()
-        # Slots start at a multiple of the arena's alignment (512 bytes): every dtype's
-        # element size divides it, so the host copy is a whole number of elements in.
-        assert raw.storage_offset() % itemsize == 0, (raw.storage_offset(), itemsize)
-        host = torch.empty(0, dtype=t.dtype)
-        host.set_(raw.untyped_storage(), raw.storage_offset() // itemsize + t.storage_offset(), t.size(), t.stride())
-        return host
+        return torch.empty(0, dtype=t.dtype).set_(raw.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
     @property
     def offloaded_bytes(self) -> int:
@@ -189,6 +193,7 @@ class OffloadStore:
         dead = [k for k, e in self._offloaded.items() if torch._C._storage_Use_Count(e.storage._cdata) <= 1]
         for k in dead:
             del self._offloaded[k]
+            self._exposed.pop(k, None)
         return len(dead)
 
     def _items(self, entries: Sequence[StateEntry]) -> list[CopyItem]:
@@ -348,6 +353,7 @@ class OffloadStore:
         engine.wait("reload_done", last_in_event)
         for e in in_todo:
             del self._offloaded[e.key]
+            self._exposed.pop(e.key, None)
             ops.point("reload_untracked")
         return len(out_segs) + len(in_segs), alloc_seconds
 

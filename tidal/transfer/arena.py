@@ -16,6 +16,7 @@ alignment padding plus free slots not yet reused. Nothing is freed until :meth:`
 from __future__ import annotations
 
 import bisect
+import ctypes
 import dataclasses
 import time
 import weakref
@@ -154,6 +155,21 @@ class HostArena:
     def view(self, slot: HostSlot) -> torch.Tensor:
         """The slot as a uint8 host tensor (no copy)."""
         return self._chunks[slot.chunk][slot.offset : slot.offset + slot.nbytes]
+
+    def slot_tensor(self, slot: HostSlot) -> torch.Tensor:
+        """The slot as a uint8 host tensor with a storage of its own: exactly the slot's
+        bytes (no copy). Unlike :meth:`view`, whose storage is the whole chunk, it can be
+        handed to code that serializes storages (``torch.save`` writes a tensor's whole
+        storage). It keeps the chunk alive, so it stays readable after :meth:`close` (no
+        longer pinned then)."""
+        chunk = self._chunks[slot.chunk]
+        # A buffer over the slot's bytes that holds a reference to the chunk; the tensor made
+        # from it holds the buffer. An empty slot gets an empty tensor of its own.
+        if slot.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        window = (ctypes.c_ubyte * slot.nbytes).from_address(chunk.data_ptr() + slot.offset)
+        window.chunk = chunk
+        return torch.frombuffer(window, dtype=torch.uint8)
 
     def span(self, chunk: int, start: int, end: int) -> torch.Tensor:
         """Bytes ``[start, end)`` of a chunk as one uint8 host tensor (for bucketed copies)."""
