@@ -3,7 +3,7 @@ transition that cannot fit raises :class:`InsufficientMemoryError`."""
 
 from __future__ import annotations
 
-__all__ = ["InsufficientMemoryError", "format_bytes"]
+__all__ = ["InsufficientMemoryError", "StateCorruptionError", "format_bytes"]
 
 
 def format_bytes(n: float) -> str:
@@ -25,4 +25,19 @@ class InsufficientMemoryError(RuntimeError):
             f"{what} needs {format_bytes(needed_bytes)} ({needed_bytes} bytes) of device memory "
             f"but only {format_bytes(free_bytes)} ({free_bytes} bytes) is free; nothing was moved "
             f"and the state is intact. {hint}"
+        )
+
+
+class StateCorruptionError(RuntimeError):
+    """State came back from the host with other bytes than it went out with
+    (``TransferConfig(verify=...)``). The tensors named stay offloaded, so nothing computes on
+    wrong values; their host copies are the corrupted ones, so restore them from a checkpoint."""
+
+    def __init__(self, what: str, names: list[str]) -> None:
+        self.names = names
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        super().__init__(
+            f"{what}: {len(names)} storage(s) came back with different bytes than they went out with "
+            f"({shown}); the host copy or a transfer was corrupted. They stay offloaded; load a "
+            f"checkpoint into the role (e.g. tidal.checkpoint.load) to restore them"
         )

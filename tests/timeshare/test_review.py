@@ -6,6 +6,8 @@ Careful: computing on a tensor whose storage was resized to 0 segfaults, so ever
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -247,3 +249,38 @@ def test_failed_switch_does_not_drop_grads_of_a_role_that_stays(monkeypatch):
         monkeypatch.undo()
         assert ts.is_resident("actor")
         assert all(p.grad is not None for p in model.parameters()), "grads dropped although nothing moved"
+
+
+# ---- issue 12, item 6: offload_optimizer's exit reload fails -------------------------------
+@pytest.mark.parametrize("then", ["step", "backward"])
+def test_offload_optimizer_whose_exit_reload_fails_strands_nothing(monkeypatch, then):
+    """(Reported: the step guard was removed, the state stayed in a private store, and the
+    next step() segfaulted.) The InsufficientMemoryError is raised; the state stays on the
+    host, readable through state_dict(); the next step() (or a backward reaching a gradient
+    that is out) brings it back, and training goes on exactly as without the failure."""
+    ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for fail in (False, True):
+        model, opt = make_trained()
+        want_sd = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+        store = None
+        with pytest.raises(tidal.InsufficientMemoryError) if fail else contextlib.nullcontext():
+            with tidal.offload_optimizer(opt, grads=True):
+                store = tidal.timeshare.optimizer._STANDALONE[opt]
+                if fail:
+                    monkeypatch.setattr(store.ops, "driver_free_bytes", lambda: (0, 1 << 40))
+        if fail:
+            assert _nbytes(model.embed.weight.grad) == 0 and store.is_offloaded(
+                model.embed.weight.grad.untyped_storage()._cdata)
+            got = opt.state_dict()["state"]  # read from the host copies, no segfault
+            for i, st in want_sd.items():
+                for k, v in st.items():
+                    assert torch.equal(got[i][k], v), (i, k)
+            with pytest.raises(tidal.InsufficientMemoryError):
+                opt.step()  # still no room: refused, nothing lost
+            monkeypatch.undo()
+        if then == "backward":
+            lm_loss(model, ids).backward()  # accumulates into the grads that were out
+        opt.step()
+        runs.append(snapshot_state(model, opt))
+    assert_same_state(runs[0], runs[1])

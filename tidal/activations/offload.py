@@ -191,6 +191,8 @@ class ActivationOffloader:
                 "Enter offload_activations outside of them, around the whole forward"
             )
         prev = self._step
+        if prev is not None and prev.live_records > 0 and prev.aborted:
+            prev.abandon()  # its forward or backward raised: its graph will not run again
         if prev is not None and prev.live_records > 0:
             raise ValueError(
                 f"the activations saved by the previous forward under this offloader are still "
@@ -233,6 +235,8 @@ class ActivationOffloader:
 
     def __exit__(self, *exc: Any) -> None:
         step = self._step
+        if exc[0] is not None and step is not None:
+            step.aborted = True
         try:
             with self._lock:
                 if step is not None and step.forward_open:
@@ -329,6 +333,13 @@ class ActivationOffloader:
         if isinstance(packed, torch.Tensor):
             return packed
         view: SavedView = packed
+        try:
+            return self._unpack_view(view)
+        except BaseException:
+            view.owner.aborted = True  # the backward stops here: this graph will not run again
+            raise
+
+    def _unpack_view(self, view: SavedView) -> torch.Tensor:
         rec = view.storage
         step: Step = view.owner
         with self._lock:

@@ -59,6 +59,7 @@ class Step:
         self.inflight: Batch | None = None
         self.pending: list[SavedStorage] = []
         self.live_records = 0
+        self.aborted = False  # an exception escaped its forward or backward
         self.forward_open = True
         self.bytes_offloaded = 0
         self.bytes_reloaded = 0
@@ -170,6 +171,19 @@ class Step:
         with self.off._lock:
             rec.live_views -= 1
             rec.unpacked_views.discard(view_id)
-            if rec.live_views == 0:
+            if rec.live_views == 0 and not rec.disposed:
                 self.mover.dispose(rec)
                 self.live_records -= 1
+
+    def abandon(self) -> None:
+        """Give back the device copies and host slots of an aborted step whose graph will
+        never run (PyTorch keeps some nodes of a backward that a ``KeyboardInterrupt`` stopped
+        alive for good, with the views they saved)."""
+        with self.off._lock:
+            for rec in self.live.values():
+                if not rec.disposed:
+                    self.mover.dispose(rec)
+            for rec in self.gap + self.pending:
+                if not rec.disposed:
+                    self.mover.dispose(rec)
+            self.live_records = 0

@@ -424,9 +424,14 @@ class CPUAdam(torch.optim.Optimizer):
             self._drain()
         else:
             self._release_inflight(0)
-        if self._pending:  # CPU path, or a worker that died before the barrier
-            pending, self._pending = self._pending, []
-            self._land(pending, after=done)
+        try:
+            if self._pending:  # CPU path, or a worker that died before the barrier
+                pending, self._pending = self._pending, []
+                self._land(pending, after=done)
+        finally:
+            # Whatever an exception left updated on the host lands too: weights and masters
+            # must agree whatever happens next.
+            self._land([p for p, hp in self._host.items() if hp.updated and not hp.landed], after=done)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -454,10 +459,13 @@ class CPUAdam(torch.optim.Optimizer):
             for chunk in _chunks(todo):
                 self._adam(chunk)
                 self._land(chunk, after=None)
-            # Updated inside step_in_backward(), or before an exception stopped a step().
-            self._land([p for p, hp in self._host.items() if hp.updated and not hp.landed], after=None)
         finally:
-            self._publish()  # whatever was queued, the next kernels read
+            try:
+                # Updated inside step_in_backward(), or in a chunk an exception interrupted:
+                # their weights must match their masters whatever happens next.
+                self._land([p for p, hp in self._host.items() if hp.updated and not hp.landed], after=None)
+            finally:
+                self._publish()  # whatever was queued, the next kernels read
         for hp in self._host.values():  # step() consumes the gradients
             hp.reset()
         return loss
@@ -506,6 +514,7 @@ class CPUAdam(torch.optim.Optimizer):
                 # detach(): this may run in the worker thread, where no_grad is not set.
                 p.detach().copy_(self.state[p]["master"])
                 self._host[p].landed = True
+                self._ops.point("cpu_adam_landed")
             return
         if after is None:
             # New weights must not land while queued kernels (forward/backward) still read

@@ -23,11 +23,12 @@ from typing import Iterable, Sequence
 import torch
 
 from tidal.device import DeviceOps
-from tidal.errors import InsufficientMemoryError
+from tidal.errors import InsufficientMemoryError, StateCorruptionError
 from tidal.memory import snapshot
 from tidal.state.collect import StateEntry
+from tidal.state.digest import digest
 from tidal.transfer.arena import HostArena, HostSlot
-from tidal.transfer.engine import CopyItem, Segment, TransferConfig, TransferEngine
+from tidal.transfer.engine import CopyItem, Segment, TransferConfig, TransferEngine, byte_view
 
 __all__ = ["OffloadStore", "MoveResult"]
 
@@ -75,6 +76,7 @@ class OffloadStore:
         self._slots: dict[int, tuple[HostSlot, weakref.ref]] = {}
         self._offloaded: dict[int, StateEntry] = {}  # strong refs keep offloaded storages alive
         self._in_flight = False  # a move is under way, or was interrupted (see recover())
+        self._digests: dict[int, int] = {}  # key -> digest of its bytes at offload (verify)
         # key -> (slot, its host tensor) for host copies handed out (host_view), until reloaded
         self._exposed: dict[int, tuple[HostSlot, torch.Tensor]] = {}
         self.last_move: MoveResult | None = None
@@ -194,6 +196,7 @@ class OffloadStore:
         for k in dead:
             del self._offloaded[k]
             self._exposed.pop(k, None)
+            self._digests.pop(k, None)
         return len(dead)
 
     def _items(self, entries: Sequence[StateEntry]) -> list[CopyItem]:
@@ -273,7 +276,7 @@ class OffloadStore:
         t0 = time.perf_counter()
         self._in_flight = True  # cleared once every storage is where the bookkeeping says
         try:
-            segments, alloc_seconds = self._move(out_todo, in_todo, room, coalesce)
+            segments, alloc_seconds = self._move(out_todo, in_todo, room, coalesce, what)
         except BaseException:
             self.recover()
             raise
@@ -300,7 +303,7 @@ class OffloadStore:
         return self.last_move
 
     def _move(self, out_todo: list[StateEntry], in_todo: list[StateEntry], room: int,
-              coalesce: bool) -> tuple[int, float]:
+              coalesce: bool, what: str) -> tuple[int, float]:
         """The copies of :meth:`switch`, in an order where an exception at any point leaves
         every storage resident or tracked. Returns (segments, seconds spent allocating)."""
         # Interrupted: a storage is tracked only once its D2H copy has completed (so its host
@@ -309,6 +312,10 @@ class OffloadStore:
         out_segs = engine.plan(self._items(out_todo))
         in_segs = engine.plan(self._items(in_todo))
         ops.point("planned")
+        verify = self.config.verify
+        # Queued on the compute stream before the D2H stream's wait on it, so the copies (and
+        # the frees after them) come after these reads.
+        out_digests = [digest(byte_view(e.storage), verify) for e in out_todo] if verify != "off" else []
         engine.begin_out()
         out_events: list = []
         freed = 0
@@ -340,6 +347,9 @@ class OffloadStore:
             while freed < len(out_segs):
                 self._free_segment(out_segs[freed], out_events[freed])
                 freed += 1
+            if out_digests:  # computed before the copies, so done now
+                for e, d in zip(out_todo, torch.stack(out_digests).tolist()):
+                    self._digests[e.key] = d
         except BaseException:
             # Finish the out-going half whose copies were queued (the storages then live on
             # the host only, tracked), so a failed switch is at least a complete offload.
@@ -351,11 +361,31 @@ class OffloadStore:
         engine.publish(last_in_event)
         # The bytes must have landed before the storages count as resident.
         engine.wait("reload_done", last_in_event)
+        if verify != "off" and in_todo:
+            self._verify(in_todo, verify, what)
         for e in in_todo:
             del self._offloaded[e.key]
             self._exposed.pop(e.key, None)
+            self._digests.pop(e.key, None)
             ops.point("reload_untracked")
         return len(out_segs) + len(in_segs), alloc_seconds
+
+    def _verify(self, entries: list[StateEntry], mode: str, what: str) -> None:
+        """Compare the reloaded device bytes with the digests taken at offload; raise
+        :class:`StateCorruptionError` naming those that differ (they are still tracked, so
+        the caller's recovery frees them and they stay offloaded)."""
+        got = torch.stack([digest(byte_view(e.storage), mode) for e in entries]).tolist()
+        bad = []
+        for e, d in zip(entries, got):
+            want = self._digests.get(e.key)
+            if e.key in self._exposed:
+                # Its host copy was handed out and may have been written legitimately (a state
+                # dict or checkpoint loaded into it): check the transfer against it as it is.
+                want = int(digest(self.arena.view(self._slots[e.key][0]), mode))
+            if want is not None and want != d:
+                bad.append(f"{e.name} ({e.kind}, {e.nbytes} bytes)")
+        if bad:
+            raise StateCorruptionError(what, bad)
 
     def recover(self) -> list[StateEntry]:
         """Make the bookkeeping true again after a move that an exception interrupted: wait

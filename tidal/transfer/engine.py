@@ -43,18 +43,28 @@ class TransferConfig:
             allocation that the caching allocator then splits, instead of one ``cudaMalloc``
             per storage (each costs enough host time to starve the H2D queue), and so that
             the next offload returns one segment instead of hundreds.
+        verify: check that state comes back exactly as it went out. ``"full"`` digests every
+            byte on the device at offload and again after the reload (``tidal.state.digest``;
+            device memory bandwidth, a few percent of the copy time on a GPU, measured in
+            benchmarks/RESULTS.md); ``"sampled"`` digests a few thousand words per storage
+            (catches corrupted pages, not single bits); ``"off"`` (default) checks nothing. A
+            mismatch raises :class:`~tidal.errors.StateCorruptionError` naming the tensors;
+            they stay offloaded (never used with wrong bytes).
     """
 
     bucket_bytes: int = 64 << 20
     small_tensor_bytes: int = 8 << 20
     pin_host: bool = True
     coalesce_allocations: bool = True
+    verify: str = "off"
 
     def __post_init__(self) -> None:
         if self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
         if self.small_tensor_bytes < 0:
             raise ValueError(f"small_tensor_bytes must be >= 0, got {self.small_tensor_bytes}")
+        if self.verify not in ("off", "sampled", "full"):
+            raise ValueError(f"verify must be 'off', 'sampled' or 'full', got {self.verify!r}")
         if self.small_tensor_bytes > self.bucket_bytes:
             raise ValueError(
                 f"small_tensor_bytes ({self.small_tensor_bytes}) must not exceed bucket_bytes "
