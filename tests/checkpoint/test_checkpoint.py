@@ -72,9 +72,18 @@ def test_save_load_continue_identical_to_uninterrupted(tmp_path):
     assert opt2.param_groups[0]["lr"] == ref_lr
 
 
-def test_latest_missing_means_no_checkpoint(tmp_path):
+def test_latest_of_a_missing_directory_is_an_error_unless_allowed(tmp_path):
     model, opt, sched = make()
-    assert load_latest(tmp_path / "none", TrainState(model, opt)) is None
+    state = TrainState(model, opt)
+    with pytest.raises(CheckpointError, match="does not exist.*allow_missing=True") as info:
+        load_latest(tmp_path / "chekpoint", state)  # a typo must not start training from scratch
+    assert str(tmp_path / "chekpoint") in str(info.value)
+    assert load_latest(tmp_path / "chekpoint", state, allow_missing=True) is None
+    assert not (tmp_path / "chekpoint").exists()
+    assert load_latest(tmp_path, state) is None  # exists, no checkpoint yet: a fresh start
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_latest(tmp_path / "file", state, allow_missing=True)
 
 
 def _two_checkpoints(tmp_path):
@@ -124,8 +133,13 @@ def test_truncated_shard_without_manifest_sizes_is_caught_by_metadata_ranges(tmp
         f.truncate(shard.stat().st_size - 100)
     m = json.loads(manifest.read_text())
     m["files"][shard.name] = shard.stat().st_size  # a manifest that agrees with the damage
+    with_sums = dict(m)
+    del m["checksums"], m["checksum_algorithm"]  # as written before checksums were recorded
     manifest.write_text(json.dumps(m))
     assert "needs bytes" in _error(tmp_path, state)
+    manifest.write_text(json.dumps(with_sums))  # with its checksums, the shard's content is wrong
+    msg = _error(tmp_path, state)
+    assert "corrupted" in msg and shard.name in msg
 
 
 def test_garbage_metadata_is_a_clear_error(tmp_path):

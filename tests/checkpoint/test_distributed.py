@@ -85,6 +85,21 @@ def _resume_worker(rank: int, world_size: int, directory: str, device: str = "cp
     assert expected.keys() == got.keys() and any(k.endswith("exp_avg_sq") for k in got)
     for k in expected:
         assert torch.equal(expected[k], got[k]), f"rank {rank}: {k} differs after resume"
+
+    # A mistyped directory is an error on every rank, not a fresh start.
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_latest(directory + "-typo", state2)
+    assert load_latest(directory + "-typo", state2, allow_missing=True) is None
+    # Rank 0 verifies every rank's file: a byte changed in rank 1's shard is an error on both.
+    shard = Path(directory) / "step-3" / "__1_0.distcp"
+    if rank == 0:
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CheckpointError, match=r"corrupted: file __1_0\.distcp has crc32"):
+        load_latest(directory, state2)
     ts2.close()
 
 

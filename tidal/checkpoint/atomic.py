@@ -1,4 +1,5 @@
-"""A checkpoint directory where a checkpoint is visible only once it is complete.
+"""A checkpoint directory where a checkpoint is visible only once it is complete, and is
+verified before it is read.
 
 Layout of ``<dir>``::
 
@@ -12,32 +13,56 @@ raise the same error instead of one hanging in a collective):
 
 1. ``.tmp-<step>`` is created fresh; leftovers of killed saves are removed.
 2. Every rank writes its shards there (DCP), and DCP writes ``.metadata`` last.
-3. Rank 0 writes ``tidal.json`` (each file's size), fsyncs every file and the directory,
-   renames ``.tmp-<step>`` to ``step-<step>``, fsyncs ``<dir>``, then writes ``latest.tmp``
-   and ``os.replace`` s it onto ``latest`` (an atomic rename on POSIX) and fsyncs again.
+3. Rank 0 computes each file's CRC-32 and writes ``tidal.json`` (each file's size and CRC-32,
+   and the algorithm's name), fsyncs every file and the directory, renames ``.tmp-<step>`` to
+   ``step-<step>``, fsyncs ``<dir>``, then writes ``latest.tmp`` and ``os.replace`` s it onto
+   ``latest`` (an atomic rename on POSIX) and fsyncs again.
 
 A crash before the rename leaves only a ``.tmp-*`` directory; a crash between the rename and
 the pointer update leaves ``latest`` on the previous checkpoint. Either way ``latest`` names a
 complete checkpoint. The directory must be one that every rank sees (a shared file system),
 as DCP itself requires, and only one job may save into it at a time.
+
+Verification (:func:`validate`, rank 0, before DCP reads anything): every file the manifest
+lists exists with its size, then every file's CRC-32 is recomputed and compared, then the
+``.metadata`` ranges are checked against the shard files. CRC-32 (``zlib.crc32``, the
+standard whole-file CRC that ``zlib.crc32(open(f, "rb").read())`` gives) detects damage, not
+tampering: any error burst up to 32 bits, and other damage but for a 2**-32 chance. It is the
+fastest content checksum of the standard library where measured (files in the page cache, one
+core of a 2-core AMD EPYC VM: 2.4 GB/s, against 1.3 for sha256 and 0.7 for blake2b). Files are
+hashed in 64 MiB pieces on up to 8 threads (zlib releases the GIL), so one large shard file is
+hashed in parallel too (4.5 GB/s on those 2 cores: 0.06 s per 256 MiB). A checkpoint
+written before checksums were recorded (no ``checksums`` in its manifest) still loads, after
+the size and range checks only, with a warning that its contents are not verified.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
 import shutil
+import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["CheckpointError", "Manifest", "checkpoint_dirs", "latest_path", "validate", "on_rank0"]
+from tidal.device import sync_policy
+
+__all__ = ["CHECKSUM", "CheckpointError", "Manifest", "checkpoint_dirs", "crc32_combine", "file_checksums",
+           "latest_path", "validate", "on_rank0"]
 
 MANIFEST = "tidal.json"
 LATEST = "latest"
+CHECKSUM = "crc32"  # the algorithm recorded in (and verified from) the manifest
+_READ_CHUNK = 1 << 20  # one read, hashed while it is in cache (32 MiB reads hashed at a third of the rate)
+_PIECE = 64 << 20  # the bytes one thread hashes; a larger file is split and its pieces' CRCs combined
+_MAX_HASH_THREADS = 8
 _STEP_RE = re.compile(r"^step-(\d+)$")
 T = TypeVar("T")
 
@@ -48,11 +73,123 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """What ``tidal.json`` records about a committed checkpoint."""
+    """What ``tidal.json`` records about a committed checkpoint.
+
+    ``checksums`` maps each file of ``file_bytes`` to its checksum (``checksum_algorithm``,
+    8 hex digits for CRC-32); both are None in a manifest written before tidal recorded them.
+    """
 
     step: int
     world_size: int
     file_bytes: dict[str, int]
+    checksum_algorithm: str | None = None
+    checksums: dict[str, str] | None = None
+
+    def to_json(self) -> str:
+        out = {"step": self.step, "world_size": self.world_size, "files": self.file_bytes}
+        if self.checksums is not None:
+            out["checksum_algorithm"] = self.checksum_algorithm
+            out["checksums"] = self.checksums
+        return json.dumps(out, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        """Raises ``ValueError``, ``KeyError`` or ``TypeError`` if ``text`` is not a manifest."""
+        m = json.loads(text)
+        sums = m.get("checksums")
+        return cls(step=int(m["step"]), world_size=int(m["world_size"]),
+                   file_bytes={str(k): int(v) for k, v in dict(m["files"]).items()},
+                   checksum_algorithm=None if sums is None else str(m["checksum_algorithm"]),
+                   checksums=None if sums is None else {str(k): str(v) for k, v in dict(sums).items()})
+
+
+# ---- checksums ---------------------------------------------------------------------------------
+_CRC32_POLY = 0xEDB88320  # CRC-32 of zlib (IEEE 802.3), bit-reflected
+
+
+def _gf2_apply(matrix: list[int], vector: int) -> int:
+    """``matrix`` (32 columns, each a bit mask) times ``vector`` over GF(2)."""
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+@functools.cache
+def _zero_byte_operators() -> tuple[list[int], ...]:
+    """``ops[k]``: the linear map that advances a CRC-32 register over ``2**k`` zero bytes."""
+    op = [_CRC32_POLY] + [1 << (i - 1) for i in range(1, 32)]  # over one zero bit
+    ops = []
+    for k in range(3 + 48):  # 2**3 bits = 1 byte ... 2**47 bytes
+        if k >= 3:
+            ops.append(op)
+        op = [_gf2_apply(op, column) for column in op]  # squared: twice as many zeros
+    return tuple(ops)
+
+
+def crc32_combine(crc_a: int, crc_b: int, length_b: int) -> int:
+    """``zlib.crc32(a + b)`` from ``zlib.crc32(a)``, ``zlib.crc32(b)`` and ``len(b)``.
+
+    Why it holds: CRC-32 is affine in its register, so ``crc32(b, start)`` differs from
+    ``crc32(b, 0)`` by ``start`` advanced over ``len(b)`` zero bytes (a linear map, the
+    inversions zlib applies on entry and exit cancel), and ``crc32(a + b) = crc32(b, crc32(a))``.
+    """
+    ops = _zero_byte_operators()
+    k = 0
+    while length_b:
+        if length_b & 1:
+            crc_a = _gf2_apply(ops[k], crc_a)
+        length_b >>= 1
+        k += 1
+    return crc_a ^ crc_b
+
+
+def _crc32_range(path: Path, offset: int, length: int) -> int:
+    buf = bytearray(min(_READ_CHUNK, length))
+    view = memoryview(buf)
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while length:
+            n = f.readinto(view[:min(length, len(buf))])
+            if not n:
+                raise CheckpointError(f"{path} ended at byte {f.tell()} while its checksum was computed "
+                                      f"(it was truncated meanwhile)")
+            crc = zlib.crc32(view[:n], crc)
+            length -= n
+    return crc
+
+
+def _hash_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(_MAX_HASH_THREADS, cores))
+
+
+def file_checksums(directory: Path, names: Iterable[str]) -> dict[str, str]:
+    """The CRC-32 of each file ``directory/name`` as 8 hex digits: the standard whole-file CRC.
+
+    The files are cut into 64 MiB pieces, hashed on up to 8 threads (one per core; zlib
+    releases the GIL) with 1 MiB reads, and each file's piece CRCs are combined.
+    """
+    sizes = {name: (directory / name).stat().st_size for name in names}
+    pieces = [(name, offset, min(_PIECE, size - offset)) for name, size in sizes.items()
+              for offset in range(0, size, _PIECE)]
+    threads = min(_hash_threads(), len(pieces))
+    if threads <= 1:
+        crcs = [_crc32_range(directory / name, offset, length) for name, offset, length in pieces]
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="tidal-checksum") as pool:
+            crcs = list(pool.map(lambda piece: _crc32_range(directory / piece[0], piece[1], piece[2]), pieces))
+    whole = dict.fromkeys(sizes, 0)  # an empty file's CRC-32 is 0
+    for (name, offset, length), crc in zip(pieces, crcs):
+        whole[name] = crc if offset == 0 else crc32_combine(whole[name], crc, length)
+    return {name: f"{crc:08x}" for name, crc in whole.items()}
 
 
 def step_name(step: int) -> str:
@@ -110,20 +247,29 @@ def prepare_tmp(directory: Path, step: int) -> Path:
 
 
 def commit(directory: Path, step: int, world_size: int, *, keep_last: int | None) -> Path:
-    """Rank 0, after every rank's shards and ``.metadata`` are written: manifest, fsync,
-    rename, pointer update, retention. Returns the committed path."""
+    """Rank 0, after every rank's shards and ``.metadata`` are written: checksums, manifest,
+    fsync, rename, pointer update, retention. Returns the committed path.
+
+    Each step ends at a named point of the sync policy, where the fault-injection tests raise.
+    """
+    policy = sync_policy()
     tmp = directory / tmp_name(step)
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     if not any(p.name == ".metadata" for p in files):
         raise CheckpointError(f"{tmp}: DCP wrote no .metadata; the save did not finish, nothing was committed")
-    manifest = {"step": step, "world_size": world_size, "files": {p.name: p.stat().st_size for p in files}}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    names = [p.name for p in files]
+    manifest = Manifest(step=step, world_size=world_size, file_bytes={p.name: p.stat().st_size for p in files},
+                        checksum_algorithm=CHECKSUM, checksums=file_checksums(tmp, names))
+    (tmp / MANIFEST).write_text(manifest.to_json())
+    policy.point("checkpoint_manifest_written")
     for p in [*files, tmp / MANIFEST]:
         _fsync_path(p)  # data and sizes on disk before the name says "complete"
     _fsync_path(tmp)
+    policy.point("checkpoint_synced")
     final = directory / step_name(step)
     os.rename(tmp, final)
     _fsync_path(directory)
+    policy.point("checkpoint_renamed")
     pointer_tmp = directory / (LATEST + ".tmp")
     with open(pointer_tmp, "w") as f:
         f.write(final.name + "\n")
@@ -131,6 +277,7 @@ def commit(directory: Path, step: int, world_size: int, *, keep_last: int | None
         os.fsync(f.fileno())
     os.replace(pointer_tmp, directory / LATEST)
     _fsync_path(directory)
+    policy.point("checkpoint_pointer_updated")
     if keep_last is not None:
         for old in checkpoint_dirs(directory)[:-keep_last]:
             if old != final:
@@ -138,51 +285,75 @@ def commit(directory: Path, step: int, world_size: int, *, keep_last: int | None
     return final
 
 
-def _problem(path: Path) -> str | None:
-    """What makes ``path`` unloadable, or None if it looks complete."""
+def _problem(path: Path) -> tuple[str | None, bool]:
+    """What makes ``path`` unloadable (None if it is complete), and whether its contents were
+    verified by checksum (False for a manifest written before checksums were recorded)."""
     if not path.is_dir():
-        return "the directory does not exist"
+        return "the directory does not exist", False
     if not (path / MANIFEST).is_file():
-        return f"{MANIFEST} is missing, so it was never committed (a partial copy or not a tidal checkpoint)"
+        return f"{MANIFEST} is missing, so it was never committed (a partial copy or not a tidal checkpoint)", False
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = dict(manifest["files"])
+        manifest = Manifest.from_json((path / MANIFEST).read_text())
     except (ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} is unreadable ({e})"
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})", False
+    files = manifest.file_bytes
     for name, size in files.items():
         f = path / name
         if not f.is_file():
-            return f"file {name} is missing"
+            return f"file {name} is missing", False
         actual = f.stat().st_size
         if actual != size:
-            return f"file {name} has {actual} bytes, {size} were written (truncated or overwritten)"
+            return f"file {name} has {actual} bytes, {size} were written (truncated or overwritten)", False
     if ".metadata" not in files:
-        return ".metadata is missing"
+        return ".metadata is missing", False
+    verified = manifest.checksums is not None
+    if verified:  # before DCP reads anything: .metadata is unpickled below
+        if manifest.checksum_algorithm != CHECKSUM:
+            return (f"{MANIFEST} records {manifest.checksum_algorithm!r} checksums; this tidal version verifies "
+                    f"{CHECKSUM!r} only"), True
+        unsummed = sorted(set(files) - set(manifest.checksums))
+        if unsummed:
+            return f"{MANIFEST} is inconsistent: it records no checksum for {', '.join(unsummed)}", True
+        actual_sums = file_checksums(path, files)
+        bad = [name for name in sorted(files) if actual_sums[name] != manifest.checksums[name]]
+        if bad:
+            which = "; ".join(f"file {name} has {CHECKSUM} {actual_sums[name]}, {manifest.checksums[name]} was "
+                              f"recorded when it was written" for name in bad)
+            return (f"it is corrupted: {which} (bytes changed after the save: overwritten in place, a "
+                    f"disk or file-system error, or an incomplete copy)"), True
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         meta = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # unpickling garbage raises anything
-        return f".metadata is corrupted ({type(e).__name__}: {e})"
+        return f".metadata is corrupted ({type(e).__name__}: {e})", verified
     for index, info in (meta.storage_data or {}).items():
         f = path / info.relative_path
         if not f.is_file():
-            return f"shard file {info.relative_path} (holding {index.fqn}) is missing"
+            return f"shard file {info.relative_path} (holding {index.fqn}) is missing", verified
         if info.offset + info.length > f.stat().st_size:
             return (f"shard file {info.relative_path} ends at byte {f.stat().st_size} but {index.fqn} "
-                    f"needs bytes {info.offset}..{info.offset + info.length} (truncated)")
-    return None
+                    f"needs bytes {info.offset}..{info.offset + info.length} (truncated)"), verified
+    return None, verified
 
 
 def validate(path: Path) -> None:
-    """Raise :class:`CheckpointError` naming what is wrong with ``path`` and the newest earlier
-    checkpoint that looks complete."""
-    problem = _problem(path)
+    """Raise :class:`CheckpointError` naming what is wrong with ``path`` (missing, truncated or
+    corrupted files: every file's size and checksum is checked) and the newest earlier
+    checkpoint that is complete. Warns if ``path`` has no checksums to verify (written before
+    tidal recorded them). Reads every byte of the checkpoint (see the module docstring)."""
+    problem, verified = _problem(path)
     if problem is None:
+        if not verified:
+            warnings.warn(f"checkpoint {path} is not verified: its {MANIFEST} holds no checksums (written by a "
+                          f"tidal version before they were recorded), so only its file sizes were checked; a "
+                          f"file damaged in place would load silently. A checkpoint saved now is verified",
+                          stacklevel=2)
         return
-    earlier = [p for p in checkpoint_dirs(path.parent) if _older(p, path) and _problem(p) is None]
-    hint = (f"The previous checkpoint {earlier[-1]} is complete: load it with "
-            f"tidal.checkpoint.load({str(earlier[-1])!r}, state)" if earlier
+    earlier = next((p for p in reversed(checkpoint_dirs(path.parent))
+                    if _older(p, path) and _problem(p)[0] is None), None)
+    hint = (f"The previous checkpoint {earlier} is complete: load it with "
+            f"tidal.checkpoint.load({str(earlier)!r}, state)" if earlier is not None
             else f"No earlier complete checkpoint exists in {path.parent}")
     raise CheckpointError(f"checkpoint {path} cannot be loaded: {problem}. {hint}")
 

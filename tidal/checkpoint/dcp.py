@@ -12,6 +12,12 @@ roles, CPU training) are written from where they are. No device memory is alloca
 what DCP's per-tensor ``.cpu()`` needs (none: device-to-host copies allocate on the host).
 Loading reads each tensor's bytes into the live tensor, with one host buffer per tensor read.
 
+Verification: the commit records every file's CRC-32 in the manifest, and :func:`load` has rank 0
+recompute them before DCP reads anything (``atomic.py``), so a checkpoint damaged in place is an
+error on every rank, not silently loaded. Cost: rank 0 reads the whole checkpoint once more at
+save and at load, hashing on up to 8 threads (2 CPU cores, files in the page cache: 4.5 GB/s,
+0.06 s for 256 MiB, against 0.5-1 s for the save and 0.09 s for the load themselves).
+
 Coordination (plans, metadata, the commit's outcome) runs over a gloo group: the default group
 where it is gloo already, otherwise one gloo group over all ranks, created at the first save or
 load (a collective: every rank calls save/load, so every rank creates it) and reused. Nothing
@@ -32,6 +38,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from tidal.checkpoint import atomic
 from tidal.checkpoint.atomic import CheckpointError
 from tidal.checkpoint.state import TrainState
+from tidal.device import sync_policy
 
 __all__ = ["CheckpointConfig", "save", "load", "load_latest"]
 
@@ -96,6 +103,7 @@ def save(directory: str | os.PathLike, state: TrainState, *, step: int | None = 
 
     Atomic: the checkpoint is written into ``.tmp-<step>`` and renamed once complete, so a
     crash (or ``kill -9``) at any point leaves the previous checkpoint as ``latest``.
+    Verified: rank 0 records each file's CRC-32 in the manifest, which :func:`load` checks.
     Raises ``ValueError`` if ``step-<step>`` exists already (checkpoints are never overwritten).
     """
     _check_state(state)
@@ -107,10 +115,12 @@ def save(directory: str | os.PathLike, state: TrainState, *, step: int | None = 
     root = Path(directory)
     group = _group()
     tmp = atomic.on_rank0(lambda: atomic.prepare_tmp(root, state.step), group=group)
+    sync_policy().point("checkpoint_tmp_prepared")
     writer = FileSystemWriter(str(tmp), sync_files=True, thread_count=config.thread_count,
                               per_thread_copy_ahead=config.copy_ahead_bytes)
     # DCP's save ends once the coordinator has written .metadata and told every rank.
     dcp.save({_APP: state}, storage_writer=writer, process_group=group)
+    sync_policy().point("checkpoint_shards_written")
     return atomic.on_rank0(lambda: atomic.commit(root, state.step, _world_size(), keep_last=config.keep_last),
                            group=group)
 
@@ -120,7 +130,10 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
     return its step. Every rank calls it.
 
     Raises :class:`~tidal.checkpoint.CheckpointError` (a ``ValueError``) on every rank if the
-    checkpoint is partial or corrupted, naming what is wrong and the previous complete one.
+    checkpoint is partial or corrupted, naming what is wrong and the previous complete one:
+    before DCP reads anything, rank 0 checks every file's size and CRC-32 against the manifest.
+    A checkpoint saved before checksums were recorded loads after the size checks, with a
+    warning that it is not verified.
     The model and optimizers must have the same structure as when saved; the world size may
     differ (DCP reshards), except that new ranks keep their own RNG state.
     """
@@ -153,12 +166,32 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
     return state.step
 
 
-def load_latest(directory: str | os.PathLike, state: TrainState) -> int | None:
+def load_latest(directory: str | os.PathLike, state: TrainState, *, allow_missing: bool = False) -> int | None:
     """Load the checkpoint ``<directory>/latest`` names into ``state``; return its step, or
-    None (nothing loaded) when the directory holds no checkpoint yet, for
-    ``start = load_latest(d, state) or 0``."""
+    None (nothing loaded) when the directory exists but holds no checkpoint yet. Every rank
+    calls it.
+
+    Raises :class:`~tidal.checkpoint.CheckpointError` on every rank if ``directory`` does not
+    exist (a mistyped path would otherwise start training from scratch), unless
+    ``allow_missing=True``: then a missing directory returns None too, for a first run::
+
+        start = load_latest(d, state, allow_missing=True) or 0
+    """
     _check_state(state)
-    path = atomic.on_rank0(lambda: atomic.latest_path(Path(directory)), group=_group())
+    root = Path(directory)
+
+    def find() -> Path | None:
+        if not root.is_dir():
+            if root.exists():
+                raise CheckpointError(f"checkpoint directory {root} is not a directory")
+            if allow_missing:
+                return None
+            where = "" if root.is_absolute() else f" ({root.absolute()})"
+            raise CheckpointError(f"checkpoint directory {root} does not exist{where}; pass allow_missing=True to "
+                                  f"start fresh when there is no checkpoint yet")
+        return atomic.latest_path(root)
+
+    path = atomic.on_rank0(find, group=_group())
     if path is None:
         return None
     return load(path, state)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 12's GPU pass on a lent single-GPU machine; logs go to $OUT.
+#   bash scripts/gpu_reliability.sh tests|bench
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+status=0
+case ${1:-tests} in
+  tests)
+    timeout 560 python3 -m pytest -q -m gpu ${TESTS:-tests} --durations=10 -p no:cacheprovider -rs \
+      2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+  bench)
+    timeout 250 python3 benchmarks/bench_reliability.py --results "$OUT/RESULTS.md" 2>&1 | tee "$OUT/bench_reliability.log" || status=1
+    timeout 300 python3 -m tidal bench --preset qwen2-1.5b --results "$OUT/RESULTS.md" --json "$OUT/bench.json" \
+      2>&1 | tail -25 | tee "$OUT/bench_offload.log" || status=1 ;;
+esac
+echo "gpu_reliability exit status: $status"
+exit $status
