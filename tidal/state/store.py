@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -77,6 +77,7 @@ class OffloadStore:
         self._offloaded: dict[int, StateEntry] = {}  # strong refs keep offloaded storages alive
         self._in_flight = False  # a move is under way, or was interrupted (see recover())
         self._digests: dict[int, int] = {}  # key -> digest of its bytes at offload (verify)
+        self._digest_stream: Any = None  # where verify's digests run, beside the copies
         # key -> (slot, its host tensor) for host copies handed out (host_view), until reloaded
         self._exposed: dict[int, tuple[HostSlot, torch.Tensor]] = {}
         self.last_move: MoveResult | None = None
@@ -313,17 +314,21 @@ class OffloadStore:
         in_segs = engine.plan(self._items(in_todo))
         ops.point("planned")
         verify = self.config.verify
-        # Queued on the compute stream before the D2H stream's wait on it, so the copies (and
-        # the frees after them) come after these reads.
-        out_digests = [digest(byte_view(e.storage), verify) for e in out_todo] if verify != "off" else []
         engine.begin_out()
         out_events: list = []
+        out_digests: list = []  # per out segment: (digests done event, digests)
+        in_digests: list = []
         freed = 0
         try:
             for seg in out_segs:
                 out_events.append(engine.copy_out(seg))
+            if verify != "off":
+                # On their own stream, reading the bytes while the copy engine does: queued
+                # after the copies so the first copy starts at once.
+                out_digests = self._digest_segments(out_segs, None, verify)
             engine.begin_in()
             last_in_event = None
+            in_events: list = []
             reserved_until, reserve_target = 0, 64 << 20
             alloc_seconds = 0.0
             for i, seg in enumerate(in_segs):
@@ -334,7 +339,7 @@ class OffloadStore:
                     reserved_until = self._reserve_device_block(in_segs, i, reserve_target)
                     reserve_target = min(2 * reserve_target, 2 << 30)
                 while seg.nbytes > room and freed < len(out_segs):
-                    room += self._free_segment(out_segs[freed], out_events[freed])
+                    room += self._free_segment(out_segs[freed], out_events[freed], _event(out_digests, freed))
                     freed += 1
                 # The storages stay tracked (offloaded) while they are allocated and written:
                 # an exception before their copy completed frees them again in recover().
@@ -344,16 +349,21 @@ class OffloadStore:
                 alloc_seconds += time.perf_counter() - ta
                 room -= seg.nbytes
                 last_in_event = engine.copy_in(seg)
+                in_events.append(last_in_event)
+            if verify != "off" and in_segs:
+                in_digests = self._digest_segments(in_segs, in_events, verify)
             while freed < len(out_segs):
-                self._free_segment(out_segs[freed], out_events[freed])
+                self._free_segment(out_segs[freed], out_events[freed], _event(out_digests, freed))
                 freed += 1
-            if out_digests:  # computed before the copies, so done now
-                for e, d in zip(out_todo, torch.stack(out_digests).tolist()):
-                    self._digests[e.key] = d
+            if out_digests:  # every segment's digests were waited for before its free
+                values = torch.stack([d for _, ds in out_digests for d in ds]).tolist()
+                for item, d in zip((it for seg in out_segs for it in seg.items), values):
+                    self._digests[item.tag.key] = d
         except BaseException:
             # Finish the out-going half whose copies were queued (the storages then live on
             # the host only, tracked), so a failed switch is at least a complete offload.
             engine.drain()
+            self._drain_digests()
             while freed < len(out_events):
                 self._free_segment(out_segs[freed], None)
                 freed += 1
@@ -361,8 +371,9 @@ class OffloadStore:
         engine.publish(last_in_event)
         # The bytes must have landed before the storages count as resident.
         engine.wait("reload_done", last_in_event)
-        if verify != "off" and in_todo:
-            self._verify(in_todo, verify, what)
+        if in_digests:
+            self._verify([it.tag for seg in in_segs for it in seg.items],
+                         torch.stack([d for _, ds in in_digests for d in ds]).tolist(), verify, what)
         for e in in_todo:
             del self._offloaded[e.key]
             self._exposed.pop(e.key, None)
@@ -370,11 +381,39 @@ class OffloadStore:
             ops.point("reload_untracked")
         return len(out_segs) + len(in_segs), alloc_seconds
 
-    def _verify(self, entries: list[StateEntry], mode: str, what: str) -> None:
-        """Compare the reloaded device bytes with the digests taken at offload; raise
+    def _digest_segments(self, segs: Sequence[Segment], after: Sequence[Any] | None, mode: str) -> list:
+        """Queue the digest of every storage of ``segs`` on the digest stream, after the
+        compute stream's queued work (``after`` None: the bytes being offloaded) or after each
+        segment's H2D event (the bytes just reloaded). Returns, per segment, the event that
+        marks its digests done and the digests (0-d device tensors)."""
+        ops = self.ops
+        if self._digest_stream is None:
+            self._digest_stream = ops.new_stream()
+        stream = self._digest_stream
+        if after is None:
+            # The bytes may still be written by kernels queued on the compute stream.
+            ops.wait_stream("digest_after_compute", stream, ops.current_stream())
+        out = []
+        with ops.on_stream(stream):
+            for i, seg in enumerate(segs):
+                if after is not None:
+                    # A reloaded segment is read once its H2D copy has landed.
+                    ops.wait_event("digest_after_h2d", stream, after[i])
+                values = [digest(byte_view(it.storage), mode) for it in seg.items]
+                done = ops.new_event()
+                if done is not None:
+                    done.record(stream)
+                out.append((done, values))
+        return out
+
+    def _drain_digests(self) -> None:
+        if self._digest_stream is not None:
+            self._digest_stream.synchronize()  # no digest reads a block about to be freed
+
+    def _verify(self, entries: list[StateEntry], got: list[int], mode: str, what: str) -> None:
+        """Compare the digests of the reloaded device bytes with those taken at offload; raise
         :class:`StateCorruptionError` naming those that differ (they are still tracked, so
         the caller's recovery frees them and they stay offloaded)."""
-        got = torch.stack([digest(byte_view(e.storage), mode) for e in entries]).tolist()
         bad = []
         for e, d in zip(entries, got):
             want = self._digests.get(e.key)
@@ -394,6 +433,7 @@ class OffloadStore:
         but not yet freed): its host copy is complete and is the truth. Idempotent; cheap
         when nothing was interrupted. Returns the entries it freed."""
         self.engine.drain()
+        self._drain_digests()
         freed = []
         for e in self._offloaded.values():
             if e.storage.nbytes() > 0:
@@ -423,10 +463,13 @@ class OffloadStore:
                 pass  # fragmented: those storages fall back to one allocation each
         return j
 
-    def _free_segment(self, seg: Segment, event: object) -> int:
+    def _free_segment(self, seg: Segment, event: object, digested: object = None) -> int:
         # The D2H copy must have read the bytes (and written the host copy) before the storage
         # counts as offloaded and the allocator may hand its block out.
         self.engine.wait("free_after_d2h", event)
+        if digested is not None:
+            # So must the digest of those bytes (verify), read on its own stream.
+            self.engine.wait("free_after_digest", digested)
         for item in seg.items:
             self._offloaded[item.tag.key] = item.tag  # tracked first: the host copy is complete
             self.ops.point("offload_tracked")
@@ -444,3 +487,8 @@ class OffloadStore:
             )
         self._slots.clear()
         self.arena.close()
+
+
+def _event(digested: list, i: int) -> Any:
+    """The event marking segment ``i``'s digests done (None when not verifying)."""
+    return digested[i][0] if digested else None
