@@ -921,3 +921,83 @@ def test_unfrozen_param_without_host_state_is_refused():
     model(torch.randn(2, 4)).sum().backward()
     with pytest.raises(RuntimeError, match="did not require grad when CPUAdam was built"):
         opt.step()
+
+
+# ---- issue 12: error paths --------------------------------------------------------------------
+def test_a_worker_error_in_step_in_backward_leaves_no_update_mode_and_refuses_the_step(monkeypatch):
+    """Item 5: a failure in the gradient path left _in_backward_step True, so a later plain
+    backward changed weights without step(); the step must refuse until zero_grad()."""
+    model = _mlp()
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-2)
+    calls = {"n": 0}
+    orig = opt._accumulate
+
+    def flaky(hp, grad, first):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated copy failure")
+        return orig(hp, grad, first)
+
+    monkeypatch.setattr(opt, "_accumulate", flaky)
+    with pytest.raises(RuntimeError, match="simulated"):
+        with opt.step_in_backward():
+            _loss(model, _batches(1)[0]).backward()
+    monkeypatch.undo()
+    assert not opt._in_backward_step
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    masters = {n: opt.state[p]["master"] for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():  # weights and masters agree
+        assert torch.equal(p.detach(), masters[n]), n
+    opt.zero_grad()
+    _loss(model, _batches(1)[0]).backward()  # a plain backward after it: nothing is updated
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    opt.step()
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+
+
+def test_a_lost_gradient_refuses_the_step_until_zero_grad(monkeypatch):
+    model = _mlp()
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-2)
+    orig = opt._accumulate
+    monkeypatch.setattr(opt, "_accumulate", lambda *a: (_ for _ in ()).throw(RuntimeError("lost")))
+    with pytest.raises(RuntimeError, match="lost"):
+        _loss(model, _batches(1)[0]).backward()
+    monkeypatch.setattr(opt, "_accumulate", orig)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="gradients held are incomplete.*zero_grad"):
+        opt.step()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+    opt.zero_grad()
+    _loss(model, _batches(1)[0]).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_zero_element_parameters_are_fine(dtype):
+    """Item 8: a zero-element non-fp32 parameter hit an unbound local in the gradient hook."""
+    w = torch.nn.Parameter(torch.randn(4, 4, dtype=dtype))
+    empty = torch.nn.Parameter(torch.zeros(0, 4, dtype=dtype))
+    opt = tidal.CPUAdam([w, empty], lr=1e-2)
+    ((w.float() ** 2).sum() + empty.float().sum()).backward()
+    opt.step()
+    assert empty.numel() == 0 and opt.state[empty]["step"].item() == 1
+
+
+def test_offload_optimizer_on_cpu_adam_is_ignored_with_a_warning():
+    """Item 8: step_in_backward inside offload_optimizer(CPUAdam) failed with torch's 'data is
+    not allocated yet' (the host state had been resized away on the CPU path)."""
+    model = _mlp()
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-2)
+    ref, ref_opt = _mlp(), None
+    ref_opt = tidal.CPUAdam(ref.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="offload_optimizer\\(\\) ignored: CPUAdam keeps its state"):
+        with tidal.offload_optimizer(opt):
+            with opt.step_in_backward():
+                _loss(model, _batches(1)[0]).backward()
+    opt.step()
+    with ref_opt.step_in_backward():
+        _loss(ref, _batches(1)[0]).backward()
+    ref_opt.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n

@@ -404,3 +404,19 @@ def test_import_touches_no_cuda():
     code = ("import torch, tidal; "
             "assert not torch.cuda.is_initialized(), 'import tidal initialised CUDA'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_role_without_state_to_move_says_why():
+    """Issue 12, item 8: a role with no tensors said "its tensors are on another device"."""
+    ts = tidal.Timeshare("cpu")
+    with pytest.raises(ValueError, match="no tensors at all"):
+        ts.add_role("empty", model=nn.ReLU())
+    with pytest.raises(ValueError, match=r"no state to move: its 1 tensors are empty or smaller than min_offload_bytes"):
+        ts.add_role("tiny", model=_one_scalar())
+    ts.close()
+
+
+def _one_scalar() -> nn.Module:
+    m = nn.Module()
+    m.p = nn.Parameter(torch.zeros(2))  # 8 bytes < min_offload_bytes
+    return m

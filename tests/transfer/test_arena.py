@@ -187,6 +187,37 @@ def test_negative_size_is_rejected_without_leaking_free_space(arena):
     assert arena.num_chunks == 1
 
 
+def test_a_failed_new_chunk_gives_back_the_free_space_it_took(arena, monkeypatch):
+    """Issue 12, item 8: reserve() took free ranges for part of a batch, then the new chunk
+    for the rest failed (no host memory, or pinning refused): the ranges were lost."""
+    a, b = arena.reserve([1024, 1024])
+    arena.release(a)
+
+    def no_memory(nbytes, *, pin):
+        raise RuntimeError("cudaHostRegister failed (simulated)")
+
+    monkeypatch.setattr(arena._ops, "new_host_buffer", no_memory)
+    with pytest.raises(RuntimeError, match="simulated"):
+        arena.reserve([1024, 4096])  # the first fits the hole, the second needs a new chunk
+    monkeypatch.undo()
+    assert arena.used_bytes == 1024
+    (s,) = arena.reserve([1024])  # the hole is still there
+    assert (s.chunk, s.offset) == (0, 0)
+    assert arena.num_chunks == 1
+
+
+def test_slot_tensor_is_exactly_the_slot_and_outlives_the_arena():
+    a = HostArena(DeviceOps("cpu"), alignment_bytes=512)
+    s1, s2 = a.reserve([100, 300])
+    a.view(s2).copy_(torch.arange(300, dtype=torch.uint8))
+    t = a.slot_tensor(s2)
+    assert t.numel() == 300 and t.untyped_storage().nbytes() == 300  # its own storage, the slot's bytes
+    assert torch.equal(t, torch.arange(300, dtype=torch.uint8))
+    a.close()
+    gc.collect()
+    assert torch.equal(t, torch.arange(300, dtype=torch.uint8)), "the chunk must stay alive while the view does"
+
+
 def test_double_release_is_an_error(arena):
     a, b, c = arena.reserve([512, 512, 512])
     arena.release(a)

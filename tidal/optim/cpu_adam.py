@@ -196,7 +196,11 @@ class CPUAdam(torch.optim.Optimizer):
             hp.has_grad = True
             return
         if not self._ops.is_accelerator:
-            self._accumulate(hp, grad, first)
+            try:
+                self._accumulate(hp, grad, first)
+            except BaseException as e:
+                self._grads_lost = f"the gradient of a parameter of shape {tuple(p.shape)} was lost ({e!r})"
+                raise
             if in_step:
                 self._adam([p])
                 self._pending.append(p)  # its weights change when the backward is over
