@@ -24,3 +24,15 @@ def _clean_device(request):
     yield
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def pytest_terminal_summary(terminalreporter):
+    # How much the fault-injection sweeps covered (tests/faults.py): issue 12 asks for it.
+    from tests.faults import SWEPT  # noqa: PLC0415
+
+    if SWEPT:
+        points = sum(p for _, p, _ in SWEPT)
+        faults = sum(f for _, _, f in SWEPT)
+        terminalreporter.write_line(
+            f"fault sweep: {len(SWEPT)} sweeps, {points} instrumented points, "
+            f"{faults} faults injected (KeyboardInterrupt and RuntimeError at each)")

@@ -24,6 +24,9 @@ from tests.policies import CountPoints, FaultAt
 from tidal.device import use_sync_policy
 
 EXCEPTIONS: tuple[type[BaseException], ...] = (KeyboardInterrupt, RuntimeError)
+# (operation, points, faults injected) of every sweep run in this session, for the summary
+# tests/conftest.py prints at the end.
+SWEPT: list[tuple[str, int, int]] = []
 
 
 def sweep(make: Callable[[], Any], act: Callable[[Any], None], check: Callable[[Any, str | None], None], *,
@@ -48,6 +51,7 @@ def sweep(make: Callable[[], Any], act: Callable[[Any], None], check: Callable[[
             assert fault.fired == name, f"call {k}: expected {name}, fired {fault.fired} (the run is not deterministic)"
             assert raised, f"the {exc.__name__} injected at {name} (call {k}) was swallowed"
             check(state, name)
+    SWEPT.append((getattr(act, "__qualname__", repr(act)), len(points), len(points) * len(exceptions)))
     return points
 
 
