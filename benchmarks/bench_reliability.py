@@ -77,7 +77,6 @@ def bench_verify(model, opt, cycles: int, line: dict) -> dict:
     digest(x)
     secs = statistics.median(_sync_time(lambda: digest(x)) for _ in range(5))
     out["digest_full_gbps"] = GIB / secs / 1e9
-    del x
     print(f"  digest alone (full): {out['digest_full_gbps']:.0f} GB/s of device bytes", flush=True)
     return out
 
