@@ -53,10 +53,17 @@ def build(name: str):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     hidden, inter, heads, kv, layers, _, seq = CONFIGS[name]
-    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
-                      num_key_value_heads=kv, num_hidden_layers=layers, vocab_size=151936,
-                      max_position_embeddings=max(seq, 32768), tie_word_embeddings=hidden < 2048,
-                      use_cache=False)
+    cfg = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_hidden_layers=layers,
+        vocab_size=151936,
+        max_position_embeddings=max(seq, 32768),
+        tie_word_embeddings=hidden < 2048,
+        use_cache=False,
+    )
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.train()
@@ -143,15 +150,21 @@ def bench_config(name: str, steps: int, budget_frac: float) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
         r = rows[variant]
-        print(f"  {name} {variant:<12} step {r.step_s or float('nan'):.3f}s peak "
-              f"{(r.peak_bytes or 0) / 2**30:.2f} GiB offloaded {r.bytes_offloaded / 2**30:.2f} GiB "
-              f"exposed {r.exposed_s if r.exposed_s is not None else float('nan'):.3f}s "
-              f"first {r.first_step_s or float('nan'):.2f}s {r.note}", flush=True)
+        print(
+            f"  {name} {variant:<12} step {r.step_s or float('nan'):.3f}s peak "
+            f"{(r.peak_bytes or 0) / 2**30:.2f} GiB offloaded {r.bytes_offloaded / 2**30:.2f} GiB "
+            f"exposed {r.exposed_s if r.exposed_s is not None else float('nan'):.3f}s "
+            f"first {r.first_step_s or float('nan'):.2f}s {r.note}",
+            flush=True,
+        )
 
     safe("none", lambda: run_variant(model, ids, "none", steps, 2, nullctx)[0])
-    safe("save_on_cpu", lambda: run_variant(
-        model, ids, "save_on_cpu", max(1, steps - 1), 1,
-        lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))[0])
+    safe(
+        "save_on_cpu",
+        lambda: run_variant(
+            model, ids, "save_on_cpu", max(1, steps - 1), 1, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
+        )[0],
+    )
     empty_host_cache()
 
     line = {}
@@ -168,9 +181,12 @@ def bench_config(name: str, steps: int, budget_frac: float) -> dict:
             row, _ = run_variant(model, ids, variant, steps, warm, lambda: off)
             row.note = (row.note + f" host {off.arena.reserved_bytes / 2**30:.2f} GiB").strip()
             if off.plan is not None:
-                extra["plan"] = {"modes": [m.value for m in off.plan.modes], "summary": off.plan.summary(),
-                                 "predicted_peak": off.plan.predicted_peak_bytes,
-                                 "predicted_step_s": off.plan.predicted_step_s}
+                extra["plan"] = {
+                    "modes": [m.value for m in off.plan.modes],
+                    "summary": off.plan.summary(),
+                    "predicted_peak": off.plan.predicted_peak_bytes,
+                    "predicted_step_s": off.plan.predicted_step_s,
+                }
                 ref = off._reference
                 extra["plan_recompute_s"] = sum(f for f, m in zip(ref.layer_forward_s, off.plan.modes) if m.recomputes)
             return row
@@ -195,10 +211,19 @@ def bench_config(name: str, steps: int, budget_frac: float) -> dict:
         budget = int(tid.peak_bytes + budget_frac * (none.peak_bytes - tid.peak_bytes))
         extra["budget_bytes"] = budget
         rate = min(line.values()) if line else None
-        safe("planner", lambda: tidal_variant("planner", False, ActivationOffloadConfig(
-            budget_bytes=budget, line_rate_bytes_per_s=rate)))
-    return {"config": name, "shape": CONFIGS[name], "rows": {k: dataclasses.asdict(v) for k, v in rows.items()},
-            "line": line, **extra}
+        safe(
+            "planner",
+            lambda: tidal_variant(
+                "planner", False, ActivationOffloadConfig(budget_bytes=budget, line_rate_bytes_per_s=rate)
+            ),
+        )
+    return {
+        "config": name,
+        "shape": CONFIGS[name],
+        "rows": {k: dataclasses.asdict(v) for k, v in rows.items()},
+        "line": line,
+        **extra,
+    }
 
 
 def summarize(res: dict) -> list[dict]:
@@ -243,20 +268,35 @@ def main(argv=None) -> int:
         results.append(res)
         if args.json:  # after every config, so a run cut short keeps what it measured
             with open(args.json, "w") as f:
-                json.dump({"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
-                           "results": results}, f, indent=1, default=str)
+                json.dump(
+                    {
+                        "gpu": gpu,
+                        "torch": torch.__version__,
+                        "transformers": transformers.__version__,
+                        "results": results,
+                    },
+                    f,
+                    indent=1,
+                    default=str,
+                )
         ln = res["line"]
-        print(f"\n{name}: line rate D2H {ln.get('d2h', 0) / 1e9:.1f} GB/s, H2D {ln.get('h2d', 0) / 1e9:.1f} GB/s"
-              + (f", budget {res['budget_bytes'] / 2**30:.2f} GiB" if "budget_bytes" in res else ""))
+        print(
+            f"\n{name}: line rate D2H {ln.get('d2h', 0) / 1e9:.1f} GB/s, H2D {ln.get('h2d', 0) / 1e9:.1f} GB/s"
+            + (f", budget {res['budget_bytes'] / 2**30:.2f} GiB" if "budget_bytes" in res else "")
+        )
         if "plan" in res:
             print(f"  plan: {res['plan']['summary']}")
-        print(f"  {'variant':<12} {'step s':>8} {'peak GiB':>9} {'offl GiB':>9} {'exposed s':>9} "
-              f"{'vs bound':>8} {'x faster than save_on_cpu':>26}")
+        print(
+            f"  {'variant':<12} {'step s':>8} {'peak GiB':>9} {'offl GiB':>9} {'exposed s':>9} "
+            f"{'vs bound':>8} {'x faster than save_on_cpu':>26}"
+        )
         for d in res["summary"]:
-            print(f"  {d['variant']:<12} {d['step_s'] or float('nan'):8.3f} {(d['peak_bytes'] or 0) / 2**30:9.2f} "
-                  f"{d['bytes_offloaded'] / 2**30:9.2f} "
-                  f"{d['exposed_s'] if d['exposed_s'] is not None else float('nan'):9.3f} "
-                  f"{d.get('vs_bound', float('nan')):8.3f} {d.get('soc_speedup', float('nan')):26.2f} {d['note']}")
+            print(
+                f"  {d['variant']:<12} {d['step_s'] or float('nan'):8.3f} {(d['peak_bytes'] or 0) / 2**30:9.2f} "
+                f"{d['bytes_offloaded'] / 2**30:9.2f} "
+                f"{d['exposed_s'] if d['exposed_s'] is not None else float('nan'):9.3f} "
+                f"{d.get('vs_bound', float('nan')):8.3f} {d.get('soc_speedup', float('nan')):26.2f} {d['note']}"
+            )
     if args.results:
         append_rows(args.results, gpu, transformers.__version__, results)
     return 0
@@ -274,7 +314,8 @@ def append_rows(path: str, gpu: str, tf_version: str, results: list[dict]) -> No
                 f"| {stamp} | {gpu} | {torch.__version__} | {tf_version} | {res['config']} | {rate} | {d['variant']} | "
                 f"{fmt(d['step_s'], '.3f')} | {fmt((d['peak_bytes'] or 0) / 2**30, '.2f')} | "
                 f"{d['bytes_offloaded'] / 2**30:.2f} | {fmt(d['exposed_s'], '.3f')} | {fmt(d.get('vs_bound'), '.3f')} | "
-                f"{fmt(d.get('soc_speedup'), '.2f')} | {d['note'] or ''} |")
+                f"{fmt(d.get('soc_speedup'), '.2f')} | {d['note'] or ''} |"
+            )
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -159,10 +159,16 @@ def _run(rank: int, world: int, args, root: str) -> dict:
         rec_out = ts.offload("actor")
         dist.barrier()
         rec_in = ts.load("actor")
-        out["transitions"].append({"offload_gbps": rec_out.gbps, "reload_gbps": rec_in.gbps,
-                                   "offload_s": rec_out.seconds, "reload_s": rec_in.seconds,
-                                   "release_s": rec_out.release_seconds,
-                                   "unreleased": rec_out.unreleased_bytes})
+        out["transitions"].append(
+            {
+                "offload_gbps": rec_out.gbps,
+                "reload_gbps": rec_in.gbps,
+                "offload_s": rec_out.seconds,
+                "reload_s": rec_in.seconds,
+                "release_s": rec_out.release_seconds,
+                "unreleased": rec_out.unreleased_bytes,
+            }
+        )
     state = TrainState(model, opt, timeshare=ts)
     tdir, pdir = os.path.join(root, "tidal"), os.path.join(root, "plain")
 
@@ -200,8 +206,12 @@ def _run(rank: int, world: int, args, root: str) -> dict:
         record("save resident", lambda: save(tdir, state, step=1), os.path.join(tdir, "step-1"))
     if go("save offloaded"):
         ts.offload("actor")
-        record("save offloaded", lambda: save(tdir, state, step=2), os.path.join(tdir, "step-2"),
-               resident_after=ts.is_resident("actor"))
+        record(
+            "save offloaded",
+            lambda: save(tdir, state, step=2),
+            os.path.join(tdir, "step-2"),
+            resident_after=ts.is_resident("actor"),
+        )
 
     cold = False
     if go("load offloaded") and saved("save offloaded"):
@@ -209,16 +219,24 @@ def _run(rank: int, world: int, args, root: str) -> dict:
         zero_state()
         ts.offload("actor")
         cold = _drop_caches() if rank == 0 else False
-        record("load offloaded", lambda: load(os.path.join(tdir, "step-2"), state),
-               os.path.join(tdir, "step-2"), cold_cache=cold)
+        record(
+            "load offloaded",
+            lambda: load(os.path.join(tdir, "step-2"), state),
+            os.path.join(tdir, "step-2"),
+            cold_cache=cold,
+        )
         ts.load("actor")
         check("load offloaded")
     ts.load("actor")
     if go("load resident") and saved("save resident"):
         zero_state()
         cold = _drop_caches() if rank == 0 else False
-        record("load resident", lambda: load(os.path.join(tdir, "step-1"), state), os.path.join(tdir, "step-1"),
-               cold_cache=cold)
+        record(
+            "load resident",
+            lambda: load(os.path.join(tdir, "step-1"), state),
+            os.path.join(tdir, "step-1"),
+            cold_cache=cold,
+        )
         check("load resident")
     if go("load plain") and saved("save plain"):
         zero_state()
@@ -234,8 +252,9 @@ def _worker(rank: int, world: int, store: str, args, root: str, json_path: str) 
     if args.device == "cuda":
         os.environ.update(NO_MULTICAST)
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, init_method=f"file://{store}",
-                                device_id=torch.device("cuda", rank))
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world, init_method=f"file://{store}", device_id=torch.device("cuda", rank)
+        )
     else:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{store}")
@@ -303,9 +322,11 @@ def _rows(ranks: list[dict], cases: dict, v: dict, args, world: int) -> list[str
         cold = min(p[0] for p in per_rank)
         warm = [min(p[i] for p in per_rank) for i in range(1, len(per_rank[0]))]
         warm_txt = f"warm {min(warm):.1f}-{max(warm):.1f}" if warm else "no warm cycles"
-        rows.append(f"{lead} transition {kind} (per rank) | {role_gb:.2f}/rank | "
-                    f"{max(t[0][f'{kind}_s'] for t in tr):.3f} | {cold:.1f} (cold), {warm_txt} | - | - | "
-                    f"both ranks at once; slowest rank |")
+        rows.append(
+            f"{lead} transition {kind} (per rank) | {role_gb:.2f}/rank | "
+            f"{max(t[0][f'{kind}_s'] for t in tr):.3f} | {cold:.1f} (cold), {warm_txt} | - | - | "
+            f"both ranks at once; slowest rank |"
+        )
     for name, c in cases.items():
         if "seconds" not in c:
             rows.append(f"{lead} {name} | - | - | - | - | - | {c.get('skipped') or c.get('error')} |")
@@ -315,8 +336,10 @@ def _rows(ranks: list[dict], cases: dict, v: dict, args, world: int) -> list[str
             notes.append("page cache dropped" if c["cold_cache"] else "page cache NOT dropped (warm read)")
         if name.startswith("load"):
             notes.append("bit-exact" if c["exact"] else "NOT EXACT")
-        rows.append(f"{lead} {name} | {c['bytes'] / 1e9:.2f} | {c['seconds']:.2f} | {c['per_rank_gbps']:.2f} | "
-                    f"{c['gbps']:.2f} | {c['peak_extra'] / MiB:.1f} | {'; '.join(notes)} |")
+        rows.append(
+            f"{lead} {name} | {c['bytes'] / 1e9:.2f} | {c['seconds']:.2f} | {c['per_rank_gbps']:.2f} | "
+            f"{c['gbps']:.2f} | {c['peak_extra'] / MiB:.1f} | {'; '.join(notes)} |"
+        )
     return rows
 
 
@@ -366,8 +389,11 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         os.environ.update(NO_MULTICAST)
     v = _versions()
-    print(f"GPU {v['gpu']} x{world} | torch {v['torch']} | transformers {v['transformers']} | NCCL {v['nccl']} | "
-          f"preset {args.preset} | checkpoints under {args.dir}", flush=True)
+    print(
+        f"GPU {v['gpu']} x{world} | torch {v['torch']} | transformers {v['transformers']} | NCCL {v['nccl']} | "
+        f"preset {args.preset} | checkpoints under {args.dir}",
+        flush=True,
+    )
     root = tempfile.mkdtemp(prefix="tidal-bench-ckpt-", dir=args.dir)
     work = tempfile.mkdtemp(prefix="tidal-bench-rdzv-")
     json_path = args.json or os.path.join(work, "result.json")
@@ -378,23 +404,33 @@ def main(argv=None) -> int:
     with open(json_path) as f:
         ranks = json.load(f)
     cases = _combine(ranks, world)
-    print(f"\nmodel: {ranks[0]['model']}; role state per rank {max(r['role_bytes'] for r in ranks) / 1e9:.2f} GB; "
-          f"run {max(r['seconds'] for r in ranks):.0f} s")
+    print(
+        f"\nmodel: {ranks[0]['model']}; role state per rank {max(r['role_bytes'] for r in ranks) / 1e9:.2f} GB; "
+        f"run {max(r['seconds'] for r in ranks):.0f} s"
+    )
     for r in ranks:
         for i, t in enumerate(r["transitions"]):
-            print(f"  rank {r['rank']} cycle {i}: offload {t['offload_gbps']:.1f} GB/s ({t['offload_s']:.3f} s, "
-                  f"release {t['release_s']:.3f} s, unreleased {t['unreleased'] / MiB:.0f} MiB), "
-                  f"reload {t['reload_gbps']:.1f} GB/s ({t['reload_s']:.3f} s)")
+            print(
+                f"  rank {r['rank']} cycle {i}: offload {t['offload_gbps']:.1f} GB/s ({t['offload_s']:.3f} s, "
+                f"release {t['release_s']:.3f} s, unreleased {t['unreleased'] / MiB:.0f} MiB), "
+                f"reload {t['reload_gbps']:.1f} GB/s ({t['reload_s']:.3f} s)"
+            )
     for name, c in cases.items():
         if "seconds" in c:
-            print(f"  {name:<15} {c['bytes'] / 1e9:6.2f} GB {c['seconds']:7.2f} s {c['gbps']:6.2f} GB/s total "
-                  f"({c['per_rank_gbps']:.2f}/rank), peak extra {c['peak_extra'] / MiB:8.1f} MiB"
-                  f"{'' if c['exact'] else ', NOT EXACT'}{', ' + c['error'] if 'error' in c else ''}")
+            print(
+                f"  {name:<15} {c['bytes'] / 1e9:6.2f} GB {c['seconds']:7.2f} s {c['gbps']:6.2f} GB/s total "
+                f"({c['per_rank_gbps']:.2f}/rank), peak extra {c['peak_extra'] / MiB:8.1f} MiB"
+                f"{'' if c['exact'] else ', NOT EXACT'}{', ' + c['error'] if 'error' in c else ''}"
+            )
         else:
             print(f"  {name:<15} {c}")
     ratios = {}
-    for mine, plain in (("save resident", "save plain"), ("save offloaded", "save plain"),
-                        ("load resident", "load plain"), ("load offloaded", "load plain")):
+    for mine, plain in (
+        ("save resident", "save plain"),
+        ("save offloaded", "save plain"),
+        ("load resident", "load plain"),
+        ("load offloaded", "load plain"),
+    ):
         a, b = cases.get(mine, {}), cases.get(plain, {})
         if a.get("gbps") and b.get("gbps"):
             ratios[f"{mine} / {plain}"] = a["gbps"] / b["gbps"]

@@ -62,20 +62,36 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # benchmark the checkout, not some installed copy
 
-import torch
+import torch  # noqa: E402
 
-import tidal
-from tidal.cli.models import PRESETS, PlainQwen2Shape, build_model
-from tidal.device import host_available_bytes
+import tidal  # noqa: E402
+from tidal.cli.models import PRESETS, PlainQwen2Shape, build_model  # noqa: E402
+from tidal.device import host_available_bytes  # noqa: E402
 
 GIB = 1 << 30
 SECTION = "## CPU Adam (issue 4)"
 TARGET_OVERLAP_RATIO = 1.3
-COLUMNS = ["date", "GPU", "torch", "transformers", "CPU cores / torch threads", "host step: G params (tensors)",
-           "tidal step G/s", "tidal kernel G/s", "torch fused G/s", "tidal/fused", "DeepSpeed G/s",
-           "train: preset, batch x seq, ckpt", "fwd+bwd s", "(a) GPU AdamW s (peak GiB)",
-           "(b) CPUAdam overlap s (peak GiB)", "(c) CPUAdam no overlap s (peak GiB)", "(b)/(a)", "(c)/(a)",
-           "loss finite"]
+COLUMNS = [
+    "date",
+    "GPU",
+    "torch",
+    "transformers",
+    "CPU cores / torch threads",
+    "host step: G params (tensors)",
+    "tidal step G/s",
+    "tidal kernel G/s",
+    "torch fused G/s",
+    "tidal/fused",
+    "DeepSpeed G/s",
+    "train: preset, batch x seq, ckpt",
+    "fwd+bwd s",
+    "(a) GPU AdamW s (peak GiB)",
+    "(b) CPUAdam overlap s (peak GiB)",
+    "(c) CPUAdam no overlap s (peak GiB)",
+    "(b)/(a)",
+    "(c)/(a)",
+    "loss finite",
+]
 INTRO = """\
 Written by `python benchmarks/bench_cpu_adam.py --results ...`. Host step: one optimizer step
 over fp32 CPU params with the tensor shapes of the named preset (fp32 grads, master weights and
@@ -117,13 +133,26 @@ def environment(device: torch.device | None) -> dict:
     except AttributeError:
         affinity = os.cpu_count()
     gpu = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else None
-    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": tf,
-            "python": platform.python_version(), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
-            "cpu_affinity": affinity, "torch_threads": torch.get_num_threads()}
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": tf,
+        "python": platform.python_version(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
-def _median_times(fn: Callable[[], object], warmup: int, steps: int, before: Callable[[], None] | None = None,
-                  sync: Callable[[], None] | None = None) -> list[float]:
+def _median_times(
+    fn: Callable[[], object],
+    warmup: int,
+    steps: int,
+    before: Callable[[], None] | None = None,
+    sync: Callable[[], None] | None = None,
+) -> list[float]:
     """Wall seconds of ``steps`` calls of ``fn`` after ``warmup`` untimed ones; ``before`` runs
     untimed ahead of every call, ``sync`` right before each clock read."""
     times = []
@@ -212,9 +241,21 @@ def bench_tidal(src: HostTensors, args) -> tuple[dict, dict]:
 
     def kernel() -> None:  # what CPUAdam._update runs for one group
         torch._foreach_add_(steps, 1)
-        torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], steps, lr=float(g["lr"]),
-                            beta1=g["betas"][0], beta2=g["betas"][1], weight_decay=g["weight_decay"],
-                            eps=g["eps"], amsgrad=False, maximize=False)
+        torch._fused_adamw_(
+            masters,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            lr=float(g["lr"]),
+            beta1=g["betas"][0],
+            beta2=g["betas"][1],
+            weight_decay=g["weight_decay"],
+            eps=g["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
 
     kern = {"seconds": _median_times(kernel, args.throughput_warmup, args.throughput_steps)}
     bad = sum(int(not torch.isfinite(m).all()) for m in masters)
@@ -265,14 +306,24 @@ def run_throughput(args) -> dict:
     need = 32 * n
     avail = host_available_bytes()
     if need > avail:
-        raise SystemExit(f"part 1 needs ~{need / GIB:.1f} GiB of host memory for {n / 1e9:.3f} G params, "
-                         f"{avail / GIB:.1f} GiB is available: lower --throughput-params")
-    log(f"[1] host optimizer step: {n / 1e9:.4f} G params in {len(shapes)} tensors ({args.shapes} shapes, largest "
-        f"{max(math.prod(s) for s in shapes) / 1e6:.1f} M), making the tensors ...")
+        raise SystemExit(
+            f"part 1 needs ~{need / GIB:.1f} GiB of host memory for {n / 1e9:.3f} G params, "
+            f"{avail / GIB:.1f} GiB is available: lower --throughput-params"
+        )
+    log(
+        f"[1] host optimizer step: {n / 1e9:.4f} G params in {len(shapes)} tensors ({args.shapes} shapes, largest "
+        f"{max(math.prod(s) for s in shapes) / 1e6:.1f} M), making the tensors ..."
+    )
     t0 = time.perf_counter()
     src = HostTensors(shapes, args.seed)
-    res = {"params": n, "tensors": len(shapes), "shapes": args.shapes, "make_s": time.perf_counter() - t0,
-           "warmup": args.throughput_warmup, "steps": args.throughput_steps}
+    res = {
+        "params": n,
+        "tensors": len(shapes),
+        "shapes": args.shapes,
+        "make_s": time.perf_counter() - t0,
+        "warmup": args.throughput_warmup,
+        "steps": args.throughput_steps,
+    }
     log("    tidal CPUAdam.step() and its kernel ...")
     res["tidal_step"], res["tidal_kernel"] = bench_tidal(src, args)
     log("    torch AdamW(fused=True) ...")
@@ -360,8 +411,15 @@ def _train_steps(kind: str, args, device: torch.device, batch: torch.Tensor) -> 
     res["peak_bytes"] = torch.cuda.max_memory_allocated(device)
     if times:
         vals = [float(x) for x in losses]
-        res.update(seconds=times, median_s=statistics.median(times), min_s=min(times), max_s=max(times),
-                   loss_first=vals[0], loss_last=vals[-1], finite=all(math.isfinite(v) for v in vals))
+        res.update(
+            seconds=times,
+            median_s=statistics.median(times),
+            min_s=min(times),
+            max_s=max(times),
+            loss_first=vals[0],
+            loss_last=vals[-1],
+            finite=all(math.isfinite(v) for v in vals),
+        )
     return res, (weakref.ref(opt) if opt is not None else None)
 
 
@@ -369,8 +427,15 @@ def run_train(args, device: torch.device) -> dict:
     p = PRESETS[args.preset]
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     batch = torch.randint(0, p.vocab, (args.batch, args.seq), device=device, generator=gen)
-    res = {"preset": args.preset, "batch": args.batch, "seq": args.seq, "grad_ckpt": args.grad_ckpt,
-           "steps": args.steps, "warmup": args.warmup, "variants": {}}
+    res = {
+        "preset": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "grad_ckpt": args.grad_ckpt,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "variants": {},
+    }
     for kind in RUN_ORDER:
         log(f"[2] {VARIANTS[kind]} ...")
         r = train_variant(kind, args, device, batch)
@@ -379,8 +444,10 @@ def run_train(args, device: torch.device) -> dict:
             res["skipped"] = f"transformers is not importable: {r['model_impl']} has no forward"
             return res
         if "median_s" in r:
-            log(f"    median {r['median_s']:.4f} s, peak {r['peak_bytes'] / GIB:.2f} GiB, "
-                f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}")
+            log(
+                f"    median {r['median_s']:.4f} s, peak {r['peak_bytes'] / GIB:.2f} GiB, "
+                f"loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}"
+            )
         else:
             log(f"    {r.get('error')}")
     v = res["variants"]
@@ -394,30 +461,44 @@ def run_train(args, device: torch.device) -> dict:
 # ---- output ------------------------------------------------------------------------------------------
 def format_report(r: dict) -> str:
     e = r["env"]
-    L = [(f"GPU     {e['gpu'] or 'none (' + r['device'] + ')'}   torch {e['torch']}  CUDA {e['cuda'] or '-'}  "
-          f"transformers {e['transformers'] or 'not installed'}  python {e['python']}"),
-         f"CPU     {e['cpu']}: {e['cpu_count']} cores ({e['cpu_affinity']} usable), torch threads {e['torch_threads']}",
-         ""]
+    L = [
+        (
+            f"GPU     {e['gpu'] or 'none (' + r['device'] + ')'}   torch {e['torch']}  CUDA {e['cuda'] or '-'}  "
+            f"transformers {e['transformers'] or 'not installed'}  python {e['python']}"
+        ),
+        f"CPU     {e['cpu']}: {e['cpu_count']} cores ({e['cpu_affinity']} usable), torch threads {e['torch_threads']}",
+        "",
+    ]
     t = r.get("throughput")
     if t is None:
         L.append("[1] host optimizer step: skipped (--skip-throughput)")
     else:
-        L.append(f"[1] host optimizer step: {t['params'] / 1e9:.4f} G params in {t['tensors']} tensors ({t['shapes']} "
-                 f"shapes), fp32 params/grads/master/moments, median of {t['steps']} after {t['warmup']} warm-up")
+        L.append(
+            f"[1] host optimizer step: {t['params'] / 1e9:.4f} G params in {t['tensors']} tensors ({t['shapes']} "
+            f"shapes), fp32 params/grads/master/moments, median of {t['steps']} after {t['warmup']} warm-up"
+        )
         L.append(f"    {'':<52}{'median s':>10}{'G params/s':>12}{'x torch fused':>15}")
-        rows = [("tidal CPUAdam.step()", t["tidal_step"]),
-                ("tidal update kernel (torch._fused_adamw_ call)", t["tidal_kernel"]),
-                ("torch AdamW(fused=True).step()", t["torch_fused"]),
-                ("DeepSpeedCPUAdam.step()" + (f" {t['deepspeed']['version']}" if "version" in t["deepspeed"] else ""),
-                 t["deepspeed"])]
+        rows = [
+            ("tidal CPUAdam.step()", t["tidal_step"]),
+            ("tidal update kernel (torch._fused_adamw_ call)", t["tidal_kernel"]),
+            ("torch AdamW(fused=True).step()", t["torch_fused"]),
+            (
+                "DeepSpeedCPUAdam.step()" + (f" {t['deepspeed']['version']}" if "version" in t["deepspeed"] else ""),
+                t["deepspeed"],
+            ),
+        ]
         for label, d in rows:
             if "unavailable" in d:
                 L.append(f"    {label:<52}{d['unavailable']}")
             else:
-                L.append(f"    {label:<52}{d['median_s']:>10.4f}{d['gparams_s']:>12.3f}{_f(d.get('vs_fused')):>15}"
-                         + ("" if d.get("finite", True) else "   NON-FINITE RESULT"))
-        L.append(f"    tidal/torch fused = {t['tidal_step']['vs_fused']:.3f}; CPUAdam construction (master copies, "
-                 f"state allocation) {t['tidal_step']['setup_s']:.2f} s, once")
+                L.append(
+                    f"    {label:<52}{d['median_s']:>10.4f}{d['gparams_s']:>12.3f}{_f(d.get('vs_fused')):>15}"
+                    + ("" if d.get("finite", True) else "   NON-FINITE RESULT")
+                )
+        L.append(
+            f"    tidal/torch fused = {t['tidal_step']['vs_fused']:.3f}; CPUAdam construction (master copies, "
+            f"state allocation) {t['tidal_step']['setup_s']:.2f} s, once"
+        )
     L.append("")
     tr = r.get("train")
     if tr is None or "not_run" in tr:
@@ -425,14 +506,18 @@ def format_report(r: dict) -> str:
         return "\n".join(L)
     v = tr["variants"]
     impl = next(iter(v.values())).get("model_impl", "?")
-    L.append(f"[2] train step on {r['device']}: {tr['preset']} ({impl}, {next(iter(v.values()))['params'] / 1e9:.3f} G "
-             f"params, bf16), batch {tr['batch']} x {tr['seq']}, gradient checkpointing "
-             f"{'on' if tr['grad_ckpt'] else 'off'}, median of {tr['steps']} after {tr['warmup']} warm-up")
+    L.append(
+        f"[2] train step on {r['device']}: {tr['preset']} ({impl}, {next(iter(v.values()))['params'] / 1e9:.3f} G "
+        f"params, bf16), batch {tr['batch']} x {tr['seq']}, gradient checkpointing "
+        f"{'on' if tr['grad_ckpt'] else 'off'}, median of {tr['steps']} after {tr['warmup']} warm-up"
+    )
     if "skipped" in tr:
         L.append(f"    skipped: {tr['skipped']}")
         return "\n".join(L)
-    L.append(f"    {'':<52}{'median s':>10}{'min':>8}{'max':>8}{'tokens/s':>10}{'peak GiB':>10}{'x (a)':>8}"
-             f"{'loss first -> last':>22}")
+    L.append(
+        f"    {'':<52}{'median s':>10}{'min':>8}{'max':>8}{'tokens/s':>10}{'peak GiB':>10}{'x (a)':>8}"
+        f"{'loss first -> last':>22}"
+    )
     tokens = tr["batch"] * tr["seq"]
     for kind in ("fwd_bwd", "gpu_adamw", "tidal_overlap", "tidal_plain"):
         d = v[kind]
@@ -441,8 +526,10 @@ def format_report(r: dict) -> str:
             continue
         ratio = 1.0 if kind == "gpu_adamw" else d.get("vs_gpu_adamw")
         loss = f"{d['loss_first']:.4f} -> {d['loss_last']:.4f}" + ("" if d["finite"] else " NOT FINITE")
-        L.append(f"    {VARIANTS[kind]:<52}{d['median_s']:>10.4f}{d['min_s']:>8.3f}{d['max_s']:>8.3f}"
-                 f"{tokens / d['median_s']:>10.0f}{d['peak_bytes'] / GIB:>10.2f}{_f(ratio, '.3f'):>8}{loss:>22}")
+        L.append(
+            f"    {VARIANTS[kind]:<52}{d['median_s']:>10.4f}{d['min_s']:>8.3f}{d['max_s']:>8.3f}"
+            f"{tokens / d['median_s']:>10.0f}{d['peak_bytes'] / GIB:>10.2f}{_f(ratio, '.3f'):>8}{loss:>22}"
+        )
     b, c = v["tidal_overlap"].get("vs_gpu_adamw"), v["tidal_plain"].get("vs_gpu_adamw")
     verdict = "-" if b is None else ("ok" if b <= TARGET_OVERLAP_RATIO else "MISSED")
     L.append(f"    (b)/(a) = {_f(b)} (target <= {TARGET_OVERLAP_RATIO}: {verdict});  (c)/(a) = {_f(c)}")
@@ -451,8 +538,10 @@ def format_report(r: dict) -> str:
     for kind in RUN_ORDER:
         d = v[kind]
         if d["left_bytes"] > (256 << 20) or d["opt_freed"] is False:  # small: cuBLAS workspaces etc.
-            L.append(f"    note: after {VARIANTS[kind]} was deleted, {d['left_bytes'] / 2**20:.0f} MiB stayed allocated "
-                     f"on the device; optimizer object freed: {d['opt_freed']}")
+            L.append(
+                f"    note: after {VARIANTS[kind]} was deleted, {d['left_bytes'] / 2**20:.0f} MiB stayed allocated "
+                f"on the device; optimizer object freed: {d['opt_freed']}"
+            )
     return "\n".join(L)
 
 
@@ -462,13 +551,24 @@ def result_cells(r: dict) -> list[str]:
     def gs(d):
         return d["unavailable"] if "unavailable" in d else f"{d['gparams_s']:.3f}"
 
-    cells = [r["date"][:16].replace("T", " "), e["gpu"] or f"none ({r['device']})", e["torch"],
-             e["transformers"] or "-", f"{e['cpu_affinity']} / {e['torch_threads']}"]
+    cells = [
+        r["date"][:16].replace("T", " "),
+        e["gpu"] or f"none ({r['device']})",
+        e["torch"],
+        e["transformers"] or "-",
+        f"{e['cpu_affinity']} / {e['torch_threads']}",
+    ]
     if t is None:
         cells += ["-"] * 6
     else:
-        cells += [f"{t['params'] / 1e9:.3f} ({t['tensors']}, {t['shapes']})", gs(t["tidal_step"]), gs(t["tidal_kernel"]),
-                  gs(t["torch_fused"]), f"{t['tidal_step']['vs_fused']:.3f}", gs(t["deepspeed"])]
+        cells += [
+            f"{t['params'] / 1e9:.3f} ({t['tensors']}, {t['shapes']})",
+            gs(t["tidal_step"]),
+            gs(t["tidal_kernel"]),
+            gs(t["torch_fused"]),
+            f"{t['tidal_step']['vs_fused']:.3f}",
+            gs(t["deepspeed"]),
+        ]
     if tr is None or "not_run" in tr or "skipped" in tr:
         why = (tr or {}).get("not_run") or (tr or {}).get("skipped") or "-"
         cells += [f"skipped: {why}"] + ["-"] * 7
@@ -480,10 +580,16 @@ def result_cells(r: dict) -> list[str]:
             return d.get("error", "-") if "median_s" not in d else f"{d['median_s']:.3f} ({d['peak_bytes'] / GIB:.1f})"
 
         finite = all(d.get("finite", False) for d in v.values())
-        cells += [f"{tr['preset']}, {tr['batch']} x {tr['seq']}, {'ckpt' if tr['grad_ckpt'] else 'no ckpt'}",
-                  _f(v["fwd_bwd"].get("median_s")), st("gpu_adamw"), st("tidal_overlap"), st("tidal_plain"),
-                  _f(v["tidal_overlap"].get("vs_gpu_adamw")), _f(v["tidal_plain"].get("vs_gpu_adamw")),
-                  "yes" if finite else "NO"]
+        cells += [
+            f"{tr['preset']}, {tr['batch']} x {tr['seq']}, {'ckpt' if tr['grad_ckpt'] else 'no ckpt'}",
+            _f(v["fwd_bwd"].get("median_s")),
+            st("gpu_adamw"),
+            st("tidal_overlap"),
+            st("tidal_plain"),
+            _f(v["tidal_overlap"].get("vs_gpu_adamw")),
+            _f(v["tidal_plain"].get("vs_gpu_adamw")),
+            "yes" if finite else "NO",
+        ]
     return [c.replace("|", "/").replace("\n", " ") for c in cells]
 
 
@@ -510,7 +616,9 @@ def append_results(path: str, r: dict) -> None:
             at = end
             while at > start + 1 and not lines[at - 1].strip():
                 at -= 1
-            lines[at:at] = ["\n" if lines[at - 1].strip() else "", header, sep, row] + (["\n"] if at < len(lines) and lines[at].strip() else [])
+            lines[at:at] = ["\n" if lines[at - 1].strip() else "", header, sep, row] + (
+                ["\n"] if at < len(lines) and lines[at].strip() else []
+            )
         else:
             last = hdr
             while last + 1 < end and lines[last + 1].startswith("|"):
@@ -524,12 +632,21 @@ def append_results(path: str, r: dict) -> None:
 
 # ---- main -----------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="device of the train step (default: cuda when available)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device of the train step (default: cuda when available)",
+    )
     ap.add_argument("--preset", default="qwen2-1.5b", choices=sorted(PRESETS), help="model of the train step")
-    ap.add_argument("--shapes", default=None, choices=sorted(PRESETS),
-                    help="preset whose tensor shapes the host step uses (default: --preset)")
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        choices=sorted(PRESETS),
+        help="preset whose tensor shapes the host step uses (default: --preset)",
+    )
     ap.add_argument("--throughput-params", type=float, default=1.5e9, help="params in the host step (default 1.5e9)")
     ap.add_argument("--throughput-steps", type=int, default=5, help="timed host steps (median)")
     ap.add_argument("--throughput-warmup", type=int, default=1, help="untimed host steps first")
@@ -541,8 +658,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the train step")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"),
-                    help="markdown file to add a row to (default benchmarks/RESULTS.md)")
+    ap.add_argument(
+        "--results",
+        default=os.path.join(ROOT, "benchmarks", "RESULTS.md"),
+        help="markdown file to add a row to (default benchmarks/RESULTS.md)",
+    )
     ap.add_argument("--no-results", action="store_true", help="write no row")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
@@ -561,14 +681,19 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda" and torch.cuda.is_available()
     if cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    r = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(device),
-         "env": environment(device if cuda else None)}
+    r = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": str(device),
+        "env": environment(device if cuda else None),
+    }
     r["throughput"] = None if args.skip_throughput else run_throughput(args)
     if args.skip_train:
         r["train"] = {"not_run": "--skip-train"}
     elif not cuda:
-        r["train"] = {"not_run": f"needs a CUDA device; device is {args.device!r}"
-                                 + ("" if torch.cuda.is_available() else " and torch sees no CUDA")}
+        r["train"] = {
+            "not_run": f"needs a CUDA device; device is {args.device!r}"
+            + ("" if torch.cuda.is_available() else " and torch sees no CUDA")
+        }
     else:
         r["train"] = run_train(args, device)
     log("")

@@ -55,6 +55,7 @@ def log(msg: str) -> None:
 
 # ---- one run, in its own process ------------------------------------------------------------
 
+
 def engine_state(engine) -> dict[str, torch.Tensor]:
     """The engine's state tensors by DeepSpeed's attribute names, looked up afresh (DeepSpeed's
     own offload replaces ``.data`` and rebuilds views)."""
@@ -141,15 +142,22 @@ def run_one(args) -> dict:
 
             opt = FusedAdam(model.parameters(), lr=1e-5)
         except Exception as e:  # noqa: BLE001 - a JIT build failure means "not available here"
-            res["unavailable"] = (f"DeepSpeed's ZeRO-3 offload_states needs its FusedAdam, which did not build "
-                                  f"here: {type(e).__name__}: {str(e)[:300]}")
+            res["unavailable"] = (
+                f"DeepSpeed's ZeRO-3 offload_states needs its FusedAdam, which did not build "
+                f"here: {type(e).__name__}: {str(e)[:300]}"
+            )
             return res
         res["optimizer"] = "deepspeed FusedAdam"
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         res["optimizer"] = "torch AdamW"
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": args.stage}, "steps_per_print": 10**9}
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": args.stage},
+        "steps_per_print": 10**9,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     vocab = PRESETS[args.preset].vocab
     losses = [train_step(engine, args.batch, args.seq, vocab, s) for s in range(2)]
@@ -158,8 +166,10 @@ def run_one(args) -> dict:
     res["line"] = line_rate(device)
     res["state_bytes"] = deepspeed_state_bytes(engine)
     res["scratch_bytes"] = sum(  # ZeRO-3's reduce bucket: moved by tidal, dropped by DeepSpeed
-        b.buffer.numel() * b.buffer.element_size() for b in getattr(engine.optimizer, "ipg_buckets", {}).values()
-        if isinstance(getattr(b, "buffer", None), torch.Tensor))
+        b.buffer.numel() * b.buffer.element_size()
+        for b in getattr(engine.optimizer, "ipg_buckets", {}).values()
+        if isinstance(getattr(b, "buffer", None), torch.Tensor)
+    )
     reference = StateReference(engine_state(engine), mode="fingerprint")
     rss0 = host_rss_bytes()
     t0 = time.perf_counter()
@@ -183,10 +193,20 @@ def run_one(args) -> dict:
         free2 = ops.driver_free_bytes()[0]
         if i == 0:
             res["host_rss_added_bytes"] = host_rss_bytes() - rss0
-        cycles.append({"out_bytes": out.bytes_out, "in_bytes": back.bytes_in, "out_wall_s": out_wall,
-                       "in_wall_s": in_wall, "out_copy_s": out.seconds, "in_copy_s": back.seconds,
-                       "driver_gained_bytes": free1 - free0, "driver_returned_bytes": free1 - free2,
-                       "alloc_left_bytes": alloc1, "alloc_freed_bytes": alloc0 - alloc1})
+        cycles.append(
+            {
+                "out_bytes": out.bytes_out,
+                "in_bytes": back.bytes_in,
+                "out_wall_s": out_wall,
+                "in_wall_s": in_wall,
+                "out_copy_s": out.seconds,
+                "in_copy_s": back.seconds,
+                "driver_gained_bytes": free1 - free0,
+                "driver_returned_bytes": free1 - free2,
+                "alloc_left_bytes": alloc1,
+                "alloc_freed_bytes": alloc0 - alloc1,
+            }
+        )
     res["cycles"] = cycles
     bad = reference.mismatches(engine_state(engine))
     res["bit_exact"] = not bad
@@ -199,6 +219,7 @@ def run_one(args) -> dict:
 
 # ---- summary --------------------------------------------------------------------------------
 
+
 def _cold_warm(cycles: list[dict], key: str) -> tuple[float, float]:
     vals = [c[key] for c in cycles]
     return vals[0], statistics.median(vals[1:])  # main() insists on >= 2 cycles
@@ -210,27 +231,39 @@ def summarize(r: dict) -> dict:
     in_cold, in_warm = _cold_warm(c, "in_wall_s")
     moved_out = statistics.median(x["out_bytes"] for x in c)
     moved_in = statistics.median(x["in_bytes"] for x in c)
-    return {"out_cold_s": out_cold, "out_warm_s": out_warm, "in_cold_s": in_cold, "in_warm_s": in_warm,
-            "out_bytes": moved_out, "in_bytes": moved_in,
-            "out_warm_gbps": moved_out / out_warm / GB, "in_warm_gbps": moved_in / in_warm / GB,
-            "out_cold_gbps": moved_out / out_cold / GB, "in_cold_gbps": moved_in / in_cold / GB,
-            "driver_gained_bytes": min(x["driver_gained_bytes"] for x in c),
-            "alloc_left_bytes": max(x["alloc_left_bytes"] for x in c)}
+    return {
+        "out_cold_s": out_cold,
+        "out_warm_s": out_warm,
+        "in_cold_s": in_cold,
+        "in_warm_s": in_warm,
+        "out_bytes": moved_out,
+        "in_bytes": moved_in,
+        "out_warm_gbps": moved_out / out_warm / GB,
+        "in_warm_gbps": moved_in / in_warm / GB,
+        "out_cold_gbps": moved_out / out_cold / GB,
+        "in_cold_gbps": moved_in / in_cold / GB,
+        "driver_gained_bytes": min(x["driver_gained_bytes"] for x in c),
+        "alloc_left_bytes": max(x["alloc_left_bytes"] for x in c),
+    }
 
 
 def print_table(runs: list[dict]) -> None:
-    log("\nstage via        state GB  out GB  offload cold/warm s (warm GB/s)  in GB  reload cold/warm s "
-        "(warm GB/s)  driver +GB  left MB  host +GB  bit-exact")
+    log(
+        "\nstage via        state GB  out GB  offload cold/warm s (warm GB/s)  in GB  reload cold/warm s "
+        "(warm GB/s)  driver +GB  left MB  host +GB  bit-exact"
+    )
     for r in runs:
         if "unavailable" in r or "error" in r:
             log(f"{r['stage']:>5} {r['via']:<10} {r.get('unavailable') or r.get('error')}")
             continue
         s = r["summary"]
-        log(f"{r['stage']:>5} {r['via']:<10} {r['state_bytes'] / GB:8.2f} {s['out_bytes'] / GB:7.2f}  "
+        log(
+            f"{r['stage']:>5} {r['via']:<10} {r['state_bytes'] / GB:8.2f} {s['out_bytes'] / GB:7.2f}  "
             f"{s['out_cold_s']:7.3f} / {s['out_warm_s']:6.3f} ({s['out_warm_gbps']:5.1f})      "
             f"{s['in_bytes'] / GB:6.2f}  {s['in_cold_s']:7.3f} / {s['in_warm_s']:6.3f} ({s['in_warm_gbps']:5.1f})    "
             f"{s['driver_gained_bytes'] / GB:9.2f}  {s['alloc_left_bytes'] / 2**20:7.1f}  "
-            f"{r.get('host_rss_added_bytes', 0) / GB:7.2f}  {'yes' if r['bit_exact'] else 'NO ' + str(r['mismatches'][:3])}")
+            f"{r.get('host_rss_added_bytes', 0) / GB:7.2f}  {'yes' if r['bit_exact'] else 'NO ' + str(r['mismatches'][:3])}"
+        )
     by_stage: dict[int, dict[str, dict]] = {}
     for r in runs:
         if "summary" in r:
@@ -238,10 +271,12 @@ def print_table(runs: list[dict]) -> None:
     for stage, d in sorted(by_stage.items()):
         if len(d) == 2:
             t, ds = d["tidal"]["summary"], d["deepspeed"]["summary"]
-            log(f"stage {stage}: DeepSpeed / tidal wall time, warm: offload {ds['out_warm_s'] / t['out_warm_s']:.2f}x, "
+            log(
+                f"stage {stage}: DeepSpeed / tidal wall time, warm: offload {ds['out_warm_s'] / t['out_warm_s']:.2f}x, "
                 f"reload {ds['in_warm_s'] / t['in_warm_s']:.2f}x; cold: offload {ds['out_cold_s'] / t['out_cold_s']:.2f}x, "
                 f"reload {ds['in_cold_s'] / t['in_cold_s']:.2f}x (tidal moved {d['tidal']['scratch_bytes'] / GB:.2f} GB "
-                f"of scratch bucket DeepSpeed drops)")
+                f"of scratch bucket DeepSpeed drops)"
+            )
 
 
 def main(argv=None) -> int:
@@ -272,8 +307,14 @@ def main(argv=None) -> int:
         return 0
     import importlib.metadata as md
 
-    env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "preset": args.preset, "batch": args.batch, "seq": args.seq, "cycles": args.cycles}
+    env = {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "cycles": args.cycles,
+    }
     for pkg in ("deepspeed", "transformers"):
         try:
             env[pkg] = md.version(pkg)
@@ -290,9 +331,29 @@ def main(argv=None) -> int:
             for via in args.vias.split(","):
                 port += 1
                 path = os.path.join(d, f"s{stage}_{via}.json")
-                cmd = [sys.executable, os.path.abspath(__file__), "--one", "--stage", str(stage), "--via", via,
-                       "--port", str(port), "--preset", args.preset, "--cycles", str(args.cycles),
-                       "--batch", str(args.batch), "--seq", str(args.seq), "--device", args.device, "--out", path]
+                cmd = [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--one",
+                    "--stage",
+                    str(stage),
+                    "--via",
+                    via,
+                    "--port",
+                    str(port),
+                    "--preset",
+                    args.preset,
+                    "--cycles",
+                    str(args.cycles),
+                    "--batch",
+                    str(args.batch),
+                    "--seq",
+                    str(args.seq),
+                    "--device",
+                    args.device,
+                    "--out",
+                    path,
+                ]
                 log(f"\n-- ZeRO-{stage} via {via}")
                 t0 = time.perf_counter()
                 rc = subprocess.call(cmd, cwd=ROOT)
@@ -303,16 +364,23 @@ def main(argv=None) -> int:
                     r = json.load(f)
                 if "cycles" in r:
                     r["summary"] = summarize(r)
-                    line = (f"line D2H/H2D {r['line']['d2h_gbps']:.1f}/{r['line']['h2d_gbps']:.1f} GB/s"
-                            if r["line"] else "no line rate on CPU")
-                    log(f"   state {r['state_bytes'] / GB:.2f} GB (scratch {r['scratch_bytes'] / GB:.2f} GB), {line}, setup "
+                    line = (
+                        f"line D2H/H2D {r['line']['d2h_gbps']:.1f}/{r['line']['h2d_gbps']:.1f} GB/s"
+                        if r["line"]
+                        else "no line rate on CPU"
+                    )
+                    log(
+                        f"   state {r['state_bytes'] / GB:.2f} GB (scratch {r['scratch_bytes'] / GB:.2f} GB), {line}, setup "
                         f"{r['setup_seconds']:.2f} s, bit-exact {r['bit_exact']}, losses {r['losses']}, "
-                        f"{time.perf_counter() - t0:.0f} s in all")
+                        f"{time.perf_counter() - t0:.0f} s in all"
+                    )
                     for i, c in enumerate(r["cycles"]):
-                        log(f"   cycle {i}: out {c['out_bytes'] / GB:.2f} GB in {c['out_wall_s']:.3f} s (copies "
+                        log(
+                            f"   cycle {i}: out {c['out_bytes'] / GB:.2f} GB in {c['out_wall_s']:.3f} s (copies "
                             f"{c['out_copy_s']:.3f} s), driver +{c['driver_gained_bytes'] / GB:.2f} GB, "
                             f"{c['alloc_left_bytes'] / 2**20:.1f} MiB left; in {c['in_bytes'] / GB:.2f} GB in "
-                            f"{c['in_wall_s']:.3f} s (copies {c['in_copy_s']:.3f} s)")
+                            f"{c['in_wall_s']:.3f} s (copies {c['in_copy_s']:.3f} s)"
+                        )
                 else:
                     log(f"   {r.get('unavailable')}")
                 runs.append(r)

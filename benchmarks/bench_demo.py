@@ -33,10 +33,25 @@ CONFIGS = {
     # name: overrides of the GPU defaults of tidal demo
     "demo": {},
     "demo-adamw": {"optimizer": "adamw"},
-    "cal-1.5b-cpu-adam-ckpt": {"preset": "qwen2-1.5b", "digits": 64, "prompts": 16, "group": 8, "micro_batch": 16,
-                               "grad_ckpt": True, "lr": 5e-5},
-    "cal-1.5b-adamw-ckpt": {"preset": "qwen2-1.5b", "optimizer": "adamw", "digits": 64, "prompts": 32,
-                            "group": 8, "micro_batch": 32, "grad_ckpt": True, "lr": 5e-5},
+    "cal-1.5b-cpu-adam-ckpt": {
+        "preset": "qwen2-1.5b",
+        "digits": 64,
+        "prompts": 16,
+        "group": 8,
+        "micro_batch": 16,
+        "grad_ckpt": True,
+        "lr": 5e-5,
+    },
+    "cal-1.5b-adamw-ckpt": {
+        "preset": "qwen2-1.5b",
+        "optimizer": "adamw",
+        "digits": 64,
+        "prompts": 32,
+        "group": 8,
+        "micro_batch": 32,
+        "grad_ckpt": True,
+        "lr": 5e-5,
+    },
     "cal-0.5b-long": {"preset": "qwen2-0.5b", "digits": 32, "prompts": 32, "group": 8, "micro_batch": 32},
 }
 PHASES = ("rollout", "reference", "train")
@@ -51,16 +66,28 @@ def prediction(s: DemoSettings) -> dict[str, int]:
     train phase (AdamW: fused, its state streamed in a chunk at a time during step(); CPUAdam: gradients
     stream out during backward, at most its default 512 MiB of copies pending)."""
     return predict_phases(
-        s.preset, param_dtype=_DTYPES[s.dtype],
+        s.preset,
+        param_dtype=_DTYPES[s.dtype],
         optimizer="cpu_adam" if s.optimizer == "cpu_adam" else "adamw_offload",
         adamw_foreach=False,  # the trainer uses the fused AdamW on a GPU
-        prompts=s.prompts, group=s.group, prompt_len=s.digits + 2, gen_len=s.digits,
-        micro_batch=s.micro_batch, padding_mask=False, logprob_span="completion",
-        grad_ckpt=s.grad_ckpt, timeshare=True, lora_rank=s.lora_rank,
+        prompts=s.prompts,
+        group=s.group,
+        prompt_len=s.digits + 2,
+        gen_len=s.digits,
+        micro_batch=s.micro_batch,
+        padding_mask=False,
+        logprob_span="completion",
+        grad_ckpt=s.grad_ckpt,
+        timeshare=True,
+        lora_rank=s.lora_rank,
         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-        completion_logits=True, action_vocab=10, keep_logits=False,  # logits_to_keep=answer+1, 10 digit ids
-        sampling="own", sampling_fp32_buffers=3,  # the digit slice in fp32, / temperature, softmax
-        repeat_kv_in_decode=False, step_in_train=True,
+        completion_logits=True,
+        action_vocab=10,
+        keep_logits=False,  # logits_to_keep=answer+1, 10 digit ids
+        sampling="own",
+        sampling_fp32_buffers=3,  # the digit slice in fp32, / temperature, softmax
+        repeat_kv_in_decode=False,
+        step_in_train=True,
         # AdamW: the timeshare streams its state in during step() (optimizer_residency="stream",
         # TimeshareConfig.optimizer_chunk_bytes' default)
         optim_stream_chunk_bytes=256 << 20 if s.optimizer != "cpu_adam" else None,
@@ -69,8 +96,12 @@ def prediction(s: DemoSettings) -> dict[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="+", default=["demo", "demo-adamw", "cal-0.5b-long", "cal-1.5b-cpu-adam-ckpt", "cal-1.5b-adamw-ckpt"],
-                    choices=sorted(CONFIGS))
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=["demo", "demo-adamw", "cal-0.5b-long", "cal-1.5b-cpu-adam-ckpt", "cal-1.5b-adamw-ckpt"],
+        choices=sorted(CONFIGS),
+    )
     ap.add_argument("--steps", type=int, default=30, help="steps of the demo run")
     ap.add_argument("--cal-steps", type=int, default=6, help="steps of the other runs")
     ap.add_argument("--baseline-steps", type=int, default=1)
@@ -114,19 +145,26 @@ def main() -> int:
                 f.write("# Benchmark results\n")
             f.write(f"\n<!-- bench_demo {datetime.date.today()} | {gpu} | {versions} -->\n")
             for name, s, ph, pred, meas, summ in rows:
-                f.write(f"| {gpu} | {name}: {s.preset} {s.dtype} {s.optimizer}{' +ckpt' if s.grad_ckpt else ''}, "
-                        f"{s.prompts}x{s.group} seqs of {2 * s.digits + 2} tokens, micro {s.micro_batch} | {ph} | "
-                        f"{pred / 2**30:.3f} | {meas / 2**30:.3f} | {pred / meas:.3f} |\n")
+                f.write(
+                    f"| {gpu} | {name}: {s.preset} {s.dtype} {s.optimizer}{' +ckpt' if s.grad_ckpt else ''}, "
+                    f"{s.prompts}x{s.group} seqs of {2 * s.digits + 2} tokens, micro {s.micro_batch} | {ph} | "
+                    f"{pred / 2**30:.3f} | {meas / 2**30:.3f} | {pred / meas:.3f} |\n"
+                )
             for name in dict.fromkeys(r[0] for r in rows):
                 summ = next(r[5] for r in rows if r[0] == name)
                 base = ", ".join(
-                    f"{opt} {v / 2**30:.2f} GiB (ratio {summ['peak_timeshare_bytes'] / v:.2f})" if isinstance(v, int)
-                    else f"{opt} {v}" for opt, v in summ["peak_all_resident_by_optimizer"].items())
-                f.write(f"<!-- demo {name}: step {summ['step_seconds']:.3f} s, transitions "
-                        f"{100 * summ['transition_fraction']:.1f}%, peak timeshare "
-                        f"{summ['peak_timeshare_bytes'] / 2**30:.2f} GiB; all resident: {base}; reward "
-                        f"{summ['reward_first']:.3f} -> {summ['reward_last']:.3f}; rollout left "
-                        f"{summ['rollout_left_allocated_bytes']} B; max unreleased {summ['max_unreleased_bytes']} B -->\n")
+                    f"{opt} {v / 2**30:.2f} GiB (ratio {summ['peak_timeshare_bytes'] / v:.2f})"
+                    if isinstance(v, int)
+                    else f"{opt} {v}"
+                    for opt, v in summ["peak_all_resident_by_optimizer"].items()
+                )
+                f.write(
+                    f"<!-- demo {name}: step {summ['step_seconds']:.3f} s, transitions "
+                    f"{100 * summ['transition_fraction']:.1f}%, peak timeshare "
+                    f"{summ['peak_timeshare_bytes'] / 2**30:.2f} GiB; all resident: {base}; reward "
+                    f"{summ['reward_first']:.3f} -> {summ['reward_last']:.3f}; rollout left "
+                    f"{summ['rollout_left_allocated_bytes']} B; max unreleased {summ['max_unreleased_bytes']} B -->\n"
+                )
         print(f"rows appended to {args.results}")
     return 0
 

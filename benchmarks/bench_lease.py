@@ -101,8 +101,10 @@ def cross_process(layers: int, turns: int, hold_s: float, skip: int) -> dict:
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(len(ROLES))
     with tempfile.TemporaryDirectory() as d, LeaseServer(ttl_s=60.0) as server:
-        procs = [ctx.Process(target=_worker, args=(r, server.address, layers, turns, hold_s, barrier,
-                                                   os.path.join(d, r))) for r in ROLES]
+        procs = [
+            ctx.Process(target=_worker, args=(r, server.address, layers, turns, hold_s, barrier, os.path.join(d, r)))
+            for r in ROLES
+        ]
         for p in procs:
             p.start()
         end = time.monotonic() + 300
@@ -123,9 +125,15 @@ def cross_process(layers: int, turns: int, hold_s: float, skip: int) -> dict:
         assert nxt["granted"] >= prev["offloaded"], "two holders at once"
         if prev["role"] == nxt["role"] or nxt["after"] != prev["ticket"]:
             continue  # not a hand-over between processes (or an untimed turn came between)
-        hand.append({"total": nxt["loaded"] - prev["leave"], "offload": prev["offloaded"] - prev["leave"],
-                     "grant": nxt["granted"] - prev["offloaded"], "reload": nxt["loaded"] - nxt["granted"],
-                     "bytes": prev["bytes_out"] + nxt["bytes_in"]})
+        hand.append(
+            {
+                "total": nxt["loaded"] - prev["leave"],
+                "offload": prev["offloaded"] - prev["leave"],
+                "grant": nxt["granted"] - prev["offloaded"],
+                "reload": nxt["loaded"] - nxt["granted"],
+                "bytes": prev["bytes_out"] + nxt["bytes_in"],
+            }
+        )
     if len(hand) <= skip:
         raise SystemExit(f"only {len(hand)} hand-overs between processes; raise --turns")
     warm = hand[skip:]
@@ -156,13 +164,17 @@ def in_process(layers: int, turns: int, skip: int) -> dict:
         out = ts.offload_all()
         rec = ts.load(nxt)
         torch.cuda.synchronize()
-        seq.append({"total": time.monotonic() - t0, "bytes": (out.bytes_out if out else 0) + (rec.bytes_in if rec else 0)})
+        seq.append(
+            {"total": time.monotonic() - t0, "bytes": (out.bytes_out if out else 0) + (rec.bytes_in if rec else 0)}
+        )
     role_bytes = ts.role_bytes(ROLES[0])
     ts.close()
-    return {"role_bytes": role_bytes,
-            "switch": {k: statistics.median(s[k] for s in switch[skip:]) for k in ("total", "bytes")},
-            "switch_first": switch[0]["total"],
-            "sequential": {k: statistics.median(s[k] for s in seq[skip:]) for k in ("total", "bytes")}}
+    return {
+        "role_bytes": role_bytes,
+        "switch": {k: statistics.median(s[k] for s in switch[skip:]) for k in ("total", "bytes")},
+        "switch_first": switch[0]["total"],
+        "sequential": {k: statistics.median(s[k] for s in seq[skip:]) for k in ("total", "bytes")},
+    }
 
 
 def _gbps(b: float, s: float) -> float:
@@ -174,7 +186,9 @@ def append_row(path: str, gpu: str, versions: str, cross: dict, local: dict, lay
     heads = [line for line in text.splitlines() if line.startswith("## ")]
     with open(path, "a") as f:
         if not heads or heads[-1] != SECTION:
-            f.write(("\n" if text and not text.endswith("\n\n") else "") + f"""{SECTION}
+            f.write(
+                ("\n" if text and not text.endswith("\n\n") else "")
+                + f"""{SECTION}
 
 Two roles of equal size (fp32 Linear {WIDTH}x{WIDTH} layers with grads and AdamW state, all of it
 moving with the role). Cross-process: each role in its own process and `Timeshare`, taking turns
@@ -188,13 +202,16 @@ Command: `python benchmarks/bench_lease.py --results benchmarks/RESULTS.md`.
 
 | date | GPU | versions | role state GB | hand-over s (offload / grant / reload) | hand-over GB/s | first hand-over s | in-process switch s | switch GB/s | in-process sequential s | sequential GB/s | ratio cross / switch | ratio cross / sequential |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|
-""")
+"""
+            )
         m, sw, sq = cross["median"], local["switch"], local["sequential"]
-        f.write(f"| {datetime.datetime.now():%Y-%m-%d %H:%M} | {gpu} | {versions} | {cross['role_bytes'] / 1e9:.2f} "
-                f"({layers} layers) | {m['total']:.4f} ({m['offload']:.4f} / {m['grant']:.4f} / {m['reload']:.4f}) | "
-                f"{_gbps(m['bytes'], m['total']):.1f} | {cross['first']['total']:.4f} | {sw['total']:.4f} | "
-                f"{_gbps(sw['bytes'], sw['total']):.1f} | {sq['total']:.4f} | {_gbps(sq['bytes'], sq['total']):.1f} | "
-                f"{m['total'] / sw['total']:.2f} | {m['total'] / sq['total']:.2f} |\n")
+        f.write(
+            f"| {datetime.datetime.now():%Y-%m-%d %H:%M} | {gpu} | {versions} | {cross['role_bytes'] / 1e9:.2f} "
+            f"({layers} layers) | {m['total']:.4f} ({m['offload']:.4f} / {m['grant']:.4f} / {m['reload']:.4f}) | "
+            f"{_gbps(m['bytes'], m['total']):.1f} | {cross['first']['total']:.4f} | {sw['total']:.4f} | "
+            f"{_gbps(sw['bytes'], sw['total']):.1f} | {sq['total']:.4f} | {_gbps(sq['bytes'], sq['total']):.1f} | "
+            f"{m['total'] / sw['total']:.2f} | {m['total'] / sq['total']:.2f} |\n"
+        )
 
 
 def main(argv=None) -> int:
@@ -216,17 +233,25 @@ def main(argv=None) -> int:
     local = in_process(layers, args.turns, args.skip)
     m, f0, sw, sq = cross["median"], cross["first"], local["switch"], local["sequential"]
     print(f"role state: {cross['role_bytes'] / 1e9:.3f} GB each (in-process {local['role_bytes'] / 1e9:.3f} GB)")
-    print(f"cross-process hand-over (median of {cross['count']}): {m['total']:.4f} s = offload {m['offload']:.4f} "
-          f"+ grant {m['grant']:.4f} + reload {m['reload']:.4f}; {m['bytes'] / 1e9:.3f} GB moved, "
-          f"{_gbps(m['bytes'], m['total']):.1f} GB/s (offload {_gbps(m['bytes'] / 2, m['offload']):.1f}, "
-          f"reload {_gbps(m['bytes'] / 2, m['reload']):.1f})")
-    print(f"  first hand-over: {f0['total']:.4f} s (offload {f0['offload']:.4f}, grant {f0['grant']:.4f}, "
-          f"reload {f0['reload']:.4f})")
-    print(f"in-process switch (ts.use, overlapped): {sw['total']:.4f} s, {sw['bytes'] / 1e9:.3f} GB, "
-          f"{_gbps(sw['bytes'], sw['total']):.1f} GB/s (first {local['switch_first']:.4f} s)")
+    print(
+        f"cross-process hand-over (median of {cross['count']}): {m['total']:.4f} s = offload {m['offload']:.4f} "
+        f"+ grant {m['grant']:.4f} + reload {m['reload']:.4f}; {m['bytes'] / 1e9:.3f} GB moved, "
+        f"{_gbps(m['bytes'], m['total']):.1f} GB/s (offload {_gbps(m['bytes'] / 2, m['offload']):.1f}, "
+        f"reload {_gbps(m['bytes'] / 2, m['reload']):.1f})"
+    )
+    print(
+        f"  first hand-over: {f0['total']:.4f} s (offload {f0['offload']:.4f}, grant {f0['grant']:.4f}, "
+        f"reload {f0['reload']:.4f})"
+    )
+    print(
+        f"in-process switch (ts.use, overlapped): {sw['total']:.4f} s, {sw['bytes'] / 1e9:.3f} GB, "
+        f"{_gbps(sw['bytes'], sw['total']):.1f} GB/s (first {local['switch_first']:.4f} s)"
+    )
     print(f"in-process sequential (offload_all, load): {sq['total']:.4f} s, {_gbps(sq['bytes'], sq['total']):.1f} GB/s")
-    print(f"ratio cross-process / in-process switch: {m['total'] / sw['total']:.2f}; "
-          f"/ in-process sequential: {m['total'] / sq['total']:.2f}")
+    print(
+        f"ratio cross-process / in-process switch: {m['total'] / sw['total']:.2f}; "
+        f"/ in-process sequential: {m['total'] / sq['total']:.2f}"
+    )
     if args.results:
         append_row(args.results, gpu, versions, cross, local, layers)
         print(f"row appended to {args.results} ({SECTION})")

@@ -29,8 +29,22 @@ def run_preset(preset: str, device: str, warm_iters: int, results: str, json_dir
     """Run one preset in a fresh process; its output streams through. Returns its figures,
     or None if it was skipped for lack of room."""
     json_path = os.path.join(json_dir, f"bench_{preset}.json")
-    cmd = [sys.executable, "-m", "tidal", "bench", "--preset", preset, "--device", device,
-           "--warm-iters", str(warm_iters), "--results", results, "--json", json_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tidal",
+        "bench",
+        "--preset",
+        preset,
+        "--device",
+        device,
+        "--warm-iters",
+        str(warm_iters),
+        "--results",
+        results,
+        "--json",
+        json_path,
+    ]
     print(f"\n$ {' '.join(cmd)}", flush=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     rc = subprocess.call(cmd, cwd=ROOT, env=env)
@@ -46,14 +60,23 @@ def summary(preset: str, r: dict | None) -> str:
     if r is None:
         return f"{preset:<11} skipped: no room on the device or host"
     t, ln, sw, a = r["tidal"], r["line_rate"], r["switch"], r["anchor"]
-    parts = [f"{preset:<11} {t['bytes'] / 1e9:6.2f} GB",
-             f"line D2H/H2D/bidir {ln['d2h_gbps']:.1f}/{ln['h2d_gbps']:.1f}/{ln['bidir_gbps']:.1f}"]
+    parts = [
+        f"{preset:<11} {t['bytes'] / 1e9:6.2f} GB",
+        f"line D2H/H2D/bidir {ln['d2h_gbps']:.1f}/{ln['h2d_gbps']:.1f}/{ln['bidir_gbps']:.1f}",
+    ]
     if "skipped" not in a:
-        parts.append(f"anchor out {a['offload_cold_gbps']:.1f}/{a.get('offload_warm_gbps', 0):.1f} "
-                     f"in {a['reload_cold_gbps']:.1f}/{a.get('reload_warm_gbps', 0):.1f}")
-    parts.append("tidal x line out {:.3f}/{:.3f} in {:.3f}/{:.3f}".format(
-        t["offload_cold_vs_line"], t.get("offload_warm_vs_line", float("nan")),
-        t["reload_cold_vs_line"], t.get("reload_warm_vs_line", float("nan"))))
+        parts.append(
+            f"anchor out {a['offload_cold_gbps']:.1f}/{a.get('offload_warm_gbps', 0):.1f} "
+            f"in {a['reload_cold_gbps']:.1f}/{a.get('reload_warm_gbps', 0):.1f}"
+        )
+    parts.append(
+        "tidal x line out {:.3f}/{:.3f} in {:.3f}/{:.3f}".format(
+            t["offload_cold_vs_line"],
+            t.get("offload_warm_vs_line", float("nan")),
+            t["reload_cold_vs_line"],
+            t.get("reload_warm_vs_line", float("nan")),
+        )
+    )
     parts.append(f"switch/seq {sw['ratio']:.3f}" if "ratio" in sw else "switch skipped")
     parts.append(f"host {r['memory']['host_ratio']:.3f}x")
     gap = r["memory"]["free_gap_max_bytes"]

@@ -60,16 +60,22 @@ def bench_verify(model, opt, cycles: int, line: dict) -> dict:
             offs.append(_sync_time(lambda: ts.offload("actor")))
             ins.append(_sync_time(lambda: ts.load("actor")))
         ts.close()
-        r = {"bytes": nbytes, "offload_cold_gbps": nbytes / offs[0] / 1e9, "reload_cold_gbps": nbytes / ins[0] / 1e9,
-             "offload_warm_gbps": nbytes / statistics.median(offs[1:]) / 1e9,
-             "reload_warm_gbps": nbytes / statistics.median(ins[1:]) / 1e9}
+        r = {
+            "bytes": nbytes,
+            "offload_cold_gbps": nbytes / offs[0] / 1e9,
+            "reload_cold_gbps": nbytes / ins[0] / 1e9,
+            "offload_warm_gbps": nbytes / statistics.median(offs[1:]) / 1e9,
+            "reload_warm_gbps": nbytes / statistics.median(ins[1:]) / 1e9,
+        }
         r["offload_warm_vs_line"] = r["offload_warm_gbps"] / line["d2h_gbps"]
         r["reload_warm_vs_line"] = r["reload_warm_gbps"] / line["h2d_gbps"]
         out[mode] = r
-        print(f"  verify={mode:<8} {nbytes / 1e9:.2f} GB  offload cold/warm {r['offload_cold_gbps']:.1f}/"
-              f"{r['offload_warm_gbps']:.1f} GB/s ({r['offload_warm_vs_line']:.3f} of line)  reload cold/warm "
-              f"{r['reload_cold_gbps']:.1f}/{r['reload_warm_gbps']:.1f} GB/s ({r['reload_warm_vs_line']:.3f} of line)",
-              flush=True)
+        print(
+            f"  verify={mode:<8} {nbytes / 1e9:.2f} GB  offload cold/warm {r['offload_cold_gbps']:.1f}/"
+            f"{r['offload_warm_gbps']:.1f} GB/s ({r['offload_warm_vs_line']:.3f} of line)  reload cold/warm "
+            f"{r['reload_cold_gbps']:.1f}/{r['reload_warm_gbps']:.1f} GB/s ({r['reload_warm_vs_line']:.3f} of line)",
+            flush=True,
+        )
     for mode in ("sampled", "full"):
         for d in ("offload", "reload"):
             out[mode][f"{d}_vs_off"] = out[mode][f"{d}_warm_gbps"] / out["off"][f"{d}_warm_gbps"]
@@ -114,10 +120,19 @@ def bench_strict(model, steps: int = 5, ops_n: int = 3000) -> dict:
 
     plain_step, strict_step = step_time(False), step_time(True)
     model.zero_grad(set_to_none=True)
-    r = {"op_us": plain_op * 1e6, "op_strict_us": strict_op * 1e6, "op_extra_us": (strict_op - plain_op) * 1e6,
-         "step_s": plain_step, "step_strict_s": strict_step, "step_ratio": strict_step / plain_step}
-    print(f"  strict access: small op {r['op_us']:.1f} -> {r['op_strict_us']:.1f} us (+{r['op_extra_us']:.1f} us/op); "
-          f"fwd+bwd {plain_step * 1e3:.1f} -> {strict_step * 1e3:.1f} ms ({r['step_ratio']:.2f}x)", flush=True)
+    r = {
+        "op_us": plain_op * 1e6,
+        "op_strict_us": strict_op * 1e6,
+        "op_extra_us": (strict_op - plain_op) * 1e6,
+        "step_s": plain_step,
+        "step_strict_s": strict_step,
+        "step_ratio": strict_step / plain_step,
+    }
+    print(
+        f"  strict access: small op {r['op_us']:.1f} -> {r['op_strict_us']:.1f} us (+{r['op_extra_us']:.1f} us/op); "
+        f"fwd+bwd {plain_step * 1e3:.1f} -> {strict_step * 1e3:.1f} ms ({r['step_ratio']:.2f}x)",
+        flush=True,
+    )
     return r
 
 
@@ -125,21 +140,33 @@ def append_rows(path: str, env: dict, preset: str, line: dict, v: dict, s: dict)
     date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     gpu = env["device_name"]
     vers = f"torch {env['torch']}, transformers {env['transformers']}"
-    rows = ["", f"### Reliability (issue 12): verified restore and strict access, {preset} + AdamW, {date}", "",
-            "| date | GPU | versions | verify | GB moved | offload warm GB/s | x line | x verify=off | "
-            "reload warm GB/s | x line | x verify=off | digest alone GB/s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "",
+        f"### Reliability (issue 12): verified restore and strict access, {preset} + AdamW, {date}",
+        "",
+        "| date | GPU | versions | verify | GB moved | offload warm GB/s | x line | x verify=off | "
+        "reload warm GB/s | x line | x verify=off | digest alone GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for mode in ("off", "sampled", "full"):
         r = v[mode]
-        rows.append(f"| {date} | {gpu} | {vers} | {mode} | {r['bytes'] / 1e9:.2f} | {r['offload_warm_gbps']:.1f} | "
-                    f"{r['offload_warm_vs_line']:.3f} | {r.get('offload_vs_off', 1.0):.3f} | "
-                    f"{r['reload_warm_gbps']:.1f} | {r['reload_warm_vs_line']:.3f} | {r.get('reload_vs_off', 1.0):.3f} | "
-                    f"{v['digest_full_gbps']:.0f} |")
-    rows += ["", f"Line rate in the same run: D2H {line['d2h_gbps']:.1f}, H2D {line['h2d_gbps']:.1f} GB/s.", "",
-             "| date | GPU | versions | small op us | with strict_access us | extra us/op | fwd+bwd ms | "
-             "with strict_access ms | ratio |", "|---|---|---|---|---|---|---|---|---|",
-             f"| {date} | {gpu} | {vers} | {s['op_us']:.1f} | {s['op_strict_us']:.1f} | {s['op_extra_us']:.1f} | "
-             f"{s['step_s'] * 1e3:.1f} | {s['step_strict_s'] * 1e3:.1f} | {s['step_ratio']:.2f} |", ""]
+        rows.append(
+            f"| {date} | {gpu} | {vers} | {mode} | {r['bytes'] / 1e9:.2f} | {r['offload_warm_gbps']:.1f} | "
+            f"{r['offload_warm_vs_line']:.3f} | {r.get('offload_vs_off', 1.0):.3f} | "
+            f"{r['reload_warm_gbps']:.1f} | {r['reload_warm_vs_line']:.3f} | {r.get('reload_vs_off', 1.0):.3f} | "
+            f"{v['digest_full_gbps']:.0f} |"
+        )
+    rows += [
+        "",
+        f"Line rate in the same run: D2H {line['d2h_gbps']:.1f}, H2D {line['h2d_gbps']:.1f} GB/s.",
+        "",
+        "| date | GPU | versions | small op us | with strict_access us | extra us/op | fwd+bwd ms | "
+        "with strict_access ms | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {date} | {gpu} | {vers} | {s['op_us']:.1f} | {s['op_strict_us']:.1f} | {s['op_extra_us']:.1f} | "
+        f"{s['step_s'] * 1e3:.1f} | {s['step_strict_s'] * 1e3:.1f} | {s['step_ratio']:.2f} |",
+        "",
+    ]
     with open(path, "a") as f:
         f.write("\n".join(rows) + "\n")
 

@@ -21,8 +21,21 @@ def kernel_rate(n: int) -> float:
 
     def run() -> float:
         t0 = time.perf_counter()
-        torch._fused_adamw_([p], [g], [m], [v], [], [s], lr=1e-3, beta1=0.9, beta2=0.999,
-                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        torch._fused_adamw_(
+            [p],
+            [g],
+            [m],
+            [v],
+            [],
+            [s],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.01,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
         return n / (time.perf_counter() - t0) / 1e9
 
     run()
@@ -70,10 +83,13 @@ def main() -> None:
                 last_host[n] = t
             elif e == "updated":
                 upd_time += t - last_host.get(n, t)
-        print(f"iter {it}: fwd {t_fwd - t0:.3f}s bwd {t_bwd - t_fwd:.3f}s drain {t_ctx - t_bwd:.3f}s "
-              f"step {t_end - t_ctx:.3f}s | total {t_end - t0:.3f}s | updated before bwd end "
-              f"{before / max(total, 1):.0%} of {total / 1e9:.2f} G params | last grad on host "
-              f"{on_host_last - t_bwd:+.3f}s vs bwd end | worker busy updating {upd_time:.3f}s", flush=True)
+        print(
+            f"iter {it}: fwd {t_fwd - t0:.3f}s bwd {t_bwd - t_fwd:.3f}s drain {t_ctx - t_bwd:.3f}s "
+            f"step {t_end - t_ctx:.3f}s | total {t_end - t0:.3f}s | updated before bwd end "
+            f"{before / max(total, 1):.0%} of {total / 1e9:.2f} G params | last grad on host "
+            f"{on_host_last - t_bwd:+.3f}s vs bwd end | worker busy updating {upd_time:.3f}s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,11 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 def _frames(block: dict, keep: int = 6) -> str:
     frames = block.get("frames") or []
-    picked = [f for f in frames if "tidal" in f.get("filename", "") or "fsdp" in f.get("filename", "")
-              or "distributed" in f.get("filename", "")][:keep] or frames[:keep]
+    picked = [
+        f
+        for f in frames
+        if "tidal" in f.get("filename", "") or "fsdp" in f.get("filename", "") or "distributed" in f.get("filename", "")
+    ][:keep] or frames[:keep]
     return " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in picked)
 
 
@@ -41,21 +44,28 @@ def _report(rank: int, label: str) -> None:
         if active:
             held.append((seg["total_size"], seg.get("stream", 0), active))
     free, total = torch.cuda.mem_get_info()
-    print(f"[rank {rank}] {label}: allocated {torch.cuda.memory_allocated() / MiB:.0f} MiB, reserved "
-          f"{torch.cuda.memory_reserved() / MiB:.0f} MiB, driver used {(total - free) / MiB:.0f} MiB; "
-          f"{len(held)} segments hold active blocks", flush=True)
+    print(
+        f"[rank {rank}] {label}: allocated {torch.cuda.memory_allocated() / MiB:.0f} MiB, reserved "
+        f"{torch.cuda.memory_reserved() / MiB:.0f} MiB, driver used {(total - free) / MiB:.0f} MiB; "
+        f"{len(held)} segments hold active blocks",
+        flush=True,
+    )
     for size, stream, active in sorted(held, key=lambda h: -h[0])[:8]:
         act = sum(b["size"] for b in active)
-        print(f"[rank {rank}]   segment {size / MiB:.1f} MiB (stream {stream}): {len(active)} active blocks, "
-              f"{act / MiB:.2f} MiB; largest {max(b['size'] for b in active) / MiB:.2f} MiB from "
-              f"{_frames(max(active, key=lambda b: b['size']))}", flush=True)
+        print(
+            f"[rank {rank}]   segment {size / MiB:.1f} MiB (stream {stream}): {len(active)} active blocks, "
+            f"{act / MiB:.2f} MiB; largest {max(b['size'] for b in active) / MiB:.2f} MiB from "
+            f"{_frames(max(active, key=lambda b: b['size']))}",
+            flush=True,
+        )
 
 
 def _run(rank: int, world: int, store: str, preset: str, cycles: int) -> None:
     torch.cuda.set_device(rank)
     os.environ.update(NO_MULTICAST)  # kept off on the lent machines (shared NVLink fabric)
-    dist.init_process_group("nccl", rank=rank, world_size=world, init_method=f"file://{store}",
-                            device_id=torch.device("cuda", rank))
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=world, init_method=f"file://{store}", device_id=torch.device("cuda", rank)
+    )
     import tidal
     from tidal.cli.models import build_model
     from tidal.distributed import shard_model
@@ -64,8 +74,12 @@ def _run(rank: int, world: int, store: str, preset: str, cycles: int) -> None:
     torch.cuda.memory._record_memory_history(max_entries=200000)
     device = f"cuda:{rank}"
     model, _ = build_model(preset, device=device, dtype=torch.float32, seed=0)
-    shard_model(model, zero_stage=3, layers=model.model.layers,
-                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    shard_model(
+        model,
+        zero_stage=3,
+        layers=model.model.layers,
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (1, 128), device=device)
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -76,14 +90,18 @@ def _run(rank: int, world: int, store: str, preset: str, cycles: int) -> None:
     torch.cuda.empty_cache()
     _report(rank, "after one train step")
     for coalesce in (True, False):
-        ts = tidal.Timeshare(device, config=tidal.TimeshareConfig(
-            transfer=tidal.TransferConfig(coalesce_allocations=coalesce)))
+        ts = tidal.Timeshare(
+            device, config=tidal.TimeshareConfig(transfer=tidal.TransferConfig(coalesce_allocations=coalesce))
+        )
         ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
         for cycle in range(cycles):
             dist.barrier()
             out = ts.offload("actor")
-            _report(rank, f"coalesce={coalesce} cycle {cycle} after offload (unreleased "
-                          f"{out.unreleased_bytes / MiB:.0f} MiB of {out.bytes_out / MiB:.0f} MiB out)")
+            _report(
+                rank,
+                f"coalesce={coalesce} cycle {cycle} after offload (unreleased "
+                f"{out.unreleased_bytes / MiB:.0f} MiB of {out.bytes_out / MiB:.0f} MiB out)",
+            )
             dist.barrier()
             ts.load("actor")
             _report(rank, f"coalesce={coalesce} cycle {cycle} after reload")

@@ -17,8 +17,9 @@ def main() -> None:
     model, _ = build_model(preset, device=dev)
     opt = make_adamw_state(model)
     for coalesce, release in ((True, True), (False, True), (True, False), (False, False)):
-        ts = tidal.Timeshare(dev, config=tidal.TimeshareConfig(
-            transfer=tidal.TransferConfig(coalesce_allocations=coalesce)))
+        ts = tidal.Timeshare(
+            dev, config=tidal.TimeshareConfig(transfer=tidal.TransferConfig(coalesce_allocations=coalesce))
+        )
         if not release:  # ceiling: the allocator keeps the blocks, the driver maps nothing
             ts.ops.empty_cache = lambda: None
         ts.add_role("a", model=model, optimizer=opt, optimizer_residency="role")
@@ -27,9 +28,12 @@ def main() -> None:
             t0 = time.perf_counter()
             rec = ts.load("a")
             wall = time.perf_counter() - t0
-            print(f"coalesce={coalesce} release={release} cycle {cycle}: offload {out.gbps:5.1f} GB/s release {out.release_seconds*1e3:5.1f} ms | "
-                  f"reload {rec.gbps:5.1f} GB/s copy {rec.seconds*1e3:6.1f} ms wall {wall*1e3:6.1f} ms "
-                  f"alloc {ts.store.last_move.alloc_seconds*1e3:6.1f} ms segments {ts.store.last_move.segments}", flush=True)
+            print(
+                f"coalesce={coalesce} release={release} cycle {cycle}: offload {out.gbps:5.1f} GB/s release {out.release_seconds * 1e3:5.1f} ms | "
+                f"reload {rec.gbps:5.1f} GB/s copy {rec.seconds * 1e3:6.1f} ms wall {wall * 1e3:6.1f} ms "
+                f"alloc {ts.store.last_move.alloc_seconds * 1e3:6.1f} ms segments {ts.store.last_move.segments}",
+                flush=True,
+            )
         ts.close()
         torch.cuda.empty_cache()
 

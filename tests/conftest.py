@@ -35,4 +35,5 @@ def pytest_terminal_summary(terminalreporter):
         faults = sum(f for _, _, f in SWEPT)
         terminalreporter.write_line(
             f"fault sweep: {len(SWEPT)} sweeps, {points} instrumented points, "
-            f"{faults} faults injected (KeyboardInterrupt and RuntimeError at each)")
+            f"{faults} faults injected (KeyboardInterrupt and RuntimeError at each)"
+        )

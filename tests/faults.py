@@ -29,8 +29,13 @@ EXCEPTIONS: tuple[type[BaseException], ...] = (KeyboardInterrupt, RuntimeError)
 SWEPT: list[tuple[str, int, int]] = []
 
 
-def sweep(make: Callable[[], Any], act: Callable[[Any], None], check: Callable[[Any, str | None], None], *,
-          exceptions: tuple[type[BaseException], ...] = EXCEPTIONS) -> list[str]:
+def sweep(
+    make: Callable[[], Any],
+    act: Callable[[Any], None],
+    check: Callable[[Any, str | None], None],
+    *,
+    exceptions: tuple[type[BaseException], ...] = EXCEPTIONS,
+) -> list[str]:
     """Run the sweep; returns the names of the points covered (one per call of the clean run)."""
     state = make()
     with use_sync_policy(CountPoints()) as counter:
@@ -89,8 +94,12 @@ def assert_consistent(ts, modules, optimizers) -> None:
     small = ts.config.min_offload_bytes  # smaller storages never move
     for role_name in ts.roles:
         role = ts.role(role_name)
-        held = [t for m in role.modules for t in list(m.parameters()) + list(m.buffers())
-                if t.numel() > 0 and not 0 < t.untyped_storage().nbytes() < small]
+        held = [
+            t
+            for m in role.modules
+            for t in list(m.parameters()) + list(m.buffers())
+            if t.numel() > 0 and not 0 < t.untyped_storage().nbytes() < small
+        ]
         out = [t.untyped_storage().nbytes() == 0 for t in held]
         if role.resident:
             assert not any(out), f"role {role_name} is flagged resident but has tensors on the host"

@@ -15,8 +15,13 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
-                          nn.Linear(4 * hidden, hidden), nn.Dropout(dropout))
+            nn.Sequential(
+                nn.LayerNorm(hidden),
+                nn.Linear(hidden, 4 * hidden),
+                nn.GELU(),
+                nn.Linear(4 * hidden, hidden),
+                nn.Dropout(dropout),
+            )
             for _ in range(layers)
         )
         self.head = nn.Linear(hidden, vocab, bias=False)
@@ -66,8 +71,10 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         # Compare bytes, so NaN payloads and -0.0 count too.
-        assert torch.equal(a[k].reshape(-1).view(torch.uint8) if a[k].dtype != torch.bool else a[k],
-                           b[k].reshape(-1).view(torch.uint8) if b[k].dtype != torch.bool else b[k]), k
+        assert torch.equal(
+            a[k].reshape(-1).view(torch.uint8) if a[k].dtype != torch.bool else a[k],
+            b[k].reshape(-1).view(torch.uint8) if b[k].dtype != torch.bool else b[k],
+        ), k
 
 
 def make_trained(device: str = "cpu", seed: int = 0, **opt_kwargs):

@@ -109,8 +109,7 @@ class DeviceOps:
                 dev = torch.device(dev.type, module.current_device())
             if dev.index >= module.device_count():
                 raise ValueError(
-                    f"device {str(dev)!r} does not exist: {module.device_count()} {dev.type} "
-                    f"device(s) are visible"
+                    f"device {str(dev)!r} does not exist: {module.device_count()} {dev.type} device(s) are visible"
                 )
             self.module: Any = module
         else:

@@ -113,8 +113,9 @@ class MemoryTimeline:
         tl = cls(ops)
         t0 = min(d["t0"] for d in dumps.values())
         tl._t0 = t0
-        events = sorted(((d["t0"] - t0 + s["t"], name, s) for name, d in dumps.items() for s in d["samples"]),
-                        key=lambda e: e[0])
+        events = sorted(
+            ((d["t0"] - t0 + s["t"], name, s) for name, d in dumps.items() for s in d["samples"]), key=lambda e: e[0]
+        )
         latest: dict[str, int] = {}
         for t, name, s in events:
             latest[name] = s["allocated"]
@@ -142,8 +143,7 @@ class MemoryTimeline:
             for e in extra:
                 f.write(json.dumps(e, default=str) + "\n")
 
-    def plot(self, path: str, *, title: str = "", last_steps: int = 3,
-             rewards: list[float] | None = None) -> None:
+    def plot(self, path: str, *, title: str = "", last_steps: int = 3, rewards: list[float] | None = None) -> None:
         """Draw the timeline to a PNG (needs matplotlib: ``pip install tidal[demo]``).
 
         The top panel shows memory over the last ``last_steps`` steps (phases shaded,
@@ -152,6 +152,7 @@ class MemoryTimeline:
         """
         try:
             import matplotlib  # noqa: PLC0415 (optional dependency)
+
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt  # noqa: PLC0415
             from matplotlib.patches import Patch  # noqa: PLC0415
@@ -173,11 +174,24 @@ class MemoryTimeline:
             ax.axvspan(p.start_s - t_lo, p.end_s - t_lo, color=_COLORS.get(p.name, "#dddddd"), alpha=0.35, lw=0)
         t = [x["t"] - t_lo for x in samples]
         alloc_label = "allocated (torch)" if self.ops.is_accelerator else "role state on the device"
-        ax.plot(t, [x["allocated"] / scale for x in samples], color="#023047", lw=1.4, label=alloc_label,
-                drawstyle="steps-post")
+        ax.plot(
+            t,
+            [x["allocated"] / scale for x in samples],
+            color="#023047",
+            lw=1.4,
+            label=alloc_label,
+            drawstyle="steps-post",
+        )
         if self.ops.is_accelerator:
-            ax.plot(t, [x["driver_used"] / scale for x in samples], color="#d62828", lw=1.0, ls="--",
-                    drawstyle="steps-post", label="used (driver)")
+            ax.plot(
+                t,
+                [x["driver_used"] / scale for x in samples],
+                color="#d62828",
+                lw=1.0,
+                ls="--",
+                drawstyle="steps-post",
+                label="used (driver)",
+            )
         marks = [m for m in self.marks if t_lo <= m["t"] <= t_hi]
         for i, m in enumerate(marks):
             ax.axvline(m["t"] - t_lo, color="#6c757d", lw=0.8, ls=":", label="transition" if i == 0 else None)

@@ -51,8 +51,15 @@ class MixedLM(nn.Module):
     ``checkpoint=True`` wraps every block in non-reentrant ``torch.utils.checkpoint``;
     ``checkpoint="reentrant"`` in the reentrant one."""
 
-    def __init__(self, vocab: int = 96, hidden: int = 32, heads: int = 4, pairs: int = 2,
-                 dropout: float = 0.1, checkpoint: bool | str = False) -> None:
+    def __init__(
+        self,
+        vocab: int = 96,
+        hidden: int = 32,
+        heads: int = 4,
+        pairs: int = 2,
+        dropout: float = 0.1,
+        checkpoint: bool | str = False,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         blocks: list[nn.Module] = []
@@ -77,16 +84,34 @@ class MixedLM(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def tiny_qwen2(layers: int = 3, *, checkpointing: bool = False, reentrant: bool = False,
-               dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
-               attn: str = "eager", hidden: int = 64, intermediate: int = 128, vocab: int = 128):
+def tiny_qwen2(
+    layers: int = 3,
+    *,
+    checkpointing: bool = False,
+    reentrant: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+    attn: str = "eager",
+    hidden: int = 64,
+    intermediate: int = 128,
+    vocab: int = 128,
+):
     """A Qwen2 model built from a tiny config (no download), in training mode."""
     from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: PLC0415
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                      tie_word_embeddings=True, attention_dropout=0.1, max_position_embeddings=256)
+    cfg = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        attention_dropout=0.1,
+        max_position_embeddings=256,
+    )
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype).to(device)
     model.train()
     if checkpointing:

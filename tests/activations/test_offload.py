@@ -13,7 +13,11 @@ import tidal.activations as ta
 from tidal.activations import ActivationOffloadConfig, ActivationOffloader, LayerMode
 from tidal.activations.layers import RecomputePatch
 from tests.activations.models import (
-    AttnBlock, MixedLM, assert_bitwise_equal, grads_of, tiny_qwen2,
+    AttnBlock,
+    MixedLM,
+    assert_bitwise_equal,
+    grads_of,
+    tiny_qwen2,
 )
 from tests.policies import SkipWaits
 from tests.transfer.fakes import FakeAccelOps

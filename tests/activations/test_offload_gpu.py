@@ -39,14 +39,16 @@ def test_cuda_qwen2_bit_exact(checkpointing, dtype, deterministic):
     ids = torch.randint(0, 512, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
 
     def step(offload):
-        model = tiny_qwen2(4, checkpointing=checkpointing, dtype=dtype, device="cuda",
-                           hidden=256, intermediate=512, vocab=512)
+        model = tiny_qwen2(
+            4, checkpointing=checkpointing, dtype=dtype, device="cuda", hidden=256, intermediate=512, vocab=512
+        )
         torch.manual_seed(11)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if offload:
-                off = ActivationOffloader(model, layers=model.model.layers,
-                                          config=ActivationOffloadConfig(min_offload_bytes=64 << 10))
+                off = ActivationOffloader(
+                    model, layers=model.model.layers, config=ActivationOffloadConfig(min_offload_bytes=64 << 10)
+                )
                 with off:
                     loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
@@ -171,8 +173,12 @@ def race_reload_after_offload(m: GroupMover) -> bool:
 
 
 RACES = {
-    "produce": race_produce, "release": race_release, "alloc": race_alloc,
-    "consume": race_consume, "dispose": race_dispose, "reload_after_offload": race_reload_after_offload,
+    "produce": race_produce,
+    "release": race_release,
+    "alloc": race_alloc,
+    "consume": race_consume,
+    "dispose": race_dispose,
+    "reload_after_offload": race_reload_after_offload,
 }
 
 
@@ -241,7 +247,7 @@ def _torture(skip: set[str]) -> tuple[dict, dict]:
             loss = (model(x) * 1.0).sum()
         loss.backward()
         torch.cuda.synchronize()
-    assert {n[len("act_"):] for n in policy.skipped} == set(skip)
+    assert {n[len("act_") :] for n in policy.skipped} == set(skip)
     # Groups 0-2 are offloaded (the last never is); x itself is the caller's and stays.
     assert off.report().bytes_offloaded == 5 * N * 4
     return ref, grads_of(model) | {"x": x.grad.clone()}
@@ -267,7 +273,7 @@ def test_peak_within_two_group_bound():
     layers = 8
     model = nn.Sequential(*[_SlowLayer([None]) for _ in range(layers)])
     for layer in model:
-        layer.forward = (lambda self: (lambda x: torch.sin(x * self.w)))(layer)  # no sleeps
+        layer.forward = (lambda self: lambda x: torch.sin(x * self.w))(layer)  # no sleeps
     x = torch.rand(N, device="cuda", requires_grad=True)
     group = 2 * N * 4
     io = N * 4
@@ -296,15 +302,18 @@ def test_peak_within_two_group_bound():
     assert off <= bound, f"peak {off / 2**20:.0f} MiB over the two-group bound {bound / 2**20:.0f} MiB"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "measured on an H200 (2026-11-21): on this small model (8 layers, hidden 512, vocab 4096) the "
-    "plan's peak was 1044 MB against a 918 MB budget (predicted 824 MB): the memory model leaves "
-    "out the non-saved transients inside a layer's forward/backward, which here are a large part "
-    "of the peak. On the benchmark's Qwen2 1.5B / 7B shapes the prediction was within 0.1 GiB and "
-    "the budget held (benchmarks/RESULTS.md)."))
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "measured on an H200 (2026-11-21): on this small model (8 layers, hidden 512, vocab 4096) the "
+        "plan's peak was 1044 MB against a 918 MB budget (predicted 824 MB): the memory model leaves "
+        "out the non-saved transients inside a layer's forward/backward, which here are a large part "
+        "of the peak. On the benchmark's Qwen2 1.5B / 7B shapes the prediction was within 0.1 GiB and "
+        "the budget held (benchmarks/RESULTS.md)."
+    ),
+)
 def test_planner_meets_budget():
-    model = tiny_qwen2(8, device="cuda", dtype=torch.bfloat16, hidden=512, intermediate=2048,
-                       vocab=4096, attn="sdpa")
+    model = tiny_qwen2(8, device="cuda", dtype=torch.bfloat16, hidden=512, intermediate=2048, vocab=4096, attn="sdpa")
     ids = torch.randint(0, 4096, (4, 1024), device="cuda")
 
     def step(off):

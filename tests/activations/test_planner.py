@@ -11,8 +11,10 @@ GB = 1 << 30
 
 
 def _profiles(n=8, saved=GB, inp=GB // 16, fwd=0.010, bwd=0.020, grad=0):
-    return [LayerProfile(saved_bytes=saved, input_bytes=inp, forward_s=fwd, backward_s=bwd, grad_bytes=grad)
-            for _ in range(n)]
+    return [
+        LayerProfile(saved_bytes=saved, input_bytes=inp, forward_s=fwd, backward_s=bwd, grad_bytes=grad)
+        for _ in range(n)
+    ]
 
 
 def test_keep_all_is_pure_compute_and_holds_everything():
@@ -44,10 +46,15 @@ def test_recompute_pays_forward_again():
 
 
 def _plan(p, budget, rate, margin=0):
-    return plan_layers(p, budget_bytes=budget, reference_modes=[K] * len(p),
-                       reference_peak_bytes=simulate(p, [K] * len(p), d2h_bytes_per_s=rate,
-                                                     h2d_bytes_per_s=rate).memory_bytes,
-                       d2h_bytes_per_s=rate, h2d_bytes_per_s=rate, margin_bytes=margin)
+    return plan_layers(
+        p,
+        budget_bytes=budget,
+        reference_modes=[K] * len(p),
+        reference_peak_bytes=simulate(p, [K] * len(p), d2h_bytes_per_s=rate, h2d_bytes_per_s=rate).memory_bytes,
+        d2h_bytes_per_s=rate,
+        h2d_bytes_per_s=rate,
+        margin_bytes=margin,
+    )
 
 
 def test_big_budget_keeps_everything():
@@ -84,8 +91,16 @@ def test_budget_calibrated_on_reference_peak():
     static, head = 20 * GB, 3 * GB
     sim_ref = simulate(p, ref, d2h_bytes_per_s=rate, h2d_bytes_per_s=rate)
     measured = static + sim_ref.tail_resident_bytes + head
-    plan = plan_layers(p, budget_bytes=30 * GB, reference_modes=ref, reference_peak_bytes=measured,
-                       static_bytes=static, d2h_bytes_per_s=rate, h2d_bytes_per_s=rate, margin_bytes=GB // 4)
+    plan = plan_layers(
+        p,
+        budget_bytes=30 * GB,
+        reference_modes=ref,
+        reference_peak_bytes=measured,
+        static_bytes=static,
+        d2h_bytes_per_s=rate,
+        h2d_bytes_per_s=rate,
+        margin_bytes=GB // 4,
+    )
     assert plan.keep_all_peak_bytes == static + 8 * GB + head
     assert plan.predicted_peak_bytes <= 30 * GB - GB // 4
     assert plan.modes.count(K) >= 3  # only what the budget needs is moved
@@ -97,7 +112,11 @@ def test_infeasible_budget_names_the_floor():
 
 
 def test_user_checkpointed_layers_stay_recomputed():
-    p = [LayerProfile(saved_bytes=GB // 16, input_bytes=GB // 16, forward_s=0.01, backward_s=0.02,
-                      user_checkpointed=True) for _ in range(4)]
+    p = [
+        LayerProfile(
+            saved_bytes=GB // 16, input_bytes=GB // 16, forward_s=0.01, backward_s=0.02, user_checkpointed=True
+        )
+        for _ in range(4)
+    ]
     plan = _plan(p, 100 * GB, 50e9)
     assert all(m.recomputes for m in plan.modes)

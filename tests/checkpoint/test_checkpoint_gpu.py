@@ -66,8 +66,11 @@ def _save_memory_worker(rank: int, world_size: int, directory: str) -> None:
     ts.load("actor")
     for k, t in state_tensors(net, opt).items():
         assert torch.equal(t, expected[k]), f"rank {rank}: {k} after loading the offloaded save"
-    print(f"rank {rank}: save peak extra resident {resident / MiB:.2f} MiB, offloaded {offloaded / MiB:.2f} MiB; "
-          f"load {loaded / MiB:.2f} MiB; largest shard {largest / MiB:.0f} MiB", flush=True)
+    print(
+        f"rank {rank}: save peak extra resident {resident / MiB:.2f} MiB, offloaded {offloaded / MiB:.2f} MiB; "
+        f"load {loaded / MiB:.2f} MiB; largest shard {largest / MiB:.0f} MiB",
+        flush=True,
+    )
     ts.close()
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 import tidal
 from tests.distributed.multiproc import run_distributed
@@ -75,8 +74,9 @@ def _resume_worker(rank: int, world_size: int, directory: str, device: str = "cp
     # The fresh optimizer's state is created by a step and goes to the host right after it
     # (step residency): the moments load into the host copies.
     assert load_latest(directory, state2) == 3
-    assert all(local(v).untyped_storage().nbytes() == 0 for st in opt2.state.values()
-               for k, v in st.items() if k != "step")
+    assert all(
+        local(v).untyped_storage().nbytes() == 0 for st in opt2.state.values() for k, v in st.items() if k != "step"
+    )
     got_losses = _train(model2, ref2, opt2, sched2, ts2, range(3, 6), rank)
     ts2.load("actor")
     ts2.reload_optimizer_state("actor")
@@ -111,10 +111,16 @@ def test_stage3_save_load_continue_identical_with_timeshare(tmp_path):
 def test_kill_9_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
     ckpt = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.checkpoint.killed_saver", str(r),
-                               str(tmp_path / "store"), str(ckpt)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.checkpoint.killed_saver", str(r), str(tmp_path / "store"), str(ckpt)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
     try:
         deadline = time.monotonic() + 120
         tmp = ckpt / ".tmp-2"

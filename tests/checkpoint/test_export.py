@@ -31,9 +31,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 def tiny_config(tied: bool, **kw):
     # vocab 63: FSDP2 gives rank 0 32 rows of the embedding and rank 1 31 (uneven shards).
-    return transformers.Qwen2Config(vocab_size=63, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    tie_word_embeddings=tied, **kw)
+    return transformers.Qwen2Config(
+        vocab_size=63,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        **kw,
+    )
 
 
 def make_model(tied: bool, *, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -147,10 +155,18 @@ def test_export_offloaded_role_reads_host_copies_without_reload(tmp_path):
 
 
 def test_export_models_transformers_converts_warn_and_reload(tmp_path):
-    config = transformers.Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1,
-                                         shared_expert_intermediate_size=8)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        shared_expert_intermediate_size=8,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     if not any("experts" in k and "gate_up" in k for k in model.state_dict()):
@@ -266,8 +282,14 @@ def _fsdp_worker(rank: int, world_size: int, directory: str, tied: bool) -> None
     # The gloo mesh over the same ranks (used when the shards are on the host and the mesh is
     # on a GPU) gathers the same full tensor.
     gloo = export_module._Gloo()
-    again = DTensor.from_local(embed._local_tensor, gloo.mesh([0, 1]), embed.placements, shape=embed.shape,
-                               stride=embed.stride(), run_check=False)
+    again = DTensor.from_local(
+        embed._local_tensor,
+        gloo.mesh([0, 1]),
+        embed.placements,
+        shape=embed.shape,
+        stride=embed.stride(),
+        run_check=False,
+    )
     assert torch.equal(again.full_tensor(), embed.full_tensor())
     del again
     gloo.close()

@@ -27,9 +27,16 @@ SLACK = 1 * MiB
 def big_config(tied: bool):
     """Qwen2-shaped, with a 64 MiB embedding (vocab 32768 x hidden 512, fp32; even shards on
     2 ranks): the largest tensor, and large enough that a second copy would show."""
-    return transformers.Qwen2Config(vocab_size=32768, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-                                    tie_word_embeddings=tied)
+    return transformers.Qwen2Config(
+        vocab_size=32768,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
 
 
 def big_model(tied: bool, device: str):
@@ -97,10 +104,13 @@ def _nccl_worker(rank: int, world_size: int, directory: str, tied: bool) -> None
     torch.cuda.empty_cache()
 
     resident = peak_extra(export_hf, model, root / "resident", max_shard_bytes=48 * MiB)
-    print(f"rank {rank}: export peak extra {resident / MiB:.2f} MiB, largest tensor {largest / MiB:.0f} MiB",
-          flush=True)
-    assert resident <= largest + SLACK, (f"rank {rank}: exporting took {resident / MiB:.1f} MiB extra, more than "
-                                         f"the largest full tensor ({largest / MiB:.0f} MiB)")
+    print(
+        f"rank {rank}: export peak extra {resident / MiB:.2f} MiB, largest tensor {largest / MiB:.0f} MiB", flush=True
+    )
+    assert resident <= largest + SLACK, (
+        f"rank {rank}: exporting took {resident / MiB:.1f} MiB extra, more than "
+        f"the largest full tensor ({largest / MiB:.0f} MiB)"
+    )
     assert resident >= largest // 2, "the gather of the largest tensor did not show: the bound means nothing"
     save(root / "ckpt", TrainState(model), step=1)
 

@@ -17,8 +17,16 @@ import torch
 
 from tests.faults import sweep
 from tests.helpers import assert_same_state, lm_loss, make_trained, snapshot_state
-from tidal.checkpoint import (CheckpointConfig, CheckpointError, TrainState, atomic, export_hf_from_checkpoint,
-                              load, load_latest, save)
+from tidal.checkpoint import (
+    CheckpointConfig,
+    CheckpointError,
+    TrainState,
+    atomic,
+    export_hf_from_checkpoint,
+    load,
+    load_latest,
+    save,
+)
 from tidal.checkpoint.atomic import crc32_combine, file_checksums
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -211,8 +219,14 @@ def test_a_checksum_of_an_unknown_algorithm_is_an_error(tmp_path):
 
 
 # ---- a fault at every step of a save -------------------------------------------------------------
-POINTS = ["checkpoint_tmp_prepared", "checkpoint_shards_written", "checkpoint_manifest_written",
-          "checkpoint_synced", "checkpoint_renamed", "checkpoint_pointer_updated"]
+POINTS = [
+    "checkpoint_tmp_prepared",
+    "checkpoint_shards_written",
+    "checkpoint_manifest_written",
+    "checkpoint_synced",
+    "checkpoint_renamed",
+    "checkpoint_pointer_updated",
+]
 
 
 def test_a_fault_at_every_step_of_a_save_leaves_latest_complete(tmp_path):
@@ -225,8 +239,9 @@ def test_a_fault_at_every_step_of_a_save_leaves_latest_complete(tmp_path):
         save(directory, state, step=1)
         at1 = _saved(snapshot_state(model, opt))
         _train_step(model, opt, 1)  # step 2 differs from step 1, moments included
-        return types.SimpleNamespace(dir=directory, model=model, opt=opt, state=state, at1=at1,
-                                     live=snapshot_state(model, opt))
+        return types.SimpleNamespace(
+            dir=directory, model=model, opt=opt, state=state, at1=at1, live=snapshot_state(model, opt)
+        )
 
     def act(s):
         save(s.dir, s.state, step=2)

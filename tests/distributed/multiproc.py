@@ -26,8 +26,7 @@ def _entry(rank: int, world_size: int, store_file: str, backend: str, fn, args: 
     else:
         torch.set_num_threads(1)  # 2 processes on 2 cores: no oversubscription
     # A file rendezvous: no TCP port to pick, so no race with other jobs on the machine.
-    dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"file://{store_file}",
-                            **kwargs)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"file://{store_file}", **kwargs)
     try:
         fn(rank, world_size, *args)
         # FSDP2's hooks keep modules (and their gloo work) in reference cycles; collected
@@ -47,5 +46,4 @@ def run_distributed(fn, *args, world_size: int = 2, backend: str = "gloo") -> No
         for k, v in NO_MULTICAST.items():
             os.environ[k] = v
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world_size, os.path.join(d, "store"), backend, fn, args), nprocs=world_size,
-                 join=True)
+        mp.spawn(_entry, args=(world_size, os.path.join(d, "store"), backend, fn, args), nprocs=world_size, join=True)

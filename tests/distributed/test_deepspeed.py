@@ -20,13 +20,15 @@ from torch import nn
 import tidal
 from tests.distributed.multiproc import run_distributed
 
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="deepspeed is not installed (pip install 'tidal[deepspeed]')")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed (pip install 'tidal[deepspeed]')"
+)
 
 VOCAB = 63  # odd, so ZeRO's flat buffers need alignment padding (which must move too)
 
 
 # ---- helpers, imported by the spawned processes (and by test_deepspeed_gpu.py) --------------
+
 
 def import_deepspeed(rank: int, world_size: int, *, cpu: bool):
     """Import deepspeed in a worker whose process group run_distributed already set up."""
@@ -34,8 +36,9 @@ def import_deepspeed(rank: int, world_size: int, *, cpu: bool):
         os.environ["DS_ACCELERATOR"] = "cpu"  # chosen once, at import
     # DeepSpeed's init_distributed wants the launcher's variables even when torch.distributed
     # is initialised already (it then adopts that group).
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"
+    )
     import logging
 
     import deepspeed
@@ -54,8 +57,9 @@ class Net(nn.Module):
     def __init__(self, hidden: int = 24) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, hidden)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
-                                    for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)) for _ in range(2)
+        )
         self.head = nn.Linear(hidden, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -74,22 +78,28 @@ def ds_config(stage: int, *, gas: int = 1, fp32_accum: bool = False, bucket: int
         "steps_per_print": 10**9,
         # Small buckets and threshold, so the tiny model has several buckets and ZeRO-3 both
         # persistent and partitioned params.
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                              "stage3_param_persistence_threshold": 200, "stage3_prefetch_bucket_size": bucket},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "stage3_param_persistence_threshold": 200,
+            "stage3_prefetch_bucket_size": bucket,
+        },
     }
     if fp32_accum:  # at stage 1: DeepSpeed's BF16_Optimizer (fp32 gradient buffers) instead of ZeRO's
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 
 
-def make_engine(deepspeed, stage: int, *, device: str = "cpu", seed: int = 0, groups: int = 1, hidden: int = 24,
-                **kw):
+def make_engine(deepspeed, stage: int, *, device: str = "cpu", seed: int = 0, groups: int = 1, hidden: int = 24, **kw):
     torch.manual_seed(seed)
     model = Net(hidden).to(device)
     params = list(model.parameters())
     if groups == 2:  # decay / no decay, as real trainers do: two groups, two inner steps
-        param_groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": 0.01},
-                        {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+        param_groups = [
+            {"params": [p for p in params if p.ndim > 1], "weight_decay": 0.01},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        ]
     else:
         param_groups = [{"params": params}]
     opt = torch.optim.AdamW(param_groups, lr=1e-2)
@@ -121,8 +131,14 @@ def named_state(engine) -> dict[str, torch.Tensor]:
         out[f"param:{n}"] = p
         if getattr(p, "ds_tensor", None) is not None:
             out[f"ds_tensor:{n}"] = p.ds_tensor
-    for attr in ("bit16_groups_flat", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
-                 "fp32_groups", "fp32_groups_flat_partition", "fp32_groups_gradients_flat"):
+    for attr in (
+        "bit16_groups_flat",
+        "single_partition_of_fp32_groups",
+        "fp32_partitioned_groups_flat",
+        "fp32_groups",
+        "fp32_groups_flat_partition",
+        "fp32_groups_gradients_flat",
+    ):
         for i, t in enumerate(getattr(opt, attr, None) or []):
             if isinstance(t, torch.Tensor):
                 out[f"{attr}[{i}]"] = t
@@ -168,7 +184,7 @@ def without_zero3_padding(engine, snap: dict[str, torch.Tensor]) -> dict[str, to
         ds = p.ds_tensor
         valid = max(0, min(ds.numel(), p.ds_numel - rank * ds.numel()))
         off = ds.storage_offset() - lp.storage_offset()
-        pad[off + valid: off + ds.numel()] = True
+        pad[off + valid : off + ds.numel()] = True
         if f"ds_tensor:{n}" in snap:
             snap[f"ds_tensor:{n}"].view(-1)[valid:] = 0
     for k, t in snap.items():
@@ -202,6 +218,7 @@ CASES = [  # (label, stage, extra engine kwargs)
 
 # ---- workers ---------------------------------------------------------------------------------
 
+
 def _roundtrip_worker(rank: int, world_size: int) -> None:
     deepspeed = import_deepspeed(rank, world_size, cpu=True)
     from tidal.distributed import add_deepspeed_role, deepspeed_state_bytes
@@ -220,7 +237,7 @@ def _roundtrip_worker(rank: int, world_size: int) -> None:
         state = named_state(engine)
         want = snapshot_values(state)
         with tidal.Timeshare("cpu") as ts:
-            role = add_deepspeed_role(ts, "actor", engine)
+            add_deepspeed_role(ts, "actor", engine)
             assert ts.role_bytes("actor") == deepspeed_state_bytes(engine) > 0
             assert ts.role_bytes("actor") >= sum(st.nbytes() for st in owned.values()), label
             ts.offload("actor")
@@ -241,8 +258,19 @@ def _roundtrip_worker(rank: int, world_size: int) -> None:
         del engine, state, want, owned
 
 
-def _run(deepspeed, rank: int, stage: int, *, timeshare: bool, residency: str = "role", gas: int = 1,
-         groups: int = 1, steps: int = 4, device: str = "cpu", **kw) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _run(
+    deepspeed,
+    rank: int,
+    stage: int,
+    *,
+    timeshare: bool,
+    residency: str = "role",
+    gas: int = 1,
+    groups: int = 1,
+    steps: int = 4,
+    device: str = "cpu",
+    **kw,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     from tidal.distributed import add_deepspeed_role
 
     engine = make_engine(deepspeed, stage, gas=gas, groups=groups, device=device, **kw)
@@ -277,7 +305,10 @@ class _nullctx:
 
 
 EQUIVALENCE_VARIANTS = [  # (stage, kwargs of _run)
-    (1, {}), (2, {}), (3, {}), (0, {}),
+    (1, {}),
+    (2, {}),
+    (3, {}),
+    (0, {}),
     (2, {"gas": 2}),  # offloaded between micro-batches: gradient buckets in flight move too
     (3, {"gas": 2}),
     (1, {"residency": "step", "groups": 2}),  # moments on the host except in each group's step
@@ -298,7 +329,8 @@ def check_equivalence(deepspeed, rank: int, variants=EQUIVALENCE_VARIANTS, **run
             repeats = again_losses == plain_losses and all(same_bits(v, again_state[k]) for k, v in plain_state.items())
             raise AssertionError(
                 f"stage {stage} {kw}: losses {ts_losses} with the timeshare vs {plain_losses}; differing: "
-                f"{differ[:5]}; the plain run {'repeats itself bit for bit' if repeats else 'is nondeterministic itself'}")
+                f"{differ[:5]}; the plain run {'repeats itself bit for bit' if repeats else 'is nondeterministic itself'}"
+            )
         assert any(".exp_avg_sq" in k for k in plain_state)
 
 
@@ -374,6 +406,7 @@ def _offload_api_worker(rank: int, world_size: int) -> None:
 
 # ---- tests -----------------------------------------------------------------------------------
 
+
 @needs_deepspeed
 def test_roundtrip_every_stage_bit_exact_and_complete():
     """ZeRO 0-3 (and DeepSpeed's BF16_Optimizer): offload empties every storage the engine
@@ -396,8 +429,10 @@ def test_deepspeed_offload_both_ways_and_misuse():
 
 
 def test_import_does_not_load_deepspeed():
-    code = ("import sys, tidal, tidal.distributed as d; assert 'deepspeed' not in sys.modules; "
-            "d.add_deepspeed_role; assert 'deepspeed' not in sys.modules, 'resolving the name imported deepspeed'")
+    code = (
+        "import sys, tidal, tidal.distributed as d; assert 'deepspeed' not in sys.modules; "
+        "d.add_deepspeed_role; assert 'deepspeed' not in sys.modules, 'resolving the name imported deepspeed'"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 

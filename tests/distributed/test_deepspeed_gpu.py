@@ -89,12 +89,16 @@ def _roundtrip_worker(rank: int, world_size: int) -> None:
             rec = ts.offload("actor")
             out_free, out_alloc = _free(), torch.cuda.memory_allocated()
             # Every byte of the engine's state left the device, and the driver got it back.
-            assert out_alloc - base_alloc <= 8 * MiB, f"{label}: {(out_alloc - base_alloc) / MiB:.1f} MiB still allocated"
+            assert out_alloc - base_alloc <= 8 * MiB, (
+                f"{label}: {(out_alloc - base_alloc) / MiB:.1f} MiB still allocated"
+            )
             assert loaded_alloc - out_alloc >= role, label
             assert out_free - loaded_free >= role - 128 * MiB, (
-                f"{label}: the driver got back {(out_free - loaded_free) / MiB:.0f} MiB of {role / MiB:.0f} MiB")
+                f"{label}: the driver got back {(out_free - loaded_free) / MiB:.0f} MiB of {role / MiB:.0f} MiB"
+            )
             assert out_free >= base_free - 256 * MiB, (
-                f"{label}: driver free {(base_free - out_free) / MiB:.0f} MiB below the never-loaded baseline")
+                f"{label}: driver free {(base_free - out_free) / MiB:.0f} MiB below the never-loaded baseline"
+            )
             for k, t in state.items():
                 assert t.untyped_storage().nbytes() == 0, f"{label}: {k} still holds device memory"
             with pytest.raises(RuntimeError, match="offloaded"):
@@ -102,15 +106,19 @@ def _roundtrip_worker(rank: int, world_size: int) -> None:
             back = ts.load("actor")
             back_free = _free()
             assert abs(back_free - loaded_free) <= 256 * MiB, (
-                f"{label}: driver free after reload differs by {(back_free - loaded_free) / MiB:.0f} MiB")
+                f"{label}: driver free after reload differs by {(back_free - loaded_free) / MiB:.0f} MiB"
+            )
             after = named_state(engine)
             for k, t in state.items():
                 assert after[k] is t, f"{label}: {k} is a new tensor object"
                 assert same_bits(t.cpu(), want[k]), f"{label}: {k} changed across offload/reload"
             assert torch.isfinite(torch.tensor(micro_step(engine, 2, rank)))
-            print(f"[rank {rank}] {label}: {role / MiB:.0f} MiB moved; offload {rec.gbps:.1f} GB/s, reload "
-                  f"{back.gbps:.1f} GB/s; driver +{(out_free - loaded_free) / MiB:.0f} MiB after offload, "
-                  f"{(base_free - out_free) / MiB:.0f} MiB short of the never-loaded baseline", flush=True)
+            print(
+                f"[rank {rank}] {label}: {role / MiB:.0f} MiB moved; offload {rec.gbps:.1f} GB/s, reload "
+                f"{back.gbps:.1f} GB/s; driver +{(out_free - loaded_free) / MiB:.0f} MiB after offload, "
+                f"{(base_free - out_free) / MiB:.0f} MiB short of the never-loaded baseline",
+                flush=True,
+            )
         del engine, state, want
     _settle()
 
@@ -150,9 +158,12 @@ def _via_deepspeed_worker(rank: int, world_size: int) -> None:
             assert not differ, f"stage {stage} via {via}: round trip changed {differ[:5]}"
             assert gained >= state_bytes // 2, f"stage {stage} via {via}: driver got back {gained / MiB:.0f} MiB"
             assert torch.isfinite(torch.tensor(micro_step(engine, 2, rank)))
-            print(f"[rank {rank}] stage {stage} via {via}: state {state_bytes / MiB:.0f} MiB, driver "
-                  f"+{gained / MiB:.0f} MiB; offload {out.seconds * 1e3:.1f} ms, reload {back.seconds * 1e3:.1f} ms "
-                  f"(first cycle: DeepSpeed pins its host buffers here, tidal at construction)", flush=True)
+            print(
+                f"[rank {rank}] stage {stage} via {via}: state {state_bytes / MiB:.0f} MiB, driver "
+                f"+{gained / MiB:.0f} MiB; offload {out.seconds * 1e3:.1f} ms, reload {back.seconds * 1e3:.1f} ms "
+                f"(first cycle: DeepSpeed pins its host buffers here, tidal at construction)",
+                flush=True,
+            )
             off.close()
             del engine, off
     _settle()
@@ -165,15 +176,19 @@ def _via_deepspeed_worker(rank: int, world_size: int) -> None:
         probe = FusedAdam([torch.nn.Parameter(torch.zeros(4, device=device))])
         del probe
     except Exception as e:  # noqa: BLE001 - any build failure means "not available here"
-        print(f"[rank {rank}] stage 3 via deepspeed not run: DeepSpeed's FusedAdam did not build: "
-              f"{type(e).__name__}: {str(e)[:200]}", flush=True)
+        print(
+            f"[rank {rank}] stage 3 via deepspeed not run: DeepSpeed's FusedAdam did not build: "
+            f"{type(e).__name__}: {str(e)[:200]}",
+            flush=True,
+        )
         return
     from tests.distributed.test_deepspeed import Net, ds_config
 
     torch.manual_seed(0)
     model = Net(HIDDEN).to(device)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=FusedAdam(model.parameters(), lr=1e-2),
-                                      config=ds_config(3, bucket=BUCKET))
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=FusedAdam(model.parameters(), lr=1e-2), config=ds_config(3, bucket=BUCKET)
+    )
     for step in range(2):
         micro_step(engine, step, rank)
     want = host_copies(named_state(engine), scratch=False)

@@ -20,8 +20,13 @@ class Net(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
-                          nn.Linear(4 * hidden, hidden), *([nn.Dropout(dropout)] if dropout else []))
+            nn.Sequential(
+                nn.LayerNorm(hidden),
+                nn.Linear(hidden, 4 * hidden),
+                nn.GELU(),
+                nn.Linear(4 * hidden, hidden),
+                *([nn.Dropout(dropout)] if dropout else []),
+            )
             for _ in range(layers)
         )
         self.norm = nn.LayerNorm(hidden)
@@ -83,6 +88,7 @@ def train_step(model, opt, step: int, rank: int) -> float:
 
 # ---- workers (run in each of 2 processes) ---------------------------------------------------
 
+
 def _roundtrip_worker(rank: int, world_size: int, device: str = "cpu") -> None:
     if device != "cpu":
         device = f"{device}:{rank}"
@@ -129,8 +135,9 @@ def _roundtrip_worker(rank: int, world_size: int, device: str = "cpu") -> None:
                 assert torch.isfinite(torch.tensor(train_step(model, opt, 3, rank)))
 
 
-def _run_loop(rank: int, *, timeshare: bool, steps: int = 4,
-              device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
+def _run_loop(
+    rank: int, *, timeshare: bool, steps: int = 4, device: str = "cpu"
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     actor = make(3, seed=0, dropout=0.1, device=device)
     ref = make(3, seed=1, device=device)
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-2, weight_decay=0.01)
@@ -180,7 +187,8 @@ def _equivalence_worker(rank: int, world_size: int, device: str = "cpu") -> None
         repeats = again_losses == plain_losses and all(torch.equal(v, again_state[k]) for k, v in plain_state.items())
         raise AssertionError(
             f"rank {rank}: with the timeshare, losses {ts_losses} vs {plain_losses}; tensors differing: "
-            f"{differ[:5]}; the plain run {'repeats itself bit for bit' if repeats else 'is nondeterministic itself'}")
+            f"{differ[:5]}; the plain run {'repeats itself bit for bit' if repeats else 'is nondeterministic itself'}"
+        )
     assert plain_state.keys() == ts_state.keys()
     assert any(".exp_avg_sq" in k for k in plain_state)
 
@@ -202,6 +210,7 @@ def _accumulation_worker(rank: int, world_size: int) -> None:
 
 
 # ---- tests ----------------------------------------------------------------------------------
+
 
 def test_sharded_role_offload_reload_bit_exact_every_stage():
     run_distributed(_roundtrip_worker)

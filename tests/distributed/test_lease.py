@@ -125,8 +125,9 @@ def test_fifo_handover_and_release_before_grant(server):
 
     def waiter(name: str):
         with GPULease(server.address, holder=name) as lease:
-            with lease.hold(role=name, acquire_fn=lambda: note(f"acquire {name}"),
-                            release_fn=lambda: note(f"release {name}")) as grant:
+            with lease.hold(
+                role=name, acquire_fn=lambda: note(f"acquire {name}"), release_fn=lambda: note(f"release {name}")
+            ) as grant:
                 order.append(name)
                 grants[name] = grant
                 time.sleep(0.02)
@@ -210,8 +211,11 @@ def test_failed_callbacks():
         lease = GPULease(server.address, holder="a")
         released = []
         with pytest.raises(RuntimeError, match="load failed"):
-            lease.acquire("train", acquire_fn=lambda: (_ for _ in ()).throw(RuntimeError("load failed")),
-                          release_fn=lambda: released.append(1))
+            lease.acquire(
+                "train",
+                acquire_fn=lambda: (_ for _ in ()).throw(RuntimeError("load failed")),
+                release_fn=lambda: released.append(1),
+            )
         assert released == [1] and lease.held is None  # what was loaded went back out
         assert lease.snapshot()["holder"] is None
 
@@ -273,8 +277,11 @@ def _stress_worker(address: str, path: str, turns: int, seed: int) -> None:
     for _ in range(turns):
         time.sleep(rng.uniform(0, 0.01))
         row = {}
-        with lease.hold(role=f"r{seed}", acquire_fn=lambda: row.update(acquire=time.monotonic()),
-                        release_fn=lambda: row.update(release=time.monotonic())):
+        with lease.hold(
+            role=f"r{seed}",
+            acquire_fn=lambda: row.update(acquire=time.monotonic()),
+            release_fn=lambda: row.update(release=time.monotonic()),
+        ):
             row["enter"] = time.monotonic()
             time.sleep(rng.uniform(0, 0.01))
             row["exit"] = time.monotonic()
@@ -286,8 +293,10 @@ def _stress_worker(address: str, path: str, turns: int, seed: int) -> None:
 
 def test_stress_no_two_holders(server, tmp_path):
     n, turns = 8, 6
-    procs = [_fork.Process(target=_stress_worker, args=(server.address, str(tmp_path / f"{i}.json"), turns, i))
-             for i in range(n)]
+    procs = [
+        _fork.Process(target=_stress_worker, args=(server.address, str(tmp_path / f"{i}.json"), turns, i))
+        for i in range(n)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -122,16 +122,26 @@ def _worker(role: str, address: str, barrier, out_path: str) -> None:
                 losses.append(_train_turn(role, model, opt, turn))
                 torch.cuda.synchronize()
                 used = _used()
-                checks.append({"turn": turn, "used": used, "reserved": torch.cuda.memory_reserved(),
-                               "previous": grant.previous})
+                checks.append(
+                    {"turn": turn, "used": used, "reserved": torch.cuda.memory_reserved(), "previous": grant.previous}
+                )
                 if turn == TURNS - 1:  # read inside the turn: outside it the role is not resident
                     params = [p.detach().to("cpu", copy=True) for p in model.parameters()]
             spans.append({"role": role, "turn": turn, **span})
     role_bytes = ts.role_bytes(role)
     torch.save({"params": params}, out_path + ".pt")
     with open(out_path, "w") as f:
-        json.dump({"baseline": baseline, "role_bytes": role_bytes, "resident_after": ts.is_resident(role),
-                   "spans": spans, "checks": checks, "losses": losses}, f)
+        json.dump(
+            {
+                "baseline": baseline,
+                "role_bytes": role_bytes,
+                "resident_after": ts.is_resident(role),
+                "spans": spans,
+                "checks": checks,
+                "losses": losses,
+            },
+            f,
+        )
     # No ts.close(): it would bring the role back onto the GPU outside a turn. And no exit
     # before the other process is done: its baseline counts this process's CUDA context.
     barrier.wait(120)
@@ -163,8 +173,7 @@ def test_two_processes_take_turns_on_one_gpu(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(len(ROLES))
     with LeaseServer(ttl_s=30.0) as server:
-        procs = {r: ctx.Process(target=_worker, args=(r, server.address, barrier, str(tmp_path / r)))
-                 for r in ROLES}
+        procs = {r: ctx.Process(target=_worker, args=(r, server.address, barrier, str(tmp_path / r))) for r in ROLES}
         for p in procs.values():
             p.start()
         _join(list(procs.values()), timeout_s=150)
@@ -183,7 +192,8 @@ def test_two_processes_take_turns_on_one_gpu(tmp_path):
             assert beyond < MARGIN, (
                 f"while {r!r} held the lease (turn {c['turn']}), {beyond / MIB:.0f} MiB were used on the GPU "
                 f"beyond the baseline and {r!r}'s own allocator: {other!r}'s state "
-                f"({got[other]['role_bytes'] / MIB:.0f} MiB) is not released")
+                f"({got[other]['role_bytes'] / MIB:.0f} MiB) is not released"
+            )
             # the measure sees resident state: the holder's own role is counted in it
             assert c["used"] - got[r]["baseline"] > got[r]["role_bytes"] - MARGIN
             prev = c["previous"]

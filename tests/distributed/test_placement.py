@@ -39,28 +39,37 @@ def test_spec_validation():
 
 
 def _nodes(n: int, *, gpus: float = 2, cpus: float = 2, memory: float = GIB) -> list[_Node]:
-    return [_Node(f"{i:08x}" * 7, f"10.0.0.{i}", {"GPU": gpus, "CPU": cpus, "memory": memory}, memory)
-            for i in range(n)]
+    return [
+        _Node(f"{i:08x}" * 7, f"10.0.0.{i}", {"GPU": gpus, "CPU": cpus, "memory": memory}, memory) for i in range(n)
+    ]
 
 
 def test_plan_colocation_bundles_and_even_rounds():
     spec = PlacementSpec(
-        roles=[GPURole(name="train", gpus=2, colocate="actor", cpus=0.25, host_memory_bytes=100 * MIB),
-               GPURole(name="rollout", gpus=2, colocate="actor", cpus=0.25),
-               GPURole(name="ref", gpus=1, colocate="actor", cpus=0.25)],
-        workers=[CPUWorker(name="reward", count=5, cpus=0.5)])
+        roles=[
+            GPURole(name="train", gpus=2, colocate="actor", cpus=0.25, host_memory_bytes=100 * MIB),
+            GPURole(name="rollout", gpus=2, colocate="actor", cpus=0.25),
+            GPURole(name="ref", gpus=1, colocate="actor", cpus=0.25),
+        ],
+        workers=[CPUWorker(name="reward", count=5, cpus=0.5)],
+    )
     groups = _plan_groups(spec, _nodes(3))
     actor = groups[0]
     assert actor.strategy == "STRICT_PACK"
-    assert actor.bundles == ({"GPU": 1.0, "CPU": 0.75, "memory": float(100 * MIB)},
-                             {"GPU": 1.0, "CPU": 0.5, "memory": float(100 * MIB)})
+    assert actor.bundles == (
+        {"GPU": 1.0, "CPU": 0.75, "memory": float(100 * MIB)},
+        {"GPU": 1.0, "CPU": 0.5, "memory": float(100 * MIB)},
+    )
     rounds = groups[1:]
     assert [len(g.bundles) for g in rounds] == [3, 2]
     assert [g.strategy for g in rounds] == ["STRICT_SPREAD", "STRICT_SPREAD"]
     assert [m for g in rounds for m in g.members] == [("reward", i) for i in range(5)]
     # a node the colocation group filled (2 of 2 CPUs) is not eligible: rounds over the other two
-    spec = dataclasses.replace(spec, workers=[CPUWorker(name="reward", count=5, cpus=0.5)],
-                               roles=[dataclasses.replace(r, cpus=2 * r.cpus) for r in spec.roles[:2]])
+    spec = dataclasses.replace(
+        spec,
+        workers=[CPUWorker(name="reward", count=5, cpus=0.5)],
+        roles=[dataclasses.replace(r, cpus=2 * r.cpus) for r in spec.roles[:2]],
+    )
     assert [len(g.bundles) for g in _plan_groups(spec, _nodes(3))[1:]] == [2, 2, 1]
     # spread="SPREAD": one best-effort group
     spec = dataclasses.replace(spec, spread="SPREAD")
@@ -122,20 +131,29 @@ def test_colocated_roles_pack_into_the_same_bundles(cluster):
     import ray
 
     spec = PlacementSpec(
-        roles=[GPURole(name="train", gpus=2, colocate="actor", cpus=0.25, host_memory_bytes=200 * MIB),
-               GPURole(name="rollout", gpus=2, colocate="actor", cpus=0.25, host_memory_bytes=100 * MIB),
-               GPURole(name="ref", gpus=1, colocate="actor", cpus=0.25),
-               GPURole(name="critic", gpus=1, cpus=0.25)],
-        gpu_resource="fake_gpu", timeout_s=30)
+        roles=[
+            GPURole(name="train", gpus=2, colocate="actor", cpus=0.25, host_memory_bytes=200 * MIB),
+            GPURole(name="rollout", gpus=2, colocate="actor", cpus=0.25, host_memory_bytes=100 * MIB),
+            GPURole(name="ref", gpus=1, colocate="actor", cpus=0.25),
+            GPURole(name="critic", gpus=1, cpus=0.25),
+        ],
+        gpu_resource="fake_gpu",
+        timeout_s=30,
+    )
     with place(spec) as placement:
-        opts = {(n, i): placement.options_for(n, i) for n in ("train", "rollout", "ref", "critic")
-                for i in range(placement.count(n))}
+        opts = {
+            (n, i): placement.options_for(n, i)
+            for n in ("train", "rollout", "ref", "critic")
+            for i in range(placement.count(n))
+        }
         assert opts[("train", 0)]["resources"] == {"fake_gpu": 0.3333}  # 3 roles on GPU 0
         assert opts[("train", 1)]["resources"] == {"fake_gpu": 0.5}  # 2 roles on GPU 1
         assert opts[("critic", 0)]["resources"] == {"fake_gpu": 1.0}
         assert opts[("train", 0)]["memory"] == 200 * MIB and "memory" not in opts[("ref", 0)]
-        bundle = {k: (o["scheduling_strategy"].placement_group.id, o["scheduling_strategy"].placement_group_bundle_index)
-                  for k, o in opts.items()}
+        bundle = {
+            k: (o["scheduling_strategy"].placement_group.id, o["scheduling_strategy"].placement_group_bundle_index)
+            for k, o in opts.items()
+        }
         assert bundle[("train", 0)] == bundle[("rollout", 0)] == bundle[("ref", 0)]
         assert bundle[("train", 1)] == bundle[("rollout", 1)] != bundle[("train", 0)]
         assert placement.lease_name("train", 0) == placement.lease_name("ref", 0) != placement.lease_name("train", 1)
@@ -161,8 +179,7 @@ def test_colocated_roles_pack_into_the_same_bundles(cluster):
 def test_cpu_workers_spread_evenly(cluster):
     import ray
 
-    spec = PlacementSpec(workers=[CPUWorker(name="reward", count=5, cpus=0.5, memory_bytes=64 * MIB)],
-                         timeout_s=30)
+    spec = PlacementSpec(workers=[CPUWorker(name="reward", count=5, cpus=0.5, memory_bytes=64 * MIB)], timeout_s=30)
     with place(spec) as placement:
         Probe = _where(ray)
         actors = [Probe.options(**placement.options_for("reward", i)).remote() for i in range(5)]
@@ -177,8 +194,7 @@ def test_cpu_workers_spread_evenly(cluster):
 
 
 def test_host_memory_oversubscription_is_refused_at_once(cluster):
-    spec = PlacementSpec(workers=[CPUWorker(name="reward", count=4, cpus=0.1, memory_bytes=600 * MIB)],
-                         timeout_s=30)
+    spec = PlacementSpec(workers=[CPUWorker(name="reward", count=4, cpus=0.1, memory_bytes=600 * MIB)], timeout_s=30)
     t0 = time.monotonic()
     with pytest.raises(PlacementError) as info:
         place(spec)
@@ -205,8 +221,11 @@ def test_unsatisfiable_is_an_error_not_a_hang(cluster):
         timeout_s = 1.5
         t0 = time.monotonic()
         with pytest.raises(PlacementError, match="was not placed within timeout_s=1.5 s") as info:
-            place(PlacementSpec(roles=[GPURole(name="actor", gpus=1, cpus=0.1)], gpu_resource="fake_gpu",
-                                timeout_s=timeout_s))
+            place(
+                PlacementSpec(
+                    roles=[GPURole(name="actor", gpus=1, cpus=0.1)], gpu_resource="fake_gpu", timeout_s=timeout_s
+                )
+            )
         assert timeout_s <= time.monotonic() - t0 < timeout_s + 3
         assert "colocation group 'actor'" in str(info.value)
     finally:
@@ -235,9 +254,11 @@ def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
         def grab(self) -> None:
             self.lease.acquire(self.role)
 
-    spec = PlacementSpec(roles=[GPURole(name="train", colocate="gpu", cpus=0.25),
-                                GPURole(name="rollout", colocate="gpu", cpus=0.25)],
-                         gpu_resource="fake_gpu", timeout_s=30)
+    spec = PlacementSpec(
+        roles=[GPURole(name="train", colocate="gpu", cpus=0.25), GPURole(name="rollout", colocate="gpu", cpus=0.25)],
+        gpu_resource="fake_gpu",
+        timeout_s=30,
+    )
     with place(spec) as placement:
         assert placement.lease_name("train") == placement.lease_name("rollout")
         arbiter = start_lease_actor(placement.lease_name("train"), ttl_s=1.0)

@@ -58,8 +58,18 @@ def _loss(model: nn.Module, batch) -> torch.Tensor:
     return (model(ids).float() - y).pow(2).mean()
 
 
-def _train(model, opt, batches, *, accum: int = 1, clip: float | None = None, norm_type: float = 2.0,
-           in_backward: bool = False, sched=None, record_lr: list | None = None) -> list[torch.Tensor]:
+def _train(
+    model,
+    opt,
+    batches,
+    *,
+    accum: int = 1,
+    clip: float | None = None,
+    norm_type: float = 2.0,
+    in_backward: bool = False,
+    sched=None,
+    record_lr: list | None = None,
+) -> list[torch.Tensor]:
     """``len(batches) // accum`` steps; each step accumulates ``accum`` micro-batches.
     Returns the total grad norms that clipping reported."""
     norms = []
@@ -94,7 +104,9 @@ def _assert_matches_adamw(model, opt, ref, ref_opt, **tol) -> None:
         if not p.requires_grad:
             continue
         if r not in ref_opt.state:  # AdamW never saw a gradient for it
-            assert opt.state[p]["step"].item() == 0 and torch.equal(opt.state[p]["exp_avg"], torch.zeros_like(p, dtype=torch.float32)), name
+            assert opt.state[p]["step"].item() == 0 and torch.equal(
+                opt.state[p]["exp_avg"], torch.zeros_like(p, dtype=torch.float32)
+            ), name
             continue
         st, rst = opt.state[p], ref_opt.state[r]
         torch.testing.assert_close(st["master"], r.detach().float(), **tol)
@@ -170,8 +182,7 @@ def test_param_groups_with_different_hyperparameters():
         return [
             dict(params=[m.embed.weight], lr=3e-2, weight_decay=0.0, betas=(0.8, 0.9)),
             dict(params=list(m.fc1.parameters()), lr=1e-2, weight_decay=0.3),
-            dict(params=list(m.fc2.parameters()) + [m.scale], lr=5e-3, betas=(0.95, 0.98), eps=1e-5,
-                 amsgrad=True),
+            dict(params=list(m.fc2.parameters()) + [m.scale], lr=5e-3, betas=(0.95, 0.98), eps=1e-5, amsgrad=True),
         ]
 
     model, ref = _mlp(), _mlp()
@@ -246,6 +257,7 @@ def test_step_with_closure():
     opt = tidal.CPUAdam(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for batch in _batches(4):
+
         def closure(m=model, b=batch):
             loss = _loss(m, b)
             loss.backward()
@@ -273,8 +285,9 @@ def _bf16_pair(seed: int = 0):
     return model, ref
 
 
-@pytest.mark.parametrize("kw", [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-3, weight_decay=0.0, amsgrad=True)],
-                         ids=["wd", "amsgrad"])
+@pytest.mark.parametrize(
+    "kw", [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-3, weight_decay=0.0, amsgrad=True)], ids=["wd", "amsgrad"]
+)
 def test_bf16_params_with_fp32_master_track_fp32_adamw(kw):
     """bf16 params: the fp32 master is what is updated, the bf16 param is its rounding.
 
@@ -330,7 +343,7 @@ def test_bf16_master_keeps_updates_below_bf16_resolution():
     Plain AdamW on bf16 params stalls; CPUAdam's fp32 master accumulates them and the bf16
     param follows the fp32 reference's rounding."""
     steps, lr = 60, 1e-4
-    init = torch.full((16,), 1.0) + torch.arange(16) * 2.0 ** -7
+    init = torch.full((16,), 1.0) + torch.arange(16) * 2.0**-7
 
     def make(dtype):
         return nn.Parameter(init.to(dtype).clone())
@@ -542,14 +555,16 @@ def test_step_in_backward_matches_adamw():
 @pytest.mark.parametrize("kind", ["step", "lambda", "onecycle"])
 def test_lr_scheduler_drives_lr_like_adamw(kind):
     def groups(m):
-        return [dict(params=[m.embed.weight, *m.fc1.parameters()], lr=2e-2),
-                dict(params=[*m.fc2.parameters(), m.scale], lr=5e-3, weight_decay=0.0)]
+        return [
+            dict(params=[m.embed.weight, *m.fc1.parameters()], lr=2e-2),
+            dict(params=[*m.fc2.parameters(), m.scale], lr=5e-3, weight_decay=0.0),
+        ]
 
     def sched(o):
         if kind == "step":
             return torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
         if kind == "lambda":
-            return torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 1.0 / (1 + s), lambda s: 0.9 ** s])
+            return torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 1.0 / (1 + s), lambda s: 0.9**s])
         return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[3e-2, 1e-2], total_steps=8)
 
     model, ref = _mlp(), _mlp()
@@ -654,8 +669,12 @@ def test_state_dict_layout_and_load_touches_only_optimizer():
 
 def test_load_state_dict_rejects_mismatches():
     model = _mlp()
-    opt = tidal.CPUAdam([dict(params=[model.embed.weight]), dict(params=[*model.fc1.parameters(),
-                                                                        *model.fc2.parameters(), model.scale])])
+    opt = tidal.CPUAdam(
+        [
+            dict(params=[model.embed.weight]),
+            dict(params=[*model.fc1.parameters(), *model.fc2.parameters(), model.scale]),
+        ]
+    )
     _train(model, opt, _batches(1))
     one_group = tidal.CPUAdam(_mlp().parameters())
     with pytest.raises(ValueError, match="param groups"):
@@ -668,8 +687,9 @@ def test_load_state_dict_rejects_mismatches():
         fewer_opt.load_state_dict(opt.state_dict())
     # a torch.optim.AdamW state dict has no fp32 master
     ref = _mlp()
-    ref_opt = torch.optim.AdamW([dict(params=[ref.embed.weight]),
-                                 dict(params=[*ref.fc1.parameters(), *ref.fc2.parameters(), ref.scale])])
+    ref_opt = torch.optim.AdamW(
+        [dict(params=[ref.embed.weight]), dict(params=[*ref.fc1.parameters(), *ref.fc2.parameters(), ref.scale])]
+    )
     _train(ref, ref_opt, _batches(1))
     with pytest.raises(ValueError, match="master"):
         opt.load_state_dict(ref_opt.state_dict())
@@ -757,9 +777,18 @@ def test_overlap_false_equals_overlap_true_on_tinylm():
 
 
 # ---- misuse ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw", [dict(lr=-1e-3), dict(betas=(1.0, 0.999)), dict(betas=(0.9, -0.1)),
-                                dict(betas=(-0.1, 0.9)), dict(eps=-1e-8), dict(weight_decay=-0.1)],
-                         ids=["lr", "beta1", "beta2", "beta1_neg", "eps", "weight_decay"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(lr=-1e-3),
+        dict(betas=(1.0, 0.999)),
+        dict(betas=(0.9, -0.1)),
+        dict(betas=(-0.1, 0.9)),
+        dict(eps=-1e-8),
+        dict(weight_decay=-0.1),
+    ],
+    ids=["lr", "beta1", "beta2", "beta1_neg", "eps", "weight_decay"],
+)
 def test_invalid_hyperparameters_raise_value_error(kw):
     with pytest.raises(ValueError):
         tidal.CPUAdam(_mlp().parameters(), **kw)
@@ -823,8 +852,10 @@ def test_timeshare_role_with_cpu_adam_offload_load_cycles_and_report():
     master = opt.state[model.embed.weight]["master"]
     with tidal.Timeshare("cpu") as ts:
         ts.add_role("actor", model=model, optimizer=opt)
-        model_bytes = sum(_nbytes(t) for t in {t.untyped_storage()._cdata: t for t in
-                                               [*model.parameters(), *model.buffers()]}.values())
+        model_bytes = sum(
+            _nbytes(t)
+            for t in {t.untyped_storage()._cdata: t for t in [*model.parameters(), *model.buffers()]}.values()
+        )
         assert ts.role_bytes("actor") == model_bytes, "CPUAdam's host state is not part of the role"
         for _ in range(3):
             rec = ts.offload("actor")
@@ -886,6 +917,7 @@ def test_timeshare_switch_between_backward_and_step(overlap):
     """The actor's backward and its step in two use() blocks with the reference role run in
     between: with overlap the gradients wait on the host; without, they are p.grad and move
     with the role (grads="offload"). Either way the result equals plain training."""
+
     def train(use_tidal: bool):
         actor, ref = _tinylm(1), _tinylm(2)
         opt = tidal.CPUAdam(actor.parameters(), lr=1e-2, overlap=overlap)

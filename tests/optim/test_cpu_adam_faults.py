@@ -21,8 +21,9 @@ def _state(model, opt) -> dict[str, torch.Tensor]:
 
 
 def _per_param(model) -> dict[str, list[str]]:
-    return {n: [n] + [f"{n}.{k}" for k in ("step", "master", "exp_avg", "exp_avg_sq")]
-            for n, _ in model.named_parameters()}
+    return {
+        n: [n] + [f"{n}.{k}" for k in ("step", "master", "exp_avg", "exp_avg_sq")] for n, _ in model.named_parameters()
+    }
 
 
 def _same(a, b, keys) -> bool:

@@ -17,7 +17,6 @@ MiB = 1 << 20
 SLEEP_CYCLES = int(4e8)  # ~0.2 s of queued GPU work
 
 
-
 def _mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.LayerNorm(256)).cuda()
@@ -116,8 +115,9 @@ def test_race_next_kernel_waits_for_new_weights():
         return torch.equal(seen, w.detach())
 
     assert run(frozenset())
-    assert not run(frozenset({"compute_after_weights_h2d"})), \
+    assert not run(frozenset({"compute_after_weights_h2d"})), (
         "the race test must detect a missing compute-after-H2D wait"
+    )
 
 
 class _SlowBackward(torch.autograd.Function):

@@ -31,9 +31,18 @@ def _model(s, device: str, grad_ckpt: bool, dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa: PLC0415
 
     cls = Qwen2Config if s.family == "qwen2" else LlamaConfig
-    cfg = cls(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-              num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate, vocab_size=s.vocab,
-              tie_word_embeddings=s.tied_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = cls(
+        hidden_size=s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        intermediate_size=s.intermediate,
+        vocab_size=s.vocab,
+        tie_word_embeddings=s.tied_embeddings,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -85,9 +94,17 @@ def _phases(c: PlanConfig, device: str) -> dict[str, int]:
     model.eval()
     ids, mask = _batch(c.rollout_batch, c, device, full=False)
     with torch.no_grad():
-        out["rollout"] = _peak(lambda: model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=c.gen_len, min_new_tokens=c.gen_len,
-            do_sample=True, pad_token_id=0, use_cache=True))
+        out["rollout"] = _peak(
+            lambda: model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=c.gen_len,
+                min_new_tokens=c.gen_len,
+                do_sample=True,
+                pad_token_id=0,
+                use_cache=True,
+            )
+        )
     ids, mask = _batch(c.reference_micro_batch or c.micro_batch, c, device, full=True)
     with torch.no_grad():
         out["reference"] = _peak(lambda: _logp(model, ids, mask))
@@ -120,9 +137,13 @@ def compare(c: PlanConfig, measured: dict[str, int]) -> list[tuple[str, int, int
 _COMMON = dict(sampling_fp32_buffers=6)
 CONFIGS = {
     "0.5b": dict(shape="qwen2-0.5b", prompts=8, group=4, prompt_len=128, gen_len=128, micro_batch=4),
-    "0.5b-ckpt": dict(shape="qwen2-0.5b", prompts=8, group=8, prompt_len=256, gen_len=256, micro_batch=8, grad_ckpt=True),
+    "0.5b-ckpt": dict(
+        shape="qwen2-0.5b", prompts=8, group=8, prompt_len=256, gen_len=256, micro_batch=8, grad_ckpt=True
+    ),
     "1.5b": dict(shape="qwen2-1.5b", prompts=8, group=4, prompt_len=128, gen_len=256, micro_batch=4),
-    "1.5b-ckpt": dict(shape="qwen2-1.5b", prompts=16, group=8, prompt_len=256, gen_len=512, micro_batch=8, grad_ckpt=True),
+    "1.5b-ckpt": dict(
+        shape="qwen2-1.5b", prompts=16, group=8, prompt_len=256, gen_len=512, micro_batch=8, grad_ckpt=True
+    ),
 }
 
 
@@ -134,8 +155,10 @@ def main() -> None:
     for key in args.configs:
         c = PlanConfig(**_COMMON, **CONFIGS[key])
         for phase, pred, meas, ratio in compare(c, measure(c)):
-            print(f"{key:>10} {phase:>15}  predicted {pred / GIB:7.3f}  measured {meas / GIB:7.3f} GiB  ratio {ratio:.3f}",
-                  flush=True)
+            print(
+                f"{key:>10} {phase:>15}  predicted {pred / GIB:7.3f}  measured {meas / GIB:7.3f} GiB  ratio {ratio:.3f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

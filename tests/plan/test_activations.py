@@ -20,9 +20,15 @@ H, I, HEADS, KV, B, S = 256, 704, 4, 2, 2, 48
 
 
 def _cfg(attn: str, layers: int = 1):
-    cfg = transformers.Qwen2Config(hidden_size=H, intermediate_size=I, num_attention_heads=HEADS,
-                                   num_key_value_heads=KV, num_hidden_layers=layers, vocab_size=512,
-                                   tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(
+        hidden_size=H,
+        intermediate_size=I,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        num_hidden_layers=layers,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    )
     cfg._attn_implementation = attn
     return cfg
 
@@ -99,6 +105,11 @@ def test_lora_layer_saved_bytes_match_formula():
     exclude = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     exclude |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
     got = _saved_bytes(lambda: layer(x, attention_mask=None, position_embeddings=(cos, sin)), exclude)
-    predicted = B * S * layer_saved_bytes_per_token(ModelShape.from_hf_config(cfg), e=2, seq=S, padding_mask=False,
-                                                    lora_rank=8, lora_targets=targets, lora_e=4)
+    predicted = (
+        B
+        * S
+        * layer_saved_bytes_per_token(
+            ModelShape.from_hf_config(cfg), e=2, seq=S, padding_mask=False, lora_rank=8, lora_targets=targets, lora_e=4
+        )
+    )
     assert predicted == got

@@ -8,14 +8,22 @@ from tidal.plan import Bandwidth, ModelShape, PlanConfig, build_plan, predict_ph
 from tidal.plan.activations import kv_cache_bytes_per_token, layer_saved_bytes_per_token
 
 # A Llama-style toy: per layer 7 linears (4096+2048+2048+4096+3*8192) + 2 norms (128).
-TOY = ModelShape(name="toy", layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
-                 vocab=100, tied_embeddings=False)
+TOY = ModelShape(
+    name="toy",
+    layers=2,
+    hidden=64,
+    intermediate=128,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    vocab=100,
+    tied_embeddings=False,
+)
 N_TOY = 100 * 64 + 64 + 100 * 64 + 2 * 36992
 
 
 def _toy(**kw) -> PlanConfig:
-    base = dict(shape=TOY, prompts=2, group=2, prompt_len=8, gen_len=8, micro_batch=2, padding_mask=False,
-                misc_bytes=0)
+    base = dict(shape=TOY, prompts=2, group=2, prompt_len=8, gen_len=8, micro_batch=2, padding_mask=False, misc_bytes=0)
     return PlanConfig(**{**base, **kw})
 
 
@@ -33,12 +41,18 @@ def test_toy_by_hand():
     assert plan.timeshared["rollout"].resident == {"actor params": p}
     # Rollout peak here is the prefill of 4 x 8 prompt tokens: prompt KV + the MLP moment of one
     # layer (4eh + 3ei) + rotary cos/sin (2 e head_dim) per token.
-    assert plan.timeshared["rollout"].transient == {"kv cache": 4 * 8 * 256,
-                                                    "prefill workspace": 4 * 8 * (4 * 2 * 64 + 3 * 2 * 128 + 2 * 2 * 16)}
+    assert plan.timeshared["rollout"].transient == {
+        "kv cache": 4 * 8 * 256,
+        "prefill workspace": 4 * 8 * (4 * 2 * 64 + 3 * 2 * 128 + 2 * 2 * 16),
+    }
     assert plan.timeshared["reference"].resident == {"reference params": p}
     # all resident: actor + reference + optimizer states in every phase, grads in train
-    assert plan.all_resident["train"].resident == {"actor params": p, "reference params": p,
-                                                   "optimizer states": 2 * p, "grads": p}
+    assert plan.all_resident["train"].resident == {
+        "actor params": p,
+        "reference params": p,
+        "optimizer states": 2 * p,
+        "grads": p,
+    }
     assert plan.all_resident["train"].transient == train.transient
     first = plan.transitions[0]
     assert (first.before, first.after, first.bytes_out, first.bytes_in) == ("rollout", "reference", p, p)
@@ -65,9 +79,11 @@ def test_train_activations_by_formula_and_checkpointing():
 
 def test_zero_stages_shard_what_they_should():
     s = preset("qwen2-7b")
+
     def res(stage):
         r = build_plan(PlanConfig(shape=s, zero_stage=stage, dp=4, micro_batch=1, prompts=4, group=1)).timeshared
         return r["optimizer_step"].resident, r["train"].transient
+
     full_p, full_g, full_o = s.param_count() * 2, s.param_count() * 2, s.param_count() * 4
     r0, t0 = res(0)
     assert (r0["actor params"], r0["grads"], r0["optimizer states"]) == (full_p, full_g, full_o)
@@ -105,8 +121,11 @@ def test_optimizer_choices():
     assert cpu.streamed["cpu adam weights H2D (fp32)"] == s.param_count() * 4
     # Tied embedding: its gradient (bf16 + fp32 cast) leaves last, next to at most 512 MiB of
     # earlier copies still pending (CPUAdam(max_inflight_bytes=512 MiB)).
-    short = build_plan(PlanConfig(shape=s, optimizer="cpu_adam", grad_ckpt=True, micro_batch=1, prompt_len=16,
-                                  gen_len=16)).timeshared["train"].transient
+    short = (
+        build_plan(PlanConfig(shape=s, optimizer="cpu_adam", grad_ckpt=True, micro_batch=1, prompt_len=16, gen_len=16))
+        .timeshared["train"]
+        .transient
+    )
     assert short == {"cpu adam grads in flight (incl. the largest)": (512 << 20) + s.largest_param() * (2 + 4)}
 
 
@@ -120,9 +139,15 @@ def test_timeshare_beats_all_resident_and_modes_agree():
 
 def test_predict_phases_hook():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
-                                   tie_word_embeddings=True)
+    cfg = transformers.Qwen2Config(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    )
     got = predict_phases(ModelShape.from_hf_config(cfg), prompts=4, group=4, micro_batch=2, grad_ckpt=True)
     assert set(got) == {"rollout", "reference", "train", "optimizer_step", "cuda_context"}
     plan = build_plan(PlanConfig(shape="qwen2-0.5b", prompts=4, group=4, micro_batch=2, grad_ckpt=True))
@@ -142,7 +167,12 @@ def test_bandwidth_from_bench_json(tmp_path):
 
 
 def test_invalid_configs_are_refused():
-    for bad in (dict(optimizer="sgd"), dict(zero_stage=4), dict(param_dtype="int8"), dict(micro_batch=0),
-                dict(lora_rank=4, lora_targets=("nope",))):
+    for bad in (
+        dict(optimizer="sgd"),
+        dict(zero_stage=4),
+        dict(param_dtype="int8"),
+        dict(micro_batch=0),
+        dict(lora_rank=4, lora_targets=("nope",)),
+    ):
         with pytest.raises(ValueError):
             PlanConfig(shape="qwen2-0.5b", **bad)

@@ -14,8 +14,17 @@ S = preset("qwen2-0.5b")
 V, H, E = 151936, 896, 2
 KV_PER_TOKEN = 2 * 24 * 128 * 2  # K and V, 24 layers, 2 KV heads x 64, bf16
 PARAMS = S.param_count() * E
-DEMO = dict(shape=S, prompts=64, group=16, prompt_len=10, gen_len=8, micro_batch=64, padding_mask=False,
-            logprob_span="completion", misc_bytes=0)
+DEMO = dict(
+    shape=S,
+    prompts=64,
+    group=16,
+    prompt_len=10,
+    gen_len=8,
+    micro_batch=64,
+    padding_mask=False,
+    logprob_span="completion",
+    misc_bytes=0,
+)
 MISC = 48 * MIB  # the default misc_bytes, in the GiB figures of benchmarks/bench_demo.py
 
 
@@ -29,8 +38,11 @@ def test_own_sampling_loop_holds_two_logit_rows_and_no_fp32_vocab_buffers():
     row = b * V * E  # one step's (batch, vocab) bf16 logits
     # Last decode step: the cache holds 17 tokens (the 18th is sampled, never fed), the
     # previous step's logits are still referenced while the new ones are computed.
-    assert own.transient == {"kv cache": b * 17 * KV_PER_TOKEN, "previous step's logits": row,
-                             "last-position logits": row}
+    assert own.transient == {
+        "kv cache": b * 17 * KV_PER_TOKEN,
+        "previous step's logits": row,
+        "last-position logits": row,
+    }
     assert own.peak_bytes == PARAMS + b * 17 * KV_PER_TOKEN + 2 * row
     assert (own.peak_bytes + MISC) / 2**30 == pytest.approx(1.746, abs=0.001)  # H200 measured 1.779
     # HF generate: vocab-wide fp32 buffers make it far bigger.

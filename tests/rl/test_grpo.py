@@ -19,7 +19,7 @@ def test_action_logprobs_restricts_to_action_ids():
     logits = torch.randn(2, 3, 20, generator=g)
     tokens = torch.randint(DIGIT0, DIGIT0 + 10, (2, 3), generator=g)
     logp, ent = action_logprobs(logits, tokens, (DIGIT0, DIGIT0 + 10), with_entropy=True)
-    manual = torch.log_softmax(logits[..., DIGIT0:DIGIT0 + 10], -1)
+    manual = torch.log_softmax(logits[..., DIGIT0 : DIGIT0 + 10], -1)
     want = manual.gather(-1, (tokens - DIGIT0).unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logp, want)
     torch.testing.assert_close(ent, -(manual.exp() * manual).sum(-1))

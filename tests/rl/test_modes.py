@@ -69,14 +69,16 @@ def test_errors():
 def test_trainer_runs_each_role_in_its_mode():
     """Rollout forwards in eval mode with the cache on; training forwards in train mode with
     the cache off and checkpointing on; the reference in eval mode with the cache off."""
-    cfg = GRPOConfig(task=DigitTask(name="copy", num_digits=3), prompts_per_step=2, group_size=4, micro_batch=8,
-                     grad_ckpt=True)
+    cfg = GRPOConfig(
+        task=DigitTask(name="copy", num_digits=3), prompts_per_step=2, group_size=4, micro_batch=8, grad_ckpt=True
+    )
     tr = GRPOTrainer(tiny_policy(), config=cfg)
     seen = []
 
     def hook(name):
         def fn(module, args, kwargs):
             seen.append((name, module.training, module.config.use_cache, checkpointing_enabled(module)))
+
         return fn
 
     tr.policy.register_forward_pre_hook(hook("policy"), with_kwargs=True)
@@ -84,7 +86,7 @@ def test_trainer_runs_each_role_in_its_mode():
     tr.step()
     tr.close()
     modes = {(n, t, c) for n, t, c, _ in seen}
-    assert ("policy", False, True) in modes      # rollout
-    assert ("policy", True, False) in modes      # training
+    assert ("policy", False, True) in modes  # rollout
+    assert ("policy", True, False) in modes  # training
     assert ("reference", False, False) in modes  # reference
     assert all(ck for n, t, c, ck in seen if n == "policy" and t)

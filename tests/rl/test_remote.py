@@ -13,8 +13,9 @@ pytest.importorskip("transformers")
 from tidal.cli.demo import DemoSettings, _grpo_config, build_policy, run_demo  # noqa: E402
 from tidal.rl import GRPOTrainer, RemoteConfig, RemoteGRPO, WorkerError  # noqa: E402
 
-SETTINGS = DemoSettings(preset="nano", device="cpu", steps=3, digits=3, prompts=4, group=4, micro_batch=8,
-                        switch_extra_mib=None)
+SETTINGS = DemoSettings(
+    preset="nano", device="cpu", steps=3, digits=3, prompts=4, group=4, micro_batch=8, switch_extra_mib=None
+)
 
 
 def _config(**kw):
@@ -58,8 +59,11 @@ def test_processes_match_the_in_process_trainer():
     GRPOTrainer with the same config (mini-batches, so the old log-probs cross too)."""
     cfg = _config(mini_batches=2)
     local, local_w = _local(cfg, 3)
-    with RemoteGRPO(functools.partial(build_policy, SETTINGS), config=cfg,
-                    remote=RemoteConfig(backend="processes", device="cpu", reward_workers=2)) as run:
+    with RemoteGRPO(
+        functools.partial(build_policy, SETTINGS),
+        config=cfg,
+        remote=RemoteConfig(backend="processes", device="cpu", reward_workers=2),
+    ) as run:
         remote = [run.step() for _ in range(3)]
         remote_w = run.policy_state_dict()
         timelines = run.timelines()
@@ -77,8 +81,11 @@ def test_ray_actors_match_the_in_process_trainer():
     local, local_w = _local(cfg, 2)
     ray.init(num_cpus=4, resources={"fake_gpu": 1}, include_dashboard=False, log_to_driver=False)
     try:
-        with RemoteGRPO(functools.partial(build_policy, SETTINGS), config=cfg,
-                        remote=RemoteConfig(backend="ray", device="cpu", gpu_resource="fake_gpu")) as run:
+        with RemoteGRPO(
+            functools.partial(build_policy, SETTINGS),
+            config=cfg,
+            remote=RemoteConfig(backend="ray", device="cpu", gpu_resource="fake_gpu"),
+        ) as run:
             layout = run.placement.layout()
             remote = [run.step() for _ in range(2)]
             remote_w = run.policy_state_dict()
@@ -108,8 +115,11 @@ def _broken_factory(device: str):
 
 def test_errors():
     with pytest.raises(ValueError, match="timeshare=True"):
-        RemoteGRPO(functools.partial(build_policy, SETTINGS), config=_config(timeshare=False),
-                   remote=RemoteConfig(backend="processes", device="cpu"))
+        RemoteGRPO(
+            functools.partial(build_policy, SETTINGS),
+            config=_config(timeshare=False),
+            remote=RemoteConfig(backend="processes", device="cpu"),
+        )
     with pytest.raises(ValueError, match="backend"):
         RemoteConfig(backend="threads")
     with pytest.raises(ValueError, match="roles must be one of"):
@@ -126,5 +136,8 @@ def test_ray_backend_needs_ray_initialised():
     ray = pytest.importorskip("ray")
     assert not ray.is_initialized()
     with pytest.raises(ValueError, match="ray.init"):
-        RemoteGRPO(functools.partial(build_policy, SETTINGS), config=_config(),
-                   remote=RemoteConfig(backend="ray", device="cpu"))
+        RemoteGRPO(
+            functools.partial(build_policy, SETTINGS),
+            config=_config(),
+            remote=RemoteConfig(backend="ray", device="cpu"),
+        )

@@ -17,8 +17,18 @@ pytestmark = pytest.mark.gpu
 
 # Qwen2-0.5B shape in bf16 with AdamW: the policy's weights alone are ~1 GB, far above the
 # CUDA contexts and allocator slack the checks allow for.
-SETTINGS = DemoSettings(preset="qwen2-0.5b", device="cuda", steps=2, digits=4, prompts=8, group=8, micro_batch=32,
-                        dtype="bfloat16", optimizer="adamw", switch_extra_mib=None)
+SETTINGS = DemoSettings(
+    preset="qwen2-0.5b",
+    device="cuda",
+    steps=2,
+    digits=4,
+    prompts=8,
+    group=8,
+    micro_batch=32,
+    dtype="bfloat16",
+    optimizer="adamw",
+    switch_extra_mib=None,
+)
 
 
 def test_role_processes_on_one_gpu():
@@ -33,8 +43,9 @@ def test_role_processes_on_one_gpu():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
 
-    with RemoteGRPO(functools.partial(build_policy, SETTINGS), config=cfg,
-                    remote=RemoteConfig(backend="processes", device="cuda")) as run:
+    with RemoteGRPO(
+        functools.partial(build_policy, SETTINGS), config=cfg, remote=RemoteConfig(backend="processes", device="cuda")
+    ) as run:
         remote = [run.step() for _ in range(2)]
         remote_w = run.policy_state_dict()
 

@@ -9,15 +9,21 @@ from tidal.rl.tasks import TASK_VOCAB  # noqa: E402
 
 def tiny_policy(seed: int = 0, vocab: int = 16):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return transformers.Qwen2ForCausalLM(cfg)
 
 
 def run(steps: int, **kw):
-    cfg = GRPOConfig(task=DigitTask(name="copy", num_digits=3), prompts_per_step=4, group_size=4,
-                     micro_batch=6, **kw)
+    cfg = GRPOConfig(task=DigitTask(name="copy", num_digits=3), prompts_per_step=4, group_size=4, micro_batch=6, **kw)
     tr = GRPOTrainer(tiny_policy(), config=cfg)
     results = [tr.step() for _ in range(steps)]
     tr.close()
@@ -52,6 +58,7 @@ def test_roles_take_turns_on_the_device():
     def fwd_hook(name):
         def hook(module, args):
             seen.setdefault(name, (policy_w.untyped_storage().nbytes(), ref_w.untyped_storage().nbytes()))
+
         return hook
 
     tr.reference.register_forward_pre_hook(fwd_hook("reference"))

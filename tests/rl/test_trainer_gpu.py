@@ -15,25 +15,40 @@ MiB = 1 << 20
 
 def policy(seed=0, hidden=1024, layers=4, vocab=32000):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                                   max_position_embeddings=256, tie_word_embeddings=False,
-                                   attn_implementation="eager")  # deterministic backward
+    cfg = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )  # deterministic backward
     with torch.device("cuda"):
         return transformers.Qwen2ForCausalLM(cfg)
 
 
 def run(timeshare, steps=3, **kw):
-    cfg = GRPOConfig(task=DigitTask(name="copy", num_digits=8), prompts_per_step=8, group_size=4, micro_batch=16,
-                     timeshare=timeshare, lr=1e-4, **kw)
+    cfg = GRPOConfig(
+        task=DigitTask(name="copy", num_digits=8),
+        prompts_per_step=8,
+        group_size=4,
+        micro_batch=16,
+        timeshare=timeshare,
+        lr=1e-4,
+        **kw,
+    )
     tr = GRPOTrainer(policy(hidden=256, layers=2, vocab=512), config=cfg)
     res = [tr.step() for _ in range(steps)]
     tr.close()
     return tr, res
 
 
-@pytest.mark.parametrize("kw", [{}, {"optimizer": "cpu_adam"},
-                                {"timeshare_config": TimeshareConfig(switch_extra_bytes=0)}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"optimizer": "cpu_adam"}, {"timeshare_config": TimeshareConfig(switch_extra_bytes=0)}]
+)
 def test_timeshare_does_not_change_training_on_cuda(kw):
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
@@ -51,9 +66,14 @@ def test_roles_leave_the_device_at_driver_level():
     nor the rollout's KV cache; during training, the policy's, not the reference's."""
     torch.cuda.empty_cache()
     free0, _ = torch.cuda.mem_get_info()
-    cfg = GRPOConfig(task=DigitTask(name="copy", num_digits=16), prompts_per_step=16, group_size=8,
-                     micro_batch=32, optimizer="cpu_adam",
-                     timeshare_config=TimeshareConfig(switch_extra_bytes=0))
+    cfg = GRPOConfig(
+        task=DigitTask(name="copy", num_digits=16),
+        prompts_per_step=16,
+        group_size=8,
+        micro_batch=32,
+        optimizer="cpu_adam",
+        timeshare_config=TimeshareConfig(switch_extra_bytes=0),
+    )
     tr = GRPOTrainer(policy(), config=cfg)
     weights = sum(p.numel() * p.element_size() for p in tr.policy.parameters())
     assert weights > 350 * MiB
@@ -63,6 +83,7 @@ def test_roles_leave_the_device_at_driver_level():
         def hook(module, args):
             free, _ = torch.cuda.mem_get_info()
             used.setdefault(name, []).append(free0 - free)
+
         return hook
 
     tr.reference.register_forward_pre_hook(probe("reference"))
@@ -86,8 +107,14 @@ def test_roles_leave_the_device_at_driver_level():
 
 def test_capped_switch_peak_on_cuda():
     """switch_extra_bytes=0: a switch between two equal roles never holds both at once."""
-    cfg = GRPOConfig(task=DigitTask(name="copy", num_digits=8), prompts_per_step=4, group_size=4, micro_batch=16,
-                     optimizer="cpu_adam", timeshare_config=TimeshareConfig(switch_extra_bytes=0))
+    cfg = GRPOConfig(
+        task=DigitTask(name="copy", num_digits=8),
+        prompts_per_step=4,
+        group_size=4,
+        micro_batch=16,
+        optimizer="cpu_adam",
+        timeshare_config=TimeshareConfig(switch_extra_bytes=0),
+    )
     tr = GRPOTrainer(policy(), config=cfg)
     weights = sum(p.numel() * p.element_size() for p in tr.policy.parameters())
     res = [tr.step() for _ in range(2)]

@@ -18,8 +18,9 @@ class MeshTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, mesh: _Meshy):
-        return torch.Tensor._make_wrapper_subclass(cls, local.shape, dtype=local.dtype, device=local.device,
-                                                   requires_grad=local.requires_grad)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, local.shape, dtype=local.dtype, device=local.device, requires_grad=local.requires_grad
+        )
 
     def __init__(self, local: torch.Tensor, mesh: _Meshy) -> None:
         self._local = local

@@ -56,7 +56,8 @@ def test_host_view_is_the_offloaded_bytes_and_none_otherwise(kind):
         itemsize = tensors[n].element_size()
         assert view.storage_offset() % itemsize == 0
         typed = torch.empty(0, dtype=tensors[n].dtype).set_(
-            view.untyped_storage(), view.storage_offset() // itemsize, tensors[n].shape, tensors[n].stride())
+            view.untyped_storage(), view.storage_offset() // itemsize, tensors[n].shape, tensors[n].stride()
+        )
         assert torch.equal(typed.view(torch.uint8).reshape(-1), before[n]), n
 
     # The sanctioned write: same layout, in place, while offloaded; reload brings it back.

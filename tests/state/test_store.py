@@ -623,11 +623,19 @@ def test_close_refuses_while_state_is_offloaded():
 
 
 def test_move_result_rates():
-    r = MoveResult(bytes_out=3, bytes_in=2, seconds=0.0, release_seconds=0.0, driver_free_before=0,
-                   driver_free_after=0, segments=0)
+    r = MoveResult(
+        bytes_out=3, bytes_in=2, seconds=0.0, release_seconds=0.0, driver_free_before=0, driver_free_after=0, segments=0
+    )
     assert r.bytes_moved == 5 and r.gbps == 0.0
-    r = MoveResult(bytes_out=10**9, bytes_in=10**9, seconds=2.0, release_seconds=0.0, driver_free_before=0,
-                   driver_free_after=0, segments=2)
+    r = MoveResult(
+        bytes_out=10**9,
+        bytes_in=10**9,
+        seconds=2.0,
+        release_seconds=0.0,
+        driver_free_before=0,
+        driver_free_after=0,
+        segments=2,
+    )
     assert r.gbps == pytest.approx(1.0)
 
 

@@ -28,8 +28,15 @@ def test_fault_at_every_point_of_a_store_move_keeps_every_storage_resident_or_tr
     def make():
         (ma, oa), (mb, ob) = _make(seed=1), _make(seed=2)
         ea, eb = _entries(ma, oa), _entries(mb, ob)
-        state = {"store": _store(kind), "ea": ea, "eb": eb, "ta": _tensors(ma, oa), "tb": _tensors(mb, ob),
-                 "ca": _clone_all(_tensors(ma, oa)), "cb": _clone_all(_tensors(mb, ob))}
+        state = {
+            "store": _store(kind),
+            "ea": ea,
+            "eb": eb,
+            "ta": _tensors(ma, oa),
+            "tb": _tensors(mb, ob),
+            "ca": _clone_all(_tensors(ma, oa)),
+            "cb": _clone_all(_tensors(mb, ob)),
+        }
         if move != "offload":
             state["store"].offload(eb)
         return state

@@ -21,8 +21,7 @@ KiB = 1024
 def _store(kind: str, verify: str) -> OffloadStore:
     if kind == "cpu":
         return OffloadStore(DeviceOps("cpu"), TransferConfig(verify=verify))
-    return OffloadStore(FakeAccelOps(), TransferConfig(bucket_bytes=4 * KiB, small_tensor_bytes=1 * KiB,
-                                                       verify=verify))
+    return OffloadStore(FakeAccelOps(), TransferConfig(bucket_bytes=4 * KiB, small_tensor_bytes=1 * KiB, verify=verify))
 
 
 def test_verify_must_be_a_known_mode():

@@ -31,8 +31,10 @@ def main() -> int:
     torch.manual_seed(0)
     # 16 x 512 MiB = 8 GiB moving per transition (~0.15 s each way at the line rate), plus
     # small storages that go through the staging buckets.
-    a = nn.ParameterList([nn.Parameter(torch.randn(512 * MiB // 4, device="cuda")) for _ in range(16)]
-                         + [nn.Parameter(torch.randn(1000 + i, device="cuda")) for i in range(64)])
+    a = nn.ParameterList(
+        [nn.Parameter(torch.randn(512 * MiB // 4, device="cuda")) for _ in range(16)]
+        + [nn.Parameter(torch.randn(1000 + i, device="cuda")) for i in range(64)]
+    )
     b = nn.ParameterList([nn.Parameter(torch.randn(256 * MiB // 4, device="cuda")) for _ in range(16)])
     want = {"a": _digests(a), "b": _digests(b)}
     ts = tidal.Timeshare("cuda")
@@ -53,8 +55,7 @@ def main() -> int:
             cycles += 1
     except (KeyboardInterrupt, SystemExit) as e:
         where = [f.name for f in traceback.extract_tb(e.__traceback__) if "/tidal/" in f.filename]
-        print(f"INTERRUPTED {type(e).__name__} after {cycles} cycles in {' > '.join(where) or 'user code'}",
-              flush=True)
+        print(f"INTERRUPTED {type(e).__name__} after {cycles} cycles in {' > '.join(where) or 'user code'}", flush=True)
     # Every storage is resident or tracked; each role's flag says where its tensors are.
     for name, module in (("a", a), ("b", b)):
         out = [p.untyped_storage().nbytes() == 0 for p in module.parameters()]
@@ -63,8 +64,7 @@ def main() -> int:
         if ts.is_resident(name):
             assert not any(out), f"role {name} flagged resident with tensors on the host"
         else:
-            assert all(o for p, o in zip(module.parameters(), out) if p.numel() * 4 >= 16), \
-                f"role {name} out part-way"
+            assert all(o for p, o in zip(module.parameters(), out) if p.numel() * 4 >= 16), f"role {name} out part-way"
     for name, module in (("a", a), ("b", b)):
         ts.load(name)  # the next transition works
         got = _digests(module)

@@ -107,8 +107,9 @@ def test_torch_save_of_optimizer_state_dict_loads_back_bit_exact(residency, wher
             assert torch.equal(got["state"][i][k], v), (i, k)
     # The state really was on the host, and the hook left the optimizer's own state alone.
     out = residency != "role" or where == "outside_use"
-    assert all((v.untyped_storage().nbytes() == 0) == out for st in opt.state.values()
-               for k, v in st.items() if k != "step")
+    assert all(
+        (v.untyped_storage().nbytes() == 0) == out for st in opt.state.values() for k, v in st.items() if k != "step"
+    )
     ts.close()
 
 
@@ -121,10 +122,12 @@ def test_optimizer_load_state_dict_while_out_keeps_identity_and_lands_on_reload(
     ts.load("reference")
     objs = {id(v) for st in opt.state.values() for v in st.values()}
     opt.load_state_dict(other_opt.state_dict())
-    assert {id(v) for st in opt.state.values() for v in st.values() if v.numel() > 1} <= objs, \
+    assert {id(v) for st in opt.state.values() for v in st.values() if v.numel() > 1} <= objs, (
         "offloaded state tensors kept their identity"
-    assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values() for k, v in st.items()
-               if k != "step"), "the load brought no optimizer state onto the device"
+    )
+    assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values() for k, v in st.items() if k != "step"), (
+        "the load brought no optimizer state onto the device"
+    )
     ts.close()
     want = snapshot_state(other, other_opt)
     got = snapshot_state(model, opt)
@@ -143,8 +146,7 @@ def test_optimizer_load_state_dict_into_a_fresh_optimizer_of_an_offloaded_role()
     ts.add_role("reference", model=TinyLM())
     ts.load("reference")
     fresh.load_state_dict(opt.state_dict())
-    assert all(v.untyped_storage().nbytes() == 0 for st in fresh.state.values() for k, v in st.items()
-               if k != "step")
+    assert all(v.untyped_storage().nbytes() == 0 for st in fresh.state.values() for k, v in st.items() if k != "step")
     ts.close()
     for p in model.parameters():
         for k in ("exp_avg", "exp_avg_sq"):
@@ -208,8 +210,9 @@ def test_reading_a_moved_out_weight_directly_no_longer_segfaults_in_strict_mode(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "alive" in out.stdout
-    assert "ERROR: aten.sum.default touches blocks.1.3.weight of role 'actor', which is offloaded" in out.stdout, \
+    assert "ERROR: aten.sum.default touches blocks.1.3.weight of role 'actor', which is offloaded" in out.stdout, (
         out.stdout
+    )
     assert "ERROR2: aten.add_.Tensor touches a tensor of shape (128, 32)" in out.stdout, out.stdout
 
 
@@ -224,5 +227,7 @@ def test_training_through_the_state_dict_hooks_is_unchanged():
     with ts.use("actor"):
         lm_loss(model, torch.randint(0, 64, (2, 9))).backward()
     ts.close()
-    assert_same_state({k: v for k, v in before.items() if not k.endswith(".grad")},
-                      {k: v for k, v in snapshot_state(model, opt).items() if not k.endswith(".grad")})
+    assert_same_state(
+        {k: v for k, v in before.items() if not k.endswith(".grad")},
+        {k: v for k, v in snapshot_state(model, opt).items() if not k.endswith(".grad")},
+    )

@@ -271,7 +271,8 @@ def test_offload_optimizer_whose_exit_reload_fails_strands_nothing(monkeypatch, 
                     monkeypatch.setattr(store.ops, "driver_free_bytes", lambda: (0, 1 << 40))
         if fail:
             assert _nbytes(model.embed.weight.grad) == 0 and store.is_offloaded(
-                model.embed.weight.grad.untyped_storage()._cdata)
+                model.embed.weight.grad.untyped_storage()._cdata
+            )
             got = opt.state_dict()["state"]  # read from the host copies, no segfault
             for i, st in want_sd.items():
                 for k, v in st.items():

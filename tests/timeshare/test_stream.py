@@ -9,8 +9,10 @@ from tests.helpers import TinyLM, assert_same_state, lm_loss, snapshot_state
 
 
 def _opt(model, kind):
-    groups = [{"params": [p for n, p in model.named_parameters() if "norm" not in n], "weight_decay": 0.1},
-              {"params": [p for n, p in model.named_parameters() if "norm" in n], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if "norm" not in n], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if "norm" in n], "weight_decay": 0.0},
+    ]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
     return torch.optim.AdamW(groups, lr=1e-2, **({"fused": True} if kind == "adamw-fused" else {}))
@@ -33,8 +35,12 @@ def _train(kind, residency, steps=5, chunk_bytes=2048):
         sched.step()
         if ts is not None:
             # between steps every optimizer state tensor is on the host (storage size 0)
-            assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values()
-                       for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 4), residency
+            assert all(
+                v.untyped_storage().nbytes() == 0
+                for st in opt.state.values()
+                for k, v in st.items()
+                if isinstance(v, torch.Tensor) and v.numel() > 4
+            ), residency
             ts.load("actor")  # resident, optimizer state still on the host
         snap = snapshot_state(model)  # grads of this step still in place after step()
         opt.zero_grad()
@@ -61,8 +67,14 @@ def test_streamed_step_holds_one_chunk_of_state_at_a_time():
     on_device = []
 
     def spy(o, args, kwargs):  # runs before every per-chunk step() too
-        on_device.append(sum(v.untyped_storage().nbytes() for st in o.state.values()
-                             for v in st.values() if isinstance(v, torch.Tensor) and v.numel() > 1))
+        on_device.append(
+            sum(
+                v.untyped_storage().nbytes()
+                for st in o.state.values()
+                for v in st.values()
+                if isinstance(v, torch.Tensor) and v.numel() > 1
+            )
+        )
 
     opt.register_step_pre_hook(spy)
     ids = torch.randint(0, 64, (4, 9))
@@ -121,8 +133,12 @@ def test_error_inside_a_streamed_step_consumes_only_the_chunks_stepped_and_step_
             opt.step()  # completes the interrupted step
         h.remove()
         # the use() block's end put the optimizer state back on the host
-        assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values()
-                   for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 4)
+        assert all(
+            v.untyped_storage().nbytes() == 0
+            for st in opt.state.values()
+            for k, v in st.items()
+            if isinstance(v, torch.Tensor) and v.numel() > 4
+        )
         ts.close()
         runs.append(snapshot_state(model, opt))
     # snapshot_state includes grads: drop them (the interrupted run consumed some)

@@ -401,8 +401,7 @@ def test_import_touches_no_cuda():
     import subprocess
     import sys
 
-    code = ("import torch, tidal; "
-            "assert not torch.cuda.is_initialized(), 'import tidal initialised CUDA'")
+    code = "import torch, tidal; assert not torch.cuda.is_initialized(), 'import tidal initialised CUDA'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -411,7 +410,9 @@ def test_a_role_without_state_to_move_says_why():
     ts = tidal.Timeshare("cpu")
     with pytest.raises(ValueError, match="no tensors at all"):
         ts.add_role("empty", model=nn.ReLU())
-    with pytest.raises(ValueError, match=r"no state to move: its 1 tensors are empty or smaller than min_offload_bytes"):
+    with pytest.raises(
+        ValueError, match=r"no state to move: its 1 tensors are empty or smaller than min_offload_bytes"
+    ):
         ts.add_role("tiny", model=_one_scalar())
     ts.close()
 

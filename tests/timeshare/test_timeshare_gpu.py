@@ -68,9 +68,15 @@ def test_driver_free_memory_returns_to_baseline_every_cycle():
 
 def test_round_trip_bit_exact_hf_model_with_fused_adam():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
-                                   tie_word_embeddings=True)
+    cfg = transformers.Qwen2Config(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -155,8 +161,9 @@ def test_race_compute_waits_for_reload():
 
     assert run(frozenset())
     # The host also waits for the reload before load() returns; both orderings must go.
-    assert not run(frozenset({"compute_after_h2d", "reload_done"})), \
+    assert not run(frozenset({"compute_after_h2d", "reload_done"})), (
         "the race test must detect a missing compute-after-H2D wait"
+    )
 
 
 def test_reload_that_cannot_fit_raises_and_keeps_state():
@@ -200,8 +207,9 @@ def test_switch_moves_both_roles_and_frees_the_outgoing_one():
 def test_training_with_switches_matches_training_without_tidal():
     def train(use_tidal: bool) -> list[float]:
         torch.manual_seed(0)
-        actor = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Dropout(0.1), nn.Linear(2048, 512),
-                              nn.LayerNorm(512)).cuda()
+        actor = nn.Sequential(
+            nn.Linear(512, 2048), nn.GELU(), nn.Dropout(0.1), nn.Linear(2048, 512), nn.LayerNorm(512)
+        ).cuda()
         ref = nn.Sequential(nn.Linear(512, 512), nn.Tanh()).cuda()
         opt = torch.optim.AdamW(actor.parameters(), lr=1e-3)
         ts = tidal.Timeshare("cuda") if use_tidal else None

@@ -97,13 +97,11 @@ class ActivationOffloadConfig:
                 object.__setattr__(self, "default_mode", LayerMode(self.default_mode))
             except ValueError:
                 raise ValueError(
-                    f"default_mode must be one of {[m.value for m in LayerMode]}, got "
-                    f"{self.default_mode!r}"
+                    f"default_mode must be one of {[m.value for m in LayerMode]}, got {self.default_mode!r}"
                 ) from None
         if self.prefetch_groups < 1:
             raise ValueError(
-                f"prefetch_groups must be >= 1 (groups copied back ahead of the one in use), "
-                f"got {self.prefetch_groups}"
+                f"prefetch_groups must be >= 1 (groups copied back ahead of the one in use), got {self.prefetch_groups}"
             )
         if self.bucket_bytes <= 0 or self.small_copy_bytes < 0 or self.small_copy_bytes > self.bucket_bytes:
             raise ValueError(

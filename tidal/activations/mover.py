@@ -40,8 +40,9 @@ from tidal.transfer import CopyItem, HostArena, TransferConfig, TransferEngine
 
 __all__ = ["Batch", "GroupMover", "Timer"]
 
-WAIT_NAMES = frozenset({"act_produce", "act_release", "act_reload_after_offload", "act_alloc", "act_consume",
-                        "act_dispose"})
+WAIT_NAMES = frozenset(
+    {"act_produce", "act_release", "act_reload_after_offload", "act_alloc", "act_consume", "act_dispose"}
+)
 
 
 class Timer:
@@ -207,7 +208,9 @@ class GroupMover:
         rates: list[list[float]] = [[], []]
         self.ops.synchronize()
         for _ in range(repeats + 1):
-            for k, (stream, dst, src) in enumerate(((self.d2h_stream, x_host, x_gpu), (self.h2d_stream, x_gpu, x_host))):
+            for k, (stream, dst, src) in enumerate(
+                ((self.d2h_stream, x_host, x_gpu), (self.h2d_stream, x_gpu, x_host))
+            ):
                 start = self.ops.module.Event(enable_timing=True)
                 end = self.ops.module.Event(enable_timing=True)
                 with self.ops.on_stream(stream):
@@ -226,4 +229,3 @@ class GroupMover:
         self.ops.synchronize()
         self.engine.release_staging()
         self.arena.close()
-

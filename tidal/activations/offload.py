@@ -66,11 +66,18 @@ import torch.nn as nn
 
 from tidal.activations.config import ActivationOffloadConfig, LayerMode, StepReport
 from tidal.activations.layers import (
-    REENTRANT_HELP, RecomputePatch, check_checkpointing, resolve_layers, user_checkpointed,
+    REENTRANT_HELP,
+    RecomputePatch,
+    check_checkpointing,
+    resolve_layers,
+    user_checkpointed,
 )
 from tidal.activations.mover import GroupMover, Timer
 from tidal.activations.saved import (
-    SavedStorage, SavedView, skip_reason, static_storage_keys,
+    SavedStorage,
+    SavedView,
+    skip_reason,
+    static_storage_keys,
 )
 from tidal.activations.step import Group, Step
 from tidal.device import DeviceOps
@@ -122,8 +129,12 @@ class ActivationOffloader:
             )
         if self.config.budget_bytes is not None and not self.config.measure:
             raise ValueError("budget_bytes needs measure=True: the planner plans from measured times")
-        self._mover = GroupMover(self.ops, bucket_bytes=self.config.bucket_bytes,
-                                 small_copy_bytes=self.config.small_copy_bytes, measure=self.config.measure)
+        self._mover = GroupMover(
+            self.ops,
+            bucket_bytes=self.config.bucket_bytes,
+            small_copy_bytes=self.config.small_copy_bytes,
+            measure=self.config.measure,
+        )
         self._lock = threading.RLock()
         self._explicit_plan = self._check_plan(plan) if plan is not None else None
         self.plan: Any = plan if plan is not None else None
@@ -220,10 +231,12 @@ class ActivationOffloader:
         try:
             self._patch = RecomputePatch(patch_layers)
             for li, layer in enumerate(self.layers):
-                self._hooks.append(layer.register_forward_pre_hook(
-                    lambda mod, args, kwargs, li=li: self._on_layer_start(li, args, kwargs), with_kwargs=True))
-                self._hooks.append(layer.register_forward_hook(
-                    lambda mod, args, out, li=li: self._on_layer_end(li)))
+                self._hooks.append(
+                    layer.register_forward_pre_hook(
+                        lambda mod, args, kwargs, li=li: self._on_layer_start(li, args, kwargs), with_kwargs=True
+                    )
+                )
+                self._hooks.append(layer.register_forward_hook(lambda mod, args, out, li=li: self._on_layer_end(li)))
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
         except BaseException:
@@ -281,8 +294,10 @@ class ActivationOffloader:
             step.gap = []
             prev_keys = step.groups[-1].input_keys if step.groups else set()
             for t in list(args) + list(kwargs.values()):
-                if isinstance(t, torch.Tensor) and skip_reason(
-                        t, self.ops.device, self.config.min_offload_bytes, self._static_keys) is None:
+                if (
+                    isinstance(t, torch.Tensor)
+                    and skip_reason(t, self.ops.device, self.config.min_offload_bytes, self._static_keys) is None
+                ):
                     key = t.untyped_storage()._cdata
                     if key not in group.input_keys:
                         group.input_keys.add(key)
@@ -369,9 +384,7 @@ class ActivationOffloader:
         try:
             modes = [m if isinstance(m, LayerMode) else LayerMode(m) for m in modes]
         except (TypeError, ValueError):
-            raise TypeError(
-                f"plan must be a sequence of LayerMode (or an ActivationPlan), got {plan!r}"
-            ) from None
+            raise TypeError(f"plan must be a sequence of LayerMode (or an ActivationPlan), got {plan!r}") from None
         if len(modes) != len(self.layers):
             raise ValueError(f"plan has {len(modes)} modes for {len(self.layers)} layers; give one per layer")
         return modes

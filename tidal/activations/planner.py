@@ -76,9 +76,11 @@ class ActivationPlan:
     def summary(self) -> str:
         counts = {m.value: sum(1 for x in self.modes if x is m) for m in LayerMode}
         parts = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-        return (f"{parts}; predicted peak {format_bytes(self.predicted_peak_bytes)} (budget "
-                f"{format_bytes(self.budget_bytes)}), step {self.predicted_step_s * 1e3:.1f} ms "
-                f"(compute {self.compute_s * 1e3:.1f} ms)")
+        return (
+            f"{parts}; predicted peak {format_bytes(self.predicted_peak_bytes)} (budget "
+            f"{format_bytes(self.budget_bytes)}), step {self.predicted_step_s * 1e3:.1f} ms "
+            f"(compute {self.compute_s * 1e3:.1f} ms)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +207,13 @@ def plan_layers(
         raise ValueError(f"need one reference mode per layer profile, got {len(reference_modes)} for {n}")
     if d2h_bytes_per_s <= 0 or h2d_bytes_per_s <= 0:
         raise ValueError("line rates must be > 0 bytes/s")
-    kw = dict(d2h_bytes_per_s=d2h_bytes_per_s, h2d_bytes_per_s=h2d_bytes_per_s, tail_forward_s=tail_forward_s,
-              tail_backward_s=tail_backward_s, prefetch_groups=prefetch_groups)
+    kw = dict(
+        d2h_bytes_per_s=d2h_bytes_per_s,
+        h2d_bytes_per_s=h2d_bytes_per_s,
+        tail_forward_s=tail_forward_s,
+        tail_backward_s=tail_backward_s,
+        prefetch_groups=prefetch_groups,
+    )
     # The head's share, fitted on the measured step: its peak, less what was allocated before
     # the step, less the layers' activations resident after the forward (the smaller of the
     # two head points, forward and backward), and applied at the larger one (with the copy
@@ -263,9 +270,13 @@ def plan_layers(
                 if p <= target and s.step_s < sim.step_s * (1 - 1e-9):
                     modes, peak, sim, improved = cand, p, s, True
     return ActivationPlan(
-        modes=tuple(modes), budget_bytes=budget_bytes, predicted_peak_bytes=int(peak),
-        predicted_step_s=sim.step_s, compute_s=sim.compute_s,
-        keep_all_peak_bytes=int(keep_peak), keep_all_step_s=keep_sim.step_s,
+        modes=tuple(modes),
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=int(peak),
+        predicted_step_s=sim.step_s,
+        compute_s=sim.compute_s,
+        keep_all_peak_bytes=int(keep_peak),
+        keep_all_step_s=keep_sim.step_s,
     )
 
 
@@ -290,16 +301,27 @@ def plan_from_report(off: "ActivationOffloader", report: StepReport) -> Activati
         grads = sum(getattr(p, "_local_tensor", p).nbytes for p in layer.parameters() if p.requires_grad)
         user = user_checkpointed(layer)
         recomputed = report.modes[i].recomputes
-        profiles.append(LayerProfile(
-            saved_bytes=report.group_saved_bytes[i], input_bytes=report.group_input_bytes[i],
-            forward_s=fwd[i], backward_s=max(bwd[i] - (fwd[i] if recomputed else 0.0), 0.0),
-            grad_bytes=int(grads), user_checkpointed=user,
-        ))
+        profiles.append(
+            LayerProfile(
+                saved_bytes=report.group_saved_bytes[i],
+                input_bytes=report.group_input_bytes[i],
+                forward_s=fwd[i],
+                backward_s=max(bwd[i] - (fwd[i] if recomputed else 0.0), 0.0),
+                grad_bytes=int(grads),
+                user_checkpointed=user,
+            )
+        )
     d2h, h2d = off.line_rate
     return plan_layers(
-        profiles, budget_bytes=off.config.budget_bytes, reference_modes=report.modes,
-        reference_peak_bytes=report.peak_allocated_bytes, static_bytes=report.start_allocated_bytes or 0,
-        d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
-        tail_forward_s=report.tail_forward_s or 0.0, tail_backward_s=report.tail_backward_s or 0.0,
-        prefetch_groups=off.config.prefetch_groups, margin_bytes=off.config.planner_margin_bytes,
+        profiles,
+        budget_bytes=off.config.budget_bytes,
+        reference_modes=report.modes,
+        reference_peak_bytes=report.peak_allocated_bytes,
+        static_bytes=report.start_allocated_bytes or 0,
+        d2h_bytes_per_s=d2h,
+        h2d_bytes_per_s=h2d,
+        tail_forward_s=report.tail_forward_s or 0.0,
+        tail_backward_s=report.tail_backward_s or 0.0,
+        prefetch_groups=off.config.prefetch_groups,
+        margin_bytes=off.config.planner_margin_bytes,
     )

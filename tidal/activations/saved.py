@@ -89,9 +89,21 @@ class SavedStorage:
     """
 
     __slots__ = (
-        "nbytes", "x_gpu", "slot", "group", "batch", "live_views", "h2d_done",
-        "waited_streams", "alloc_stream", "reload_pending_read", "unpacked_views", "pass_id",
-        "disposed", "key", "__weakref__",
+        "nbytes",
+        "x_gpu",
+        "slot",
+        "group",
+        "batch",
+        "live_views",
+        "h2d_done",
+        "waited_streams",
+        "alloc_stream",
+        "reload_pending_read",
+        "unpacked_views",
+        "pass_id",
+        "disposed",
+        "key",
+        "__weakref__",
     )
 
     def __init__(self, storage: torch.UntypedStorage, group: Any) -> None:

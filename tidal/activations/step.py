@@ -22,8 +22,19 @@ __all__ = ["Group", "Step"]
 class Group:
     """One layer call of the forward."""
 
-    __slots__ = ("index", "layer_index", "mode", "records", "kept_bytes", "batch", "input_keys",
-                 "input_bytes", "fwd_start", "fwd_end", "bwd_mark")
+    __slots__ = (
+        "index",
+        "layer_index",
+        "mode",
+        "records",
+        "kept_bytes",
+        "batch",
+        "input_keys",
+        "input_bytes",
+        "fwd_start",
+        "fwd_end",
+        "bwd_mark",
+    )
 
     def __init__(self, index: int, layer_index: int, mode: LayerMode) -> None:
         self.index = index

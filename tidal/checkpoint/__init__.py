@@ -20,5 +20,13 @@ from tidal.checkpoint.dcp import CheckpointConfig, load, load_latest, save
 from tidal.checkpoint.export import export_hf, export_hf_from_checkpoint
 from tidal.checkpoint.state import TrainState
 
-__all__ = ["CheckpointConfig", "CheckpointError", "TrainState", "export_hf", "export_hf_from_checkpoint", "load",
-           "load_latest", "save"]
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointError",
+    "TrainState",
+    "export_hf",
+    "export_hf_from_checkpoint",
+    "load",
+    "load_latest",
+    "save",
+]

@@ -54,8 +54,17 @@ import torch.distributed as dist
 
 from tidal.device import sync_policy
 
-__all__ = ["CHECKSUM", "CheckpointError", "Manifest", "checkpoint_dirs", "crc32_combine", "file_checksums",
-           "latest_path", "validate", "on_rank0"]
+__all__ = [
+    "CHECKSUM",
+    "CheckpointError",
+    "Manifest",
+    "checkpoint_dirs",
+    "crc32_combine",
+    "file_checksums",
+    "latest_path",
+    "validate",
+    "on_rank0",
+]
 
 MANIFEST = "tidal.json"
 LATEST = "latest"
@@ -97,10 +106,13 @@ class Manifest:
         """Raises ``ValueError``, ``KeyError`` or ``TypeError`` if ``text`` is not a manifest."""
         m = json.loads(text)
         sums = m.get("checksums")
-        return cls(step=int(m["step"]), world_size=int(m["world_size"]),
-                   file_bytes={str(k): int(v) for k, v in dict(m["files"]).items()},
-                   checksum_algorithm=None if sums is None else str(m["checksum_algorithm"]),
-                   checksums=None if sums is None else {str(k): str(v) for k, v in dict(sums).items()})
+        return cls(
+            step=int(m["step"]),
+            world_size=int(m["world_size"]),
+            file_bytes={str(k): int(v) for k, v in dict(m["files"]).items()},
+            checksum_algorithm=None if sums is None else str(m["checksum_algorithm"]),
+            checksums=None if sums is None else {str(k): str(v) for k, v in dict(sums).items()},
+        )
 
 
 # ---- checksums ---------------------------------------------------------------------------------
@@ -154,10 +166,11 @@ def _crc32_range(path: Path, offset: int, length: int) -> int:
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
         while length:
-            n = f.readinto(view[:min(length, len(buf))])
+            n = f.readinto(view[: min(length, len(buf))])
             if not n:
-                raise CheckpointError(f"{path} ended at byte {f.tell()} while its checksum was computed "
-                                      f"(it was truncated meanwhile)")
+                raise CheckpointError(
+                    f"{path} ended at byte {f.tell()} while its checksum was computed (it was truncated meanwhile)"
+                )
             crc = zlib.crc32(view[:n], crc)
             length -= n
     return crc
@@ -178,8 +191,9 @@ def file_checksums(directory: Path, names: Iterable[str]) -> dict[str, str]:
     releases the GIL) with 1 MiB reads, and each file's piece CRCs are combined.
     """
     sizes = {name: (directory / name).stat().st_size for name in names}
-    pieces = [(name, offset, min(_PIECE, size - offset)) for name, size in sizes.items()
-              for offset in range(0, size, _PIECE)]
+    pieces = [
+        (name, offset, min(_PIECE, size - offset)) for name, size in sizes.items() for offset in range(0, size, _PIECE)
+    ]
     threads = min(_hash_threads(), len(pieces))
     if threads <= 1:
         crcs = [_crc32_range(directory / name, offset, length) for name, offset, length in pieces]
@@ -217,8 +231,10 @@ def latest_path(directory: str | os.PathLike) -> Path | None:
     if pointer.is_file():
         name = pointer.read_text().strip()
         if not _STEP_RE.match(name):
-            raise CheckpointError(f"{pointer} holds {name!r}, not a checkpoint name like 'step-12'; "
-                                  f"fix or delete it (load a checkpoint by path with tidal.checkpoint.load)")
+            raise CheckpointError(
+                f"{pointer} holds {name!r}, not a checkpoint name like 'step-12'; "
+                f"fix or delete it (load a checkpoint by path with tidal.checkpoint.load)"
+            )
         return root / name
     committed = [p for p in checkpoint_dirs(root) if (p / MANIFEST).is_file()]
     return committed[-1] if committed else None
@@ -235,8 +251,10 @@ def _fsync_path(path: Path) -> None:
 def prepare_tmp(directory: Path, step: int) -> Path:
     """Rank 0: a fresh, empty ``.tmp-<step>``; removes leftovers of killed saves."""
     if (directory / step_name(step)).exists():
-        raise ValueError(f"checkpoint {directory / step_name(step)} exists already; checkpoints are never "
-                         f"overwritten (the old one must stay loadable). Save under another step or delete it")
+        raise ValueError(
+            f"checkpoint {directory / step_name(step)} exists already; checkpoints are never "
+            f"overwritten (the old one must stay loadable). Save under another step or delete it"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     for p in directory.iterdir():
         if p.name.startswith(".tmp-") and p.is_dir():
@@ -258,8 +276,13 @@ def commit(directory: Path, step: int, world_size: int, *, keep_last: int | None
     if not any(p.name == ".metadata" for p in files):
         raise CheckpointError(f"{tmp}: DCP wrote no .metadata; the save did not finish, nothing was committed")
     names = [p.name for p in files]
-    manifest = Manifest(step=step, world_size=world_size, file_bytes={p.name: p.stat().st_size for p in files},
-                        checksum_algorithm=CHECKSUM, checksums=file_checksums(tmp, names))
+    manifest = Manifest(
+        step=step,
+        world_size=world_size,
+        file_bytes={p.name: p.stat().st_size for p in files},
+        checksum_algorithm=CHECKSUM,
+        checksums=file_checksums(tmp, names),
+    )
     (tmp / MANIFEST).write_text(manifest.to_json())
     policy.point("checkpoint_manifest_written")
     for p in [*files, tmp / MANIFEST]:
@@ -309,18 +332,25 @@ def _problem(path: Path) -> tuple[str | None, bool]:
     verified = manifest.checksums is not None
     if verified:  # before DCP reads anything: .metadata is unpickled below
         if manifest.checksum_algorithm != CHECKSUM:
-            return (f"{MANIFEST} records {manifest.checksum_algorithm!r} checksums; this tidal version verifies "
-                    f"{CHECKSUM!r} only"), True
+            return (
+                f"{MANIFEST} records {manifest.checksum_algorithm!r} checksums; this tidal version verifies "
+                f"{CHECKSUM!r} only"
+            ), True
         unsummed = sorted(set(files) - set(manifest.checksums))
         if unsummed:
             return f"{MANIFEST} is inconsistent: it records no checksum for {', '.join(unsummed)}", True
         actual_sums = file_checksums(path, files)
         bad = [name for name in sorted(files) if actual_sums[name] != manifest.checksums[name]]
         if bad:
-            which = "; ".join(f"file {name} has {CHECKSUM} {actual_sums[name]}, {manifest.checksums[name]} was "
-                              f"recorded when it was written" for name in bad)
-            return (f"it is corrupted: {which} (bytes changed after the save: overwritten in place, a "
-                    f"disk or file-system error, or an incomplete copy)"), True
+            which = "; ".join(
+                f"file {name} has {CHECKSUM} {actual_sums[name]}, {manifest.checksums[name]} was "
+                f"recorded when it was written"
+                for name in bad
+            )
+            return (
+                f"it is corrupted: {which} (bytes changed after the save: overwritten in place, a "
+                f"disk or file-system error, or an incomplete copy)"
+            ), True
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -332,8 +362,10 @@ def _problem(path: Path) -> tuple[str | None, bool]:
         if not f.is_file():
             return f"shard file {info.relative_path} (holding {index.fqn}) is missing", verified
         if info.offset + info.length > f.stat().st_size:
-            return (f"shard file {info.relative_path} ends at byte {f.stat().st_size} but {index.fqn} "
-                    f"needs bytes {info.offset}..{info.offset + info.length} (truncated)"), verified
+            return (
+                f"shard file {info.relative_path} ends at byte {f.stat().st_size} but {index.fqn} "
+                f"needs bytes {info.offset}..{info.offset + info.length} (truncated)"
+            ), verified
     return None, verified
 
 
@@ -345,16 +377,21 @@ def validate(path: Path) -> None:
     problem, verified = _problem(path)
     if problem is None:
         if not verified:
-            warnings.warn(f"checkpoint {path} is not verified: its {MANIFEST} holds no checksums (written by a "
-                          f"tidal version before they were recorded), so only its file sizes were checked; a "
-                          f"file damaged in place would load silently. A checkpoint saved now is verified",
-                          stacklevel=2)
+            warnings.warn(
+                f"checkpoint {path} is not verified: its {MANIFEST} holds no checksums (written by a "
+                f"tidal version before they were recorded), so only its file sizes were checked; a "
+                f"file damaged in place would load silently. A checkpoint saved now is verified",
+                stacklevel=2,
+            )
         return
-    earlier = next((p for p in reversed(checkpoint_dirs(path.parent))
-                    if _older(p, path) and _problem(p)[0] is None), None)
-    hint = (f"The previous checkpoint {earlier} is complete: load it with "
-            f"tidal.checkpoint.load({str(earlier)!r}, state)" if earlier is not None
-            else f"No earlier complete checkpoint exists in {path.parent}")
+    earlier = next(
+        (p for p in reversed(checkpoint_dirs(path.parent)) if _older(p, path) and _problem(p)[0] is None), None
+    )
+    hint = (
+        f"The previous checkpoint {earlier} is complete: load it with tidal.checkpoint.load({str(earlier)!r}, state)"
+        if earlier is not None
+        else f"No earlier complete checkpoint exists in {path.parent}"
+    )
     raise CheckpointError(f"checkpoint {path} cannot be loaded: {problem}. {hint}")
 
 

@@ -67,8 +67,9 @@ class CheckpointConfig:
         if self.copy_ahead_bytes < 0:
             raise ValueError(f"copy_ahead_bytes must be >= 0, got {self.copy_ahead_bytes}")
         if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {self.keep_last} (0 would delete the "
-                             f"checkpoint just written)")
+            raise ValueError(
+                f"keep_last must be >= 1 or None, got {self.keep_last} (0 would delete the checkpoint just written)"
+            )
 
 
 _GLOO: list = []  # [(default group, gloo group)] for the current default group
@@ -96,8 +97,9 @@ def _check_state(state: TrainState) -> None:
         raise TypeError(f"state must be a tidal.checkpoint.TrainState, got {type(state).__name__}")
 
 
-def save(directory: str | os.PathLike, state: TrainState, *, step: int | None = None,
-         config: CheckpointConfig | None = None) -> Path:
+def save(
+    directory: str | os.PathLike, state: TrainState, *, step: int | None = None, config: CheckpointConfig | None = None
+) -> Path:
     """Save ``state`` as ``<directory>/step-<step>`` and point ``latest`` at it. Every rank
     calls it. ``step`` defaults to ``state.step`` (and is stored there). Returns the path.
 
@@ -116,13 +118,15 @@ def save(directory: str | os.PathLike, state: TrainState, *, step: int | None = 
     group = _group()
     tmp = atomic.on_rank0(lambda: atomic.prepare_tmp(root, state.step), group=group)
     sync_policy().point("checkpoint_tmp_prepared")
-    writer = FileSystemWriter(str(tmp), sync_files=True, thread_count=config.thread_count,
-                              per_thread_copy_ahead=config.copy_ahead_bytes)
+    writer = FileSystemWriter(
+        str(tmp), sync_files=True, thread_count=config.thread_count, per_thread_copy_ahead=config.copy_ahead_bytes
+    )
     # DCP's save ends once the coordinator has written .metadata and told every rank.
     dcp.save({_APP: state}, storage_writer=writer, process_group=group)
     sync_policy().point("checkpoint_shards_written")
-    return atomic.on_rank0(lambda: atomic.commit(root, state.step, _world_size(), keep_last=config.keep_last),
-                           group=group)
+    return atomic.on_rank0(
+        lambda: atomic.commit(root, state.step, _world_size(), keep_last=config.keep_last), group=group
+    )
 
 
 def load(path: str | os.PathLike, state: TrainState) -> int:
@@ -150,17 +154,21 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     has_rng = f"{_APP}.rng/rank{rank}" in keys
     if state.rng and not has_rng:
-        warnings.warn(f"{path} holds no RNG state for rank {rank} (saved with fewer ranks); this rank keeps "
-                      f"its current RNG", stacklevel=2)
+        warnings.warn(
+            f"{path} holds no RNG state for rank {rank} (saved with fewer ranks); this rank keeps its current RNG",
+            stacklevel=2,
+        )
     state.load_rng = has_rng
     try:
         dcp.load({_APP: state}, storage_reader=FileSystemReader(str(path)), process_group=group)
     except (ValueError, TypeError):
         raise  # tidal's own checks (CheckpointError included) say what is wrong already
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} passed the completeness checks but reading it failed "
-                              f"({type(e).__name__}: {e}): a shard may be damaged in place, or the model or "
-                              f"optimizer differ from the saved ones") from e
+        raise CheckpointError(
+            f"checkpoint {path} passed the completeness checks but reading it failed "
+            f"({type(e).__name__}: {e}): a shard may be damaged in place, or the model or "
+            f"optimizer differ from the saved ones"
+        ) from e
     finally:
         state.load_rng = True
     return state.step
@@ -187,8 +195,10 @@ def load_latest(directory: str | os.PathLike, state: TrainState, *, allow_missin
             if allow_missing:
                 return None
             where = "" if root.is_absolute() else f" ({root.absolute()})"
-            raise CheckpointError(f"checkpoint directory {root} does not exist{where}; pass allow_missing=True to "
-                                  f"start fresh when there is no checkpoint yet")
+            raise CheckpointError(
+                f"checkpoint directory {root} does not exist{where}; pass allow_missing=True to "
+                f"start fresh when there is no checkpoint yet"
+            )
         return atomic.latest_path(root)
 
     path = atomic.on_rank0(find, group=_group())

@@ -82,9 +82,11 @@ class _Gloo:
         if "sort_ranks" in inspect.signature(dist.new_group).parameters:
             kw["sort_ranks"] = False  # keep the mesh's order (torch >= 2.12)
         elif list(ranks) != sorted(ranks):
-            raise ValueError(f"this torch ({torch.__version__}) sorts a new group's ranks, and the mesh "
-                             f"orders them {list(ranks)}; export from a checkpoint instead "
-                             f"(export_hf_from_checkpoint)")
+            raise ValueError(
+                f"this torch ({torch.__version__}) sorts a new group's ranks, and the mesh "
+                f"orders them {list(ranks)}; export from a checkpoint instead "
+                f"(export_hf_from_checkpoint)"
+            )
         group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True, **kw)
         self.groups.append(group)
         return group
@@ -146,10 +148,12 @@ def _host_view(plain: torch.Tensor, timeshare: Any, where: str) -> torch.Tensor:
     store = getattr(timeshare, "store", None)
     host = store.host_tensor(plain) if store is not None else None
     if host is None:
-        raise ValueError(f"{where}: its storage has no memory and no timeshare holds it"
-                         + ("" if store is not None else " (no timeshare= was given)")
-                         + "; pass the Timeshare that offloaded this role as export_hf(..., timeshare=ts), "
-                         "or make the role resident first")
+        raise ValueError(
+            f"{where}: its storage has no memory and no timeshare holds it"
+            + ("" if store is not None else " (no timeshare= was given)")
+            + "; pass the Timeshare that offloaded this role as export_hf(..., timeshare=ts), "
+            "or make the role resident first"
+        )
     return host
 
 
@@ -161,11 +165,17 @@ def _local_source(t: torch.Tensor, timeshare: Any, where: str) -> torch.Tensor:
         raise ValueError(f"{where} is on the meta device: it has no values to export")
     if local.numel() and local.untyped_storage().nbytes() == 0:
         local = _host_view(local, timeshare, where)
-    if isinstance(t, DTensor) and local.device.type == "cpu" and t.device_mesh.device_type != "cpu" \
-            and t.device_mesh.ndim != 1:
-        raise ValueError(f"{where}: its shards are on the host on a {t.device_mesh.ndim}-D mesh; export_hf "
-                         f"gathers host shards on 1-D meshes only. Make the role resident first, or save a "
-                         f"checkpoint and use export_hf_from_checkpoint")
+    if (
+        isinstance(t, DTensor)
+        and local.device.type == "cpu"
+        and t.device_mesh.device_type != "cpu"
+        and t.device_mesh.ndim != 1
+    ):
+        raise ValueError(
+            f"{where}: its shards are on the host on a {t.device_mesh.ndim}-D mesh; export_hf "
+            f"gathers host shards on 1-D meshes only. Make the role resident first, or save a "
+            f"checkpoint and use export_hf_from_checkpoint"
+        )
     return local
 
 
@@ -179,8 +189,9 @@ def _gatherable(t: torch.Tensor, local: torch.Tensor, gloo: _Gloo) -> torch.Tens
     if local.device.type != "cpu" or mesh.device_type == "cpu":
         # Built directly: DTensor.from_local would move a host view to the mesh's device.
         return t if local is t._local_tensor else DTensor(local, t._spec, requires_grad=False)
-    return DTensor.from_local(local, gloo.mesh(mesh.mesh.flatten().tolist()), t.placements, shape=t.shape,
-                              stride=t.stride(), run_check=False)
+    return DTensor.from_local(
+        local, gloo.mesh(mesh.mesh.flatten().tolist()), t.placements, shape=t.shape, stride=t.stride(), run_check=False
+    )
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
@@ -188,13 +199,15 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     sharing one, e.g. two views of the timeshare's host arena); copies only if needed."""
     if t.device.type != "cpu":
         t = t.to("cpu")  # a fresh host tensor; allocates nothing on the device
-    exclusive = t.is_contiguous() and t.storage_offset() == 0 and \
-        t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    exclusive = (
+        t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
     return t if exclusive else t.contiguous().clone()
 
 
-def _gather_and_write(named: list[tuple[str, torch.Tensor]], path: Path | None, save_file: Callable,
-                      weight_map: dict[str, str]) -> None:
+def _gather_and_write(
+    named: list[tuple[str, torch.Tensor]], path: Path | None, save_file: Callable, weight_map: dict[str, str]
+) -> None:
     """Gather each tensor in turn (a collective for a ``DTensor``: every rank calls this); the
     writer (``path`` given) keeps a host copy and writes the file at the end."""
     shard: dict[str, torch.Tensor] = {}
@@ -210,8 +223,16 @@ def _gather_and_write(named: list[tuple[str, torch.Tensor]], path: Path | None, 
         weight_map.update(dict.fromkeys(shard, path.name))
 
 
-def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              config: bool = True, timeshare: Any = None, process_group=None, overwrite: bool = False) -> Path:
+def export_hf(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    config: bool = True,
+    timeshare: Any = None,
+    process_group=None,
+    overwrite: bool = False,
+) -> Path:
     """Write ``model``'s state dict as a Hugging Face safetensors directory ``out_dir``; return it.
 
     ``model``: a plain module, or one sharded by :func:`tidal.distributed.shard_model` (``DTensor``
@@ -242,14 +263,31 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, max_shard_b
     out = _check_args(out_dir, max_shard_bytes)
     gloo = _Gloo()
     try:
-        return _export(model, out, max_shard_bytes=max_shard_bytes, config=config, timeshare=timeshare,
-                       process_group=process_group, overwrite=overwrite, gloo=gloo)
+        return _export(
+            model,
+            out,
+            max_shard_bytes=max_shard_bytes,
+            config=config,
+            timeshare=timeshare,
+            process_group=process_group,
+            overwrite=overwrite,
+            gloo=gloo,
+        )
     finally:
         gloo.close()
 
 
-def _export(model: torch.nn.Module, out: Path, *, max_shard_bytes: int, config: bool, timeshare: Any,
-            process_group, overwrite: bool, gloo: _Gloo) -> Path:
+def _export(
+    model: torch.nn.Module,
+    out: Path,
+    *,
+    max_shard_bytes: int,
+    config: bool,
+    timeshare: Any,
+    process_group,
+    overwrite: bool,
+    gloo: _Gloo,
+) -> Path:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -268,12 +306,20 @@ def _export(model: torch.nn.Module, out: Path, *, max_shard_bytes: int, config: 
             if name in ignore:
                 continue
             if not isinstance(t, torch.Tensor):
-                warnings.warn(f"{name}: not a tensor ({type(t).__name__}); safetensors holds tensors only, "
-                              f"so it is not exported", stacklevel=4)
+                warnings.warn(
+                    f"{name}: not a tensor ({type(t).__name__}); safetensors holds tensors only, so it is not exported",
+                    stacklevel=4,
+                )
                 continue
             local = t._local_tensor if isinstance(t, DTensor) else t
-            alias = (storage_key(local.untyped_storage()), local.storage_offset(), tuple(local.shape),
-                     local.stride(), tuple(t.shape), local.dtype)
+            alias = (
+                storage_key(local.untyped_storage()),
+                local.storage_offset(),
+                tuple(local.shape),
+                local.stride(),
+                tuple(t.shape),
+                local.dtype,
+            )
             groups.setdefault(alias, []).append(name)
             named.append((name, t))
         drop = _drop_aliases(groups.values(), _tied_patterns(model))
@@ -285,8 +331,10 @@ def _export(model: torch.nn.Module, out: Path, *, max_shard_bytes: int, config: 
         signatures: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(signatures, signature, group=group)
         if any(s != signatures[0] for s in signatures):
-            raise ValueError("the ranks hold different models (names, shapes or dtypes differ); export_hf "
-                             "needs the same model on every rank of process_group")
+            raise ValueError(
+                "the ranks hold different models (names, shapes or dtypes differ); export_hf "
+                "needs the same model on every rank of process_group"
+            )
     named = [(n, _gatherable(t, local, gloo)) for n, t, local in resolved]
     del resolved
     if writer:
@@ -326,16 +374,24 @@ def _checkpoint_path(checkpoint_dir: Path) -> Path:
     if not (checkpoint_dir / ".metadata").exists() and not (checkpoint_dir / atomic.MANIFEST).exists():
         path = atomic.latest_path(checkpoint_dir)
         if path is None:
-            raise CheckpointError(f"{checkpoint_dir} holds no committed checkpoint (no 'latest' pointer and no "
-                                  f"step-N directory with a manifest)")
+            raise CheckpointError(
+                f"{checkpoint_dir} holds no committed checkpoint (no 'latest' pointer and no "
+                f"step-N directory with a manifest)"
+            )
     atomic.validate(path)
     return path
 
 
-def export_hf_from_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                              max_shard_bytes: int = DEFAULT_SHARD_BYTES, prefix: str = "app.model.",
-                              model: torch.nn.Module | None = None, drop_keys: Iterable[str] = (),
-                              overwrite: bool = False) -> Path:
+def export_hf_from_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    prefix: str = "app.model.",
+    model: torch.nn.Module | None = None,
+    drop_keys: Iterable[str] = (),
+    overwrite: bool = False,
+) -> Path:
     """Write the model of a checkpoint saved by :func:`tidal.checkpoint.save` as a Hugging Face
     safetensors directory ``out_dir``; return it. Offline: one process, CPU only, no process
     group needed (any world size at save time; DCP reassembles each tensor from its shards).
@@ -370,16 +426,23 @@ def export_hf_from_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | 
 
     path = _checkpoint_path(Path(checkpoint_dir))
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    tensors = {k[len(prefix):]: v for k, v in metadata.items()
-               if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    tensors = {
+        k[len(prefix) :]: v
+        for k, v in metadata.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }
     skipped = [k for k, v in metadata.items() if k.startswith(prefix) and not isinstance(v, TensorStorageMetadata)]
     if skipped:
-        warnings.warn(f"{len(skipped)} non-tensor entries under {prefix!r} are not exported (safetensors holds "
-                      f"tensors only), e.g. {skipped[0]}", stacklevel=2)
+        warnings.warn(
+            f"{len(skipped)} non-tensor entries under {prefix!r} are not exported (safetensors holds "
+            f"tensors only), e.g. {skipped[0]}",
+            stacklevel=2,
+        )
     if not tensors:
         roots = sorted({k.rsplit(".", 1)[0] for k in metadata})[:8]
-        raise ValueError(f"checkpoint {path} holds no tensors under prefix {prefix!r}; its keys start with "
-                         f"e.g. {roots}")
+        raise ValueError(
+            f"checkpoint {path} holds no tensors under prefix {prefix!r}; its keys start with e.g. {roots}"
+        )
     drop = set(drop_keys)
     if unknown := sorted(drop - tensors.keys()):
         raise ValueError(f"drop_keys names {unknown[:5]}, which the checkpoint does not hold under {prefix!r}")
@@ -389,8 +452,10 @@ def export_hf_from_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | 
         state = {n: t for n, t in get_model_state_dict(model).items() if isinstance(t, torch.Tensor)}
         if state.keys() != tensors.keys():
             missing, extra = sorted(state.keys() - tensors.keys()), sorted(tensors.keys() - state.keys())
-            raise ValueError(f"model does not match the checkpoint: missing from the checkpoint {missing[:5]}, "
-                             f"not in the model {extra[:5]}")
+            raise ValueError(
+                f"model does not match the checkpoint: missing from the checkpoint {missing[:5]}, "
+                f"not in the model {extra[:5]}"
+            )
         groups: dict = {}
         for n, t in state.items():
             groups.setdefault((storage_key(t.untyped_storage()), t.storage_offset(), tuple(t.shape)), []).append(n)
@@ -406,16 +471,19 @@ def export_hf_from_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | 
         # Full-size host tensors for this file only; DCP fills each from its stored chunks.
         shard = {n: torch.empty(tuple(tensors[n].size), dtype=tensors[n].properties.dtype) for n in names}
         try:
-            dcp.load({prefix + n: t for n, t in shard.items()}, storage_reader=FileSystemReader(str(path)),
-                     no_dist=True)
+            dcp.load(
+                {prefix + n: t for n, t in shard.items()}, storage_reader=FileSystemReader(str(path)), no_dist=True
+            )
         except Exception as e:
-            raise CheckpointError(f"checkpoint {path} passed the completeness checks but reading it failed "
-                                  f"({type(e).__name__}: {e})") from e
+            raise CheckpointError(
+                f"checkpoint {path} passed the completeness checks but reading it failed ({type(e).__name__}: {e})"
+            ) from e
         save_file(shard, str(tmp / file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file_name))
         del shard
     if model is not None:
-        _write_config(model, tmp, next((m.properties.dtype for _, m in kept if m.properties.dtype.is_floating_point),
-                                       None))
+        _write_config(
+            model, tmp, next((m.properties.dtype for _, m in kept if m.properties.dtype.is_floating_point), None)
+        )
     _commit(tmp, out, weight_map, sum(s for _, s in sizes))
     return out

@@ -30,8 +30,9 @@ def _save_file() -> Callable:
     try:  # optional dependency: only the export needs it
         from safetensors.torch import save_file
     except ImportError as e:
-        raise ImportError("exporting to Hugging Face safetensors needs the safetensors package: "
-                          "pip install safetensors") from e
+        raise ImportError(
+            "exporting to Hugging Face safetensors needs the safetensors package: pip install safetensors"
+        ) from e
     return save_file
 
 
@@ -71,8 +72,9 @@ def _prepare(out: Path, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"out_dir {out} exists and is not empty; pass overwrite=True to replace it, or "
-                         f"choose another directory")
+        raise ValueError(
+            f"out_dir {out} exists and is not empty; pass overwrite=True to replace it, or choose another directory"
+        )
     tmp, old = _tmp_dirs(out)
     for leftover in (tmp, old):  # names only exports use: a killed export's files
         if leftover.exists():
@@ -149,11 +151,15 @@ def _warn_conversions(model: torch.nn.Module) -> None:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange
 
-        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
-                       if not isinstance(c, PrefixChange)]
+        conversions = [
+            c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
+        ]
     except Exception:  # noqa: BLE001
         return
     if conversions:
-        warnings.warn(f"{type(model).__name__} is converted by transformers at load time ({len(conversions)} "
-                      f"weight conversions, e.g. fused experts); the export holds the in-memory layout, which "
-                      f"transformers >= 5 loads, not the original hub layout", stacklevel=3)
+        warnings.warn(
+            f"{type(model).__name__} is converted by transformers at load time ({len(conversions)} "
+            f"weight conversions, e.g. fused experts); the export holds the in-memory layout, which "
+            f"transformers >= 5 loads, not the original hub layout",
+            stacklevel=3,
+        )

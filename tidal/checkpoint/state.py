@@ -93,8 +93,9 @@ class TrainState(Stateful):
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        optimizers = [] if optimizer is None else (
-            list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+        optimizers = (
+            [] if optimizer is None else (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])
+        )
         for o in optimizers:
             if not isinstance(o, torch.optim.Optimizer):
                 raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a list), got {type(o).__name__}")
@@ -188,8 +189,10 @@ class TrainState(Stateful):
         groups = [g for o in self.optimizers for g in o.param_groups]
         saved = loaded["param_groups"]
         if len(saved) != len(groups):
-            raise ValueError(f"the checkpoint has {len(saved)} optimizer param groups, the optimizer "
-                             f"{len(groups)}; build the optimizer with the same groups as the saved run")
+            raise ValueError(
+                f"the checkpoint has {len(saved)} optimizer param groups, the optimizer "
+                f"{len(groups)}; build the optimizer with the same groups as the saved run"
+            )
         by_fqn: dict[str, tuple[torch.optim.Optimizer, torch.Tensor]] = {}
         i = 0
         for o in self.optimizers:
@@ -223,5 +226,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     elif "cuda" in state:
-        warnings.warn("the checkpoint holds a CUDA RNG state but CUDA is not available here; not restored",
-                      stacklevel=3)
+        warnings.warn(
+            "the checkpoint holds a CUDA RNG state but CUDA is not available here; not restored", stacklevel=3
+        )

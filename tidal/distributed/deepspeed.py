@@ -59,12 +59,15 @@ _RESIDENCIES = ("role", "step")
 # two managers of one engine would each think they own its storages.
 _OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
+
 def _claim(engine: torch.nn.Module, owner: str) -> None:
     held = _OWNERS.get(engine)
     if held is not None:
-        raise ValueError(f"this DeepSpeed engine is already managed by {held}; an engine's state can be "
-                         f"moved by one manager only (each keeps its own record of where every storage "
-                         f"is). Use that one, or close it first")
+        raise ValueError(
+            f"this DeepSpeed engine is already managed by {held}; an engine's state can be "
+            f"moved by one manager only (each keeps its own record of where every storage "
+            f"is). Use that one, or close it first"
+        )
     _OWNERS[engine] = owner
 
 
@@ -109,14 +112,23 @@ def add_deepspeed_role(
     if not isinstance(ts, Timeshare):
         raise TypeError(f"ts must be a tidal.Timeshare, got {type(ts).__name__}")
     if optimizer_residency not in _RESIDENCIES:
-        why = (" (its chunked step would split DeepSpeed's flat master partitions and bypass the "
-               "wrapper's per-group step)") if optimizer_residency == "stream" else ""
-        raise ValueError(f"optimizer_residency for a DeepSpeed role must be one of {_RESIDENCIES}, got "
-                         f"{optimizer_residency!r}{why}")
+        why = (
+            (
+                " (its chunked step would split DeepSpeed's flat master partitions and bypass the "
+                "wrapper's per-group step)"
+            )
+            if optimizer_residency == "stream"
+            else ""
+        )
+        raise ValueError(
+            f"optimizer_residency for a DeepSpeed role must be one of {_RESIDENCIES}, got {optimizer_residency!r}{why}"
+        )
     device = _engine_device(engine)
     if device != ts.device:
-        raise ValueError(f"the engine lives on {device} but the timeshare on {ts.device}; create the "
-                         f"Timeshare on the engine's device (engine.device)")
+        raise ValueError(
+            f"the engine lives on {device} but the timeshare on {ts.device}; create the "
+            f"Timeshare on the engine's device (engine.device)"
+        )
     _claim(engine, f"role {name!r} of a Timeshare")
     early: list = []
     try:
@@ -125,8 +137,13 @@ def add_deepspeed_role(
             # Registered before the timeshare's hooks, so it runs before the one that sends
             # the moments back to the host.
             early = _link_moments_while_resident(engine.optimizer, inner)
-        role = ts.add_role(name, model=_EngineState(engine, inner), optimizer=inner, grads="offload",
-                           optimizer_residency=optimizer_residency)
+        role = ts.add_role(
+            name,
+            model=_EngineState(engine, inner),
+            optimizer=inner,
+            grads="offload",
+            optimizer_residency=optimizer_residency,
+        )
     except BaseException:
         for h in early:
             h.remove()
@@ -136,8 +153,10 @@ def add_deepspeed_role(
 
     def guard(module, args):
         if not role.resident:
-            raise RuntimeError(f"DeepSpeed role {name!r} is offloaded (its state is on the host); run the "
-                               f"engine inside `with ts.use({name!r}):` or call ts.load({name!r}) first")
+            raise RuntimeError(
+                f"DeepSpeed role {name!r} is offloaded (its state is on the host); run the "
+                f"engine inside `with ts.use({name!r}):` or call ts.load({name!r}) first"
+            )
 
     # On the engine (its forward runs first) and, ahead of DeepSpeed's own hooks, on the module
     # (ZeRO-3's pre-forward hook would gather from empty partitions before any later hook).
@@ -193,11 +212,14 @@ def _check_offload_states(engine, deepspeed) -> None:
         raise ValueError(
             f"DeepSpeed {version} implements engine.offload_states() only for ZeRO stages 1-3 with an "
             f"optimizer; this engine is stage {stage} with {type(opt).__name__ if opt is not None else 'no'} "
-            f"optimizer. Use via='tidal', which moves any stage")
+            f"optimizer. Use via='tidal', which moves any stage"
+        )
     param_offload = engine.zero_offload_param()
     if param_offload is not None and str(getattr(param_offload.device, "value", param_offload.device)) != "none":
-        raise ValueError("DeepSpeed's offload_states refuses engines whose parameters are offloaded "
-                         "(zero_optimization.offload_param); they are on the host already")
+        raise ValueError(
+            "DeepSpeed's offload_states refuses engines whose parameters are offloaded "
+            "(zero_optimization.offload_param); they are on the host already"
+        )
     if stage == 3:
         from deepspeed.ops.adam import FusedAdam
 
@@ -207,7 +229,8 @@ def _check_offload_states(engine, deepspeed) -> None:
                 f"DeepSpeed {version}'s ZeRO-3 offload_states moves the master weights and moments only "
                 f"for DeepSpeed's FusedAdam (it asserts so); this engine's optimizer is "
                 f"{type(inner).__name__}. Use via='tidal' (any torch optimizer), or build the engine "
-                f"with deepspeed.ops.adam.FusedAdam")
+                f"with deepspeed.ops.adam.FusedAdam"
+            )
 
 
 class DeepSpeedOffload:
@@ -299,9 +322,15 @@ class DeepSpeedOffload:
         seconds = time.perf_counter() - t0
         after = snapshot(ops)
         delta = before.allocated_bytes - after.allocated_bytes
-        return MoveResult(bytes_out=max(delta, 0) if out else 0, bytes_in=0 if out else max(-delta, 0),
-                          seconds=seconds, release_seconds=0.0, driver_free_before=before.driver_free_bytes,
-                          driver_free_after=after.driver_free_bytes, segments=0)
+        return MoveResult(
+            bytes_out=max(delta, 0) if out else 0,
+            bytes_in=0 if out else max(-delta, 0),
+            seconds=seconds,
+            release_seconds=0.0,
+            driver_free_before=before.driver_free_bytes,
+            driver_free_after=after.driver_free_bytes,
+            segments=0,
+        )
 
     def close(self) -> None:
         """Bring the state back if it is out and release the engine (and tidal's host memory)."""

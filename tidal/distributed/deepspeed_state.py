@@ -44,9 +44,19 @@ _MAX_DEPTH = 8
 _LEAVES = (int, float, bool, str, bytes, complex, type(None))
 # Exact types never walked into (a set lookup is the walk's cheapest test): scalars, and the
 # functions, bound methods and hook handles DeepSpeed attaches to every parameter.
-_LEAF_TYPES = frozenset(_LEAVES + (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-                                   functools.partial, torch.Size, torch.dtype, torch.device,
-                                   torch.utils.hooks.RemovableHandle))
+_LEAF_TYPES = frozenset(
+    _LEAVES
+    + (
+        types.FunctionType,
+        types.MethodType,
+        types.BuiltinFunctionType,
+        functools.partial,
+        torch.Size,
+        torch.dtype,
+        torch.device,
+        torch.utils.hooks.RemovableHandle,
+    )
+)
 # Engine attributes that are the user's, not the engine's state.
 _SKIP_ENGINE_ATTRS = frozenset({"_modules", "_parameters", "_buffers", "training_dataloader"})
 _SKIP_PARAM_ATTRS = frozenset({"_hp_mapping"})
@@ -60,7 +70,7 @@ def _import_deepspeed():
     except ImportError as e:
         raise ImportError(
             "tidal's DeepSpeed adapter needs the deepspeed package; install it with "
-            "`pip install \"tidal[deepspeed]\"` (DS_BUILD_OPS=0 builds it without compiling ops)"
+            '`pip install "tidal[deepspeed]"` (DS_BUILD_OPS=0 builds it without compiling ops)'
         ) from e
     return deepspeed
 
@@ -70,8 +80,10 @@ def _check_engine(engine: object) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     if not isinstance(engine, DeepSpeedEngine):
-        raise TypeError(f"engine must be a deepspeed.runtime.engine.DeepSpeedEngine (what deepspeed.initialize "
-                        f"returns first), got {type(engine).__name__}")
+        raise TypeError(
+            f"engine must be a deepspeed.runtime.engine.DeepSpeedEngine (what deepspeed.initialize "
+            f"returns first), got {type(engine).__name__}"
+        )
 
 
 def _inner_optimizer(engine) -> torch.optim.Optimizer | None:
@@ -202,8 +214,9 @@ class _EngineState(torch.nn.Module):
         self.__dict__["_engine"] = engine
         self.__dict__["_inner"] = inner
 
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         engine = self._engine
         found, streams = _walk(engine)
         if streams:
@@ -242,12 +255,16 @@ def _entries(engine, min_offload_bytes: int) -> list:
     device = _engine_device(engine)
     inner = _inner_optimizer(engine)
     params = [p for g in inner.param_groups for p in g["params"]] if inner is not None else []
-    entries = collect_module_state([_EngineState(engine, inner)], device, extra_params=params,
-                                   min_offload_bytes=min_offload_bytes)
+    entries = collect_module_state(
+        [_EngineState(engine, inner)], device, extra_params=params, min_offload_bytes=min_offload_bytes
+    )
     if inner is not None:
         keys = {e.key for e in entries}
-        entries += [e for e in collect_optimizer_state([inner], device, min_offload_bytes=min_offload_bytes)
-                    if e.key not in keys]
+        entries += [
+            e
+            for e in collect_optimizer_state([inner], device, min_offload_bytes=min_offload_bytes)
+            if e.key not in keys
+        ]
     return entries
 
 

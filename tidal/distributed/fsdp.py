@@ -116,20 +116,28 @@ def shard_model(
     if isinstance(model, FSDPModule) or getattr(model, _STAGE_ATTR, None) is not None:
         raise ValueError("this model is sharded already; shard a model once, before building its optimizer")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+        raise TypeError(
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
+        )
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy (e.g. CPUOffloadPolicy()), "
-                        f"got {type(offload_policy).__name__}")
+        raise TypeError(
+            f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy (e.g. CPUOffloadPolicy()), "
+            f"got {type(offload_policy).__name__}"
+        )
     if mesh is None:
         if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("shard_model needs torch.distributed initialised (dist.init_process_group, e.g. "
-                             "under torchrun) or an explicit mesh=")
+            raise ValueError(
+                "shard_model needs torch.distributed initialised (dist.init_process_group, e.g. "
+                "under torchrun) or an explicit mesh="
+            )
         mesh = _default_mesh(model)
     elif not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim != 1:
-        raise ValueError(f"mesh must be 1-D (one data-parallel dimension), got {mesh.ndim} dimensions; "
-                         f"HSDP meshes are not mapped to ZeRO stages yet")
+        raise ValueError(
+            f"mesh must be 1-D (one data-parallel dimension), got {mesh.ndim} dimensions; "
+            f"HSDP meshes are not mapped to ZeRO stages yet"
+        )
     kwargs: dict = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy

@@ -67,8 +67,17 @@ from tidal.distributed.lease_server import (
 )
 
 __all__ = [
-    "GPULease", "LeaseConfig", "LeaseError", "LeaseExpiredError", "LeaseGrant", "LeaseServer",
-    "LeaseTable", "LeaseTimeoutError", "LeaseUsageError", "start_lease_actor", "timeshare_callbacks",
+    "GPULease",
+    "LeaseConfig",
+    "LeaseError",
+    "LeaseExpiredError",
+    "LeaseGrant",
+    "LeaseServer",
+    "LeaseTable",
+    "LeaseTimeoutError",
+    "LeaseUsageError",
+    "start_lease_actor",
+    "timeshare_callbacks",
 ]
 
 
@@ -156,8 +165,10 @@ class GPULease:
         elif hasattr(arbiter, "call") and hasattr(arbiter.call, "remote"):
             self._backend = _RayBackend(arbiter)
         else:
-            raise TypeError(f"arbiter must be a 'host:port' string or a Ray actor handle from "
-                            f"start_lease_actor(), got {type(arbiter).__name__}")
+            raise TypeError(
+                f"arbiter must be a 'host:port' string or a Ray actor handle from "
+                f"start_lease_actor(), got {type(arbiter).__name__}"
+            )
         self._lock = threading.Lock()
         self._pending: str | None = None  # role being acquired (guards double acquire)
         self._grant: LeaseGrant | None = None
@@ -173,8 +184,9 @@ class GPULease:
         """The arbiter's view: holder, queue, recent history (grants, releases, expiries)."""
         return _check(self._backend.call("snapshot"))
 
-    def acquire(self, role: str, *, acquire_fn: Callable[[], Any] | None = None,
-                release_fn: Callable[[], Any] | None = None) -> LeaseGrant:
+    def acquire(
+        self, role: str, *, acquire_fn: Callable[[], Any] | None = None, release_fn: Callable[[], Any] | None = None
+    ) -> LeaseGrant:
         """Wait for the turn (FIFO), then run ``acquire_fn`` (bring the role's state in).
         ``release_fn`` is kept for :meth:`release`."""
         with self._lock:
@@ -183,7 +195,8 @@ class GPULease:
                 raise LeaseUsageError(
                     f"double acquire: holder {self.holder!r} already {'holds' if self._grant else 'waits for'} "
                     f"the lease for role {busy!r} and asked for role {role!r}; turns do not nest: "
-                    f"release the first turn before taking the next")
+                    f"release the first turn before taking the next"
+                )
             self._pending = role
         try:
             grant = self._wait_for_turn(role)
@@ -209,8 +222,10 @@ class GPULease:
         :class:`LeaseExpiredError` if the turn had expired meanwhile (after offloading)."""
         grant, heartbeat, release_fn = self._grant, self._heartbeat, self._release_fn
         if grant is None:
-            raise LeaseUsageError(f"release without holding: holder {self.holder!r} holds no turn "
-                                  f"(acquire first, or use `with lease.hold(role=...)`)")
+            raise LeaseUsageError(
+                f"release without holding: holder {self.holder!r} holds no turn "
+                f"(acquire first, or use `with lease.hold(role=...)`)"
+            )
         self._grant = self._heartbeat = self._release_fn = None
         try:
             confirmation = _jsonable(release_fn()) if release_fn is not None else None
@@ -219,7 +234,8 @@ class GPULease:
             raise LeaseError(
                 f"release_fn of role {grant.role!r} failed, so the turn was NOT handed over (the "
                 f"role's state may still be on the GPU). The arbiter stops hearing from this "
-                f"holder and passes the turn on after its ttl_s, as for a crashed holder") from e
+                f"holder and passes the turn on after its ttl_s, as for a crashed holder"
+            ) from e
         heartbeat.stop()  # beats continued while release_fn ran (an offload may outlast ttl_s)
         try:
             _check(self._backend.call("release", ticket=grant.ticket, confirmation=confirmation))
@@ -228,8 +244,9 @@ class GPULease:
         return confirmation
 
     @contextlib.contextmanager
-    def hold(self, role: str, *, acquire_fn: Callable[[], Any] | None = None,
-             release_fn: Callable[[], Any] | None = None) -> Iterator[LeaseGrant]:
+    def hold(
+        self, role: str, *, acquire_fn: Callable[[], Any] | None = None, release_fn: Callable[[], Any] | None = None
+    ) -> Iterator[LeaseGrant]:
         """``with lease.hold(role="rollout", ...)``: a turn for the block. ``release_fn`` runs
         when the block ends (also on an exception), before the next holder is granted."""
         grant = self.acquire(role, acquire_fn=acquire_fn, release_fn=release_fn)
@@ -271,17 +288,27 @@ class GPULease:
                     raise LeaseTimeoutError(
                         f"role {role!r} (holder {self.holder!r}) did not get the lease within "
                         f"acquire_timeout_s={timeout} s: {st['holder']} holds it and this request "
-                        f"was at position {st['position']} of the queue; the request was withdrawn")
-                st = _check(self._backend.call("wait", ticket=ticket,
-                                               timeout_s=st["ttl_s"] / 2 if left is None else min(left, st["ttl_s"] / 2)))
+                        f"was at position {st['position']} of the queue; the request was withdrawn"
+                    )
+                st = _check(
+                    self._backend.call(
+                        "wait", ticket=ticket, timeout_s=st["ttl_s"] / 2 if left is None else min(left, st["ttl_s"] / 2)
+                    )
+                )
         except KeyboardInterrupt:
             with contextlib.suppress(LeaseError):
                 self._backend.call("cancel", ticket=ticket)
             raise
         if st["state"] != "granted":
             raise LeaseExpiredError(f"role {role!r} lost its place in the queue: {st.get('why', st)}")
-        return LeaseGrant(holder=self.holder, role=role, ticket=ticket, waited_s=st["waited_s"],
-                          ttl_s=st["ttl_s"], previous=st.get("previous"))
+        return LeaseGrant(
+            holder=self.holder,
+            role=role,
+            ticket=ticket,
+            waited_s=st["waited_s"],
+            ttl_s=st["ttl_s"],
+            previous=st.get("previous"),
+        )
 
 
 def timeshare_callbacks(ts, role: str) -> dict:
@@ -296,9 +323,11 @@ def timeshare_callbacks(ts, role: str) -> dict:
 
     ts.role(role)  # raises for an unknown role, now rather than at the first turn
     if not ts.config.release_to_driver:
-        raise ValueError("this Timeshare keeps freed memory in torch's cache "
-                         "(TimeshareConfig(release_to_driver=False)): another process sharing the GPU "
-                         "would never see it. Use release_to_driver=True with a cross-process lease")
+        raise ValueError(
+            "this Timeshare keeps freed memory in torch's cache "
+            "(TimeshareConfig(release_to_driver=False)): another process sharing the GPU "
+            "would never see it. Use release_to_driver=True with a cross-process lease"
+        )
 
     def acquire_fn() -> None:
         ts.load(role)
@@ -306,7 +335,11 @@ def timeshare_callbacks(ts, role: str) -> dict:
     def release_fn() -> dict:
         record = ts.offload_all()
         snap = snapshot(ts.ops)
-        return {"bytes_out": record.bytes_out if record else 0, "driver_free_bytes": snap.driver_free_bytes,
-                "driver_total_bytes": snap.driver_total_bytes, "allocated_bytes": snap.allocated_bytes}
+        return {
+            "bytes_out": record.bytes_out if record else 0,
+            "driver_free_bytes": snap.driver_free_bytes,
+            "driver_total_bytes": snap.driver_total_bytes,
+            "allocated_bytes": snap.allocated_bytes,
+        }
 
     return {"acquire_fn": acquire_fn, "release_fn": release_fn}

@@ -54,8 +54,7 @@ class LeaseTable:
     waiter's periodic wait, moves the lease on. ``clock`` is injectable for tests.
     """
 
-    def __init__(self, *, ttl_s: float, clock: Callable[[], float] = time.monotonic,
-                 history_len: int = 1024) -> None:
+    def __init__(self, *, ttl_s: float, clock: Callable[[], float] = time.monotonic, history_len: int = 1024) -> None:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.ttl_s = float(ttl_s)
@@ -79,7 +78,8 @@ class LeaseTable:
             raise LeaseUsageError(
                 f"double acquire: holder {holder!r} {doing} the lease (ticket {other.ticket}, role "
                 f"{other.role!r}) and asked again for role {role!r}. A holder takes one turn at a "
-                f"time: release the first before asking again (or give each process its own holder name)")
+                f"time: release the first before asking again (or give each process its own holder name)"
+            )
         now = self._clock()
         t = _Ticket(self._next_ticket, holder, role, now + self.ttl_s, now)
         self._next_ticket += 1
@@ -92,8 +92,12 @@ class LeaseTable:
         t = self._find(ticket)
         if t is None:
             return {"state": "expired", "ticket": ticket, "why": self._expired[ticket]}
-        out = {"state": "granted" if t is self._holder else "waiting", "ticket": ticket,
-               "ttl_s": self.ttl_s, "holder": self._describe(self._holder)}
+        out = {
+            "state": "granted" if t is self._holder else "waiting",
+            "ticket": ticket,
+            "ttl_s": self.ttl_s,
+            "holder": self._describe(self._holder),
+        }
         if t is self._holder:
             out["previous"] = self._previous
             out["waited_s"] = t.granted_at - t.requested_at
@@ -116,11 +120,13 @@ class LeaseTable:
         if t is None:
             raise LeaseExpiredError(
                 f"ticket {ticket} {self._expired[ticket]}; the release came too late: another "
-                f"holder may have used the GPU meanwhile")
+                f"holder may have used the GPU meanwhile"
+            )
         if t is not self._holder:
             raise LeaseUsageError(
                 f"release without holding: ticket {ticket} (holder {t.holder!r}, role {t.role!r}) "
-                f"is waiting at position {self._queue.index(t)}; withdraw a request with cancel")
+                f"is waiting at position {self._queue.index(t)}; withdraw a request with cancel"
+            )
         self._end_turn(t, "released", confirmation)
         self.sweep()
         return {"state": "released", "ticket": ticket}
@@ -142,28 +148,39 @@ class LeaseTable:
 
     def snapshot(self) -> dict:
         self.sweep()
-        return {"ttl_s": self.ttl_s, "holder": self._describe(self._holder),
-                "waiting": [self._describe(t) for t in self._queue], "history": list(self.history)}
+        return {
+            "ttl_s": self.ttl_s,
+            "holder": self._describe(self._holder),
+            "waiting": [self._describe(t) for t in self._queue],
+            "history": list(self.history),
+        }
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def sweep(self) -> None:
         now = self._clock()
         h = self._holder
         if h is not None and h.deadline < now:
-            self._expire(h, f"expired: holder {h.holder!r} (role {h.role!r}) sent no heartbeat "
-                            f"for ttl_s={self.ttl_s} s while holding", now)
+            self._expire(
+                h,
+                f"expired: holder {h.holder!r} (role {h.role!r}) sent no heartbeat "
+                f"for ttl_s={self.ttl_s} s while holding",
+                now,
+            )
             self._end_turn(h, "expired", None)
         for t in [t for t in self._queue if t.deadline < now]:
             self._queue.remove(t)
-            self._expire(t, f"expired: waiter {t.holder!r} (role {t.role!r}) was not heard from "
-                            f"for ttl_s={self.ttl_s} s while waiting", now)
+            self._expire(
+                t,
+                f"expired: waiter {t.holder!r} (role {t.role!r}) was not heard from "
+                f"for ttl_s={self.ttl_s} s while waiting",
+                now,
+            )
         if self._holder is None and self._queue:
             t = self._queue.popleft()
             t.granted_at = now
             t.deadline = now + self.ttl_s
             self._holder = t
-            self.history.append({"event": "grant", "ticket": t.ticket, "holder": t.holder,
-                                 "role": t.role, "time": now})
+            self.history.append({"event": "grant", "ticket": t.ticket, "holder": t.holder, "role": t.role, "time": now})
 
     def next_deadline(self) -> float | None:
         """The earliest time a sweep could change something (for servers' wait timeouts)."""
@@ -178,25 +195,40 @@ class LeaseTable:
                 return t
         if ticket in self._expired:
             return None
-        raise LeaseUsageError(f"unknown ticket {ticket}: it was never issued by this lease or its "
-                              f"turn already ended (release without holding?)")
+        raise LeaseUsageError(
+            f"unknown ticket {ticket}: it was never issued by this lease or its "
+            f"turn already ended (release without holding?)"
+        )
 
     def _expire(self, t: _Ticket, why: str, now: float) -> None:
         self._by_holder.pop(t.holder, None)
         self._expired[t.ticket] = why
         if len(self._expired) > 4096:  # bounded: forget the oldest expiries
             del self._expired[next(iter(self._expired))]
-        self.history.append({"event": "expire", "ticket": t.ticket, "holder": t.holder,
-                             "role": t.role, "time": now})
+        self.history.append({"event": "expire", "ticket": t.ticket, "holder": t.holder, "role": t.role, "time": now})
 
     def _end_turn(self, t: _Ticket, how: str, confirmation: Any) -> None:
         now = self._clock()
         self._holder = None
         self._by_holder.pop(t.holder, None)
-        self._previous = {"ticket": t.ticket, "holder": t.holder, "role": t.role, "how": how,
-                          "held_s": now - (t.granted_at or now), "confirmation": confirmation}
-        self.history.append({"event": how, "ticket": t.ticket, "holder": t.holder, "role": t.role,
-                             "time": now, "confirmation": confirmation})
+        self._previous = {
+            "ticket": t.ticket,
+            "holder": t.holder,
+            "role": t.role,
+            "how": how,
+            "held_s": now - (t.granted_at or now),
+            "confirmation": confirmation,
+        }
+        self.history.append(
+            {
+                "event": how,
+                "ticket": t.ticket,
+                "holder": t.holder,
+                "role": t.role,
+                "time": now,
+                "confirmation": confirmation,
+            }
+        )
 
     @staticmethod
     def _describe(t: _Ticket | None) -> dict | None:

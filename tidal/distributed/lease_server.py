@@ -75,8 +75,9 @@ class LeaseServer:
         return f"{host}:{port}"
 
     def start(self) -> "LeaseServer":
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="tidal-lease-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="tidal-lease-server", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -125,8 +126,10 @@ class _TCPBackend:
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
         except OSError as e:
-            raise LeaseError(f"cannot reach the lease server at {address}: {e}. Start one with "
-                             f"LeaseServer(...).start() and pass its address") from e
+            raise LeaseError(
+                f"cannot reach the lease server at {address}: {e}. Start one with "
+                f"LeaseServer(...).start() and pass its address"
+            ) from e
         self._sock.settimeout(None)
         self._file = self._sock.makefile("rwb")
         self._lock = threading.Lock()

@@ -72,8 +72,10 @@ def _cluster_nodes() -> list[_Node]:
     import ray  # noqa: PLC0415  (optional dependency: tidal[ray])
 
     if not ray.is_initialized():
-        raise PlacementError("Ray is not initialised in this process: call ray.init(address=...) "
-                             "(or ray.init() for a local cluster) before place()")
+        raise PlacementError(
+            "Ray is not initialised in this process: call ray.init(address=...) "
+            "(or ray.init() for a local cluster) before place()"
+        )
     nodes = []
     for n in ray.nodes():
         if not n.get("Alive"):
@@ -90,8 +92,14 @@ class Placement:
     running in them are killed by Ray.
     """
 
-    def __init__(self, spec: PlacementSpec, pgs: dict[str, "PlacementGroup"], slots: dict[tuple[str, int], _Slot],
-                 bundle_nodes: dict[str, dict[int, str]], nodes: list[_Node]) -> None:
+    def __init__(
+        self,
+        spec: PlacementSpec,
+        pgs: dict[str, "PlacementGroup"],
+        slots: dict[tuple[str, int], _Slot],
+        bundle_nodes: dict[str, dict[int, str]],
+        nodes: list[_Node],
+    ) -> None:
         self.spec = spec
         self.placement_groups = pgs
         self._slots = slots
@@ -115,8 +123,9 @@ class Placement:
             raise ValueError("this placement was removed; place the spec again")
         slot = self._slots.get((name, index))
         if slot is None:
-            raise ValueError(f"no worker {name!r}[{index}]: {name!r} has {self.count(name)} "
-                             f"(indices 0 to {self.count(name) - 1})")
+            raise ValueError(
+                f"no worker {name!r}[{index}]: {name!r} has {self.count(name)} (indices 0 to {self.count(name) - 1})"
+            )
         return slot
 
     def options_for(self, name: str, index: int = 0) -> dict:
@@ -129,8 +138,8 @@ class Placement:
         slot = self._slot(name, index)
         opts: dict = {
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_groups[slot.group],
-                placement_group_bundle_index=slot.bundle),
+                placement_group=self.placement_groups[slot.group], placement_group_bundle_index=slot.bundle
+            ),
             "num_cpus": slot.cpus,
         }
         if slot.gpu_fraction:
@@ -177,8 +186,9 @@ class Placement:
             n = self._nodes.get(node)
             label = n.label if n else f"node {node[:8]}"
             total = format_bytes(n.memory_total) if n else "?"
-            lines.append(f"{label}: host memory {format_bytes(mem.get(node, 0))} of {total}; "
-                         f"{', '.join(sorted(workers))}")
+            lines.append(
+                f"{label}: host memory {format_bytes(mem.get(node, 0))} of {total}; {', '.join(sorted(workers))}"
+            )
         return "\n".join(lines)
 
     def remove(self) -> None:
@@ -260,8 +270,8 @@ def _check_memory(placement: Placement, nodes: list[_Node]) -> None:
     for node, used in placement.host_memory_by_node().items():
         n = by_id.get(node)
         if n is not None and used > n.memory_total:
-            missing.append(f"{n.label}: {format_bytes(used)} of host memory placed there, "
-                           f"{format_bytes(n.memory_total)} available")
+            missing.append(
+                f"{n.label}: {format_bytes(used)} of host memory placed there, {format_bytes(n.memory_total)} available"
+            )
     if missing:
-        raise PlacementError("host memory oversubscribed after placement: " + "; ".join(missing),
-                             missing=missing)
+        raise PlacementError("host memory oversubscribed after placement: " + "; ".join(missing), missing=missing)

@@ -80,8 +80,10 @@ class CPUWorker:
         if self.cpus < 0 or self.memory_bytes < 0:
             raise ValueError(f"CPUWorker {self.name!r}: cpus and memory_bytes must be >= 0")
         if self.cpus == 0 and self.memory_bytes == 0:
-            raise ValueError(f"CPUWorker {self.name!r} reserves nothing (cpus=0, memory_bytes=0): "
-                             f"Ray cannot place an empty bundle; give it cpus or memory_bytes")
+            raise ValueError(
+                f"CPUWorker {self.name!r} reserves nothing (cpus=0, memory_bytes=0): "
+                f"Ray cannot place an empty bundle; give it cpus or memory_bytes"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,9 +154,11 @@ class _Node:
             have = self.free.get(key, 0.0)
             if amount > have + 1e-9:
                 if key == "memory":
-                    return (f"host memory: needs {format_bytes(amount)}, {format_bytes(have)} left of "
-                            f"{format_bytes(self.memory_total)}"
-                            + (f" (already planned there: {', '.join(self.planned)})" if self.planned else ""))
+                    return (
+                        f"host memory: needs {format_bytes(amount)}, {format_bytes(have)} left of "
+                        f"{format_bytes(self.memory_total)}"
+                        + (f" (already planned there: {', '.join(self.planned)})" if self.planned else "")
+                    )
                 what = "GPUs" if key == gpu_resource else key
                 return f"{what}: needs {amount:g}, {have:g} free"
         return None
@@ -190,8 +194,7 @@ def _plan_groups(spec: PlacementSpec, nodes: list[_Node]) -> list[_Group]:
         bundles = []
         for i in range(size):
             on = [r for r in roles if r.gpus > i]
-            bundles.append(_bundle(1, sum(r.cpus for r in on), sum(r.host_memory_bytes for r in on),
-                                   spec.gpu_resource))
+            bundles.append(_bundle(1, sum(r.cpus for r in on), sum(r.host_memory_bytes for r in on), spec.gpu_resource))
         _plan_pack(spec, gname, bundles, nodes)
         out.append(_Group(gname, tuple(bundles), spec.pack, ()))
     for w in spec.workers:
@@ -213,8 +216,10 @@ def _plan_pack(spec: PlacementSpec, gname: str, bundles: list[dict], nodes: list
             return
         largest = max((n.free.get(spec.gpu_resource, 0.0) for n in nodes), default=0.0)
         if largest < len(bundles):
-            msg = (f"{what} needs {len(bundles)} {_gpus(spec, len(bundles))} on one node; the largest node has "
-                   f"{largest:g} free")
+            msg = (
+                f"{what} needs {len(bundles)} {_gpus(spec, len(bundles))} on one node; the largest node has "
+                f"{largest:g} free"
+            )
         else:
             reasons = "; ".join(f"{n.label}: {n.shortfall(need, spec.gpu_resource)}" for n in nodes)
             msg = f"{what} (needs {_fmt(need, spec)} on one node) fits on no node: {reasons}"
@@ -237,8 +242,10 @@ def _plan_spread(spec: PlacementSpec, w: CPUWorker, nodes: list[_Node]) -> list[
         fits = [n for n in nodes if n.shortfall(b, spec.gpu_resource) is None]
         if not fits:
             reasons = "; ".join(f"{n.label}: {n.shortfall(b, spec.gpu_resource)}" for n in nodes)
-            msg = (f"CPU workers {w.name!r}: {w.count - left} of {w.count} fit, the next "
-                   f"(needs {_fmt(b, spec)}) fits on no node: {reasons}")
+            msg = (
+                f"CPU workers {w.name!r}: {w.count - left} of {w.count} fit, the next "
+                f"(needs {_fmt(b, spec)}) fits on no node: {reasons}"
+            )
             raise PlacementError(msg + _hint(spec), missing=[msg])
         # Least-loaded first: the same order Ray's STRICT_SPREAD round has to honour anyway.
         fits.sort(key=lambda n: (placed[n.node_id], -n.free.get("CPU", 0.0)))
@@ -267,14 +274,20 @@ def _gpus(spec: PlacementSpec, n: float = 2) -> str:
 def _fmt(need: dict[str, float], spec: PlacementSpec) -> str:
     parts = []
     for k, v in need.items():
-        parts.append(f"{format_bytes(v)} host memory" if k == "memory"
-                     else f"{v:g} {_gpus(spec, v) if k == spec.gpu_resource else k}")
+        parts.append(
+            f"{format_bytes(v)} host memory"
+            if k == "memory"
+            else f"{v:g} {_gpus(spec, v) if k == spec.gpu_resource else k}"
+        )
     return ", ".join(parts)
 
 
 def _hint(spec: PlacementSpec) -> str:
-    return (". Add nodes, lower the request, or use pack='PACK' to let a group span nodes"
-            if spec.pack == "STRICT_PACK" else ". Add nodes or lower the request")
+    return (
+        ". Add nodes, lower the request, or use pack='PACK' to let a group span nodes"
+        if spec.pack == "STRICT_PACK"
+        else ". Add nodes or lower the request"
+    )
 
 
 def _fraction(k: int) -> float:
@@ -312,8 +325,10 @@ def _not_ready(spec: PlacementSpec, g: _Group, available: dict) -> PlacementErro
             need[k] = need.get(k, 0.0) + v
     avail = {k: v for k, v in available.items() if k in need}
     what = f"colocation group {g.key!r}" if not g.members else f"CPU workers {g.key!r}"
-    msg = (f"{what} ({len(g.bundles)} bundles, {g.strategy}, {_fmt(need, spec)} in all) was not "
-           f"placed within timeout_s={spec.timeout_s} s although the cluster's totals hold the "
-           f"plan: other jobs or placement groups hold resources (available now: "
-           f"{_fmt(avail, spec) or 'none of them'}), or a node left. Nothing was kept")
+    msg = (
+        f"{what} ({len(g.bundles)} bundles, {g.strategy}, {_fmt(need, spec)} in all) was not "
+        f"placed within timeout_s={spec.timeout_s} s although the cluster's totals hold the "
+        f"plan: other jobs or placement groups hold resources (available now: "
+        f"{_fmt(avail, spec) or 'none of them'}), or a node left. Nothing was kept"
+    )
     return PlacementError(msg, missing=[msg])

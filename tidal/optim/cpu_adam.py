@@ -57,8 +57,8 @@ from tidal.transfer.arena import HostArena
 __all__ = ["CPUAdam"]
 
 _STOP = object()
-_CHUNK_BYTES = 64 << 20
-_BATCH_BYTES = 512 << 20  # fp32 bytes of gradients the worker takes into one in-backward update  # fp32 master bytes per update chunk: one H2D copy overlaps the next chunk's math
+_CHUNK_BYTES = 64 << 20  # fp32 master bytes per update chunk: one H2D copy overlaps the next chunk's math
+_BATCH_BYTES = 512 << 20  # fp32 bytes of gradients the worker takes into one in-backward update
 
 
 class _HostParam:
@@ -96,9 +96,19 @@ class CPUAdam(torch.optim.Optimizer):
     # already, so a role switch has nothing of it to move.
     tidal_state_on_host = True
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-                 maximize: bool = False, overlap: bool = True, max_inflight_bytes: int = 512 << 20) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        overlap: bool = True,
+        max_inflight_bytes: int = 512 << 20,
+    ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -221,8 +231,8 @@ class CPUAdam(torch.optim.Optimizer):
                 flat, host_flat = grad.view(-1), hp.grad.view(-1)
                 step = max(1, _CHUNK_BYTES // 4)
                 for a in range(0, flat.numel(), step):
-                    src = flat[a:a + step].float()
-                    host_flat[a:a + step].copy_(src, non_blocking=True)
+                    src = flat[a : a + step].float()
+                    host_flat[a : a + step].copy_(src, non_blocking=True)
                     copied = self._ops.new_event()
                     copied.record(self._d2h)
                     self._hold(copied, src.numel() * 4, src)
@@ -269,8 +279,9 @@ class CPUAdam(torch.optim.Optimizer):
             # The thread holds only a weak reference, so the optimizer (and through its
             # param_groups the model's device memory) can still be freed; the finalizer
             # then stops the thread.
-            self._worker = threading.Thread(target=_worker_loop, args=(self._queue, weakref.ref(self)),
-                                            name="tidal-cpu-adam", daemon=True)
+            self._worker = threading.Thread(
+                target=_worker_loop, args=(self._queue, weakref.ref(self)), name="tidal-cpu-adam", daemon=True
+            )
             self._worker.start()
             weakref.finalize(self, self._queue.put, _STOP)
 
@@ -495,11 +506,19 @@ class CPUAdam(torch.optim.Optimizer):
             torch._foreach_add_(steps, 1)
             try:
                 torch._fused_adamw_(
-                    [s["master"] for s in sts], [self._host[p].grad for p in ps],
-                    [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts],
-                    [s["max_exp_avg_sq"] for s in sts] if g["amsgrad"] else [], steps,
-                    lr=float(g["lr"]), beta1=g["betas"][0], beta2=g["betas"][1], weight_decay=g["weight_decay"],
-                    eps=g["eps"], amsgrad=g["amsgrad"], maximize=g["maximize"],
+                    [s["master"] for s in sts],
+                    [self._host[p].grad for p in ps],
+                    [s["exp_avg"] for s in sts],
+                    [s["exp_avg_sq"] for s in sts],
+                    [s["max_exp_avg_sq"] for s in sts] if g["amsgrad"] else [],
+                    steps,
+                    lr=float(g["lr"]),
+                    beta1=g["betas"][0],
+                    beta2=g["betas"][1],
+                    weight_decay=g["weight_decay"],
+                    eps=g["eps"],
+                    amsgrad=g["amsgrad"],
+                    maximize=g["maximize"],
                 )
             except BaseException:
                 torch._foreach_sub_(steps, 1)
@@ -583,11 +602,14 @@ class CPUAdam(torch.optim.Optimizer):
         restored here are what the next step updates)."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}"
+            )
         for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
             if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"param group {i} has {len(g['params'])} params here but "
-                                 f"{len(sg['params'])} in the state_dict")
+                raise ValueError(
+                    f"param group {i} has {len(g['params'])} params here but {len(sg['params'])} in the state_dict"
+                )
         ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         self._drain()

@@ -27,7 +27,24 @@ from tidal.plan.report import format_plan
 from tidal.plan.shapes import LORA_TARGETS, PRESETS, ModelShape, load_shape, preset
 
 __all__ = [
-    "Bandwidth", "GIB", "LEVER_COSTS", "LORA_TARGETS", "MIB", "ModelShape", "OPTIMIZERS", "PHASES", "PRESETS",
-    "Phase", "Plan", "PlanConfig", "Recommendation", "Transition", "build_plan", "format_plan", "load_shape",
-    "predict_phases", "preset", "recommend",
+    "Bandwidth",
+    "GIB",
+    "LEVER_COSTS",
+    "LORA_TARGETS",
+    "MIB",
+    "ModelShape",
+    "OPTIMIZERS",
+    "PHASES",
+    "PRESETS",
+    "Phase",
+    "Plan",
+    "PlanConfig",
+    "Recommendation",
+    "Transition",
+    "build_plan",
+    "format_plan",
+    "load_shape",
+    "predict_phases",
+    "preset",
+    "recommend",
 ]

@@ -64,8 +64,17 @@ def _norm_bytes(h: int, e: int) -> int:
     return 4 * h + 2 * e * h + 4
 
 
-def layer_saved_bytes_per_token(shape, *, e: int, seq: int, attn: str = "sdpa", padding_mask: bool = True,
-                                lora_rank: int = 0, lora_targets: tuple[str, ...] = (), lora_e: int = 4) -> int:
+def layer_saved_bytes_per_token(
+    shape,
+    *,
+    e: int,
+    seq: int,
+    attn: str = "sdpa",
+    padding_mask: bool = True,
+    lora_rank: int = 0,
+    lora_targets: tuple[str, ...] = (),
+    lora_e: int = 4,
+) -> int:
     """Bytes autograd keeps per token for one decoder layer (no checkpointing), see module doc.
 
     ``seq`` matters only for the quadratic terms (eager scores, SDPA's converted mask).

@@ -24,12 +24,29 @@ import json
 from typing import Any
 
 from tidal.plan import activations as act
-from tidal.plan.phases import (cpu_adam_step_transient, gathered_params, reference_transient, role_state,
-                               rollout_transient, train_transient)
+from tidal.plan.phases import (
+    cpu_adam_step_transient,
+    gathered_params,
+    reference_transient,
+    role_state,
+    rollout_transient,
+    train_transient,
+)
 from tidal.plan.shapes import LORA_TARGETS, ModelShape, load_shape
 
-__all__ = ["PlanConfig", "Bandwidth", "Phase", "Transition", "Plan", "build_plan", "predict_phases",
-           "PHASES", "OPTIMIZERS", "MIB", "GIB"]
+__all__ = [
+    "PlanConfig",
+    "Bandwidth",
+    "Phase",
+    "Transition",
+    "Plan",
+    "build_plan",
+    "predict_phases",
+    "PHASES",
+    "OPTIMIZERS",
+    "MIB",
+    "GIB",
+]
 
 MIB, GIB = 1 << 20, 1 << 30
 PHASES = ("rollout", "reference", "train", "optimizer_step")
@@ -154,10 +171,12 @@ class PlanConfig:
         if self.logprob_span not in ("sequence", "completion"):
             raise ValueError(f"logprob_span must be 'sequence' or 'completion', got {self.logprob_span!r}")
         if self.completion_logits and self.logprob_span != "completion":
-            raise ValueError("completion_logits=True computes logits of the completion only: it needs "
-                             "logprob_span='completion'")
-        if self.optim_stream_chunk_bytes is not None and (self.optimizer != "adamw_offload"
-                                                          or self.optim_stream_chunk_bytes < 1):
+            raise ValueError(
+                "completion_logits=True computes logits of the completion only: it needs logprob_span='completion'"
+            )
+        if self.optim_stream_chunk_bytes is not None and (
+            self.optimizer != "adamw_offload" or self.optim_stream_chunk_bytes < 1
+        ):
             raise ValueError("optim_stream_chunk_bytes needs optimizer='adamw_offload' and a size >= 1")
         if self.sampling not in SAMPLING:
             raise ValueError(f"sampling must be one of {SAMPLING}, got {self.sampling!r}")
@@ -166,8 +185,14 @@ class PlanConfig:
         for name in ("dp", "prompts", "group", "prompt_len", "gen_len", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lora_rank", "logit_fp32_buffers", "sampling_fp32_buffers", "cuda_context_bytes", "misc_bytes",
-                     "cpu_adam_inflight_bytes"):
+        for name in (
+            "lora_rank",
+            "logit_fp32_buffers",
+            "sampling_fp32_buffers",
+            "cuda_context_bytes",
+            "misc_bytes",
+            "cpu_adam_inflight_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.shape.lora_params(self.lora_rank, self.lora_targets)  # validates target names
@@ -218,8 +243,9 @@ class Bandwidth:
         data = source if isinstance(source, dict) else json.load(open(source))
         line = data.get("line_rate", data)
         try:
-            return cls(d2h_gbps=float(line["d2h_gbps"]), h2d_gbps=float(line["h2d_gbps"]),
-                       bidir_gbps=float(line["bidir_gbps"]))
+            return cls(
+                d2h_gbps=float(line["d2h_gbps"]), h2d_gbps=float(line["h2d_gbps"]), bidir_gbps=float(line["bidir_gbps"])
+            )
         except (KeyError, TypeError) as e:
             raise ValueError(f"no line_rate.d2h_gbps/h2d_gbps/bidir_gbps in the bench JSON ({e})") from None
 
@@ -311,15 +337,22 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {
-            "config": self.config.to_dict(), "bandwidth": dataclasses.asdict(self.bandwidth),
+            "config": self.config.to_dict(),
+            "bandwidth": dataclasses.asdict(self.bandwidth),
             "phases": {k: v.to_dict() for k, v in self.phases.items()},
             "timeshared": {k: v.to_dict() for k, v in self.timeshared.items()},
             "all_resident": {k: v.to_dict() for k, v in self.all_resident.items()},
-            "peak_phase": self.peak_phase, "peak_bytes": self.peak_bytes,
-            "timeshare_peak_bytes": self.timeshare_peak_bytes, "all_resident_peak_bytes": self.all_resident_peak_bytes,
-            "cuda_context_bytes": self.config.cuda_context_bytes, "device_peak_bytes": self.device_peak_bytes,
-            "transitions": [t.to_dict() for t in self.transitions], "transition_seconds": self.transition_seconds,
-            "streamed": dict(self.streamed), "host_bytes": self.host_bytes, "assumptions": list(self.assumptions),
+            "peak_phase": self.peak_phase,
+            "peak_bytes": self.peak_bytes,
+            "timeshare_peak_bytes": self.timeshare_peak_bytes,
+            "all_resident_peak_bytes": self.all_resident_peak_bytes,
+            "cuda_context_bytes": self.config.cuda_context_bytes,
+            "device_peak_bytes": self.device_peak_bytes,
+            "transitions": [t.to_dict() for t in self.transitions],
+            "transition_seconds": self.transition_seconds,
+            "streamed": dict(self.streamed),
+            "host_bytes": self.host_bytes,
+            "assumptions": list(self.assumptions),
         }
 
 
@@ -342,25 +375,39 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         # this one goes out.
         s = c.shape
         per = st["optim"] / max(st["trainable"], 1)  # state bytes per trainable element
-        big = (s.largest_param() if not c.lora_rank else
-               max(c.lora_rank * max(a, b) for a, b in s.linear_shapes().values())) * per
+        big = (
+            s.largest_param()
+            if not c.lora_rank
+            else max(c.lora_rank * max(a, b) for a, b in s.linear_shapes().values())
+        ) * per
         layer_max = max(a * b for a, b in s.linear_shapes().values()) * per if not c.lora_rank else big
         chunk = c.optim_stream_chunk_bytes
         step_states = min(st["optim"], int(max(big, chunk) + chunk + layer_max))
-    transients = {"rollout": {**rollout_transient(c), **gathered}, "reference": {**reference_transient(c), **gathered},
-                  "train": {**train_t, **gathered}, "optimizer_step": step_t}
+    transients = {
+        "rollout": {**rollout_transient(c), **gathered},
+        "reference": {**reference_transient(c), **gathered},
+        "train": {**train_t, **gathered},
+        "optimizer_step": step_t,
+    }
 
     rollout_weights = {"rollout weights": st["rollout_copy"]} if st["rollout_copy"] else {"actor params": actor_params}
-    ref_weights = ({"actor params (base shared, adapters off)": actor_params} if c.lora_rank
-                   else {"reference params": st["reference"]})
+    ref_weights = (
+        {"actor params (base shared, adapters off)": actor_params}
+        if c.lora_rank
+        else {"reference params": st["reference"]}
+    )
     ts_res = {
         "rollout": rollout_weights,
         "reference": ref_weights,
         "train": {"actor params": actor_params, "grads": train_grads, "optimizer states": optim_in_train},
         "optimizer_step": {"actor params": actor_params, "grads": st["grads"], "optimizer states": step_states},
     }
-    everything = {"actor params": actor_params, "reference params": st["reference"],
-                  "rollout weights": st["rollout_copy"], "optimizer states": optim_in_train}
+    everything = {
+        "actor params": actor_params,
+        "reference params": st["reference"],
+        "rollout weights": st["rollout_copy"],
+        "optimizer states": optim_in_train,
+    }
     all_res = {p: dict(everything) for p in PHASES}
     all_res["train"]["grads"] = train_grads
     all_res["optimizer_step"].update({"grads": st["grads"], "optimizer states": st["optim"]})
@@ -369,13 +416,22 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
 
     def phases(res: dict[str, dict[str, int]]) -> dict[str, Phase]:
         res = {p: {**r, "misc (cuBLAS workspace, small tensors)": c.misc_bytes} for p, r in res.items()}
-        out = {p: Phase(name=p, resident={k: v for k, v in res[p].items() if v},
-                        transient={k: v for k, v in transients[p].items() if v}) for p in PHASES}
+        out = {
+            p: Phase(
+                name=p,
+                resident={k: v for k, v in res[p].items() if v},
+                transient={k: v for k, v in transients[p].items() if v},
+            )
+            for p in PHASES
+        }
         step = out["optimizer_step"]
         if c.step_in_train and step.peak_bytes > out["train"].peak_bytes:
             # step() runs inside the train phase: its peak is the phase's.
-            out["train"] = Phase(name="train", resident=dict(step.resident),
-                                 transient={f"optimizer step: {k}": v for k, v in step.transient.items()})
+            out["train"] = Phase(
+                name="train",
+                resident=dict(step.resident),
+                transient={f"optimizer step: {k}": v for k, v in step.transient.items()},
+            )
         return out
 
     moves: list[tuple[str, str, int, int]] = []
@@ -386,15 +442,19 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         # the actor's params at both ends of the rollout.
         base_moves = 0 if c.lora_rank else actor_params
         own_optim = st["optim"] if c.optimizer != "cpu_adam" else 0
-        moves = [("rollout", "reference", st["rollout_copy"] or base_moves, st["reference"]),
-                 ("reference", "train", st["reference"], base_moves + optim_in_train),
-                 ("train", "optimizer_step", 0, off_optim),
-                 ("optimizer_step", "rollout", own_optim + (actor_params if st["rollout_copy"] else 0),
-                  st["rollout_copy"])]
+        moves = [
+            ("rollout", "reference", st["rollout_copy"] or base_moves, st["reference"]),
+            ("reference", "train", st["reference"], base_moves + optim_in_train),
+            ("train", "optimizer_step", 0, off_optim),
+            ("optimizer_step", "rollout", own_optim + (actor_params if st["rollout_copy"] else 0), st["rollout_copy"]),
+        ]
     elif off_optim:
         moves = [("train", "optimizer_step", 0, off_optim), ("optimizer_step", "rollout", off_optim, 0)]
-    transitions = [Transition(before=a, after=b, bytes_out=o, bytes_in=i, seconds=bw.seconds(o, i))
-                   for a, b, o, i in moves if o or i]
+    transitions = [
+        Transition(before=a, after=b, bytes_out=o, bytes_in=i, seconds=bw.seconds(o, i))
+        for a, b, o, i in moves
+        if o or i
+    ]
 
     streamed: dict[str, int] = {}
     if c.optimizer == "cpu_adam":
@@ -410,8 +470,17 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
     if c.optimizer == "cpu_adam":
         host += st["trainable"] * 16 + st["trainable"] * act.dtype_bytes(c.param_dtype)
     from tidal.plan.assumptions import assumptions  # noqa: PLC0415 (a leaf module; avoids a cycle)
-    return Plan(config=c, bandwidth=bw, timeshared=phases(ts_res), all_resident=phases(all_res),
-                transitions=transitions, streamed=streamed, host_bytes=host, assumptions=assumptions(c, bw))
+
+    return Plan(
+        config=c,
+        bandwidth=bw,
+        timeshared=phases(ts_res),
+        all_resident=phases(all_res),
+        transitions=transitions,
+        streamed=streamed,
+        host_bytes=host,
+        assumptions=assumptions(c, bw),
+    )
 
 
 def predict_phases(shape: Any, **config: Any) -> dict[str, int]:

@@ -14,8 +14,15 @@ from tidal.plan import activations as act
 if TYPE_CHECKING:
     from tidal.plan.model import PlanConfig
 
-__all__ = ["role_state", "gathered_params", "rollout_transient", "reference_transient", "train_transient",
-           "cpu_adam_step_transient", "CPU_ADAM_CHUNK"]
+__all__ = [
+    "role_state",
+    "gathered_params",
+    "rollout_transient",
+    "reference_transient",
+    "train_transient",
+    "cpu_adam_step_transient",
+    "CPU_ADAM_CHUNK",
+]
 
 CPU_ADAM_CHUNK = 64 << 20  # tidal.optim.cpu_adam: fp32 master bytes per update call (a larger param is alone)
 
@@ -41,10 +48,15 @@ def role_state(c: "PlanConfig") -> dict[str, int]:
         "reference": 0 if c.lora_rank else base,
         "rollout_copy": 0 if c.rollout_shares_weights else base + adapters,
         "grads": 0 if c.optimizer == "cpu_adam" else _div(trainable * ge, c.dp if c.zero_stage >= 2 else 1),
-        "optim": 0 if c.optimizer == "cpu_adam" else _div(
-            trainable * (2 * se + (4 if c.master_weights else 0)), c.dp if c.zero_stage >= 1 else 1),
-        "step_temp": _div(trainable * se, c.dp if c.zero_stage >= 1 else 1) if c.optimizer != "cpu_adam" and c.adamw_foreach else 0,
-        "trainable": trainable, "ge": ge, "le": le,
+        "optim": 0
+        if c.optimizer == "cpu_adam"
+        else _div(trainable * (2 * se + (4 if c.master_weights else 0)), c.dp if c.zero_stage >= 1 else 1),
+        "step_temp": _div(trainable * se, c.dp if c.zero_stage >= 1 else 1)
+        if c.optimizer != "cpu_adam" and c.adamw_foreach
+        else 0,
+        "trainable": trainable,
+        "ge": ge,
+        "le": le,
     }
 
 
@@ -71,8 +83,9 @@ def rollout_transient(c: "PlanConfig") -> dict[str, int]:
         "previous sampling buffers": vocab_row * 12,
         # DynamicCache appends with torch.cat: one layer's keys exist twice for a moment
         "kv append copy": b * c.seq_len * s.kv_dim * kv_e,
-        "decode repeat_kv": (2 * b * c.seq_len * s.q_dim * e
-                             if c.repeat_kv_in_decode and c.padding_mask and s.kv_heads != s.heads else 0),
+        "decode repeat_kv": (
+            2 * b * c.seq_len * s.q_dim * e if c.repeat_kv_in_decode and c.padding_mask and s.kv_heads != s.heads else 0
+        ),
         "last-position logits": vocab_row * e,
     }
     sample = {"kv cache": kv, "sampling logits": vocab_row * (e + 4 * c.sampling_fp32_buffers)}
@@ -87,7 +100,7 @@ def _prefill(c: "PlanConfig") -> dict[str, int]:
     return {
         "kv cache": t * act.kv_cache_bytes_per_token(s, kv_e=kv_e),
         "prefill workspace": t * act.forward_workspace_bytes_per_token(s, e=e, padding_mask=c.padding_mask),
-        "prefill mask": b * c.prompt_len ** 2 * (1 + e) if c.padding_mask else 0,
+        "prefill mask": b * c.prompt_len**2 * (1 + e) if c.padding_mask else 0,
     }
 
 
@@ -106,11 +119,15 @@ def _own_sampling_transient(c: "PlanConfig") -> dict[str, int]:
     row = b * s.vocab * e
     width = c.action_vocab or s.vocab
     at_head = {"kv cache": kv, "previous step's logits": row, "last-position logits": row}
-    at_cat = {"kv cache": kv, "previous step's logits": row,
-              # DynamicCache appends with torch.cat: one layer's keys exist twice for a moment
-              "kv append copy": b * tokens * s.kv_dim * kv_e,
-              "decode repeat_kv": (2 * b * tokens * s.q_dim * e
-                                   if c.repeat_kv_in_decode and c.padding_mask and s.kv_heads != s.heads else 0)}
+    at_cat = {
+        "kv cache": kv,
+        "previous step's logits": row,
+        # DynamicCache appends with torch.cat: one layer's keys exist twice for a moment
+        "kv append copy": b * tokens * s.kv_dim * kv_e,
+        "decode repeat_kv": (
+            2 * b * tokens * s.q_dim * e if c.repeat_kv_in_decode and c.padding_mask and s.kv_heads != s.heads else 0
+        ),
+    }
     sample = {"kv cache": kv, "sampling logits": row + b * width * 4 * c.sampling_fp32_buffers}
     prefill_head = {"kv cache": b * c.prompt_len * per_tok, "last-position logits": row}
     return max((at_head, at_cat, sample, _prefill(c), prefill_head), key=lambda d: sum(d.values()))
@@ -127,7 +144,7 @@ def reference_transient(c: "PlanConfig") -> dict[str, int]:
     mb = c.reference_micro_batch or c.micro_batch
     t = mb * c.seq_len
     span = mb * (c.seq_len if c.logprob_span == "sequence" else c.gen_len)
-    mask = mb * c.seq_len ** 2 * (1 + e) if c.padding_mask else 0
+    mask = mb * c.seq_len**2 * (1 + e) if c.padding_mask else 0
     layer = t * act.forward_workspace_bytes_per_token(s, e=e, padding_mask=c.padding_mask) + mask
     # logits (model dtype), then in fp32 a copy and the log-softmax output over the vocabulary
     # or, with action_vocab, over that slice only
@@ -146,8 +163,9 @@ def _train_logits(c: "PlanConfig", st: dict[str, int]) -> int:
     if c.action_vocab is None:
         # Forward: model-dtype logits, fp32 copy, log-softmax output. Backward (log-softmax's):
         # its output, incoming and outgoing gradients (+ the logits if the caller still holds them).
-        return max(full + span * s.vocab * 8,
-                   span * s.vocab * 4 * c.logit_fp32_buffers + (full if c.keep_logits else 0))
+        return max(
+            full + span * s.vocab * 8, span * s.vocab * 4 * c.logit_fp32_buffers + (full if c.keep_logits else 0)
+        )
     # Log-probs over action_vocab ids: the fp32 buffers are that narrow (copy, log-softmax,
     # its exp for the entropy). Backward through the slices makes model-dtype vocab-wide
     # gradients: the action slice's input (span positions) and, when the log-probs take fewer
@@ -196,8 +214,15 @@ def train_transient(c: "PlanConfig", st: dict[str, int]) -> tuple[dict[str, int]
     t = c.micro_batch * c.seq_len
     lora_targets = c.lora_targets if c.lora_rank else ()
     layer = t * act.layer_saved_bytes_per_token(
-        s, e=e, seq=c.seq_len, attn=c.attn, padding_mask=c.padding_mask,
-        lora_rank=c.lora_rank, lora_targets=lora_targets, lora_e=st["le"])
+        s,
+        e=e,
+        seq=c.seq_len,
+        attn=c.attn,
+        padding_mask=c.padding_mask,
+        lora_rank=c.lora_rank,
+        lora_targets=lora_targets,
+        lora_e=st["le"],
+    )
     ckpt_in = t * s.hidden * e
     held = min(2, s.layers) if c.act_offload else s.layers
     saved = held * (ckpt_in if c.grad_ckpt else layer)
@@ -209,10 +234,15 @@ def train_transient(c: "PlanConfig", st: dict[str, int]) -> tuple[dict[str, int]
         first_grads = _div(s.vocab * s.hidden * st["ge"], c.dp if c.zero_stage >= 2 else 1)
     else:
         first_grads = grads  # from the 2nd micro-batch on, every gradient exists
-    bucket = {"zero2 grad bucket": s.layer_params() * st["ge"]} if c.zero_stage >= 2 and c.dp > 1 and not c.lora_rank else {}
-    at_layer_base = {"saved activations": saved, "model-level saved": extra,
-                     "recompute (one layer)": layer if c.grad_ckpt else 0,
-                     "backward workspace": t * act.backward_workspace_bytes_per_token(s, e=e)}
+    bucket = (
+        {"zero2 grad bucket": s.layer_params() * st["ge"]} if c.zero_stage >= 2 and c.dp > 1 and not c.lora_rank else {}
+    )
+    at_layer_base = {
+        "saved activations": saved,
+        "model-level saved": extra,
+        "recompute (one layer)": layer if c.grad_ckpt else 0,
+        "backward workspace": t * act.backward_workspace_bytes_per_token(s, e=e),
+    }
     if c.optimizer != "cpu_adam":
         at_logits = {"saved activations": saved, "model-level saved": extra, "logits + log-softmax": logits}
         at_layer = {**at_layer_base, **bucket}
@@ -225,14 +255,23 @@ def train_transient(c: "PlanConfig", st: dict[str, int]) -> tuple[dict[str, int]
     # the whole backward; it leaves (with its fp32 cast) at the end, when the activations are gone.
     head_wait = {"tied lm_head grad (autograd buffer)": s.vocab * s.hidden * st["ge"]} if tied else {}
     moments = [
-        {"saved activations": saved, "model-level saved": extra, "logits + log-softmax": logits,
-         "cpu adam grads in flight (previous micro-batch)": fl["leftover"]},
+        {
+            "saved activations": saved,
+            "model-level saved": extra,
+            "logits + log-softmax": logits,
+            "cpu adam grads in flight (previous micro-batch)": fl["leftover"],
+        },
         {**at_layer_base, **head_wait, "cpu adam grads in flight": fl["layer"]},
         {"cpu adam grads in flight (incl. the largest)": fl["largest"]},
     ]
     if fl["head"] and not tied:  # an untied head's gradient leaves first, the activations all alive
-        moments.append({"saved activations": saved, "model-level saved": extra,
-                        "cpu adam grads in flight (incl. lm_head)": fl["head"]})
+        moments.append(
+            {
+                "saved activations": saved,
+                "model-level saved": extra,
+                "cpu adam grads in flight (incl. lm_head)": fl["head"],
+            }
+        )
     return max(moments, key=lambda d: sum(d.values())), 0
 
 

@@ -27,8 +27,17 @@ from tidal.plan.model import GIB, Bandwidth, Plan, PlanConfig, build_plan
 
 __all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK"]
 
-LEVER_COSTS = {"timeshare": 1, "optimizer_offload": 2, "grad_ckpt": 4, "cpu_adam": 8, "act_offload": 16,
-               "zero1": 32, "zero2": 64, "zero3": 128, "lora": 1024}
+LEVER_COSTS = {
+    "timeshare": 1,
+    "optimizer_offload": 2,
+    "grad_ckpt": 4,
+    "cpu_adam": 8,
+    "act_offload": 16,
+    "zero1": 32,
+    "zero2": 64,
+    "zero3": 128,
+    "lora": 1024,
+}
 LORA_SUGGESTED_RANK = 16
 _WHY = {
     "timeshare": "roles take turns: only the active role's state is on the GPU",
@@ -40,7 +49,7 @@ _WHY = {
     "zero2": "optimizer states and gradients sharded across the GPUs",
     "zero3": "optimizer states, gradients and params sharded across the GPUs",
     "lora": f"train rank-{LORA_SUGGESTED_RANK} adapters: trainable state becomes tiny and the reference shares the base "
-            "(changes what is trained)",
+    "(changes what is trained)",
 }
 
 
@@ -69,20 +78,32 @@ class Recommendation:
         if self.fits and not self.levers:
             return [f"Fits as configured: {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable."]
         if self.fits:
-            lines = [f"Enable: {', '.join(self.levers)} -> {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable "
-                     f"(as configured: {self.baseline_device_peak_bytes / GIB:.2f} GiB)."]
+            lines = [
+                f"Enable: {', '.join(self.levers)} -> {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable "
+                f"(as configured: {self.baseline_device_peak_bytes / GIB:.2f} GiB)."
+            ]
         else:
-            lines = [f"Nothing fits: the best plan ({', '.join(self.levers) or 'as configured'}) peaks at {peak:.2f} GiB "
-                     f"with context, {self.miss_bytes / GIB:.2f} GiB over the {use:.2f} GiB usable. Lower the micro-batch, "
-                     "the rollout batch (prompts x group per GPU) or the sequence length, or use more GPUs."]
+            lines = [
+                f"Nothing fits: the best plan ({', '.join(self.levers) or 'as configured'}) peaks at {peak:.2f} GiB "
+                f"with context, {self.miss_bytes / GIB:.2f} GiB over the {use:.2f} GiB usable. Lower the micro-batch, "
+                "the rollout batch (prompts x group per GPU) or the sequence length, or use more GPUs."
+            ]
         lines += [f"  {lever}: {self.reasons[lever]}" for lever in self.levers]
         return lines
 
     def to_dict(self) -> dict:
-        return {"fits": self.fits, "levers": list(self.levers), "reasons": dict(self.reasons),
-                "gpu_mem_bytes": self.gpu_mem_bytes, "usable_bytes": self.usable_bytes, "miss_bytes": self.miss_bytes,
-                "device_peak_bytes": self.plan.device_peak_bytes, "peak_phase": self.plan.peak_phase,
-                "baseline_device_peak_bytes": self.baseline_device_peak_bytes, "config": self.plan.config.to_dict()}
+        return {
+            "fits": self.fits,
+            "levers": list(self.levers),
+            "reasons": dict(self.reasons),
+            "gpu_mem_bytes": self.gpu_mem_bytes,
+            "usable_bytes": self.usable_bytes,
+            "miss_bytes": self.miss_bytes,
+            "device_peak_bytes": self.plan.device_peak_bytes,
+            "peak_phase": self.plan.peak_phase,
+            "baseline_device_peak_bytes": self.baseline_device_peak_bytes,
+            "config": self.plan.config.to_dict(),
+        }
 
 
 def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int) -> PlanConfig:
@@ -124,8 +145,15 @@ def _choices(base: PlanConfig, gpus: int) -> list[list[tuple[str, ...]]]:
     return fams
 
 
-def recommend(config: PlanConfig, *, gpu_mem_bytes: int, gpus: int = 1, reserve_fraction: float = 0.05,
-              bandwidth: Bandwidth | None = None, allow_lora: bool = True) -> Recommendation:
+def recommend(
+    config: PlanConfig,
+    *,
+    gpu_mem_bytes: int,
+    gpus: int = 1,
+    reserve_fraction: float = 0.05,
+    bandwidth: Bandwidth | None = None,
+    allow_lora: bool = True,
+) -> Recommendation:
     """The cheapest set of levers on top of ``config`` whose driver-level peak (allocated +
     CUDA context) fits ``gpu_mem_bytes * (1 - reserve_fraction)`` on each of ``gpus`` GPUs.
 
@@ -156,6 +184,13 @@ def recommend(config: PlanConfig, *, gpu_mem_bytes: int, gpus: int = 1, reserve_
         without = by_levers[tuple(x for x in levers if x != lever)]
         reasons[lever] = f"{_WHY[lever]}; without it {without / GIB:.2f} GiB"
     levers_sorted = sorted(levers, key=LEVER_COSTS.get)
-    return Recommendation(fits=fits, levers=levers_sorted, reasons=reasons, plan=plan, gpu_mem_bytes=gpu_mem_bytes,
-                          usable_bytes=usable, miss_bytes=max(0, peak - usable),
-                          baseline_device_peak_bytes=baseline.device_peak_bytes)
+    return Recommendation(
+        fits=fits,
+        levers=levers_sorted,
+        reasons=reasons,
+        plan=plan,
+        gpu_mem_bytes=gpu_mem_bytes,
+        usable_bytes=usable,
+        miss_bytes=max(0, peak - usable),
+        baseline_device_peak_bytes=baseline.device_peak_bytes,
+    )

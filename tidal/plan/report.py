@@ -47,8 +47,10 @@ def format_plan(plan: Plan, recommendation=None) -> str:
     mode = "timeshare" if c.timeshare else "all roles resident"
     lines = [
         f"tidal plan: {s.name}, {s.param_count() / 1e9:.2f} B params, {c.param_dtype}, optimizer {c.optimizer}, "
-        f"ZeRO {c.zero_stage} x dp {c.dp}" + (f", LoRA r={c.lora_rank}" if c.lora_rank else "")
-        + (", grad ckpt" if c.grad_ckpt else "") + (", activation offload" if c.act_offload else ""),
+        f"ZeRO {c.zero_stage} x dp {c.dp}"
+        + (f", LoRA r={c.lora_rank}" if c.lora_rank else "")
+        + (", grad ckpt" if c.grad_ckpt else "")
+        + (", activation offload" if c.act_offload else ""),
         f"RL step per GPU: {c.rollout_batch} sequences of {c.prompt_len}+{c.gen_len} tokens, "
         f"{c.micro_batches} micro-batch(es) of {c.micro_batch}",
         "",
@@ -66,8 +68,10 @@ def format_plan(plan: Plan, recommendation=None) -> str:
     if plan.transitions:
         lines += ["", "transitions per step (predicted):"]
         for t in plan.transitions:
-            lines.append(f"  {t.before:>14} -> {t.after:<14} out {gib(t.bytes_out):>6} GiB  in {gib(t.bytes_in):>6} GiB"
-                         f"  {t.seconds * 1e3:8.1f} ms")
+            lines.append(
+                f"  {t.before:>14} -> {t.after:<14} out {gib(t.bytes_out):>6} GiB  in {gib(t.bytes_in):>6} GiB"
+                f"  {t.seconds * 1e3:8.1f} ms"
+            )
         lines.append(f"  total {plan.transition_seconds * 1e3:.1f} ms per step")
     if plan.streamed:
         lines += ["", "streamed per step (overlapped with compute):"]
@@ -76,8 +80,11 @@ def format_plan(plan: Plan, recommendation=None) -> str:
     lines.append(f"host memory held for the GPU state: {gib(plan.host_bytes)} GiB")
     if recommendation is not None:
         r = recommendation
-        lines += ["", f"recommendation for {r.plan.config.dp} GPU(s) of {gib(r.gpu_mem_bytes)} GiB "
-                      f"({gib(r.usable_bytes)} usable):"]
+        lines += [
+            "",
+            f"recommendation for {r.plan.config.dp} GPU(s) of {gib(r.gpu_mem_bytes)} GiB "
+            f"({gib(r.usable_bytes)} usable):",
+        ]
         lines += ["  " + x for x in r.summary()]
     lines += ["", "assumptions:"] + [f"  - {a}" for a in plan.assumptions]
     return "\n".join(lines)

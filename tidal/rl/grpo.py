@@ -49,8 +49,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return ((r - r.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
 
 
-def action_logprobs(logits: torch.Tensor, tokens: torch.Tensor, action_ids: tuple[int, int],
-                    *, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def action_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, action_ids: tuple[int, int], *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of ``tokens`` under ``logits`` restricted to the action ids
     ``[lo, hi)`` (the policy samples only those), computed in fp32.
 
@@ -74,9 +75,15 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-              config: LossConfig, *, ref_logp: torch.Tensor | None = None,
-              entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    config: LossConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss of one micro-batch, mean over its response tokens, and its statistics.
 
     ``logp``/``old_logp``/``ref_logp``/``entropy`` are (B, T); ``advantages`` (B,) is one

@@ -70,13 +70,17 @@ def set_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
     if enabled:
         enable = model.activation_checkpointing_enable if new else getattr(model, "gradient_checkpointing_enable", None)
         if enable is None:
-            raise TypeError(f"{type(model).__name__} has no gradient_checkpointing_enable(): gradient "
-                            f"checkpointing per role needs a Hugging Face model (or wrap the layers in "
-                            f"torch.utils.checkpoint yourself and pass grad_ckpt=None)")
+            raise TypeError(
+                f"{type(model).__name__} has no gradient_checkpointing_enable(): gradient "
+                f"checkpointing per role needs a Hugging Face model (or wrap the layers in "
+                f"torch.utils.checkpoint yourself and pass grad_ckpt=None)"
+            )
         key = "activation_checkpointing_kwargs" if new else "gradient_checkpointing_kwargs"
         enable(**{key: {"use_reentrant": False}})
     else:
-        disable = model.activation_checkpointing_disable if new else getattr(model, "gradient_checkpointing_disable", None)
+        disable = (
+            model.activation_checkpointing_disable if new else getattr(model, "gradient_checkpointing_disable", None)
+        )
         if disable is not None:
             disable()
 

@@ -49,11 +49,13 @@ class RoleTurns:
         lease: the GPU's cross-process lease (None: roles of this process only).
     """
 
-    def __init__(self, ops: DeviceOps, timeline: MemoryTimeline, ts: Timeshare | None,
-                 lease: GPULease | None = None) -> None:
+    def __init__(
+        self, ops: DeviceOps, timeline: MemoryTimeline, ts: Timeshare | None, lease: GPULease | None = None
+    ) -> None:
         if lease is not None and ts is None:
-            raise ValueError("a lease hands the GPU over by offloading this process's roles "
-                             "through a Timeshare; give ts= as well")
+            raise ValueError(
+                "a lease hands the GPU over by offloading this process's roles through a Timeshare; give ts= as well"
+            )
         self.ops, self.timeline, self.ts, self.lease = ops, timeline, ts, lease
         self.turns: list[Turn] = []
 
@@ -107,11 +109,16 @@ class RoleTurns:
         # The switch is timed by wall clock (it includes allocation and release); optimizer
         # moves inside step() by their records.
         in_step_s = sum(r.seconds for r in recs if r.kind.startswith("optim"))
-        peak = span.peak_allocated_bytes if not self.ops.is_accelerator else max(
-            span.peak_allocated_bytes, switch_peak, compute_peak)
+        peak = (
+            span.peak_allocated_bytes
+            if not self.ops.is_accelerator
+            else max(span.peak_allocated_bytes, switch_peak, compute_peak)
+        )
         into[name] = {
-            "seconds": time.perf_counter() - t0, "peak_allocated_bytes": peak,
-            "switch_peak_allocated_bytes": switch_peak, "compute_peak_allocated_bytes": compute_peak,
+            "seconds": time.perf_counter() - t0,
+            "peak_allocated_bytes": peak,
+            "switch_peak_allocated_bytes": switch_peak,
+            "compute_peak_allocated_bytes": compute_peak,
             "peak_driver_used_bytes": span.peak_driver_used_bytes,
             # what the phase left allocated (0 for the rollout: its KV cache died with it)
             "left_allocated_bytes": alloc_end - alloc_start,

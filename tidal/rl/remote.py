@@ -131,8 +131,9 @@ class _ProcessActor:
         try:
             status, value = self._conn.recv()
         except EOFError:
-            raise WorkerError(f"worker {self.name!r} died (exit code {self._proc.exitcode}); "
-                              f"see its output above") from None
+            raise WorkerError(
+                f"worker {self.name!r} died (exit code {self._proc.exitcode}); see its output above"
+            ) from None
         if status == "error":
             raise WorkerError(f"worker {self.name!r} failed:\n{value}")
         return value
@@ -192,12 +193,15 @@ class RemoteGRPO:
     reference: weights). Call :meth:`close` (or use ``with``) to stop the workers.
     """
 
-    def __init__(self, model_factory: Callable[[str], torch.nn.Module], *, config: GRPOConfig,
-                 remote: RemoteConfig | None = None) -> None:
+    def __init__(
+        self, model_factory: Callable[[str], torch.nn.Module], *, config: GRPOConfig, remote: RemoteConfig | None = None
+    ) -> None:
         self.config, self.remote = config, remote or RemoteConfig()
         if not config.timeshare:
-            raise ValueError("roles in separate processes take turns on the device through their "
-                             "Timeshares; GRPOConfig(timeshare=True) is required")
+            raise ValueError(
+                "roles in separate processes take turns on the device through their "
+                "Timeshares; GRPOConfig(timeshare=True) is required"
+            )
         self.step_index = 0
         self._gen_prompts = prompt_generator(config)
         self._actors: list = []
@@ -221,8 +225,9 @@ class RemoteGRPO:
             self.policy.ready()
             self.reference = None
             if use_ref:
-                self.reference = _ProcessActor("reference", ReferenceWorker, model_factory, cfg,
-                                               arbiter=arbiter, **gpu_kw)
+                self.reference = _ProcessActor(
+                    "reference", ReferenceWorker, model_factory, cfg, arbiter=arbiter, **gpu_kw
+                )
                 self._actors.append(self.reference)
                 self.reference.ready()
             self.rewarders = [_ProcessActor(f"reward{i}", RewardWorker, cfg) for i in range(r.reward_workers)]
@@ -239,14 +244,21 @@ class RemoteGRPO:
         from tidal.distributed.placement import CPUWorker, GPURole, PlacementSpec, place
 
         if not ray.is_initialized():
-            raise ValueError("backend='ray' runs the roles as Ray actors: call ray.init(...) first "
-                             "(or use backend='processes' for one host without Ray)")
+            raise ValueError(
+                "backend='ray' runs the roles as Ray actors: call ray.init(...) first "
+                "(or use backend='processes' for one host without Ray)"
+            )
         r, cfg = self.remote, self.config
         roles = [GPURole(name="policy", colocate="gpu0", cpus=r.policy_cpus)]
         if use_ref:
             roles.append(GPURole(name="reference", colocate="gpu0"))
-        spec = PlacementSpec(roles=roles, workers=[CPUWorker(name="reward", count=r.reward_workers)],
-                             gpu_resource=r.gpu_resource, timeout_s=r.placement_timeout_s, name="tidal-grpo")
+        spec = PlacementSpec(
+            roles=roles,
+            workers=[CPUWorker(name="reward", count=r.reward_workers)],
+            gpu_resource=r.gpu_resource,
+            timeout_s=r.placement_timeout_s,
+            name="tidal-grpo",
+        )
         self.placement = place(spec)
         lease_actor = start_lease_actor(self.placement.lease_name("policy"), ttl_s=r.lease_ttl_s)
         self._lease_actor = lease_actor
@@ -261,8 +273,9 @@ class RemoteGRPO:
             return a
 
         self.policy = actor("policy", PolicyWorker, model_factory, cfg, arbiter=lease_actor, **gpu_kw)
-        self.reference = (actor("reference", ReferenceWorker, model_factory, cfg, arbiter=lease_actor, **gpu_kw)
-                          if use_ref else None)
+        self.reference = (
+            actor("reference", ReferenceWorker, model_factory, cfg, arbiter=lease_actor, **gpu_kw) if use_ref else None
+        )
         self.rewarders = [actor("reward", RewardWorker, cfg, index=i) for i in range(r.reward_workers)]
         # Wait for construction, so errors surface here and not at the first step.
         for a in self._actors:

@@ -32,9 +32,16 @@ def logits_kwargs(model: torch.nn.Module, keep: int) -> dict:
 
 
 @torch.no_grad()
-def sample_answers(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int,
-                   action_ids: tuple[int, int], *, generator: torch.Generator,
-                   temperature: float = 1.0, on_step=None) -> torch.Tensor:
+def sample_answers(
+    model: torch.nn.Module,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    action_ids: tuple[int, int],
+    *,
+    generator: torch.Generator,
+    temperature: float = 1.0,
+    on_step=None,
+) -> torch.Tensor:
     """Sample ``new_tokens`` tokens after each prompt; returns (B, new_tokens) int64 ids.
 
     ``prompts`` (B, P) on the model's device, all of one length (no padding). Tokens are drawn

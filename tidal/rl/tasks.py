@@ -62,7 +62,7 @@ class DigitTask:
 
     def answers(self, prompts: torch.Tensor) -> torch.Tensor:
         """The right answers (digit values 0-9) for ``prompts``: shape (batch, answer_len)."""
-        digits = prompts[:, 1:1 + self.num_digits] - DIGIT0
+        digits = prompts[:, 1 : 1 + self.num_digits] - DIGIT0
         if self.name == "copy":
             return digits
         if self.name == "reverse":
@@ -84,8 +84,10 @@ class DigitTask:
         ignored. Computed on the CPU.
         """
         if responses.shape[0] != prompts.shape[0] or responses.shape[1] < self.answer_len:
-            raise ValueError(f"responses of shape {tuple(responses.shape)} do not answer "
-                             f"{prompts.shape[0]} prompts of {self.answer_len} digits")
-        got = responses[:, :self.answer_len].cpu() - DIGIT0
+            raise ValueError(
+                f"responses of shape {tuple(responses.shape)} do not answer "
+                f"{prompts.shape[0]} prompts of {self.answer_len} digits"
+            )
+        got = responses[:, : self.answer_len].cpu() - DIGIT0
         want = self.answers(prompts.cpu())
         return (got == want).float().mean(dim=1)

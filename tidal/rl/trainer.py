@@ -93,8 +93,10 @@ class GRPOConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.batch_size % self.mini_batches:
-            raise ValueError(f"prompts_per_step * group_size = {self.batch_size} does not split into "
-                             f"mini_batches={self.mini_batches} equal parts")
+            raise ValueError(
+                f"prompts_per_step * group_size = {self.batch_size} does not split into "
+                f"mini_batches={self.mini_batches} equal parts"
+            )
         if self.lr <= 0 or self.max_grad_norm < 0 or self.temperature <= 0:
             raise ValueError("lr and temperature must be > 0 and max_grad_norm >= 0")
 
@@ -134,16 +136,17 @@ def draw_prompts(config: GRPOConfig, generator: torch.Generator) -> torch.Tensor
     return prompts.repeat_interleave(config.group_size, dim=0)
 
 
-def answer_logprobs(model: torch.nn.Module, seqs: torch.Tensor, answer_len: int, *, micro_batch: int,
-                    on_chunk=None) -> torch.Tensor:
+def answer_logprobs(
+    model: torch.nn.Module, seqs: torch.Tensor, answer_len: int, *, micro_batch: int, on_chunk=None
+) -> torch.Tensor:
     """No-grad log-probs of the last ``answer_len`` tokens of ``seqs`` over the action ids,
     ``micro_batch`` sequences per forward (only one micro-batch's logits exist at a time)."""
     out = []
     kw = logits_kwargs(model, answer_len + 1)
     with torch.no_grad():
         for i in range(0, seqs.shape[0], micro_batch):
-            chunk = seqs[i:i + micro_batch]
-            logits = model(input_ids=chunk, use_cache=False, **kw).logits[:, -answer_len - 1:-1]
+            chunk = seqs[i : i + micro_batch]
+            logits = model(input_ids=chunk, use_cache=False, **kw).logits[:, -answer_len - 1 : -1]
             out.append(action_logprobs(logits, chunk[:, -answer_len:], ACTION_IDS)[0])
             del logits
             if on_chunk is not None:
@@ -169,18 +172,28 @@ class GRPOTrainer:
             when the turn ends, so roles in other processes can use the device in between.
     """
 
-    def __init__(self, policy: torch.nn.Module, *, config: GRPOConfig | None = None,
-                 reference: torch.nn.Module | None = None, timeline: MemoryTimeline | None = None,
-                 remote_reference: bool = False, lease: GPULease | None = None) -> None:
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        *,
+        config: GRPOConfig | None = None,
+        reference: torch.nn.Module | None = None,
+        timeline: MemoryTimeline | None = None,
+        remote_reference: bool = False,
+        lease: GPULease | None = None,
+    ) -> None:
         self.config = cfg = config or GRPOConfig()
         if lease is not None and not cfg.timeshare:
-            raise ValueError("lease= takes turns with other processes by offloading this trainer's roles "
-                             "through its Timeshare; it needs GRPOConfig(timeshare=True)")
+            raise ValueError(
+                "lease= takes turns with other processes by offloading this trainer's roles "
+                "through its Timeshare; it needs GRPOConfig(timeshare=True)"
+            )
         if lease is not None and not isinstance(lease, GPULease):
             raise TypeError(f"lease must be a tidal.distributed.GPULease, got {type(lease).__name__}")
         if remote_reference and reference is not None:
-            raise ValueError("remote_reference=True: the reference lives in another process, so "
-                             "reference= must be None")
+            raise ValueError(
+                "remote_reference=True: the reference lives in another process, so reference= must be None"
+            )
         vocab = policy.get_output_embeddings().weight.shape[0]
         if vocab < TASK_VOCAB:
             raise ValueError(f"the policy's vocabulary has {vocab} tokens; the task needs at least {TASK_VOCAB}")
@@ -193,8 +206,10 @@ class GRPOTrainer:
         # log-probs arrive as an argument of train_phase().
         self.local_reference = self.use_reference and not remote_reference
         if reference is not None and (self.lora or not self.use_reference):
-            raise ValueError("reference= is not used here: a LoRA policy is its own reference (adapters "
-                             "off), and kl_coef=0 needs none; pass reference=None")
+            raise ValueError(
+                "reference= is not used here: a LoRA policy is its own reference (adapters "
+                "off), and kl_coef=0 needs none; pass reference=None"
+            )
         if self.local_reference and not self.lora:
             reference = reference if reference is not None else copy.deepcopy(policy)
             reference.requires_grad_(False).eval()
@@ -208,21 +223,22 @@ class GRPOTrainer:
             self.optimizer = CPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         else:
             fused = self.ops.is_accelerator
-            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                               fused=fused or None)
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
         # A weak reference: the timeline outlives the trainer (it is written out after close())
         # and must not keep the models alive.
         me = weakref.ref(self)
         self.timeline = timeline or MemoryTimeline(
-            self.ops, state_bytes=lambda: me().state_bytes_on_device() if me() is not None else 0)
+            self.ops, state_bytes=lambda: me().state_bytes_on_device() if me() is not None else 0
+        )
         self.ts: Timeshare | None = None
         if cfg.timeshare:
             self.ts = Timeshare(self.device, config=cfg.timeshare_config)
             # grads="drop": they are zeroed after every step, so a switch never has any to move.
             # AdamW's state comes in a chunk at a time during step(), so the step's peak holds
             # weights + grads + one chunk, not the whole state.
-            self.ts.add_role("actor_train", model=policy, optimizer=self.optimizer, grads="drop",
-                             optimizer_residency="stream")
+            self.ts.add_role(
+                "actor_train", model=policy, optimizer=self.optimizer, grads="drop", optimizer_residency="stream"
+            )
             self.ts.add_role("rollout", model=policy)
             if self.local_reference:
                 self.ts.add_role("reference", model=self.reference if not self.lora else policy)
@@ -270,8 +286,9 @@ class GRPOTrainer:
 
     # ---- the step ---------------------------------------------------------------------------
     def _logprobs(self, model: torch.nn.Module, seqs: torch.Tensor, answer_len: int) -> torch.Tensor:
-        return answer_logprobs(model, seqs, answer_len, micro_batch=self.config.micro_batch,
-                               on_chunk=self.timeline.sample)
+        return answer_logprobs(
+            model, seqs, answer_len, micro_batch=self.config.micro_batch, on_chunk=self.timeline.sample
+        )
 
     def next_prompts(self) -> torch.Tensor:
         """The next step's prompts on the host (see :func:`draw_prompts`), drawn from the
@@ -283,10 +300,19 @@ class GRPOTrainer:
         log-probs only with ``mini_batches > 1``)."""
         cfg, n_ans = self.config, self.config.task.answer_len
         prompts = prompts.to(self.device)
-        with self.turns.phase("rollout", role="rollout", into=res.phases, step=self.step_index), \
-                role_mode(self.policy, "rollout"):
-            answers = sample_answers(self.policy, prompts, n_ans, ACTION_IDS, generator=self._gen_device,
-                                     temperature=cfg.temperature, on_step=lambda _i: self.timeline.sample())
+        with (
+            self.turns.phase("rollout", role="rollout", into=res.phases, step=self.step_index),
+            role_mode(self.policy, "rollout"),
+        ):
+            answers = sample_answers(
+                self.policy,
+                prompts,
+                n_ans,
+                ACTION_IDS,
+                generator=self._gen_device,
+                temperature=cfg.temperature,
+                on_step=lambda _i: self.timeline.sample(),
+            )
             seqs = torch.cat([prompts, answers], dim=1)
             old_logp = self._logprobs(self.policy, seqs, n_ans) if cfg.mini_batches > 1 else None
         return seqs, old_logp
@@ -296,20 +322,33 @@ class GRPOTrainer:
         if not self.local_reference:
             raise ValueError("this trainer has no reference role (kl_coef=0 or remote_reference=True)")
         model = self.reference if not self.lora else self.policy
-        with self.turns.phase("reference", role="reference", into=res.phases, step=self.step_index), \
-                role_mode(model, "reference"):
+        with (
+            self.turns.phase("reference", role="reference", into=res.phases, step=self.step_index),
+            role_mode(model, "reference"),
+        ):
             ctx = self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
             with ctx:
                 return self._logprobs(model, seqs, self.config.task.answer_len)
 
-    def train_phase(self, seqs: torch.Tensor, adv: torch.Tensor, old_logp: torch.Tensor | None,
-                    ref_logp: torch.Tensor | None, res: StepResult) -> None:
+    def train_phase(
+        self,
+        seqs: torch.Tensor,
+        adv: torch.Tensor,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+        res: StepResult,
+    ) -> None:
         """``mini_batches`` updates on the sampled ``seqs``; fills ``res.stats``."""
         if self.use_reference and ref_logp is None:
             raise ValueError("kl_coef > 0: train_phase needs the reference log-probs (ref_logp)")
-        put = (lambda t: t.to(self.device) if t is not None else None)
-        with self.turns.phase("train", role="actor_train", into=res.phases, step=self.step_index), \
-                role_mode(self.policy, "actor_train"):
+
+        def put(t):
+            return t.to(self.device) if t is not None else None
+
+        with (
+            self.turns.phase("train", role="actor_train", into=res.phases, step=self.step_index),
+            role_mode(self.policy, "actor_train"),
+        ):
             res.stats = self._train(put(seqs), self.config.task.answer_len, put(adv), put(old_logp), put(ref_logp))
         self.step_index += 1
 
@@ -320,7 +359,7 @@ class GRPOTrainer:
         res = StepResult(step=self.step_index, reward_mean=0.0, reward_std=0.0, stats={})
         prompts = self.next_prompts()
         seqs, old_logp = self.rollout_phase(prompts, res)
-        rewards = cfg.task.rewards(prompts.to(self.device), seqs[:, prompts.shape[1]:])
+        rewards = cfg.task.rewards(prompts.to(self.device), seqs[:, prompts.shape[1] :])
         res.reward_mean, res.reward_std = float(rewards.mean()), float(rewards.std())
         adv = group_advantages(rewards, cfg.group_size).to(self.device)
         ref_logp = self.reference_phase(seqs, res) if self.use_reference else None
@@ -328,8 +367,14 @@ class GRPOTrainer:
         res.seconds = time.perf_counter() - t0
         return res
 
-    def _train(self, seqs: torch.Tensor, n_ans: int, adv: torch.Tensor, old_logp: torch.Tensor | None,
-               ref_logp: torch.Tensor | None) -> dict[str, float]:
+    def _train(
+        self,
+        seqs: torch.Tensor,
+        n_ans: int,
+        adv: torch.Tensor,
+        old_logp: torch.Tensor | None,
+        ref_logp: torch.Tensor | None,
+    ) -> dict[str, float]:
         cfg = self.config
         kw = logits_kwargs(self.policy, n_ans + 1)
         mini = cfg.batch_size // cfg.mini_batches
@@ -340,12 +385,13 @@ class GRPOTrainer:
             for i in range(m0, m0 + mini, cfg.micro_batch):
                 j = min(i + cfg.micro_batch, m0 + mini)
                 chunk = seqs[i:j]
-                logits = self.policy(input_ids=chunk, use_cache=False, **kw).logits[:, -n_ans - 1:-1]
+                logits = self.policy(input_ids=chunk, use_cache=False, **kw).logits[:, -n_ans - 1 : -1]
                 logp, ent = action_logprobs(logits, chunk[:, -n_ans:], ACTION_IDS, with_entropy=True)
                 del logits  # autograd keeps no reference: the (B, T, vocab) logits die before backward
                 old = old_logp[i:j] if old_logp is not None else logp.detach()
-                loss, st = grpo_loss(logp, old, adv[i:j], cfg.loss,
-                                     ref_logp=ref_logp[i:j] if ref_logp is not None else None, entropy=ent)
+                loss, st = grpo_loss(
+                    logp, old, adv[i:j], cfg.loss, ref_logp=ref_logp[i:j] if ref_logp is not None else None, entropy=ent
+                )
                 (loss * ((j - i) / mini)).backward()
                 del logp, ent, loss
                 self.timeline.sample()
@@ -357,7 +403,8 @@ class GRPOTrainer:
                     norm = self.optimizer.clip_grad_norm_(cfg.max_grad_norm)
                 else:
                     norm = torch.nn.utils.clip_grad_norm_(
-                        [p for p in self.policy.parameters() if p.requires_grad], cfg.max_grad_norm)
+                        [p for p in self.policy.parameters() if p.requires_grad], cfg.max_grad_norm
+                    )
                 norms.append(float(norm))
             self.optimizer.step()
             self.timeline.sample("optimizer step")

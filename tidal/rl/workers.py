@@ -82,8 +82,15 @@ class PolicyWorker:
         acquire_timeout_s: most seconds a turn may wait (None: as long as it takes).
     """
 
-    def __init__(self, model_factory: ModelFactory, config: GRPOConfig, *, device: str,
-                 arbiter=None, acquire_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        model_factory: ModelFactory,
+        config: GRPOConfig,
+        *,
+        device: str,
+        arbiter=None,
+        acquire_timeout_s: float | None = None,
+    ) -> None:
         self.lease = _lease(arbiter, "policy", acquire_timeout_s)
         self.config = config
 
@@ -100,8 +107,9 @@ class PolicyWorker:
         seqs, old_logp = self.trainer.rollout_phase(prompts, res)
         return {"seqs": _host(seqs), "old_logp": _host(old_logp), "phases": res.phases}
 
-    def train(self, seqs: torch.Tensor, rewards: torch.Tensor, old_logp: torch.Tensor | None,
-              ref_logp: torch.Tensor | None) -> dict:
+    def train(
+        self, seqs: torch.Tensor, rewards: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
+    ) -> dict:
         """The updates of one step. Advantages are computed here, on the policy's device, as
         the in-process trainer does (same numbers, bit for bit)."""
         res = StepResult(step=self.trainer.step_index, reward_mean=0.0, reward_std=0.0, stats={})
@@ -113,8 +121,7 @@ class PolicyWorker:
         """The policy's weights on the host (their current values, wherever they live)."""
         ts = self.trainer.ts
         if ts is not None and self.lease is not None:
-            with self.lease.hold("read:policy", acquire_fn=lambda: ts.load("rollout"),
-                                 release_fn=lambda: _offload(ts)):
+            with self.lease.hold("read:policy", acquire_fn=lambda: ts.load("rollout"), release_fn=lambda: _offload(ts)):
                 return {k: v.detach().to("cpu", copy=True) for k, v in self.trainer.policy.state_dict().items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.trainer.policy.state_dict().items()}
 
@@ -130,8 +137,15 @@ class PolicyWorker:
 class ReferenceWorker:
     """The frozen reference policy, in this process; arguments as :class:`PolicyWorker`."""
 
-    def __init__(self, model_factory: ModelFactory, config: GRPOConfig, *, device: str,
-                 arbiter=None, acquire_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        model_factory: ModelFactory,
+        config: GRPOConfig,
+        *,
+        device: str,
+        arbiter=None,
+        acquire_timeout_s: float | None = None,
+    ) -> None:
         self.lease = _lease(arbiter, "reference", acquire_timeout_s)
         self.config = config
         self.step_index = 0
@@ -153,8 +167,11 @@ class ReferenceWorker:
 
     def _state_bytes(self) -> int:
         """Bytes of the reference's weights held on the device now (CPU timelines plot it)."""
-        seen = {storage_key(t.untyped_storage()): t.untyped_storage().nbytes()
-                for t in list(self.model.parameters()) + list(self.model.buffers()) if t.device == self.device}
+        seen = {
+            storage_key(t.untyped_storage()): t.untyped_storage().nbytes()
+            for t in list(self.model.parameters()) + list(self.model.buffers())
+            if t.device == self.device
+        }
         return sum(seen.values())
 
     def logprobs(self, seqs: torch.Tensor) -> dict:
@@ -162,8 +179,13 @@ class ReferenceWorker:
         phases: dict = {}
         with self.turns.phase("reference", role="reference", into=phases, step=self.step_index):
             with role_mode(self.model, "reference"):
-                ref_logp = answer_logprobs(self.model, seqs.to(self.device), self.config.task.answer_len,
-                                           micro_batch=self.config.micro_batch, on_chunk=self.timeline_.sample)
+                ref_logp = answer_logprobs(
+                    self.model,
+                    seqs.to(self.device),
+                    self.config.task.answer_len,
+                    micro_batch=self.config.micro_batch,
+                    on_chunk=self.timeline_.sample,
+                )
             ref_logp = _host(ref_logp)
         self.step_index += 1
         return {"ref_logp": ref_logp, "phases": phases}
@@ -185,12 +207,16 @@ class RewardWorker:
         self.task = config.task
 
     def rewards(self, prompts: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
-        return self.task.rewards(prompts, seqs[:, prompts.shape[1]:])
+        return self.task.rewards(prompts, seqs[:, prompts.shape[1] :])
 
 
 def _timeline_dump(tl: MemoryTimeline) -> dict:
     """A timeline's records with absolute times (``time.perf_counter`` is the system's
     monotonic clock on Linux, shared by the processes of one host), for merging."""
     t0 = time.perf_counter() - tl.now()
-    return {"t0": t0, "samples": list(tl.samples), "marks": list(tl.marks),
-            "phases": [vars(p).copy() for p in tl.phases]}
+    return {
+        "t0": t0,
+        "samples": list(tl.samples),
+        "marks": list(tl.marks),
+        "phases": [vars(p).copy() for p in tl.phases],
+    }

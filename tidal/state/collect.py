@@ -149,8 +149,10 @@ def _state_tensors(value: object, where: str) -> Iterator[tuple[torch.Tensor, st
         for k, v in value.items():
             yield from _state_tensors(v, f"{where}[{k!r}]")
     elif isinstance(value, (set, frozenset)) and any(isinstance(v, torch.Tensor) for v in value):
-        raise TypeError(f"{where} is a set of tensors; a set has no stable order to restore it by. "
-                        f"Keep optimizer state in tensors, lists or dicts")
+        raise TypeError(
+            f"{where} is a set of tensors; a set has no stable order to restore it by. "
+            f"Keep optimizer state in tensors, lists or dicts"
+        )
 
 
 def collect_optimizer_state(

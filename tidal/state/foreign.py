@@ -101,8 +101,9 @@ def _module_state_dict_hook(store: Locator, module, state_dict, prefix, local_me
             state_dict[key] = readable(store, value)
 
 
-def _module_load_hook(store: Locator, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
-                      errors) -> None:
+def _module_load_hook(
+    store: Locator, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+) -> None:
     for name, t in _direct(module):
         key = prefix + name
         if t is None or key not in state_dict:
@@ -163,8 +164,11 @@ def _optimizer_load_hook(store: Locator, optimizer, state_dict: dict) -> dict:
                 cur = live.get(n)
                 # Handed back only where torch's load keeps it as it is (same dtype and device
                 # as the param): a cast would read the offloaded tensor.
-                keeps = isinstance(cur, torch.Tensor) and cur.device == p.device and (
-                    cur.dtype == p.dtype or not p.is_floating_point())
+                keeps = (
+                    isinstance(cur, torch.Tensor)
+                    and cur.device == p.device
+                    and (cur.dtype == p.dtype or not p.is_floating_point())
+                )
                 if keeps and _write_host(store, cur, v, f"optimizer state {k}.{n}"):
                     new[n] = cur
             per_param = new
@@ -172,8 +176,9 @@ def _optimizer_load_hook(store: Locator, optimizer, state_dict: dict) -> dict:
     return {**state_dict, "state": out}
 
 
-def install_optimizer_hooks(store: Locator, optimizer: torch.optim.Optimizer,
-                            after_load: Callable[[torch.optim.Optimizer], None] | None = None) -> list:
+def install_optimizer_hooks(
+    store: Locator, optimizer: torch.optim.Optimizer, after_load: Callable[[torch.optim.Optimizer], None] | None = None
+) -> list:
     """Make ``optimizer.state_dict()``/``load_state_dict()`` right while its state is offloaded
     in ``store``. ``after_load(optimizer)`` runs after every load (the owner then settles state
     the load created on the device). Returns the hook handles."""

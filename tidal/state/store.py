@@ -64,8 +64,7 @@ class OffloadStore:
     staging bucket per direction during a transfer.
     """
 
-    def __init__(self, ops: DeviceOps, config: TransferConfig | None = None, *,
-                 release_to_driver: bool = True) -> None:
+    def __init__(self, ops: DeviceOps, config: TransferConfig | None = None, *, release_to_driver: bool = True) -> None:
         self.ops = ops
         # False keeps freed blocks in torch's caching allocator: reusable by this process
         # (the next role, activations), invisible to others, and no driver remap on reload.
@@ -303,8 +302,9 @@ class OffloadStore:
         )
         return self.last_move
 
-    def _move(self, out_todo: list[StateEntry], in_todo: list[StateEntry], room: int,
-              coalesce: bool, what: str) -> tuple[int, float]:
+    def _move(
+        self, out_todo: list[StateEntry], in_todo: list[StateEntry], room: int, coalesce: bool, what: str
+    ) -> tuple[int, float]:
         """The copies of :meth:`switch`, in an order where an exception at any point leaves
         every storage resident or tracked. Returns (segments, seconds spent allocating)."""
         # Interrupted: a storage is tracked only once its D2H copy has completed (so its host
@@ -372,8 +372,12 @@ class OffloadStore:
         # The bytes must have landed before the storages count as resident.
         engine.wait("reload_done", last_in_event)
         if in_digests:
-            self._verify([it.tag for seg in in_segs for it in seg.items],
-                         torch.stack([d for _, ds in in_digests for d in ds]).tolist(), verify, what)
+            self._verify(
+                [it.tag for seg in in_segs for it in seg.items],
+                torch.stack([d for _, ds in in_digests for d in ds]).tolist(),
+                verify,
+                what,
+            )
         for e in in_todo:
             del self._offloaded[e.key]
             self._exposed.pop(e.key, None)
@@ -442,6 +446,7 @@ class OffloadStore:
         self.engine.release_staging()
         self._in_flight = False
         return freed
+
     def _reserve_device_block(self, segs: Sequence[Segment], first: int, target_bytes: int) -> int:
         """Make the caching allocator hold one free block that fits the large storages of
         ``segs[first:j]`` (about ``target_bytes``), so their ``resize_`` calls split it instead

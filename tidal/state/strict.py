@@ -39,12 +39,47 @@ class StrictAccessError(RuntimeError):
 
 def _metadata_ops() -> frozenset:
     names = [
-        "detach", "view", "_unsafe_view", "alias", "as_strided", "t", "transpose", "permute", "expand",
-        "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind",
-        "narrow", "set_", "resize_", "_reshape_alias", "view_as_real", "view_as_complex", "lift_fresh",
-        "empty_like", "new_empty", "new_empty_strided", "is_same_size", "sym_size", "sym_stride",
-        "sym_numel", "sym_storage_offset", "_has_compatible_shallow_copy_type", "record_stream",
-        "unfold", "diagonal", "movedim", "expand_as", "view_as", "real", "imag",
+        "detach",
+        "view",
+        "_unsafe_view",
+        "alias",
+        "as_strided",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "slice",
+        "select",
+        "unsqueeze",
+        "squeeze",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unbind",
+        "narrow",
+        "set_",
+        "resize_",
+        "_reshape_alias",
+        "view_as_real",
+        "view_as_complex",
+        "lift_fresh",
+        "empty_like",
+        "new_empty",
+        "new_empty_strided",
+        "is_same_size",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "_has_compatible_shallow_copy_type",
+        "record_stream",
+        "unfold",
+        "diagonal",
+        "movedim",
+        "expand_as",
+        "view_as",
+        "real",
+        "imag",
     ]
     ops = set()
     for n in names:
@@ -76,11 +111,15 @@ class _StrictMode(TorchDispatchMode):
         owner = _owner(self.timeshare, t)
         if owner is not None:
             role, name = owner
-            return (f"{func} touches {name} of role {role!r}, which is offloaded (its bytes are on the "
-                    f"host; the device storage has no memory). Use the role inside "
-                    f"`with ts.use({role!r}):`, or read its values with state_dict()")
-        return (f"{func} touches {what} whose storage has no memory: it is offloaded (by tidal) or was "
-                f"freed by its owner. Make its role resident first, or read it through state_dict()")
+            return (
+                f"{func} touches {name} of role {role!r}, which is offloaded (its bytes are on the "
+                f"host; the device storage has no memory). Use the role inside "
+                f"`with ts.use({role!r}):`, or read its values with state_dict()"
+            )
+        return (
+            f"{func} touches {what} whose storage has no memory: it is offloaded (by tidal) or was "
+            f"freed by its owner. Make its role resident first, or read it through state_dict()"
+        )
 
 
 def _owner(ts: Any, t: torch.Tensor) -> tuple[str, str] | None:

@@ -38,8 +38,9 @@ def _optimizer_device(optimizer: torch.optim.Optimizer) -> torch.device:
     raise ValueError("the optimizer has no parameters, so there is no state to offload")
 
 
-def _standalone_store(optimizer: torch.optim.Optimizer, device: torch.device,
-                      config: TransferConfig | None) -> OffloadStore:
+def _standalone_store(
+    optimizer: torch.optim.Optimizer, device: torch.device, config: TransferConfig | None
+) -> OffloadStore:
     store = _STANDALONE.get(optimizer)
     if store is None or store.ops.device != device:
         store = OffloadStore(DeviceOps(device), config)
@@ -116,8 +117,9 @@ def offload_optimizer(
     entries: list[StateEntry] = collect_optimizer_state([optimizer], device, min_offload_bytes=min_offload_bytes)
     if grads:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        grad_entries = collect_module_state([], device, extra_params=params, grads="offload",
-                                            min_offload_bytes=min_offload_bytes)
+        grad_entries = collect_module_state(
+            [], device, extra_params=params, grads="offload", min_offload_bytes=min_offload_bytes
+        )
         entries = [e for e in grad_entries if e.kind == "grad"] + entries
 
     def refuse_step(opt, args, kwargs):

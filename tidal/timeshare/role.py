@@ -53,9 +53,7 @@ class Role:
         if self.grads not in _GRAD_POLICIES:
             raise ValueError(f"grads must be one of {_GRAD_POLICIES}, got {self.grads!r}")
         if self.optimizer_residency not in _RESIDENCIES:
-            raise ValueError(
-                f"optimizer_residency must be one of {_RESIDENCIES}, got {self.optimizer_residency!r}"
-            )
+            raise ValueError(f"optimizer_residency must be one of {_RESIDENCIES}, got {self.optimizer_residency!r}")
 
     def param_names(self) -> dict[int, str]:
         """id(param) -> name, computed once: it only names tensors in error messages, and a
@@ -74,24 +72,33 @@ class Role:
         known = self.param_names()
         return [p for o in self.optimizers for g in o.param_groups for p in g["params"] if id(p) not in known]
 
-    def model_entries(self, device: torch.device, min_offload_bytes: int, *, grads: bool | None = None,
-                      include_empty: bool = True) -> list[StateEntry]:
+    def model_entries(
+        self, device: torch.device, min_offload_bytes: int, *, grads: bool | None = None, include_empty: bool = True
+    ) -> list[StateEntry]:
         """Parameters, buffers and (by policy, or as ``grads`` says) gradients, found now from
         the live tensors; with ``include_empty`` offloaded (0-byte) storages are listed too."""
         policy = self.grads if grads is None else ("offload" if grads else "keep")
         return collect_module_state(
-            self.modules, device, extra_params=self.loose_params(), grads=policy,
-            min_offload_bytes=min_offload_bytes, include_empty=include_empty,
+            self.modules,
+            device,
+            extra_params=self.loose_params(),
+            grads=policy,
+            min_offload_bytes=min_offload_bytes,
+            include_empty=include_empty,
         )
 
-    def optim_entries(self, device: torch.device, min_offload_bytes: int, *,
-                      include_empty: bool = True) -> list[StateEntry]:
+    def optim_entries(
+        self, device: torch.device, min_offload_bytes: int, *, include_empty: bool = True
+    ) -> list[StateEntry]:
         """Tensors of every ``optimizer.state``, found now (state appears at the first step)."""
         movable = self.device_optimizers()
         if not movable:
             return []
         return collect_optimizer_state(
-            movable, device, names=self.param_names(), min_offload_bytes=min_offload_bytes,
+            movable,
+            device,
+            names=self.param_names(),
+            min_offload_bytes=min_offload_bytes,
             include_empty=include_empty,
         )
 
@@ -107,4 +114,3 @@ class Role:
         """(param, its grad's storage) for every param of the role that has a grad."""
         params = [p for m in self.modules for p in m.parameters()] + self.loose_params()
         return [(p, p.grad.untyped_storage()) for p in dict.fromkeys(params) if p.grad is not None]
-

@@ -52,13 +52,13 @@ def _chunks(opt: torch.optim.Optimizer, params: list[torch.Tensor], chunk_bytes:
     return out
 
 
-def _entries(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer,
-             params: list[torch.Tensor]) -> list[StateEntry]:
+def _entries(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[StateEntry]:
     # The state of these parameters only: a stand-in with the optimizer's `state` subset.
     view = types.SimpleNamespace(state={p: opt.state[p] for p in params if p in opt.state})
     # include_empty: offloaded storages have size 0 and must still be found.
-    return collect_optimizer_state([view], ts.device, names=role.param_names(),
-                                   min_offload_bytes=ts.config.min_offload_bytes, include_empty=True)
+    return collect_optimizer_state(
+        [view], ts.device, names=role.param_names(), min_offload_bytes=ts.config.min_offload_bytes, include_empty=True
+    )
 
 
 def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
@@ -77,11 +77,19 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
         for p in params:
             p.grad = None
         chunks = _chunks(opt, params, ts.config.optimizer_chunk_bytes)
-        incoming = [e for e in ts.store.resolve(_entries(ts, role, opt, chunks[0])) if ts.store.is_offloaded(e.key)] \
-            if chunks else []
+        incoming = (
+            [e for e in ts.store.resolve(_entries(ts, role, opt, chunks[0])) if ts.store.is_offloaded(e.key)]
+            if chunks
+            else []
+        )
         if incoming:
-            ts._record("optim-in", (), role.name, ts.store.reload(incoming, what=f"optimizer state of {role.name!r}"),
-                       note="optimizer state chunk")
+            ts._record(
+                "optim-in",
+                (),
+                role.name,
+                ts.store.reload(incoming, what=f"optimizer state of {role.name!r}"),
+                note="optimizer state chunk",
+            )
         for i, chunk in enumerate(chunks):
             for p in chunk:
                 p.grad = hidden[p]
@@ -90,13 +98,15 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
             for p in chunk:
                 p.grad = None
             out = [e for e in _entries(ts, role, opt, chunk) if e.nbytes > 0 and e.key not in others]
-            nxt = [e for e in ts.store.resolve(_entries(ts, role, opt, chunks[i + 1])) if ts.store.is_offloaded(e.key)] \
-                if i + 1 < len(chunks) else []
+            nxt = (
+                [e for e in ts.store.resolve(_entries(ts, role, opt, chunks[i + 1])) if ts.store.is_offloaded(e.key)]
+                if i + 1 < len(chunks)
+                else []
+            )
             last = i + 1 == len(chunks)
             # Blocks freed here are what the next chunk reuses: return them to the driver
             # only once, after the last chunk.
-            move = ts.store.switch(out, nxt, what=f"optimizer state of {role.name!r}",
-                                   release=None if last else False)
+            move = ts.store.switch(out, nxt, what=f"optimizer state of {role.name!r}", release=None if last else False)
             ts._record("optim-stream", (role.name,), role.name if nxt else None, move, note="optimizer state chunk")
         ok = True
     finally:

@@ -39,18 +39,35 @@ class TransitionRecord:
         return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     @classmethod
-    def from_move(cls, index: int, kind: str, roles_out: tuple[str, ...], role_in: str | None,
-                  move: MoveResult, host_reserved_bytes: int, *, measure_release: bool,
-                  note: str = "") -> "TransitionRecord":
+    def from_move(
+        cls,
+        index: int,
+        kind: str,
+        roles_out: tuple[str, ...],
+        role_in: str | None,
+        move: MoveResult,
+        host_reserved_bytes: int,
+        *,
+        measure_release: bool,
+        note: str = "",
+    ) -> "TransitionRecord":
         expected_gain = move.bytes_out - move.bytes_in
         seen_gain = move.driver_free_after - move.driver_free_before
         unreleased = max(0, expected_gain - seen_gain) if measure_release and move.bytes_out else 0
         return cls(
-            index=index, kind=kind, roles_out=roles_out, role_in=role_in,
-            bytes_out=move.bytes_out, bytes_in=move.bytes_in, seconds=move.seconds,
-            release_seconds=move.release_seconds, driver_free_before=move.driver_free_before,
-            driver_free_after=move.driver_free_after, host_reserved_bytes=host_reserved_bytes,
-            unreleased_bytes=unreleased, note=note,
+            index=index,
+            kind=kind,
+            roles_out=roles_out,
+            role_in=role_in,
+            bytes_out=move.bytes_out,
+            bytes_in=move.bytes_in,
+            seconds=move.seconds,
+            release_seconds=move.release_seconds,
+            driver_free_before=move.driver_free_before,
+            driver_free_after=move.driver_free_after,
+            host_reserved_bytes=host_reserved_bytes,
+            unreleased_bytes=unreleased,
+            note=note,
         )
 
     def as_dict(self) -> dict:
@@ -63,8 +80,13 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f}"
 
 
-def format_report(records: list[TransitionRecord], roles: list[tuple[str, str, int, int]],
-                  host_reserved_bytes: int, offloaded_bytes: int, notes: list[str] = ()) -> str:
+def format_report(
+    records: list[TransitionRecord],
+    roles: list[tuple[str, str, int, int]],
+    host_reserved_bytes: int,
+    offloaded_bytes: int,
+    notes: list[str] = (),
+) -> str:
     """A plain-text table of roles and transitions. ``roles`` rows: (name, where, resident
     bytes, total bytes)."""
     lines = ["roles:", f"  {'name':<16} {'where':<10} {'state':>12}"]
@@ -76,15 +98,16 @@ def format_report(records: list[TransitionRecord], roles: list[tuple[str, str, i
     )
     lines += [f"note: {n}" for n in notes]
     lines.append("transitions:")
-    head = (f"  {'#':>3} {'kind':<10} {'out':<18} {'in':<14} {'out GB':>7} {'in GB':>7} "
-            f"{'s':>7} {'GB/s':>7} {'free before GB':>14} {'free after GB':>13}")
+    head = (
+        f"  {'#':>3} {'kind':<10} {'out':<18} {'in':<14} {'out GB':>7} {'in GB':>7} "
+        f"{'s':>7} {'GB/s':>7} {'free before GB':>14} {'free after GB':>13}"
+    )
     lines.append(head)
     for r in records:
         lines.append(
             f"  {r.index:>3} {r.kind:<10} {','.join(r.roles_out) or '-':<18} {r.role_in or '-':<14} "
             f"{_gb(r.bytes_out):>7} {_gb(r.bytes_in):>7} {r.seconds:>7.3f} {r.gbps:>7.1f} "
-            f"{_gb(r.driver_free_before):>14} {_gb(r.driver_free_after):>13}"
-            + (f"  ({r.note})" if r.note else "")
+            f"{_gb(r.driver_free_before):>14} {_gb(r.driver_free_after):>13}" + (f"  ({r.note})" if r.note else "")
         )
     if not records:
         lines.append("  (none yet)")

@@ -108,7 +108,9 @@ def _as_list(obj, cls, what: str) -> list:
     items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
     for x in items:
         if not isinstance(x, cls):
-            raise TypeError(f"{what} must be a {cls.__module__}.{cls.__qualname__} (or a list of them), got {type(x).__name__}")
+            raise TypeError(
+                f"{what} must be a {cls.__module__}.{cls.__qualname__} (or a list of them), got {type(x).__name__}"
+            )
     return items
 
 
@@ -124,8 +126,7 @@ class Timeshare:
     def __init__(self, device: str | torch.device = "cuda", *, config: TimeshareConfig | None = None) -> None:
         self.config = config or TimeshareConfig()
         self.ops = DeviceOps(device)
-        self.store = OffloadStore(self.ops, self.config.transfer,
-                                  release_to_driver=self.config.release_to_driver)
+        self.store = OffloadStore(self.ops, self.config.transfer, release_to_driver=self.config.release_to_driver)
         self._roles: dict[str, Role] = {}
         self.records: list[TransitionRecord] = []
         self._clock = 0
@@ -159,8 +160,9 @@ class Timeshare:
         if not isinstance(name, str) or not name:
             raise ValueError(f"role name must be a non-empty string, got {name!r}")
         if name in self._roles:
-            raise ValueError(f"a role named {name!r} already exists; role names must be unique "
-                             f"(registered: {sorted(self._roles)})")
+            raise ValueError(
+                f"a role named {name!r} already exists; role names must be unique (registered: {sorted(self._roles)})"
+            )
         modules = _as_list(model, torch.nn.Module, "model")
         optimizers = _as_list(optimizer, torch.optim.Optimizer, "optimizer")
         if not modules and not optimizers:
@@ -168,14 +170,17 @@ class Timeshare:
         for opt in optimizers:
             owner = timeshare_of(opt)
             if owner is not None:
-                raise ValueError(f"this optimizer already belongs to role {owner[1]!r}; an optimizer "
-                                 f"can belong to one role only (its step hooks move its state)")
+                raise ValueError(
+                    f"this optimizer already belongs to role {owner[1]!r}; an optimizer "
+                    f"can belong to one role only (its step hooks move its state)"
+                )
         role = Role(name, modules, optimizers, grads=grads, optimizer_residency=optimizer_residency)
         # Collect now: validates the state (raises TypeError for unsupported tensors) before
         # anything is registered, and sizes the host slots.
         model_live = role.model_entries(self.device, self.config.min_offload_bytes)
         entries = self.store.resolve(model_live) + self.store.resolve(
-            role.optim_entries(self.device, self.config.min_offload_bytes))
+            role.optim_entries(self.device, self.config.min_offload_bytes)
+        )
         if not entries:
             raise ValueError(f"role {name!r} has {self._why_no_state(role)}")
         role.resident = not any(self.store.is_offloaded(e.key) for e in entries)
@@ -204,12 +209,16 @@ class Timeshare:
         tensors += [p for o in role.optimizers for g in o.param_groups for p in g["params"]]
         elsewhere = sorted({str(t.device) for t in tensors if t.device != self.device})
         if elsewhere:
-            return (f"no state on {self.device}: its tensors are on {', '.join(elsewhere)}. Move the model "
-                    f"to {self.device} before adding the role")
+            return (
+                f"no state on {self.device}: its tensors are on {', '.join(elsewhere)}. Move the model "
+                f"to {self.device} before adding the role"
+            )
         if not tensors:
             return "no tensors at all (no parameters, buffers or optimizer parameters)"
-        return (f"no state to move: its {len(tensors)} tensors are empty or smaller than "
-                f"min_offload_bytes={self.config.min_offload_bytes}, so they stay where they are")
+        return (
+            f"no state to move: its {len(tensors)} tensors are empty or smaller than "
+            f"min_offload_bytes={self.config.min_offload_bytes}, so they stay where they are"
+        )
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -293,10 +302,15 @@ class Timeshare:
         for n, r in self._roles.items():
             total = self.role_bytes(n)
             rows.append((n, "device" if r.resident else "host", total if r.resident else 0, total))
-        notes = [f"role {r.name!r}: optimizer state of {', '.join(r.host_optimizers())} lives on the host; "
-                 f"switches do not move it" for r in self._roles.values() if r.host_optimizers()]
-        return format_report(self.records, rows, self.store.host_reserved_bytes, self.store.offloaded_bytes,
-                             notes=notes)
+        notes = [
+            f"role {r.name!r}: optimizer state of {', '.join(r.host_optimizers())} lives on the host; "
+            f"switches do not move it"
+            for r in self._roles.values()
+            if r.host_optimizers()
+        ]
+        return format_report(
+            self.records, rows, self.store.host_reserved_bytes, self.store.offloaded_bytes, notes=notes
+        )
 
     def close(self) -> None:
         """Bring every offloaded storage back, remove tidal's hooks and free the host memory.
@@ -325,8 +339,9 @@ class Timeshare:
         self.close()
 
     # ---- optimizer state (used by the step hooks and offload_optimizer) ---------------------
-    def offload_optimizer_state(self, name: str, *, grads: bool = False,
-                                kind: str = "optim-out") -> TransitionRecord | None:
+    def offload_optimizer_state(
+        self, name: str, *, grads: bool = False, kind: str = "optim-out"
+    ) -> TransitionRecord | None:
         """Move the role's optimizer state (and its params' grads if ``grads``) to the host;
         its params stay. Storages another resident role holds stay too."""
         self._recover_if_interrupted()
@@ -339,8 +354,9 @@ class Timeshare:
         move = self._guarded(lambda: self.store.offload(entries), touches_model=grads)
         return self._record(kind, (name,), None, move, note="optimizer state" + (" + grads" if grads else ""))
 
-    def reload_optimizer_state(self, name: str, *, grads: bool = False,
-                               kind: str = "optim-in") -> TransitionRecord | None:
+    def reload_optimizer_state(
+        self, name: str, *, grads: bool = False, kind: str = "optim-in"
+    ) -> TransitionRecord | None:
         """Bring the role's offloaded optimizer state (and grads if ``grads``) back."""
         self._recover_if_interrupted()
         role = self.role(name)
@@ -348,8 +364,10 @@ class Timeshare:
         entries = [e for e in self.store.resolve(live) if self.store.is_offloaded(e.key)]
         if not entries:
             return None
-        move = self._guarded(lambda: self.store.reload(entries, what=f"reloading the optimizer state of role {name!r}"),
-                             touches_model=grads)
+        move = self._guarded(
+            lambda: self.store.reload(entries, what=f"reloading the optimizer state of role {name!r}"),
+            touches_model=grads,
+        )
         return self._record(kind, (), name, move, note="optimizer state" + (" + grads" if grads else ""))
 
     def _optimizer_live(self, role: Role, grads: bool) -> list[StateEntry]:
@@ -464,8 +482,9 @@ class Timeshare:
             )
         return evict
 
-    def _transition(self, evict: list[Role], incoming: Role | None, *,
-                    recovering: bool = False) -> TransitionRecord | None:
+    def _transition(
+        self, evict: list[Role], incoming: Role | None, *, recovering: bool = False
+    ) -> TransitionRecord | None:
         keep = self._resident_keys(exclude=evict)
         in_entries: list[StateEntry] = []
         if incoming is not None:
@@ -477,9 +496,17 @@ class Timeshare:
         for r in evict:
             out_entries += [e for e in self._live(r) if e.key not in keep and not self.store.is_offloaded(e.key)]
         what = f"loading role {incoming.name!r}" if incoming else "offload"
-        move = self._guarded(lambda: self.store.switch(
-            out_entries, in_entries, what=what, headroom_bytes=self.config.headroom_bytes,
-            extra_bytes=self.config.switch_extra_bytes), touches_model=True, recovering=recovering)
+        move = self._guarded(
+            lambda: self.store.switch(
+                out_entries,
+                in_entries,
+                what=what,
+                headroom_bytes=self.config.headroom_bytes,
+                extra_bytes=self.config.switch_extra_bytes,
+            ),
+            touches_model=True,
+            recovering=recovering,
+        )
         self._interrupted = True  # until the flags below are all set
         for r in evict:
             r.resident = False
@@ -556,11 +583,18 @@ class Timeshare:
             if storage_key(storage) not in keep:
                 p.grad = None
 
-    def _record(self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult,
-                note: str = "") -> TransitionRecord:
+    def _record(
+        self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
+    ) -> TransitionRecord:
         rec = TransitionRecord.from_move(
-            len(self.records), kind, roles_out, role_in, move, self.store.host_reserved_bytes,
-            measure_release=self.ops.is_accelerator and self.config.release_to_driver, note=note,
+            len(self.records),
+            kind,
+            roles_out,
+            role_in,
+            move,
+            self.store.host_reserved_bytes,
+            measure_release=self.ops.is_accelerator and self.config.release_to_driver,
+            note=note,
         )
         self.records.append(rec)
         if rec.unreleased_bytes > self.config.release_tolerance_bytes:

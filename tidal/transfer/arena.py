@@ -138,9 +138,7 @@ class HostArena:
         i = bisect.bisect_left(offs, slot.offset)
         # A slot overlapping a free range (either neighbour) was released twice; inserting it
         # would make two free ranges overlap and later hand the same bytes to two storages.
-        if (i < len(offs) and offs[i] < slot.offset + span) or (
-            i > 0 and offs[i - 1] + sizes[i - 1] > slot.offset
-        ):
+        if (i < len(offs) and offs[i] < slot.offset + span) or (i > 0 and offs[i - 1] + sizes[i - 1] > slot.offset):
             raise ValueError(f"double release of host slot {slot}")
         offs.insert(i, slot.offset)
         sizes.insert(i, span)

@@ -75,9 +75,7 @@ class TransferConfig:
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """The whole storage as a 1-D uint8 tensor (no copy). Every byte moves, so views,
     strides and offsets of the tensors that share the storage all survive a round trip."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-        storage, 0, (storage.nbytes(),), (1,)
-    )
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 @dataclasses.dataclass
