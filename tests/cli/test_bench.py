@@ -13,8 +13,21 @@ from tidal.cli.main import main
 def bench_json(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     path, results = tmp / "bench.json", tmp / "RESULTS.md"
-    rc = main(["bench", "--device", "cpu", "--preset", "tiny", "--warm-iters", "2",
-               "--json", str(path), "--results", str(results)])
+    rc = main(
+        [
+            "bench",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--warm-iters",
+            "2",
+            "--json",
+            str(path),
+            "--results",
+            str(results),
+        ]
+    )
     assert rc == 0
     return json.loads(path.read_text()), results.read_text()
 

@@ -35,6 +35,24 @@ def test_demo_reward_rises_and_writes_its_files(tmp_path, capsys):
 def test_demo_usage_errors(tmp_path, capsys):
     assert main(["demo", "--steps", "0"]) == 2
     assert main(["demo", "--device", "tpu"]) == 2
-    assert main(["demo", "--device", "cpu", "--steps", "1", "--baseline-steps", "0", "--task", "add",
-                 "--digits", "3", "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "demo",
+                "--device",
+                "cpu",
+                "--steps",
+                "1",
+                "--baseline-steps",
+                "0",
+                "--task",
+                "add",
+                "--digits",
+                "3",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "even num_digits" in capsys.readouterr().err

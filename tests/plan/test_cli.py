@@ -18,23 +18,70 @@ def _run(argv, capsys):
 
 
 def test_report_has_table_recommendation_and_assumptions(capsys):
-    code, out, _ = _run(["--preset", "qwen2-7b", "--gpu-mem-gib", "79", "--prompts", "32", "--group", "8",
-                         "--gen-len", "1024", "--micro-batch", "8"], capsys)
+    code, out, _ = _run(
+        [
+            "--preset",
+            "qwen2-7b",
+            "--gpu-mem-gib",
+            "79",
+            "--prompts",
+            "32",
+            "--group",
+            "8",
+            "--gen-len",
+            "1024",
+            "--micro-batch",
+            "8",
+        ],
+        capsys,
+    )
     assert code == 0
-    for text in ("rollout", "reference", "train", "optimizer_step", "peak allocated, timeshare",
-                 "peak allocated, all resident", "transitions per step", "recommendation for 1 GPU(s)",
-                 "Enable:", "assumptions:", "CUDA context"):
+    for text in (
+        "rollout",
+        "reference",
+        "train",
+        "optimizer_step",
+        "peak allocated, timeshare",
+        "peak allocated, all resident",
+        "transitions per step",
+        "recommendation for 1 GPU(s)",
+        "Enable:",
+        "assumptions:",
+        "CUDA context",
+    ):
         assert text in out, text
 
 
 def test_json_output_and_flags(capsys, tmp_path):
-    code, out, _ = _run(["--preset", "qwen2-0.5b", "--grad-ckpt", "--optimizer", "cpu_adam", "--lora-rank", "8",
-                         "--gpus", "2", "--zero-stage", "2", "--gpu-mem-gib", "24", "--json"], capsys)
+    code, out, _ = _run(
+        [
+            "--preset",
+            "qwen2-0.5b",
+            "--grad-ckpt",
+            "--optimizer",
+            "cpu_adam",
+            "--lora-rank",
+            "8",
+            "--gpus",
+            "2",
+            "--zero-stage",
+            "2",
+            "--gpu-mem-gib",
+            "24",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0
     data = json.loads(out)
     cfg = data["plan"]["config"]
-    assert (cfg["grad_ckpt"], cfg["optimizer"], cfg["lora_rank"], cfg["dp"], cfg["zero_stage"]) == \
-        (True, "cpu_adam", 8, 2, 2)
+    assert (cfg["grad_ckpt"], cfg["optimizer"], cfg["lora_rank"], cfg["dp"], cfg["zero_stage"]) == (
+        True,
+        "cpu_adam",
+        8,
+        2,
+        2,
+    )
     assert data["recommendation"]["fits"] is True
     assert data["plan"]["peak_bytes"] == max(p["peak_bytes"] for p in data["plan"]["phases"].values())
     path = tmp_path / "plan.json"
@@ -44,8 +91,14 @@ def test_json_output_and_flags(capsys, tmp_path):
 
 def test_config_json_and_bench_bandwidth(capsys, tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                                   num_key_value_heads=2, intermediate_size=1024, vocab_size=32000)
+    cfg = transformers.LlamaConfig(
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        vocab_size=32000,
+    )
     cfg.to_json_file(str(tmp_path / "config.json"))
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"line_rate": {"d2h_gbps": 11.0, "h2d_gbps": 11.0, "bidir_gbps": 20.0}}))
@@ -61,12 +114,34 @@ def test_usage_errors(capsys, tmp_path):
 
 
 def test_trainer_flags(capsys):
-    code, out, _ = _run(["--preset", "qwen2-0.5b", "--optimizer", "cpu_adam", "--logprob-span", "completion",
-                         "--completion-logits", "--action-vocab", "10", "--sampling", "own",
-                         "--cpu-adam-inflight-mib", "256", "--step-in-train", "--json"], capsys)
+    code, out, _ = _run(
+        [
+            "--preset",
+            "qwen2-0.5b",
+            "--optimizer",
+            "cpu_adam",
+            "--logprob-span",
+            "completion",
+            "--completion-logits",
+            "--action-vocab",
+            "10",
+            "--sampling",
+            "own",
+            "--cpu-adam-inflight-mib",
+            "256",
+            "--step-in-train",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0
     cfg = json.loads(out)["plan"]["config"]
-    assert (cfg["completion_logits"], cfg["action_vocab"], cfg["sampling"], cfg["cpu_adam_inflight_bytes"],
-            cfg["step_in_train"]) == (True, 10, "own", 256 << 20, True)
+    assert (
+        cfg["completion_logits"],
+        cfg["action_vocab"],
+        cfg["sampling"],
+        cfg["cpu_adam_inflight_bytes"],
+        cfg["step_in_train"],
+    ) == (True, 10, "own", 256 << 20, True)
     code, _, err = _run(["--preset", "qwen2-0.5b", "--completion-logits"], capsys)
     assert code == 2 and "logprob_span" in err

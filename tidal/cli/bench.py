@@ -88,8 +88,15 @@ def environment(ops: DeviceOps) -> dict:
         tf = None
     cpu_name = platform.processor() or platform.machine() or "cpu"
     name = torch.cuda.get_device_name(ops.device) if ops.device.type == "cuda" else cpu_name
-    return {"device": str(ops.device), "device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "transformers": tf, "python": platform.python_version(), "cpu_threads": torch.get_num_threads()}
+    return {
+        "device": str(ops.device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": tf,
+        "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
+    }
 
 
 # ---- 1. line rate ---------------------------------------------------------------------------
@@ -113,7 +120,11 @@ def measure_line_rate(ops: DeviceOps, nbytes: int, reps: int = 5) -> dict:
             with ops.on_stream(stream):
                 dst.copy_(src, non_blocking=True)
 
-    runs = {"d2h": [(d2h, x_host, x_dev)], "h2d": [(h2d, y_dev, y_host)], "bidir": [(d2h, x_host, x_dev), (h2d, y_dev, y_host)]}
+    runs = {
+        "d2h": [(d2h, x_host, x_dev)],
+        "h2d": [(h2d, y_dev, y_host)],
+        "bidir": [(d2h, x_host, x_dev), (h2d, y_dev, y_host)],
+    }
     out: dict = {"bytes": nbytes, "reps": reps, "pinned": bool(ops.is_accelerator and x_host.is_pinned())}
     for name, pairs in runs.items():
         _timed(ops, lambda: queue(pairs))  # warm-up: first-touch, driver mappings
@@ -172,19 +183,27 @@ def run_anchor(ops: DeviceOps, model, opt, warm_iters: int) -> dict:
         moved = None  # free the host copies before the next cycle makes new ones
     nbytes = cycles[0][0]
     warm = cycles[1:]
-    res = {"bytes": nbytes, "host_tensors_pinned": pinned, "torch_pinned_cache_bytes": pinned_bytes,
-           "offload_cold_gbps": _gbps(nbytes, cycles[0][1]), "offload_cold_wall_gbps": _gbps(nbytes, cycles[0][2]),
-           "reload_cold_gbps": _gbps(nbytes, cycles[0][3])}
+    res = {
+        "bytes": nbytes,
+        "host_tensors_pinned": pinned,
+        "torch_pinned_cache_bytes": pinned_bytes,
+        "offload_cold_gbps": _gbps(nbytes, cycles[0][1]),
+        "offload_cold_wall_gbps": _gbps(nbytes, cycles[0][2]),
+        "reload_cold_gbps": _gbps(nbytes, cycles[0][3]),
+    }
     if warm:
-        res.update(offload_warm_gbps=_gbps(nbytes, _median([c[1] for c in warm])),
-                   offload_warm_wall_gbps=_gbps(nbytes, _median([c[2] for c in warm])),
-                   reload_warm_gbps=_gbps(nbytes, _median([c[3] for c in warm])))
+        res.update(
+            offload_warm_gbps=_gbps(nbytes, _median([c[1] for c in warm])),
+            offload_warm_wall_gbps=_gbps(nbytes, _median([c[2] for c in warm])),
+            reload_warm_gbps=_gbps(nbytes, _median([c[3] for c in warm])),
+        )
     return res
 
 
 # ---- 3-4. tidal -------------------------------------------------------------------------------
-def run_tidal_cycles(ops: DeviceOps, ts: Timeshare, name: str, warm_iters: int, free_before_model: int,
-                     line: dict) -> dict:
+def run_tidal_cycles(
+    ops: DeviceOps, ts: Timeshare, name: str, warm_iters: int, free_before_model: int, line: dict
+) -> dict:
     """``offload(name)`` / ``load(name)`` cycles: cold = the first, warm = median of the rest.
     GB/s from the transition records (copy time) and from the wall time of the call; the
     copy-time GB/s also as a fraction of the ``line`` rate of the same direction."""
@@ -193,13 +212,24 @@ def run_tidal_cycles(ops: DeviceOps, ts: Timeshare, name: str, warm_iters: int, 
         rec_out, w_out = _timed(ops, lambda: ts.offload(name))
         reserved = ops.reserved_bytes()  # what torch's allocator still holds with the role out
         rec_in, w_in = _timed(ops, lambda: ts.load(name))
-        rows.append((rec_out.seconds, w_out, rec_in.seconds, w_in, free_before_model - rec_out.driver_free_after, reserved))
+        rows.append(
+            (rec_out.seconds, w_out, rec_in.seconds, w_in, free_before_model - rec_out.driver_free_after, reserved)
+        )
         recs += [rec_out.as_dict(), rec_in.as_dict()]
     b_out, b_in = recs[0]["bytes_out"], recs[1]["bytes_in"]
-    res = {"bytes_out": b_out, "bytes_in": b_in, "records": recs, "free_gap_bytes": [r[4] for r in rows],
-           "allocator_reserved_after_offload_bytes": max(r[5] for r in rows)}
-    columns = (("offload", "_gbps", b_out), ("offload", "_wall_gbps", b_out),
-               ("reload", "_gbps", b_in), ("reload", "_wall_gbps", b_in))
+    res = {
+        "bytes_out": b_out,
+        "bytes_in": b_in,
+        "records": recs,
+        "free_gap_bytes": [r[4] for r in rows],
+        "allocator_reserved_after_offload_bytes": max(r[5] for r in rows),
+    }
+    columns = (
+        ("offload", "_gbps", b_out),
+        ("offload", "_wall_gbps", b_out),
+        ("reload", "_gbps", b_in),
+        ("reload", "_wall_gbps", b_in),
+    )
     for col, (direction, suffix, nbytes) in enumerate(columns):
         secs = [r[col] for r in rows]
         res[f"{direction}_cold{suffix}"] = _gbps(nbytes, secs[0])
@@ -224,16 +254,32 @@ def run_switch(ops: DeviceOps, ts: Timeshare, warm_iters: int) -> dict:
         if i:
             rows.append((w1 + w2, r1.seconds + r2.seconds, w3, r3.seconds, r3.gbps))
     seq, seq_copy, sw, sw_copy, sw_gbps = (_median(list(col)) for col in zip(*rows))
-    return {"iterations": len(rows), "sequential_s": seq, "switch_s": sw, "ratio": sw / seq,
-            "sequential_copy_s": seq_copy, "switch_copy_s": sw_copy, "ratio_copy": sw_copy / seq_copy,
-            "switch_gbps": sw_gbps, "bytes_each_way": r3.bytes_in}
+    return {
+        "iterations": len(rows),
+        "sequential_s": seq,
+        "switch_s": sw,
+        "ratio": sw / seq,
+        "sequential_copy_s": seq_copy,
+        "switch_copy_s": sw_copy,
+        "ratio_copy": sw_copy / seq_copy,
+        "switch_gbps": sw_gbps,
+        "bytes_each_way": r3.bytes_in,
+    }
 
 
 # ---- the whole run ---------------------------------------------------------------------------
-def run_bench(*, preset: str | None = None, device: str | torch.device | None = None, warm_iters: int = 3,
-              line_bytes: int | None = None, dtype: torch.dtype = torch.bfloat16, results_path: str | None = None,
-              transfer: TransferConfig | None = None, release_to_driver: bool = True,
-              log: Callable[[str], None] = print) -> dict:
+def run_bench(
+    *,
+    preset: str | None = None,
+    device: str | torch.device | None = None,
+    warm_iters: int = 3,
+    line_bytes: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    results_path: str | None = None,
+    transfer: TransferConfig | None = None,
+    release_to_driver: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Run the whole benchmark (see the module docstring) and return every figure.
 
     ``preset``/``device`` default to ``qwen2-1.5b`` on an available CUDA device, else
@@ -258,16 +304,28 @@ def run_bench(*, preset: str | None = None, device: str | torch.device | None = 
     env = environment(ops)
     est = spec.adamw_state_bytes(dtype)
     temp = 2 * spec.largest_param_count() * dtype.itemsize + GIB  # the step's temporaries, margin
-    log(f"tidal bench: {preset} on {env['device']} ({env['device_name']}), est. state {format_bytes(est)}, "
-        f"driver free {format_bytes(free0)} of {format_bytes(total0)}, host available {format_bytes(host_available_bytes())}")
+    log(
+        f"tidal bench: {preset} on {env['device']} ({env['device_name']}), est. state {format_bytes(est)}, "
+        f"driver free {format_bytes(free0)} of {format_bytes(total0)}, host available {format_bytes(host_available_bytes())}"
+    )
     if ops.is_accelerator and est + temp > free0:
-        raise BenchSkipped(f"{preset} needs ~{format_bytes(est + temp)} on {ops.device} but {format_bytes(free0)} is free")
+        raise BenchSkipped(
+            f"{preset} needs ~{format_bytes(est + temp)} on {ops.device} but {format_bytes(free0)} is free"
+        )
     if est + 2 * GIB > host_available_bytes():
-        raise BenchSkipped(f"{preset} needs ~{format_bytes(est)} of host RAM to offload into; "
-                           f"{format_bytes(host_available_bytes())} is available")
-    res: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "env": env, "preset": preset,
-                 "dtype": str(dtype).removeprefix("torch."), "warm_iters": warm_iters, "targets": TARGETS,
-                 "driver_free_before_model": free0}
+        raise BenchSkipped(
+            f"{preset} needs ~{format_bytes(est)} of host RAM to offload into; "
+            f"{format_bytes(host_available_bytes())} is available"
+        )
+    res: dict = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "env": env,
+        "preset": preset,
+        "dtype": str(dtype).removeprefix("torch."),
+        "warm_iters": warm_iters,
+        "targets": TARGETS,
+        "driver_free_before_model": free0,
+    }
 
     nbytes = line_bytes or (GIB if ops.is_accelerator else 16 << 20)
     nbytes = int(min(nbytes, max(free0 // 4, 1 << 20)))
@@ -279,19 +337,27 @@ def run_bench(*, preset: str | None = None, device: str | torch.device | None = 
     model, impl = build_model(preset, device=ops.device, dtype=dtype)
     opt = make_adamw_state(model)
     ops.synchronize()
-    res.update(model_impl=impl, params=sum(p.numel() for p in dict.fromkeys(model.parameters())),
-               build_seconds=time.perf_counter() - t0)
+    res.update(
+        model_impl=impl,
+        params=sum(p.numel() for p in dict.fromkeys(model.parameters())),
+        build_seconds=time.perf_counter() - t0,
+    )
     # An exact host copy needs host RAM equal to the state on top of tidal's (two roles) and
     # the anchor's pinned cache; when that cannot fit, checksums on the device stand in.
     mode = "clone" if not ops.is_accelerator or 5 * est + 8 * GIB < host_available_bytes() else "fingerprint"
     reference = StateReference(named_state(model, opt), mode=mode)
     res["reference_mode"] = mode
 
-    pow2 = sum(1 << max(0, (t.numel() * t.element_size() - 1).bit_length()) for t in named_state(model, opt).values()
-               if t.device == ops.device)
+    pow2 = sum(
+        1 << max(0, (t.numel() * t.element_size() - 1).bit_length())
+        for t in named_state(model, opt).values()
+        if t.device == ops.device
+    )
     if ops.is_accelerator and pow2 + 4 * GIB > host_available_bytes():
-        res["anchor"] = {"skipped": f"torch's pinned cache would round the state up to {format_bytes(pow2)}; "
-                                    f"{format_bytes(host_available_bytes())} host RAM is available"}
+        res["anchor"] = {
+            "skipped": f"torch's pinned cache would round the state up to {format_bytes(pow2)}; "
+            f"{format_bytes(host_available_bytes())} host RAM is available"
+        }
         log(f"[3/5] anchor skipped: {res['anchor']['skipped']}")
     else:
         log("[3/5] anchor: per-tensor .to(non_blocking=True) ...")
@@ -302,21 +368,31 @@ def run_bench(*, preset: str | None = None, device: str | torch.device | None = 
     log("[4/5] tidal: add_role + offload/load cycles ...")
     transfer = transfer or TransferConfig()
     ts = Timeshare(ops.device, config=TimeshareConfig(transfer=transfer, release_to_driver=release_to_driver))
-    res["tidal_config"] = (f"{'coalesced' if transfer.coalesce_allocations else 'per-storage'} alloc, "
-                           f"{'release to driver' if release_to_driver else 'keep in torch cache'}")
+    res["tidal_config"] = (
+        f"{'coalesced' if transfer.coalesce_allocations else 'per-storage'} alloc, "
+        f"{'release to driver' if release_to_driver else 'keep in torch cache'}"
+    )
     t0 = time.perf_counter()
     ts.add_role("a", model=model, optimizer=opt, optimizer_residency="role")
-    tid = {"add_role_seconds": time.perf_counter() - t0, "pin_seconds": ts.store.arena.pin_seconds,
-           "bytes": ts.role_bytes("a"), "host_reserved_bytes": ts.store.host_reserved_bytes}
+    tid = {
+        "add_role_seconds": time.perf_counter() - t0,
+        "pin_seconds": ts.store.arena.pin_seconds,
+        "bytes": ts.role_bytes("a"),
+        "host_reserved_bytes": ts.store.host_reserved_bytes,
+    }
     res["tidal"] = tid = tid | run_tidal_cycles(ops, ts, "a", warm_iters, free0, line)
-    res["memory"] = {"host_ratio": tid["host_reserved_bytes"] / tid["bytes"],
-                     "free_gap_max_bytes": max(tid["free_gap_bytes"]) if ops.is_accelerator else None}
+    res["memory"] = {
+        "host_ratio": tid["host_reserved_bytes"] / tid["bytes"],
+        "free_gap_max_bytes": max(tid["free_gap_bytes"]) if ops.is_accelerator else None,
+    }
 
     room = ops.driver_free_bytes()[0] + ops.cached_free_bytes() - ts.store.staging_bytes(2)
     if room < est + temp or host_available_bytes() < est + 2 * GIB:
-        res["switch"] = {"skipped": f"no room for a second {preset}: {format_bytes(room)} free on the device "
-                                    f"and {format_bytes(host_available_bytes())} on the host, "
-                                    f"~{format_bytes(est + temp)} needed"}
+        res["switch"] = {
+            "skipped": f"no room for a second {preset}: {format_bytes(room)} free on the device "
+            f"and {format_bytes(host_available_bytes())} on the host, "
+            f"~{format_bytes(est + temp)} needed"
+        }
         log(f"[5/5] switch skipped: {res['switch']['skipped']}")
     else:
         log("[5/5] switch a <-> b ...")
@@ -337,8 +413,12 @@ def run_bench(*, preset: str | None = None, device: str | torch.device | None = 
     for line_ in format_result(res).splitlines():
         log(line_)
     if results_path:
-        append_results_row(results_path, res)
-        log(f"appended a row to {results_path}")
+        try:
+            append_results_row(results_path, res)
+            log(f"appended a row to {results_path}")
+        except OSError as e:  # the figures are printed above and returned: say so, lose nothing
+            res["results_written"] = False
+            log(f"could not append to {results_path} ({e}); the figures are printed above")
     return res
 
 
@@ -347,13 +427,16 @@ def _verdicts(res: dict, accel: bool) -> dict:
     fr = [v for k, v in t.items() if k.endswith("_vs_line")]
     # The line-rate and switch targets are about PCIe copy engines; on the CPU the "copies"
     # are serial memcpys into freshly faulted pages, so those verdicts are not given there.
-    return {"line_rate": min(fr) >= TARGETS["line_fraction_min"] if fr and accel else None,
-            "switch": sw["ratio"] <= TARGETS["switch_ratio_max"] if "ratio" in sw and accel else None,
-            "host_ram": m["host_ratio"] <= TARGETS["host_ratio_max"],
-            # With release_to_driver=False the memory is meant to stay in torch's cache.
-            "driver_free": m["free_gap_max_bytes"] <= TARGETS["free_gap_max_bytes"]
-            if accel and "keep in torch cache" not in res.get("tidal_config", "") else None,
-            "bit_exact": res["bit_exact"]}
+    return {
+        "line_rate": min(fr) >= TARGETS["line_fraction_min"] if fr and accel else None,
+        "switch": sw["ratio"] <= TARGETS["switch_ratio_max"] if "ratio" in sw and accel else None,
+        "host_ram": m["host_ratio"] <= TARGETS["host_ratio_max"],
+        # With release_to_driver=False the memory is meant to stay in torch's cache.
+        "driver_free": m["free_gap_max_bytes"] <= TARGETS["free_gap_max_bytes"]
+        if accel and "keep in torch cache" not in res.get("tidal_config", "")
+        else None,
+        "bit_exact": res["bit_exact"],
+    }
 
 
 # ---- output -----------------------------------------------------------------------------------
@@ -364,16 +447,18 @@ def _f(x, spec: str = ".1f", none: str = "-") -> str:
 def format_result(r: dict) -> str:
     """The plain-text report of a :func:`run_bench` result (only measured figures)."""
     e, ln, a, t, m, sw = r["env"], r["line_rate"], r["anchor"], r["tidal"], r["memory"], r["switch"]
-    L = [f"device  {e['device']} ({e['device_name']})   torch {e['torch']}  CUDA {e['cuda'] or '-'}  "
-         f"transformers {e['transformers'] or 'not installed'}  python {e['python']}",
-         f"model   {r['preset']}: {r['model_impl']}, {r['params'] / 1e9:.3f} G params, {r['dtype']}; state "
-         f"{t['bytes'] / 1e9:.3f} GB (params + grads + AdamW exp_avg, exp_avg_sq); warm iters {r['warm_iters']}",
-         "",
-         f"line rate ({format_bytes(ln['bytes'])} {'pinned' if ln['pinned'] else 'unpinned'} host buffer, "
-         f"median of {ln['reps']}):"
-         f"  D2H {ln['d2h_gbps']:.1f}  H2D {ln['h2d_gbps']:.1f}  both at once {ln['bidir_gbps']:.1f} GB/s",
-         "",
-         f"{'GB/s':<44}{'offload cold':>13}{'warm':>8}{'reload cold':>13}{'warm':>8}"]
+    L = [
+        f"device  {e['device']} ({e['device_name']})   torch {e['torch']}  CUDA {e['cuda'] or '-'}  "
+        f"transformers {e['transformers'] or 'not installed'}  python {e['python']}",
+        f"model   {r['preset']}: {r['model_impl']}, {r['params'] / 1e9:.3f} G params, {r['dtype']}; state "
+        f"{t['bytes'] / 1e9:.3f} GB (params + grads + AdamW exp_avg, exp_avg_sq); warm iters {r['warm_iters']}",
+        "",
+        f"line rate ({format_bytes(ln['bytes'])} {'pinned' if ln['pinned'] else 'unpinned'} host buffer, "
+        f"median of {ln['reps']}):"
+        f"  D2H {ln['d2h_gbps']:.1f}  H2D {ln['h2d_gbps']:.1f}  both at once {ln['bidir_gbps']:.1f} GB/s",
+        "",
+        f"{'GB/s':<44}{'offload cold':>13}{'warm':>8}{'reload cold':>13}{'warm':>8}",
+    ]
 
     def row(label, d, key, spec=".1f"):
         cells = [_f(d.get(f"{k}{key}"), spec) for k in ("offload_cold", "offload_warm", "reload_cold", "reload_warm")]
@@ -387,36 +472,52 @@ def format_result(r: dict) -> str:
     L.append(row("tidal: wall time of the call", t, "_wall_gbps"))
     L.append(row(f"tidal / line rate (target >= {TARGETS['line_fraction_min']})", t, "_vs_line", ".3f"))
     if "skipped" not in a and a.get("offload_warm_gbps"):
-        L.append(f"  tidal / anchor, warm:{'':<21}{t.get('offload_warm_gbps', 0) / a['offload_warm_gbps']:>13.2f}{'':>8}"
-                 f"{t.get('reload_warm_gbps', 0) / a['reload_warm_gbps']:>13.2f}")
-    L.append(f"  pin at add_role (once): {t['add_role_seconds']:.3f} s wall, {t['pin_seconds']:.3f} s pinning "
-             f"{format_bytes(t['host_reserved_bytes'])}")
+        L.append(
+            f"  tidal / anchor, warm:{'':<21}{t.get('offload_warm_gbps', 0) / a['offload_warm_gbps']:>13.2f}{'':>8}"
+            f"{t.get('reload_warm_gbps', 0) / a['reload_warm_gbps']:>13.2f}"
+        )
+    L.append(
+        f"  pin at add_role (once): {t['add_role_seconds']:.3f} s wall, {t['pin_seconds']:.3f} s pinning "
+        f"{format_bytes(t['host_reserved_bytes'])}"
+    )
     L.append("")
     if "skipped" in sw:
         L.append(f"switch: skipped ({sw['skipped']})")
     else:
         L.append(f"switch a -> b, {sw['bytes_each_way'] / 1e9:.3f} GB each way, median of {sw['iterations']}:")
-        L.append(f"  sequential offload(a) + load(b): {sw['sequential_s']:.4f} s   switch load(a) with b resident: "
-                 f"{sw['switch_s']:.4f} s   ratio {sw['ratio']:.3f} (target <= {TARGETS['switch_ratio_max']})")
-        L.append(f"  copy time only: {sw['sequential_copy_s']:.4f} s vs {sw['switch_copy_s']:.4f} s = {sw['ratio_copy']:.3f};"
-                 f" switch {sw['switch_gbps']:.1f} GB/s = {sw['vs_bidir_line']:.2f} x both-directions line rate")
+        L.append(
+            f"  sequential offload(a) + load(b): {sw['sequential_s']:.4f} s   switch load(a) with b resident: "
+            f"{sw['switch_s']:.4f} s   ratio {sw['ratio']:.3f} (target <= {TARGETS['switch_ratio_max']})"
+        )
+        L.append(
+            f"  copy time only: {sw['sequential_copy_s']:.4f} s vs {sw['switch_copy_s']:.4f} s = {sw['ratio_copy']:.3f};"
+            f" switch {sw['switch_gbps']:.1f} GB/s = {sw['vs_bidir_line']:.2f} x both-directions line rate"
+        )
     L.append("")
     anchor_host = ""
     if a.get("torch_pinned_cache_bytes"):
-        anchor_host = (f"; anchor's pinned cache {format_bytes(a['torch_pinned_cache_bytes'])} = "
-                       f"{a['torch_pinned_cache_bytes'] / a['bytes']:.3f}x")
-    L.append(f"host RAM: tidal holds {format_bytes(t['host_reserved_bytes'])} for {format_bytes(t['bytes'])} = "
-             f"{m['host_ratio']:.4f}x (target <= {TARGETS['host_ratio_max']}){anchor_host}")
+        anchor_host = (
+            f"; anchor's pinned cache {format_bytes(a['torch_pinned_cache_bytes'])} = "
+            f"{a['torch_pinned_cache_bytes'] / a['bytes']:.3f}x"
+        )
+    L.append(
+        f"host RAM: tidal holds {format_bytes(t['host_reserved_bytes'])} for {format_bytes(t['bytes'])} = "
+        f"{m['host_ratio']:.4f}x (target <= {TARGETS['host_ratio_max']}){anchor_host}"
+    )
     if m["free_gap_max_bytes"] is not None:
-        L.append(f"driver free after offload: at worst {format_bytes(m['free_gap_max_bytes'])} below the free memory "
-                 f"before the model was built (target <= {format_bytes(TARGETS['free_gap_max_bytes'])}); torch's "
-                 f"allocator held {format_bytes(t['allocator_reserved_after_offload_bytes'])} of it, the rest is outside "
-                 f"torch (CUDA context growth, e.g. lazily loaded kernels)")
+        L.append(
+            f"driver free after offload: at worst {format_bytes(m['free_gap_max_bytes'])} below the free memory "
+            f"before the model was built (target <= {format_bytes(TARGETS['free_gap_max_bytes'])}); torch's "
+            f"allocator held {format_bytes(t['allocator_reserved_after_offload_bytes'])} of it, the rest is outside "
+            f"torch (CUDA context growth, e.g. lazily loaded kernels)"
+        )
     else:
         L.append("driver free after offload: not applicable on cpu")
-    L.append(f"bit-exact after {r['transitions']} transitions ({r['reference_mode']} reference): "
-             f"{'yes' if r['bit_exact'] else 'NO: ' + ', '.join(r['mismatches'])}"
-             + ("" if "bit_exact_anchor" not in r else f"; anchor round trips: {'yes' if r['bit_exact_anchor'] else 'NO'}"))
+    L.append(
+        f"bit-exact after {r['transitions']} transitions ({r['reference_mode']} reference): "
+        f"{'yes' if r['bit_exact'] else 'NO: ' + ', '.join(r['mismatches'])}"
+        + ("" if "bit_exact_anchor" not in r else f"; anchor round trips: {'yes' if r['bit_exact_anchor'] else 'NO'}")
+    )
     verdict = ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in r["pass"].items() if v is not None)
     L.append(f"targets: {verdict}")
     if e["device"] == "cpu":
@@ -424,10 +525,28 @@ def format_result(r: dict) -> str:
     return "\n".join(L)
 
 
-_COLUMNS = ["date", "GPU", "torch", "CUDA", "preset", "state GB", "D2H", "H2D", "bidir",
-            "anchor out cold/warm", "anchor in cold/warm", "tidal out cold (x line)", "tidal out warm (x line)",
-            "tidal in cold (x line)", "tidal in warm (x line)", "switch/seq", "host RAM x", "free gap MiB", "bit-exact",
-            "tidal config"]
+_COLUMNS = [
+    "date",
+    "GPU",
+    "torch",
+    "CUDA",
+    "preset",
+    "state GB",
+    "D2H",
+    "H2D",
+    "bidir",
+    "anchor out cold/warm",
+    "anchor in cold/warm",
+    "tidal out cold (x line)",
+    "tidal out warm (x line)",
+    "tidal in cold (x line)",
+    "tidal in warm (x line)",
+    "switch/seq",
+    "host RAM x",
+    "free gap MiB",
+    "bit-exact",
+    "tidal config",
+]
 
 
 def append_results_row(path: str, r: dict) -> None:
@@ -440,19 +559,36 @@ def append_results_row(path: str, r: dict) -> None:
         return "-" if g is None else f"{g:.1f} ({v:.2f})"
 
     gap = m["free_gap_max_bytes"]
-    cells = [r["date"][:16].replace("T", " "), e["device_name"], e["torch"], e["cuda"] or "-", r["preset"],
-             f"{t['bytes'] / 1e9:.2f}", f"{ln['d2h_gbps']:.1f}", f"{ln['h2d_gbps']:.1f}", f"{ln['bidir_gbps']:.1f}",
-             f"{_f(a.get('offload_cold_gbps'))} / {_f(a.get('offload_warm_gbps'))}",
-             f"{_f(a.get('reload_cold_gbps'))} / {_f(a.get('reload_warm_gbps'))}",
-             x("offload_cold"), x("offload_warm"), x("reload_cold"), x("reload_warm"),
-             _f(sw.get("ratio"), ".3f"), f"{m['host_ratio']:.3f}", "-" if gap is None else f"{gap / 2**20:.0f}",
-             "yes" if r["bit_exact"] else "NO", r.get("tidal_config", "-")]
+    cells = [
+        r["date"][:16].replace("T", " "),
+        e["device_name"],
+        e["torch"],
+        e["cuda"] or "-",
+        r["preset"],
+        f"{t['bytes'] / 1e9:.2f}",
+        f"{ln['d2h_gbps']:.1f}",
+        f"{ln['h2d_gbps']:.1f}",
+        f"{ln['bidir_gbps']:.1f}",
+        f"{_f(a.get('offload_cold_gbps'))} / {_f(a.get('offload_warm_gbps'))}",
+        f"{_f(a.get('reload_cold_gbps'))} / {_f(a.get('reload_warm_gbps'))}",
+        x("offload_cold"),
+        x("offload_warm"),
+        x("reload_cold"),
+        x("reload_warm"),
+        _f(sw.get("ratio"), ".3f"),
+        f"{m['host_ratio']:.3f}",
+        "-" if gap is None else f"{gap / 2**20:.0f}",
+        "yes" if r["bit_exact"] else "NO",
+        r.get("tidal_config", "-"),
+    ]
     new = not os.path.exists(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:
         if new:
-            f.write("# tidal offload benchmark results\n\nWritten by `tidal bench --results` "
-                    "(benchmarks/bench_offload.py). GB/s unless noted; `(x line)` is the fraction of the "
-                    "line rate measured in the same run.\n\n")
+            f.write(
+                "# tidal offload benchmark results\n\nWritten by `tidal bench --results` "
+                "(benchmarks/bench_offload.py). GB/s unless noted; `(x line)` is the fraction of the "
+                "line rate measured in the same run.\n\n"
+            )
             f.write("| " + " | ".join(_COLUMNS) + " |\n|" + "---|" * len(_COLUMNS) + "\n")
         f.write("| " + " | ".join(c.replace("|", "/") for c in cells) + " |\n")

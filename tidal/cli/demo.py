@@ -65,14 +65,35 @@ def defaults_for(device: str | None) -> dict:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        return {"device": "cpu", "preset": "nano", "steps": 200, "lr": 1e-3, "optimizer": "adamw",
-                "dtype": "float32", "digits": 4, "prompts": 16, "group": 8, "micro_batch": 64}
+        return {
+            "device": "cpu",
+            "preset": "nano",
+            "steps": 200,
+            "lr": 1e-3,
+            "optimizer": "adamw",
+            "dtype": "float32",
+            "digits": 4,
+            "prompts": 16,
+            "group": 8,
+            "micro_batch": 64,
+        }
     # Many samples of a short task: the reward rises within a few steps, and the rollout,
     # reference and micro-batched training of 1024 samples make a step long enough that the
     # switches are a small part of it. Gradient checkpointing keeps the training transient
     # small next to the weights the roles swap.
-    return {"device": device, "preset": "qwen2-0.5b", "steps": 30, "lr": 1e-4, "optimizer": "cpu_adam",
-            "dtype": "bfloat16", "digits": 8, "prompts": 64, "group": 16, "micro_batch": 64, "grad_ckpt": True}
+    return {
+        "device": device,
+        "preset": "qwen2-0.5b",
+        "steps": 30,
+        "lr": 1e-4,
+        "optimizer": "cpu_adam",
+        "dtype": "bfloat16",
+        "digits": 8,
+        "prompts": 64,
+        "group": 16,
+        "micro_batch": 64,
+        "grad_ckpt": True,
+    }
 
 
 def build_policy(s: DemoSettings, device: str | None = None):
@@ -92,8 +113,12 @@ def build_policy(s: DemoSettings, device: str | None = None):
             from peft import LoraConfig, get_peft_model  # noqa: PLC0415 (optional extra)
         except ImportError as e:
             raise ImportError("--lora-rank needs peft: pip install 'tidal[lora]'") from e
-        model = get_peft_model(model, LoraConfig(r=s.lora_rank, lora_alpha=2 * s.lora_rank,
-                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=s.lora_rank, lora_alpha=2 * s.lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+            ),
+        )
     return model
 
 
@@ -104,10 +129,19 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
     # A capped switch overlap keeps a switch's peak at one role's state plus the cap, instead
     # of both roles' state at once; the copies still run on both engines.
     extra = None if s.switch_extra_mib is None else s.switch_extra_mib << 20
-    return GRPOConfig(task=DigitTask(name=s.task, num_digits=s.digits), prompts_per_step=s.prompts,
-                      group_size=s.group, micro_batch=s.micro_batch, lr=s.lr, optimizer=s.optimizer,
-                      grad_ckpt=s.grad_ckpt, loss=LossConfig(kl_coef=s.kl_coef), timeshare=timeshare,
-                      timeshare_config=TimeshareConfig(switch_extra_bytes=extra), seed=s.seed)
+    return GRPOConfig(
+        task=DigitTask(name=s.task, num_digits=s.digits),
+        prompts_per_step=s.prompts,
+        group_size=s.group,
+        micro_batch=s.micro_batch,
+        lr=s.lr,
+        optimizer=s.optimizer,
+        grad_ckpt=s.grad_ckpt,
+        loss=LossConfig(kl_coef=s.kl_coef),
+        timeshare=timeshare,
+        timeshare_config=TimeshareConfig(switch_extra_bytes=extra),
+        seed=s.seed,
+    )
 
 
 def _trainer(s: DemoSettings, *, timeshare: bool):
@@ -144,25 +178,40 @@ def run_steps(step: Callable[[], object], steps: int, log: Callable[[str], None]
 
 def log_phase_table(rows: dict[str, dict], *, on_gpu: bool, mem_name: str, log: Callable[[str], None]) -> None:
     """The per-phase table of :func:`_phase_rows`."""
-    log(f"{'phase':<10} {'s/step':>8} {mem_name:>11} {'peak used':>10} {'moved/step':>11} "
-        f"{'transit s':>9} {'GB/s':>6}")
+    log(f"{'phase':<10} {'s/step':>8} {mem_name:>11} {'peak used':>10} {'moved/step':>11} {'transit s':>9} {'GB/s':>6}")
     for name, v in rows.items():
         used = format_bytes(v["peak_driver_used_bytes"]) if on_gpu else "-"
-        log(f"{name:<10} {v['seconds']:>8.3f} {format_bytes(v['peak_allocated_bytes']):>11} {used:>10} "
-            f"{format_bytes(int(v['moved_bytes'])):>11} {v['transition_seconds']:>9.4f} {v['transition_gbps']:>6.1f}")
+        log(
+            f"{name:<10} {v['seconds']:>8.3f} {format_bytes(v['peak_allocated_bytes']):>11} {used:>10} "
+            f"{format_bytes(int(v['moved_bytes'])):>11} {v['transition_seconds']:>9.4f} {v['transition_gbps']:>6.1f}"
+        )
 
 
-def write_outputs(timeline, results: list, summary: dict, *, jsonl: str, png: str, title: str,
-                  log: Callable[[str], None]) -> None:
+def write_outputs(
+    timeline, results: list, summary: dict, *, jsonl: str, png: str, title: str, log: Callable[[str], None]
+) -> None:
     """``demo.jsonl`` (samples, phases, marks, steps, summary) and the timeline PNG (skipped
-    with a note when matplotlib is missing); sets ``summary["png"]`` when written."""
-    timeline.write_jsonl(jsonl, extra=[r.as_dict() for r in results] + [summary])
+    with a note when matplotlib is missing); sets ``summary["png"]`` when written. One output
+    that cannot be written does not stop the other: it is listed in ``summary["unwritten"]``
+    and said through ``log`` (the table is printed before)."""
+    unwritten = []
+    try:
+        timeline.write_jsonl(jsonl, extra=[r.as_dict() for r in results] + [summary])
+        log(f"wrote {jsonl}")
+    except OSError as e:
+        unwritten.append(jsonl)
+        log(f"could not write {jsonl} ({e})")
     try:
         timeline.plot(png, title=title, rewards=[r.reward_mean for r in results])
         summary["png"] = png
+        log(f"wrote {png}")
     except ImportError as e:
         log(f"no PNG: {e}")
-    log(f"wrote {jsonl}" + (f" and {png}" if "png" in summary else ""))
+    except OSError as e:
+        unwritten.append(png)
+        log(f"could not write {png} ({e})")
+    if unwritten:
+        summary["unwritten"] = unwritten
 
 
 def _free_device(device: str) -> None:
@@ -189,13 +238,17 @@ def _phase_rows(results: list) -> dict[str, dict]:
             "seconds": statistics.fmean(p["seconds"] for p in ph),
             # peaks over every step: the first one counts too
             "peak_allocated_bytes": max(r.phases[name]["peak_allocated_bytes"] for r in results if name in r.phases),
-            "peak_driver_used_bytes": max(r.phases[name]["peak_driver_used_bytes"] for r in results
-                                          if name in r.phases),
-            "compute_peak_allocated_bytes": max(r.phases[name]["compute_peak_allocated_bytes"]
-                                                for r in results if name in r.phases),
-            "switch_peak_allocated_bytes": max(r.phases[name]["switch_peak_allocated_bytes"]
-                                               for r in results if name in r.phases),
-            "moved_bytes": moved, "transition_seconds": trans,
+            "peak_driver_used_bytes": max(
+                r.phases[name]["peak_driver_used_bytes"] for r in results if name in r.phases
+            ),
+            "compute_peak_allocated_bytes": max(
+                r.phases[name]["compute_peak_allocated_bytes"] for r in results if name in r.phases
+            ),
+            "switch_peak_allocated_bytes": max(
+                r.phases[name]["switch_peak_allocated_bytes"] for r in results if name in r.phases
+            ),
+            "moved_bytes": moved,
+            "transition_seconds": trans,
             "transition_gbps": moved / trans / 1e9 if trans > 0 else 0.0,
         }
     return rows
@@ -212,9 +265,12 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     torch.manual_seed(s.seed)
     trainer = _trainer(s, timeshare=True)
     n_params = sum(p.numel() for p in trainer.policy.parameters())
-    log(f"tidal demo: GRPO on '{s.task}' ({s.digits} digits), {s.preset} ({n_params / 1e6:.1f}M params, "
+    log(
+        f"tidal demo: GRPO on '{s.task}' ({s.digits} digits), {s.preset} ({n_params / 1e6:.1f}M params, "
         f"{s.dtype}), {s.prompts} prompts x {s.group} samples, optimizer {s.optimizer}"
-        + (f", LoRA r={s.lora_rank}" if s.lora_rank else "") + f", on {s.device}")
+        + (f", LoRA r={s.lora_rank}" if s.lora_rank else "")
+        + f", on {s.device}"
+    )
     all_state = trainer.all_resident_state_bytes()
     jsonl = os.path.join(s.out_dir, "demo.jsonl")
     t_run = time.perf_counter()
@@ -263,36 +319,60 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     mem_name = "peak alloc" if on_gpu else "peak state"
     log("")
     log_phase_table(rows, on_gpu=on_gpu, mem_name=mem_name, log=log)
-    log(f"step {step_s:.3f} s; transitions {trans_s:.4f} s = {100 * trans_s / step_s:.1f}% of the step "
-        f"(steps after the first; {run_s:.1f} s in all)")
+    log(
+        f"step {step_s:.3f} s; transitions {trans_s:.4f} s = {100 * trans_s / step_s:.1f}% of the step "
+        f"(steps after the first; {run_s:.1f} s in all)"
+    )
     what = "allocated device memory" if on_gpu else "role state on the device (CPU run: no device allocator)"
-    log(f"peak {what} with the timeshare: {format_bytes(peak_ts)}; state of all roles resident at once: "
-        f"{format_bytes(all_state)}")
+    log(
+        f"peak {what} with the timeshare: {format_bytes(peak_ts)}; state of all roles resident at once: "
+        f"{format_bytes(all_state)}"
+    )
     for which, peak in baselines.items():
         how = f"optimizer {which}" + (" as above" if which == s.optimizer else " on the device, the usual way")
         if peak == "OOM":
             log(f"all roles resident ({how}, no timeshare): out of memory")
         else:
-            log(f"all roles resident ({how}, no timeshare, {s.baseline_steps} steps): peak "
-                f"{format_bytes(peak)}; timeshare / all-resident = {peak_ts / peak:.2f}")
+            log(
+                f"all roles resident ({how}, no timeshare, {s.baseline_steps} steps): peak "
+                f"{format_bytes(peak)}; timeshare / all-resident = {peak_ts / peak:.2f}"
+            )
     if on_gpu:
-        log(f"rollout KV cache: {format_bytes(rollout_left)} left allocated after a rollout (its sampled "
+        log(
+            f"rollout KV cache: {format_bytes(rollout_left)} left allocated after a rollout (its sampled "
             f"tokens; steps after the first); the driver got "
-            f"back all but {format_bytes(unreleased)} of what every switch freed ({len(records)} transitions)")
+            f"back all but {format_bytes(unreleased)} of what every switch freed ({len(records)} transitions)"
+        )
     log(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     png = os.path.join(s.out_dir, "timeline.png")
     summary = {
-        "type": "summary", "settings": dataclasses.asdict(s), "params": n_params, "phases": rows,
-        "step_seconds": step_s, "transition_seconds": trans_s, "transition_fraction": trans_s / step_s,
-        "peak_timeshare_bytes": peak_ts, "all_resident_state_bytes": all_state,
-        "peak_all_resident_bytes": baseline_peak, "peak_all_resident_by_optimizer": baselines,
-        "reward_first": first, "reward_last": last,
-        "rollout_left_allocated_bytes": rollout_left, "max_unreleased_bytes": unreleased,
+        "type": "summary",
+        "settings": dataclasses.asdict(s),
+        "params": n_params,
+        "phases": rows,
+        "step_seconds": step_s,
+        "transition_seconds": trans_s,
+        "transition_fraction": trans_s / step_s,
+        "peak_timeshare_bytes": peak_ts,
+        "all_resident_state_bytes": all_state,
+        "peak_all_resident_bytes": baseline_peak,
+        "peak_all_resident_by_optimizer": baselines,
+        "reward_first": first,
+        "reward_last": last,
+        "rollout_left_allocated_bytes": rollout_left,
+        "max_unreleased_bytes": unreleased,
         "device_name": torch.cuda.get_device_name(s.device) if on_gpu else "cpu",
         "torch": torch.__version__,
     }
-    write_outputs(timeline, results, summary, jsonl=jsonl, png=png, log=log,
-                  title=f"tidal demo: GRPO on {s.preset}, {summary['device_name']}: memory of the roles taking turns")
+    write_outputs(
+        timeline,
+        results,
+        summary,
+        jsonl=jsonl,
+        png=png,
+        log=log,
+        title=f"tidal demo: GRPO on {s.preset}, {summary['device_name']}: memory of the roles taking turns",
+    )
     if report:
         summary["timeshare_report"] = report
     return summary

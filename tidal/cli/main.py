@@ -13,7 +13,9 @@ next to ``bench``. Heavy imports (torch models, transformers) happen inside the 
 so ``tidal --help`` is instant.
 
 Exit codes: 0 done; 1 the run finished but state did not round-trip bit-exact; 2 usage
-error; 3 skipped because the device or host has no room for the preset.
+error (found before any work starts: bad arguments, an output path that cannot be written, a
+config that cannot be read); 3 skipped because the device or host has no room for the preset;
+4 the run finished and printed its results but an output file could not be written.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from tidal.cli.args import device_arg, nonneg_int, positive_int
+from tidal.cli.args import device_arg, nonneg_int, output_problem, positive_int
 
 __all__ = ["build_parser", "main"]
 
-EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SKIPPED = 0, 1, 2, 3
+EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SKIPPED, EXIT_OUTPUT = 0, 1, 2, 3, 4
 _PRESETS = ("nano", "tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b")  # mirrors tidal.cli.models.PRESETS
 
 
@@ -40,24 +42,47 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "the line rate, an overlapped role switch against sequential offload+reload, host RAM "
         "held and driver free memory after offload; then check the state round-tripped bit-exact.",
     )
-    p.add_argument("--preset", choices=_PRESETS, default=None,
-                   help="model shape (random weights, no download); default qwen2-1.5b on cuda, tiny on cpu")
-    p.add_argument("--device", type=device_arg, default=None,
-                   help="cpu, cuda or cuda:N; default cuda when available, else cpu")
-    p.add_argument("--warm-iters", type=nonneg_int, default=3,
-                   help="warm cycles after the cold one; medians are taken over them (default 3)")
-    p.add_argument("--line-mib", type=nonneg_int, default=None,
-                   help="size of the line-rate buffer in MiB (default 1024 on a GPU, 16 on cpu)")
-    p.add_argument("--results", metavar="PATH", default=None,
-                   help="append a markdown row to PATH (header written if the file is new)")
+    p.add_argument(
+        "--preset",
+        choices=_PRESETS,
+        default=None,
+        help="model shape (random weights, no download); default qwen2-1.5b on cuda, tiny on cpu",
+    )
+    p.add_argument(
+        "--device", type=device_arg, default=None, help="cpu, cuda or cuda:N; default cuda when available, else cpu"
+    )
+    p.add_argument(
+        "--warm-iters",
+        type=nonneg_int,
+        default=3,
+        help="warm cycles after the cold one; medians are taken over them (default 3)",
+    )
+    p.add_argument(
+        "--line-mib",
+        type=nonneg_int,
+        default=None,
+        help="size of the line-rate buffer in MiB (default 1024 on a GPU, 16 on cpu)",
+    )
+    p.add_argument(
+        "--results",
+        metavar="PATH",
+        default=None,
+        help="append a markdown row to PATH (header written if the file is new)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON to PATH")
-    p.add_argument("--per-storage-alloc", action="store_true",
-                   help="reload with one device allocation per storage (TransferConfig("
-                   "coalesce_allocations=False)), for comparison with the default")
-    p.add_argument("--keep-cache", action="store_true",
-                   help="keep offloaded roles' freed blocks in torch's caching allocator "
-                   "(TimeshareConfig(release_to_driver=False)): faster reloads, but other "
-                   "processes do not see the memory")
+    p.add_argument(
+        "--per-storage-alloc",
+        action="store_true",
+        help="reload with one device allocation per storage (TransferConfig("
+        "coalesce_allocations=False)), for comparison with the default",
+    )
+    p.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="keep offloaded roles' freed blocks in torch's caching allocator "
+        "(TimeshareConfig(release_to_driver=False)): faster reloads, but other "
+        "processes do not see the memory",
+    )
     p.set_defaults(run=_run_bench)
 
 
@@ -72,25 +97,43 @@ def _run_bench(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"tidal bench: error: {e}", file=sys.stderr)
             return EXIT_USAGE
+    if _outputs_unwritable("bench", [("--results", args.results), ("--json", args.json)]):
+        return EXIT_USAGE
 
     def log(line: str) -> None:
         print(line, flush=True)
 
     try:
         result = run_bench(
-            preset=args.preset, device=args.device, warm_iters=args.warm_iters,
-            line_bytes=args.line_mib << 20 if args.line_mib else None, results_path=args.results, log=log,
+            preset=args.preset,
+            device=args.device,
+            warm_iters=args.warm_iters,
+            line_bytes=args.line_mib << 20 if args.line_mib else None,
+            results_path=args.results,
+            log=log,
             transfer=TransferConfig(coalesce_allocations=not args.per_storage_alloc),
             release_to_driver=not args.keep_cache,
         )
     except BenchSkipped as e:
         print(f"tidal bench: skipped: {e}", file=sys.stderr)
         return EXIT_SKIPPED
+    ok = True
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-        log(f"wrote {args.json}")
-    return EXIT_OK if result["bit_exact"] else EXIT_WRONG
+        try:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2, default=str)
+            log(f"wrote {args.json}")
+        except OSError as e:
+            print(
+                f"tidal bench: error: could not write --json {args.json} ({e}); the figures are printed above",
+                file=sys.stderr,
+            )
+            ok = False
+    if not result.get("results_written", True):
+        ok = False
+    if not result["bit_exact"]:
+        return EXIT_WRONG
+    return EXIT_OK if ok else EXIT_OUTPUT
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -104,7 +147,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "with CPU Adam and gradient checkpointing on a GPU.",
     )
     p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
-    p.add_argument("--preset", choices=_PRESETS, default=None, help="model shape (default nano on cpu, qwen2-0.5b on a GPU)")
+    p.add_argument(
+        "--preset", choices=_PRESETS, default=None, help="model shape (default nano on cpu, qwen2-0.5b on a GPU)"
+    )
     p.add_argument("--steps", type=positive_int, default=None, help="GRPO steps (default 200 on cpu, 30 on a GPU)")
     p.add_argument("--task", choices=("copy", "reverse", "sort", "add"), default="copy")
     p.add_argument("--digits", type=positive_int, default=None, help="digits per prompt (= answer tokens)")
@@ -114,22 +159,39 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--optimizer", choices=("adamw", "cpu_adam"), default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=None,
-                   help="gradient checkpointing in training (default: on on a GPU, off on cpu)")
+    p.add_argument(
+        "--grad-ckpt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gradient checkpointing in training (default: on on a GPU, off on cpu)",
+    )
     p.add_argument("--kl-coef", type=float, default=0.02, help="KL to the reference (0: no reference role)")
     p.add_argument("--lora-rank", type=nonneg_int, default=0, help="train LoRA adapters of this rank (needs peft)")
-    p.add_argument("--baseline-steps", type=nonneg_int, default=2,
-                   help="steps of the same loop with all roles resident, to measure its peak (0: skip)")
-    p.add_argument("--switch-extra-mib", type=nonneg_int, default=256,
-                   help="cap on how much a role switch overlaps: one role's state plus this many MiB "
-                   "(default 256; --full-overlap lifts the cap)")
-    p.add_argument("--full-overlap", action="store_true",
-                   help="let switches hold both roles' state at once (fastest, higher peak)")
+    p.add_argument(
+        "--baseline-steps",
+        type=nonneg_int,
+        default=2,
+        help="steps of the same loop with all roles resident, to measure its peak (0: skip)",
+    )
+    p.add_argument(
+        "--switch-extra-mib",
+        type=nonneg_int,
+        default=256,
+        help="cap on how much a role switch overlaps: one role's state plus this many MiB "
+        "(default 256; --full-overlap lifts the cap)",
+    )
+    p.add_argument(
+        "--full-overlap", action="store_true", help="let switches hold both roles' state at once (fastest, higher peak)"
+    )
     p.add_argument("--seed", type=nonneg_int, default=0)
-    p.add_argument("--roles", choices=("local", "processes", "ray"), default="local",
-                   help="where the roles run: this process (default), or the policy and the reference "
-                   "as workers of their own processes sharing the device through a GPU lease, as spawned "
-                   "processes or as Ray actors (needs tidal[ray]); the verifier then runs in a CPU worker")
+    p.add_argument(
+        "--roles",
+        choices=("local", "processes", "ray"),
+        default="local",
+        help="where the roles run: this process (default), or the policy and the reference "
+        "as workers of their own processes sharing the device through a GPU lease, as spawned "
+        "processes or as Ray actors (needs tidal[ray]); the verifier then runs in a CPU worker",
+    )
     p.add_argument("--out", default="tidal-demo", help="folder for timeline.png and demo.jsonl")
     p.set_defaults(run=_run_demo)
 
@@ -144,21 +206,51 @@ def _run_demo(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"tidal demo: error: {e}", file=sys.stderr)
             return EXIT_USAGE
+    if _outputs_unwritable("demo", [("--out", args.out)], folder=True):
+        return EXIT_USAGE
     chosen = defaults_for(args.device)
-    for name in ("preset", "steps", "digits", "prompts", "group", "micro_batch", "lr", "optimizer", "dtype",
-                 "grad_ckpt"):
+    for name in (
+        "preset",
+        "steps",
+        "digits",
+        "prompts",
+        "group",
+        "micro_batch",
+        "lr",
+        "optimizer",
+        "dtype",
+        "grad_ckpt",
+    ):
         if getattr(args, name) is not None:
             chosen[name] = getattr(args, name)
-    settings = DemoSettings(**chosen, task=args.task, kl_coef=args.kl_coef,
-                            lora_rank=args.lora_rank, baseline_steps=args.baseline_steps, seed=args.seed,
-                            switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
-                            out_dir=args.out, roles=args.roles)
+    settings = DemoSettings(
+        **chosen,
+        task=args.task,
+        kl_coef=args.kl_coef,
+        lora_rank=args.lora_rank,
+        baseline_steps=args.baseline_steps,
+        seed=args.seed,
+        switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
+        out_dir=args.out,
+        roles=args.roles,
+    )
     try:
-        run_demo(settings, log=lambda line: print(line, flush=True))
+        summary = run_demo(settings, log=lambda line: print(line, flush=True))
     except (ImportError, ValueError) as e:
         print(f"tidal demo: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    return EXIT_OK
+    return EXIT_OUTPUT if summary.get("unwritten") else EXIT_OK
+
+
+def _outputs_unwritable(command: str, paths: list[tuple[str, str | None]], *, folder: bool = False) -> bool:
+    """Print an error for each output path that cannot be written; True if any."""
+    bad = False
+    for flag, path in paths:
+        problem = output_problem(path, folder=folder) if path and path != "-" else None
+        if problem is not None:
+            print(f"tidal {command}: error: {flag} {path}: {problem}. Nothing was run", file=sys.stderr)
+            bad = True
+    return bad
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -170,11 +262,22 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_bench, _add_plan]
 
 
+def _version() -> str:
+    # From the installed distribution: importing tidal itself would import torch.
+    try:
+        from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+        return version("tidal")
+    except PackageNotFoundError:
+        return "(not installed: run from a checkout)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tidal",
         description="tidal: GPU time-sharing for the roles of LLM RL training.",
     )
+    parser.add_argument("--version", action="version", version=f"tidal {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(sub)

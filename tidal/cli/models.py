@@ -122,8 +122,9 @@ class PlainQwen2Shape(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
-def build_model(preset: str, *, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
-                seed: int = 0) -> tuple[nn.Module, str]:
+def build_model(
+    preset: str, *, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> tuple[nn.Module, str]:
     """A Qwen2-shape causal LM of ``preset`` with random weights, allocated on ``device``.
 
     Returns ``(model, description)``; the description names the implementation used
@@ -138,8 +139,12 @@ def build_model(preset: str, *, device: str | torch.device, dtype: torch.dtype =
         AutoModelForCausalLM = None  # noqa: N806
     if AutoModelForCausalLM is not None:
         config = Qwen2Config(
-            hidden_size=p.hidden, num_hidden_layers=p.layers, num_attention_heads=p.heads,
-            num_key_value_heads=p.kv_heads, intermediate_size=p.intermediate, vocab_size=p.vocab,
+            hidden_size=p.hidden,
+            num_hidden_layers=p.layers,
+            num_attention_heads=p.heads,
+            num_key_value_heads=p.kv_heads,
+            intermediate_size=p.intermediate,
+            vocab_size=p.vocab,
             tie_word_embeddings=p.tied,
         )
         # The device context makes every parameter born on the device; dtype is passed so

@@ -14,7 +14,9 @@ same as JSON instead (or writes it to PATH). Nothing touches a GPU: it is arithm
 
 Wiring (in ``tidal/cli/main.py``): ``from tidal.cli.plan import add_parser`` and add it to the
 subcommand list; ``add_parser`` sets ``run`` as the handler. Exit codes: 0 done (fitting or
-not: the report says), 2 usage error (unknown config, invalid value).
+not: the report says), 2 usage error (a config that cannot be read, an invalid value, a --json
+path that cannot be written: all found before any work), 4 the --json file could not be
+written after all (the plan is printed to stdout instead).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tidal.cli.args import nonneg_int, positive_float, positive_int
 
 __all__ = ["add_parser", "run"]
 
-EXIT_OK, EXIT_USAGE = 0, 2
+EXIT_OK, EXIT_USAGE, EXIT_OUTPUT = 0, 2, 4
 _PRESETS = ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "llama3-8b")  # mirrors tidal.plan.shapes.PRESETS
 _OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")  # mirrors tidal.plan.model.OPTIMIZERS
 _DTYPES = ("bf16", "fp16", "fp32")
@@ -44,9 +46,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=_PRESETS, default=None, help="model shape (default qwen2-1.5b)")
-    src.add_argument("--config", metavar="PATH", default=None, help="a Hugging Face config.json")
-    p.add_argument("--gpu-mem-gib", type=positive_float, default=None,
-                   help="memory of one GPU in GiB; with it, a recommendation is made (80 GB H100: 79.2)")
+    src.add_argument(
+        "--config", metavar="PATH", default=None, help="a Hugging Face config.json, or a model folder holding one"
+    )
+    p.add_argument(
+        "--gpu-mem-gib",
+        type=positive_float,
+        default=None,
+        help="memory of one GPU in GiB; with it, a recommendation is made (80 GB H100: 79.2)",
+    )
     p.add_argument("--gpus", type=positive_int, default=1, help="GPUs (data-parallel degree; default 1)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
     p.add_argument("--prompts", type=positive_int, default=8, help="prompts per step, all GPUs (default 8)")
@@ -54,41 +62,83 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--gen-len", type=positive_int, default=256, help="max new tokens (default 256)")
     p.add_argument("--micro-batch", type=positive_int, default=4, help="train micro-batch, sequences (default 4)")
-    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=False,
-                   help="gradient checkpointing (default off)")
-    p.add_argument("--act-offload", action=argparse.BooleanOptionalAction, default=False,
-                   help="activation offload (default off)")
-    p.add_argument("--timeshare", action=argparse.BooleanOptionalAction, default=True,
-                   help="roles take turns on the GPU (default on)")
+    p.add_argument(
+        "--grad-ckpt", action=argparse.BooleanOptionalAction, default=False, help="gradient checkpointing (default off)"
+    )
+    p.add_argument(
+        "--act-offload", action=argparse.BooleanOptionalAction, default=False, help="activation offload (default off)"
+    )
+    p.add_argument(
+        "--timeshare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="roles take turns on the GPU (default on)",
+    )
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw", help="default adamw (states on the GPU)")
     p.add_argument("--lora-rank", type=nonneg_int, default=0, help="LoRA rank; 0 trains the full model (default)")
     p.add_argument("--dtype", choices=_DTYPES, default="bf16", help="param/activation dtype (default bf16)")
-    p.add_argument("--optim-state-dtype", choices=_DTYPES, default=None,
-                   help="AdamW state dtype (default: the param dtype, as torch.optim.AdamW allocates)")
+    p.add_argument(
+        "--optim-state-dtype",
+        choices=_DTYPES,
+        default=None,
+        help="AdamW state dtype (default: the param dtype, as torch.optim.AdamW allocates)",
+    )
     p.add_argument("--master-weights", action="store_true", help="fp32 master weights next to the optimizer states")
     p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attention implementation (default sdpa)")
-    p.add_argument("--no-padding-mask", dest="padding_mask", action="store_false",
-                   help="batches carry no attention mask (default: padded batches with a mask)")
-    p.add_argument("--logprob-span", choices=("sequence", "completion"), default="sequence",
-                   help="positions whose log-probs are taken in fp32 (default sequence)")
-    p.add_argument("--completion-logits", action="store_true",
-                   help="logits of the completion only (transformers' logits_to_keep); needs --logprob-span completion")
-    p.add_argument("--action-vocab", type=positive_int, default=None,
-                   help="log-probs and sampling over this many token ids only (default: the vocabulary)")
-    p.add_argument("--sampling", choices=("generate", "own"), default="generate",
-                   help="rollout by HF generate (default) or a loop of one's own like tidal.rl's")
-    p.add_argument("--cpu-adam-inflight-mib", type=nonneg_int, default=512,
-                   help="CPUAdam(max_inflight_bytes) in MiB (default 512)")
-    p.add_argument("--step-in-train", action="store_true",
-                   help="the optimizer step runs inside the train phase (its peak counts there)")
+    p.add_argument(
+        "--no-padding-mask",
+        dest="padding_mask",
+        action="store_false",
+        help="batches carry no attention mask (default: padded batches with a mask)",
+    )
+    p.add_argument(
+        "--logprob-span",
+        choices=("sequence", "completion"),
+        default="sequence",
+        help="positions whose log-probs are taken in fp32 (default sequence)",
+    )
+    p.add_argument(
+        "--completion-logits",
+        action="store_true",
+        help="logits of the completion only (transformers' logits_to_keep); needs --logprob-span completion",
+    )
+    p.add_argument(
+        "--action-vocab",
+        type=positive_int,
+        default=None,
+        help="log-probs and sampling over this many token ids only (default: the vocabulary)",
+    )
+    p.add_argument(
+        "--sampling",
+        choices=("generate", "own"),
+        default="generate",
+        help="rollout by HF generate (default) or a loop of one's own like tidal.rl's",
+    )
+    p.add_argument(
+        "--cpu-adam-inflight-mib", type=nonneg_int, default=512, help="CPUAdam(max_inflight_bytes) in MiB (default 512)"
+    )
+    p.add_argument(
+        "--step-in-train",
+        action="store_true",
+        help="the optimizer step runs inside the train phase (its peak counts there)",
+    )
     p.add_argument("--context-mib", type=nonneg_int, default=500, help="CUDA context, MiB (default 500, assumed)")
-    p.add_argument("--bench-json", metavar="PATH", default=None,
-                   help="take the line rate from a `tidal bench --json PATH` file")
+    p.add_argument(
+        "--bench-json", metavar="PATH", default=None, help="take the line rate from a `tidal bench --json PATH` file"
+    )
     p.add_argument("--d2h-gbps", type=positive_float, default=None, help="device->host GB/s (default 55)")
     p.add_argument("--h2d-gbps", type=positive_float, default=None, help="host->device GB/s (default 55)")
-    p.add_argument("--bidir-gbps", type=positive_float, default=None, help="both directions at once, GB/s (default 100)")
-    p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
-                   help="print JSON instead of the report (or write it to PATH)")
+    p.add_argument(
+        "--bidir-gbps", type=positive_float, default=None, help="both directions at once, GB/s (default 100)"
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        nargs="?",
+        const="-",
+        default=None,
+        help="print JSON instead of the report (or write it to PATH)",
+    )
     p.set_defaults(run=run)
     return p
 
@@ -99,27 +149,52 @@ def _bandwidth(args: argparse.Namespace):
     from tidal.plan import Bandwidth  # noqa: PLC0415
 
     bw = Bandwidth.from_bench_json(args.bench_json) if args.bench_json else Bandwidth()
-    over = {k: v for k, v in (("d2h_gbps", args.d2h_gbps), ("h2d_gbps", args.h2d_gbps),
-                              ("bidir_gbps", args.bidir_gbps)) if v is not None}
+    over = {
+        k: v
+        for k, v in (("d2h_gbps", args.d2h_gbps), ("h2d_gbps", args.h2d_gbps), ("bidir_gbps", args.bidir_gbps))
+        if v is not None
+    }
     return dataclasses.replace(bw, **over)
 
 
 def run(args: argparse.Namespace) -> int:
     """Build the plan (and the recommendation) for ``args``; print it. Returns the exit code."""
+    from tidal.cli.args import output_problem  # noqa: PLC0415
     from tidal.plan import GIB, PlanConfig, build_plan, format_plan, load_shape, recommend  # noqa: PLC0415
 
+    problem = output_problem(args.json) if args.json not in (None, "-") else None
+    if problem is not None:
+        print(f"tidal plan: error: --json {args.json}: {problem}. Nothing was run", file=sys.stderr)
+        return EXIT_USAGE
     try:
         shape = load_shape(args.config if args.config else (args.preset or "qwen2-1.5b"))
         bw = _bandwidth(args)
         config = PlanConfig(
-            shape=shape, param_dtype=args.dtype, optim_state_dtype=args.optim_state_dtype,
-            master_weights=args.master_weights, optimizer=args.optimizer, zero_stage=args.zero_stage, dp=args.gpus,
-            lora_rank=args.lora_rank, prompts=args.prompts, group=args.group, prompt_len=args.prompt_len,
-            gen_len=args.gen_len, micro_batch=args.micro_batch, padding_mask=args.padding_mask, attn=args.attn,
-            logprob_span=args.logprob_span, completion_logits=args.completion_logits, action_vocab=args.action_vocab,
-            sampling=args.sampling, cpu_adam_inflight_bytes=args.cpu_adam_inflight_mib << 20,
-            step_in_train=args.step_in_train, grad_ckpt=args.grad_ckpt, act_offload=args.act_offload,
-            timeshare=args.timeshare, cuda_context_bytes=args.context_mib << 20,
+            shape=shape,
+            param_dtype=args.dtype,
+            optim_state_dtype=args.optim_state_dtype,
+            master_weights=args.master_weights,
+            optimizer=args.optimizer,
+            zero_stage=args.zero_stage,
+            dp=args.gpus,
+            lora_rank=args.lora_rank,
+            prompts=args.prompts,
+            group=args.group,
+            prompt_len=args.prompt_len,
+            gen_len=args.gen_len,
+            micro_batch=args.micro_batch,
+            padding_mask=args.padding_mask,
+            attn=args.attn,
+            logprob_span=args.logprob_span,
+            completion_logits=args.completion_logits,
+            action_vocab=args.action_vocab,
+            sampling=args.sampling,
+            cpu_adam_inflight_bytes=args.cpu_adam_inflight_mib << 20,
+            step_in_train=args.step_in_train,
+            grad_ckpt=args.grad_ckpt,
+            act_offload=args.act_offload,
+            timeshare=args.timeshare,
+            cuda_context_bytes=args.context_mib << 20,
         )
     except (ValueError, OSError) as e:
         print(f"tidal plan: error: {e}", file=sys.stderr)
@@ -136,7 +211,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(text)
     else:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        try:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            print(text)  # not lost: the plan goes to stdout instead
+            print(
+                f"tidal plan: error: could not write --json {args.json} ({e}); the plan is printed above",
+                file=sys.stderr,
+            )
+            return EXIT_OUTPUT
         print(f"wrote {args.json}")
     return EXIT_OK

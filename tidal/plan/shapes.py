@@ -88,8 +88,15 @@ class ModelShape:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``(in_features, out_features)`` of every linear layer of one decoder layer."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
 
     # ---- parameter counts -----------------------------------------------------------------
     def layer_params(self) -> int:
@@ -138,17 +145,27 @@ class ModelShape:
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, cfg: Any, *, name: str | None = None) -> "ModelShape":
+    def from_hf_config(cls, cfg: Any, *, name: str | None = None, source: str = "the config") -> "ModelShape":
         """Read a ``transformers.PretrainedConfig`` (or a dict of ``config.json``).
 
         Supported ``model_type``: qwen2, llama, mistral, qwen3. Mixture-of-experts configs
-        and other families raise ``ValueError`` (their layers differ from the formulas here).
+        and other families raise ``ValueError`` (their layers differ from the formulas here),
+        as does a config missing a field the planner needs (``source`` names it in the message).
         """
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
         model_type = get("model_type")
         if model_type not in _FAMILIES:
-            raise ValueError(f"model_type {model_type!r} is not supported by the planner; "
-                             f"supported: {sorted(_FAMILIES)} (Llama/Qwen2-style dense decoders)")
+            raise ValueError(
+                f"{source}: model_type {model_type!r} is not supported by the planner; "
+                f"supported: {sorted(_FAMILIES)} (Llama/Qwen2-style dense decoders)"
+            )
+        missing = [k for k in _REQUIRED if get(k) is None]
+        if missing:
+            raise ValueError(
+                f"{source} has no {', '.join(repr(k) for k in missing)}: the planner needs "
+                f"{', '.join(_REQUIRED)} to size the model. Use the model's complete config.json "
+                f"(as saved by save_pretrained), or a preset (--preset)"
+            )
         for moe_key in ("num_experts", "num_local_experts", "n_routed_experts"):
             if get(moe_key):
                 raise ValueError(f"{model_type} config has {moe_key}={get(moe_key)}: MoE models are not supported")
@@ -160,21 +177,47 @@ class ModelShape:
         head_dim = get("head_dim") or hidden // heads
         return cls(
             name=name or str(get("name_or_path") or get("_name_or_path") or model_type),
-            layers=int(get("num_hidden_layers")), hidden=hidden, intermediate=int(get("intermediate_size")),
-            heads=heads, kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(head_dim),
-            vocab=int(get("vocab_size")), tied_embeddings=bool(get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias, o_bias=bool(get("attention_bias")) and model_type != "qwen2",
-            mlp_bias=bool(get("mlp_bias", False)), qk_norm=qk_norm, family=model_type,
+            layers=int(get("num_hidden_layers")),
+            hidden=hidden,
+            intermediate=int(get("intermediate_size")),
+            heads=heads,
+            kv_heads=int(get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            vocab=int(get("vocab_size")),
+            tied_embeddings=bool(get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=bool(get("attention_bias")) and model_type != "qwen2",
+            mlp_bias=bool(get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            family=model_type,
         )
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ModelShape":
-        """Read an HF ``config.json`` file (no transformers needed)."""
-        with open(path) as f:
-            data = json.load(f)
+        """Read an HF ``config.json`` file, or the ``config.json`` of a Hugging Face model
+        folder (no transformers needed). ``ValueError`` names the file and what is wrong."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            folder, path = path, os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise ValueError(
+                    f"{folder} is a folder without a config.json; pass a Hugging Face model folder "
+                    f"(one that save_pretrained wrote) or the path of its config.json"
+                )
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                f"fix the file or pass another config"
+            ) from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not a text (JSON) file; pass a model's config.json") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object (a model config), got {type(data).__name__}")
-        return cls.from_hf_config(data, name=data.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config")
+        name = data.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or "config"
+        return cls.from_hf_config(data, name=name, source=path)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -182,23 +225,51 @@ class ModelShape:
         return d
 
 
-def _qwen2(name: str, *, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
-           vocab: int, tied: bool) -> ModelShape:
-    return ModelShape(name=name, layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
-                      kv_heads=kv_heads, head_dim=hidden // heads, vocab=vocab, tied_embeddings=tied,
-                      qkv_bias=True, family="qwen2")
+# Fields from_hf_config reads without a default.
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def _qwen2(
+    name: str, *, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, tied: bool
+) -> ModelShape:
+    return ModelShape(
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        intermediate=intermediate,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        vocab=vocab,
+        tied_embeddings=tied,
+        qkv_bias=True,
+        family="qwen2",
+    )
 
 
 # The public configs of the released checkpoints (config.json of each model on the Hub).
 PRESETS: dict[str, ModelShape] = {
-    "qwen2-0.5b": _qwen2("Qwen2-0.5B", layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2,
-                         vocab=151936, tied=True),
-    "qwen2-1.5b": _qwen2("Qwen2-1.5B", layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2,
-                         vocab=151936, tied=True),
-    "qwen2-7b": _qwen2("Qwen2-7B", layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4,
-                       vocab=152064, tied=False),
-    "llama3-8b": ModelShape(name="Llama-3-8B", layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
-                            head_dim=128, vocab=128256, tied_embeddings=False, family="llama"),
+    "qwen2-0.5b": _qwen2(
+        "Qwen2-0.5B", layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936, tied=True
+    ),
+    "qwen2-1.5b": _qwen2(
+        "Qwen2-1.5B", layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, vocab=151936, tied=True
+    ),
+    "qwen2-7b": _qwen2(
+        "Qwen2-7B", layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064, tied=False
+    ),
+    "llama3-8b": ModelShape(
+        name="Llama-3-8B",
+        layers=32,
+        hidden=4096,
+        intermediate=14336,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=128256,
+        tied_embeddings=False,
+        family="llama",
+    ),
 }
 
 
@@ -218,6 +289,8 @@ def load_shape(spec: Any) -> ModelShape:
         return PRESETS[spec]
     if isinstance(spec, (str, os.PathLike)):
         if not os.path.exists(spec):
-            raise ValueError(f"{spec!r} is neither a preset ({sorted(PRESETS)}) nor an existing config.json")
+            raise ValueError(
+                f"{spec!r} is neither a preset ({sorted(PRESETS)}) nor an existing config.json or model folder"
+            )
         return ModelShape.from_json(spec)
     return ModelShape.from_hf_config(spec)

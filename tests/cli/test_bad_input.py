@@ -1,0 +1,112 @@
+"""Issue 12, item 9: the CLI's bad input gets a clear error (what, why, what to do) before any
+work starts, and a finished run never loses what it measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tidal
+import tidal.cli.bench
+import tidal.cli.demo
+import tidal.plan
+from tidal.cli.main import EXIT_OUTPUT, EXIT_USAGE, main
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("the work started although an argument was bad")
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"tidal {tidal.__version__}"
+
+
+@pytest.mark.parametrize("flag", ["--results", "--json"])
+def test_bench_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch, flag):
+    monkeypatch.setattr(tidal.cli.bench, "run_bench", _no_work)
+    for bad, why in [
+        (tmp_path, "is a folder"),
+        (tmp_path / "missing" / "x.md", "does not exist"),
+        (tmp_path / "file.txt" / "x.md", "does not exist"),
+    ]:
+        (tmp_path / "file.txt").write_text("a file, not a folder")
+        assert main(["bench", "--device", "cpu", "--preset", "nano", flag, str(bad)]) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert f"tidal bench: error: {flag} {bad}" in err and why in err and "Nothing was run" in err, err
+
+
+def test_demo_out_folder_is_checked_before_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tidal.cli.demo, "run_demo", _no_work)
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    for bad, why in [(a_file, "is not a folder"), (a_file / "sub", "is a file")]:
+        assert main(["demo", "--device", "cpu", "--out", str(bad)]) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert f"tidal demo: error: --out {bad}" in err and why in err, err
+
+
+def test_plan_json_path_is_checked_before_the_plan(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tidal.plan, "build_plan", _no_work)
+    assert main(["plan", "--preset", "qwen2-0.5b", "--json", str(tmp_path / "no" / "plan.json")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--json" in err and "does not exist" in err and "Nothing was run" in err
+
+
+@pytest.mark.parametrize(
+    "content,expect",
+    [
+        (
+            {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100},
+            "has no 'num_attention_heads', 'intermediate_size': the planner needs",
+        ),
+        ('{"model_type": "qwen2", ', "is not valid JSON (Expecting property name enclosed in double quotes at line 1"),
+        ([1, 2], "expected a JSON object"),
+        ({"model_type": "gpt2", "n_layer": 2}, "model_type 'gpt2' is not supported"),
+    ],
+)
+def test_plan_config_errors_name_the_file_and_what_is_wrong(tmp_path, capsys, content, expect):
+    path = tmp_path / "config.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    assert main(["plan", "--config", str(path)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("tidal plan: error: ") and expect in err, err
+    assert str(path) in err, "the message names the file"
+
+
+def test_plan_accepts_a_model_folder_and_explains_one_without_config(tmp_path, capsys):
+    folder = tmp_path / "Qwen2-tiny"
+    folder.mkdir()
+    assert main(["plan", "--config", str(folder)]) == EXIT_USAGE
+    assert "is a folder without a config.json" in capsys.readouterr().err
+    cfg = {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+    }
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--config", str(folder), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["config"]["shape"]["layers"] == 2
+
+
+def test_a_demo_output_that_cannot_be_written_loses_nothing_else(tmp_path, capsys):
+    """The run finishes; the table is printed; the PNG is written though demo.jsonl cannot
+    be; the exit code says an output is missing."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "demo"
+    (out / "demo.jsonl").mkdir(parents=True)  # a folder where the file should go
+    code = main(
+        ["demo", "--device", "cpu", "--preset", "nano", "--steps", "1", "--baseline-steps", "0", "--out", str(out)]
+    )
+    text = capsys.readouterr().out
+    assert code == EXIT_OUTPUT
+    assert "rollout" in text and "train" in text, "the table was printed"
+    assert f"could not write {out / 'demo.jsonl'}" in text
+    assert (out / "timeline.png").is_file()
