@@ -506,24 +506,27 @@ class Timeshare:
             ),
             touches_model=True,
             recovering=recovering,
+            settled_by_caller=True,
         )
-        self._interrupted = True  # until the flags below are all set
+        # Still marked interrupted (write-ahead) until the flags below are all set.
         for r in evict:
             r.resident = False
             self._drop_grads(r, keep)
         if incoming is not None:
             incoming.resident = True
             self._touch(incoming)
-        self._interrupted = False
+        if not recovering:  # a recovery clears the mark once all of it is done
+            self._interrupted = False
         kind = "switch" if evict and incoming else ("reload" if incoming else "offload")
         return self._record(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
 
     # ---- recovery from an interrupted transition ------------------------------------------
-    def _guarded(self, move, *, touches_model: bool, recovering: bool = False):
+    def _guarded(self, move, *, touches_model: bool, recovering: bool = False, settled_by_caller: bool = False):
         """Run a store move. If it raises (anything, ``KeyboardInterrupt`` included), the store
         has already made every storage resident or tracked; when the move touched model state
         (params, buffers, grads) the roles' flags are then brought in line with the store
-        (:meth:`_recover`) before the exception goes on."""
+        (:meth:`_recover`) before the exception goes on. ``settled_by_caller``: the caller
+        still has flags to set after the move and clears the interrupted mark itself."""
         if touches_model:
             self._interrupted = True  # write-ahead: cleared only when the flags are right again
         try:
@@ -532,7 +535,7 @@ class Timeshare:
             if touches_model and not recovering:
                 self._recover()
             raise
-        if touches_model and not recovering:
+        if touches_model and not recovering and not settled_by_caller:
             self._interrupted = False
         return result
 
