@@ -159,3 +159,17 @@ def test_kill_9_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
     # The partial directory is never read as a checkpoint.
     with pytest.raises(CheckpointError, match="never committed"):
         load(ckpt / ".tmp-2", TrainState(model, opt, extra=extra))
+
+
+def _interrupted_rank0_worker(rank: int, world_size: int) -> None:
+    from tidal.checkpoint.atomic import on_rank0
+
+    def commit_step():
+        raise KeyboardInterrupt("Ctrl-C on rank 0 in the middle of a commit")
+
+    with pytest.raises(KeyboardInterrupt, match="Ctrl-C on rank 0"):
+        on_rank0(commit_step)  # every rank gets it: none waits in a collective for ever
+
+
+def test_an_interrupt_on_rank0_during_a_commit_reaches_every_rank():
+    run_distributed(_interrupted_rank0_worker)

@@ -411,7 +411,7 @@ def on_rank0(fn: Callable[[], T], *, group=None) -> T:
     if dist.get_rank(group) == 0:
         try:
             box[0] = ("ok", fn())
-        except Exception as e:  # re-raised on every rank below
+        except BaseException as e:  # re-raised on every rank below (an interrupt too: no rank waits)
             box[0] = ("error", e)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     kind, value = box[0]
