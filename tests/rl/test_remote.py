@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tidal.cli.demo import DemoSettings, _grpo_config, build_policy, run_demo  # noqa: E402
+from tidal.cli.demo import DemoSettings, _grpo_config, build_policy  # noqa: E402
+from tidal.cli.demo_remote import run_remote_demo  # noqa: E402
 from tidal.rl import GRPOTrainer, RemoteConfig, RemoteGRPO, WorkerError  # noqa: E402
 
 SETTINGS = DemoSettings(
@@ -102,7 +103,7 @@ def test_demo_with_role_processes(tmp_path):
     pytest.importorskip("matplotlib")
     s = dataclasses.replace(SETTINGS, steps=3, roles="processes", out_dir=str(tmp_path))
     lines = []
-    summary = run_demo(s, log=lines.append)
+    summary = run_remote_demo(s, log=lines.append)
     assert summary["handovers"] >= 4  # rollout -> reference -> train, twice after the first step
     assert set(summary["phases"]) == {"rollout", "reference", "train"}
     assert (tmp_path / "demo.jsonl").stat().st_size > 0 and (tmp_path / "timeline.png").stat().st_size > 0
@@ -125,7 +126,7 @@ def test_errors():
     with pytest.raises(ValueError, match="roles must be one of"):
         dataclasses.replace(SETTINGS, roles="cluster")
     with pytest.raises(ValueError, match="LoRA"):
-        run_demo(dataclasses.replace(SETTINGS, roles="processes", lora_rank=4))
+        run_remote_demo(dataclasses.replace(SETTINGS, roles="processes", lora_rank=4))
     # A worker that fails to build: the driver raises with the worker's traceback, and no
     # process is left behind.
     with pytest.raises(WorkerError, match="no such checkpoint"):

@@ -73,6 +73,7 @@ from tidal.activations.layers import (
     user_checkpointed,
 )
 from tidal.activations.mover import GroupMover, Timer
+from tidal.activations.planner import plan_from_report
 from tidal.activations.saved import (
     SavedStorage,
     SavedView,
@@ -408,8 +409,6 @@ class ActivationOffloader:
         return modes
 
     def _make_plan(self) -> None:
-        from tidal.activations.planner import plan_from_report  # noqa: PLC0415 (planner imports us)
-
         if self.line_rate is None:
             rate = self.config.line_rate_bytes_per_s
             self.line_rate = (rate, rate) if rate else self._mover.measure_line_rate()

@@ -41,6 +41,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
 from tidal.activations.config import LayerMode, StepReport
+from tidal.activations.layers import user_checkpointed
 from tidal.errors import format_bytes
 
 if TYPE_CHECKING:
@@ -282,8 +283,6 @@ def plan_layers(
 
 def plan_from_report(off: "ActivationOffloader", report: StepReport) -> ActivationPlan:
     """Plan ``off``'s layers for ``off.config.budget_bytes`` from a step it measured."""
-    from tidal.activations.layers import user_checkpointed  # noqa: PLC0415
-
     n = len(off.layers)
     if len(report.modes) != n:
         raise ValueError(

@@ -59,6 +59,7 @@ __all__ = [
     "CheckpointError",
     "Manifest",
     "checkpoint_dirs",
+    "coordination_group",
     "crc32_combine",
     "file_checksums",
     "latest_path",
@@ -398,6 +399,22 @@ def validate(path: Path) -> None:
 def _older(p: Path, than: Path) -> bool:
     a, b = _STEP_RE.match(p.name), _STEP_RE.match(than.name)
     return bool(a and b and int(a.group(1)) < int(b.group(1)))
+
+
+_GLOO: list = []  # [(default group, gloo group)] for the current default group
+
+
+def coordination_group():
+    """The group DCP and the commit coordinate over: None (the default group) when it is gloo
+    or there is no process group, else a gloo group over all ranks, made once."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "gloo":
+        return None
+    world = dist.group.WORLD
+    if not _GLOO or _GLOO[0][0] is not world:  # first use, or the default group was re-created
+        _GLOO[:] = [(world, dist.new_group(backend="gloo"))]
+    return _GLOO[0][1]
 
 
 def on_rank0(fn: Callable[[], T], *, group=None) -> T:

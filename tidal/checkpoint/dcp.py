@@ -72,22 +72,6 @@ class CheckpointConfig:
             )
 
 
-_GLOO: list = []  # [(default group, gloo group)] for the current default group
-
-
-def _group():
-    """The group DCP and the commit coordinate over: None (the default group) when it is gloo
-    or there is no process group, else a gloo group over all ranks, made once."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if dist.get_backend() == "gloo":
-        return None
-    world = dist.group.WORLD
-    if not _GLOO or _GLOO[0][0] is not world:  # first use, or the default group was re-created
-        _GLOO[:] = [(world, dist.new_group(backend="gloo"))]
-    return _GLOO[0][1]
-
-
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -115,7 +99,7 @@ def save(
     if state.step < 0:
         raise ValueError(f"step must be >= 0, got {state.step}")
     root = Path(directory)
-    group = _group()
+    group = atomic.coordination_group()
     tmp = atomic.on_rank0(lambda: atomic.prepare_tmp(root, state.step), group=group)
     sync_policy().point("checkpoint_tmp_prepared")
     writer = FileSystemWriter(
@@ -149,7 +133,7 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         return sorted(keys)
 
-    group = _group()
+    group = atomic.coordination_group()
     keys = atomic.on_rank0(check, group=group)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     has_rng = f"{_APP}.rng/rank{rank}" in keys
@@ -201,7 +185,7 @@ def load_latest(directory: str | os.PathLike, state: TrainState, *, allow_missin
             )
         return atomic.latest_path(root)
 
-    path = atomic.on_rank0(find, group=_group())
+    path = atomic.on_rank0(find, group=atomic.coordination_group())
     if path is None:
         return None
     return load(path, state)

@@ -111,9 +111,7 @@ def _coordination_group(process_group, gloo: _Gloo):
     if not _distributed():
         return None
     if process_group is None:
-        from tidal.checkpoint.dcp import _group
-
-        return _group()
+        return atomic.coordination_group()
     if dist.get_rank(process_group) < 0:
         raise ValueError("this process is not a member of process_group; only its members call export_hf")
     if dist.get_backend(process_group) == "gloo":

@@ -255,12 +255,11 @@ def _phase_rows(results: list) -> dict[str, dict]:
 
 
 def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
-    """Run the demo; returns every figure it printed (also in ``demo.jsonl``)."""
+    """Run the demo with its roles in this process (``s.roles == "local"``; the others run
+    through :func:`tidal.cli.demo_remote.run_remote_demo`); returns every figure it printed
+    (also in ``demo.jsonl``)."""
     if s.roles != "local":
-        from tidal.cli.demo_remote import run_remote_demo  # noqa: PLC0415
-
-        return run_remote_demo(s, log=log)
-
+        raise ValueError(f"run_demo runs the roles in this process; roles={s.roles!r} runs through run_remote_demo")
     os.makedirs(s.out_dir, exist_ok=True)
     torch.manual_seed(s.seed)
     trainer = _trainer(s, timeshare=True)

@@ -18,7 +18,19 @@ from typing import Callable
 
 import torch
 
+from tidal.cli.demo import (
+    PHASES,
+    _grpo_config,
+    _phase_rows,
+    build_policy,
+    log_phase_table,
+    run_steps,
+    write_outputs,
+)
+from tidal.device import DeviceOps
 from tidal.errors import format_bytes
+from tidal.rl import RemoteConfig, RemoteGRPO
+from tidal.timeline import MemoryTimeline
 
 __all__ = ["run_remote_demo"]
 
@@ -43,19 +55,6 @@ def _start_ray(device: str, gpu_resource: str) -> bool:
 
 def run_remote_demo(s, *, log: Callable[[str], None] = print) -> dict:
     """Run the demo with ``s.roles`` in ``("ray", "processes")``; returns its figures."""
-    from tidal.cli.demo import (  # noqa: PLC0415
-        PHASES,
-        _grpo_config,
-        _phase_rows,
-        build_policy,
-        log_phase_table,
-        run_steps,
-        write_outputs,
-    )
-    from tidal.rl import RemoteConfig, RemoteGRPO  # noqa: PLC0415
-    from tidal.timeline import MemoryTimeline  # noqa: PLC0415
-    from tidal.device import DeviceOps  # noqa: PLC0415
-
     if s.lora_rank:
         raise ValueError(
             "--roles ray|processes runs a full-weight policy; LoRA (--lora-rank) runs with "

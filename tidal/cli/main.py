@@ -234,6 +234,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         out_dir=args.out,
         roles=args.roles,
     )
+    if settings.roles != "local":
+        from tidal.cli.demo_remote import run_remote_demo as run_demo  # noqa: PLC0415
     try:
         summary = run_demo(settings, log=lambda line: print(line, flush=True))
     except (ImportError, ValueError) as e:

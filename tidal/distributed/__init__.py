@@ -2,6 +2,12 @@
 roles, Ray placement of colocated roles and CPU workers, and a cross-process GPU lease. Ray and
 DeepSpeed are imported only when used (extras ``tidal[ray]``, ``tidal[deepspeed]``)."""
 
+from tidal.distributed.deepspeed import (  # deepspeed itself is imported on first use
+    DeepSpeedOffload,
+    add_deepspeed_role,
+    deepspeed_state_bytes,
+    describe_deepspeed_state,
+)
 from tidal.distributed.fsdp import (
     ZERO_STAGES,
     local_state_bytes,
@@ -31,19 +37,6 @@ from tidal.distributed.placement import (
     PlacementSpec,
     place,
 )
-
-# The DeepSpeed adapter's names resolve on first access: importing tidal.distributed loads
-# neither its module nor deepspeed.
-_DEEPSPEED_NAMES = ("DeepSpeedOffload", "add_deepspeed_role", "describe_deepspeed_state", "deepspeed_state_bytes")
-
-
-def __getattr__(name: str):
-    if name in _DEEPSPEED_NAMES:
-        from tidal.distributed import deepspeed as _deepspeed
-
-        return getattr(_deepspeed, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "ZERO_STAGES",

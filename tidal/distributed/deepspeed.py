@@ -44,6 +44,7 @@ from tidal.distributed.deepspeed_state import (
     deepspeed_state_bytes,
     describe_deepspeed_state,
 )
+from tidal.device import DeviceOps
 from tidal.memory import snapshot
 from tidal.state.store import MoveResult
 from tidal.timeshare.role import OptimizerResidency, Role
@@ -269,8 +270,6 @@ class DeepSpeedOffload:
         if via == "deepspeed":
             _check_offload_states(engine, _import_deepspeed())
             _claim(engine, "DeepSpeedOffload(via='deepspeed')")
-            from tidal.device import DeviceOps
-
             self._ops = DeviceOps(self.device)
         else:
             self.timeshare = Timeshare(self.device, config=config)

@@ -35,6 +35,7 @@ import torch
 import torch.utils.hooks
 
 from tidal.errors import format_bytes
+from tidal.state.collect import collect_module_state, collect_optimizer_state
 
 __all__ = ["deepspeed_state_bytes", "describe_deepspeed_state"]
 
@@ -250,8 +251,6 @@ def _engine_device(engine) -> torch.device:
 
 
 def _entries(engine, min_offload_bytes: int) -> list:
-    from tidal.state.collect import collect_module_state, collect_optimizer_state
-
     device = _engine_device(engine)
     inner = _inner_optimizer(engine)
     params = [p for g in inner.param_groups for p in g["params"]] if inner is not None else []

@@ -51,6 +51,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from tidal.memory import snapshot
 from tidal.distributed.lease_core import (
     LeaseError,
     LeaseExpiredError,
@@ -319,8 +320,6 @@ def timeshare_callbacks(ts, role: str) -> dict:
     and confirms with a driver-level reading, sent to the next holder:
     ``{"bytes_out", "driver_free_bytes", "driver_total_bytes", "allocated_bytes"}``.
     """
-    from tidal.memory import snapshot  # noqa: PLC0415
-
     ts.role(role)  # raises for an unknown role, now rather than at the first turn
     if not ts.config.release_to_driver:
         raise ValueError(

@@ -24,6 +24,7 @@ import json
 from typing import Any
 
 from tidal.plan import activations as act
+from tidal.plan.assumptions import assumptions
 from tidal.plan.phases import (
     cpu_adam_step_transient,
     gathered_params,
@@ -469,8 +470,6 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         host = st["reference"] + (0 if c.lora_rank else actor_params) + st["optim"] + st["rollout_copy"]
     if c.optimizer == "cpu_adam":
         host += st["trainable"] * 16 + st["trainable"] * act.dtype_bytes(c.param_dtype)
-    from tidal.plan.assumptions import assumptions  # noqa: PLC0415 (a leaf module; avoids a cycle)
-
     return Plan(
         config=c,
         bandwidth=bw,

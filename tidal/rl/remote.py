@@ -35,7 +35,8 @@ from typing import Any, Literal
 
 import torch
 
-from tidal.distributed.lease import LeaseServer
+from tidal.distributed.lease import LeaseServer, start_lease_actor
+from tidal.distributed.placement import CPUWorker, GPURole, PlacementSpec, place
 from tidal.rl.trainer import GRPOConfig, StepResult, draw_prompts, prompt_generator
 from tidal.rl.workers import PolicyWorker, ReferenceWorker, RewardWorker
 
@@ -239,9 +240,6 @@ class RemoteGRPO:
 
     def _start_ray(self, model_factory, use_ref: bool, gpu_kw: dict) -> None:
         import ray
-
-        from tidal.distributed.lease import start_lease_actor
-        from tidal.distributed.placement import CPUWorker, GPURole, PlacementSpec, place
 
         if not ray.is_initialized():
             raise ValueError(
