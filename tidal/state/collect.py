@@ -15,12 +15,13 @@ they are: moving them costs time and saves nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, Literal
+from typing import Iterable, Iterator, Literal, Sequence
 
 import torch
+from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["StateEntry", "collect_module_state", "collect_optimizer_state", "storage_key", "GradPolicy"]
+__all__ = ["GradPolicy", "ModuleSlots", "StateEntry", "collect_module_state", "collect_optimizer_state", "storage_key"]
 
 GradPolicy = Literal["offload", "keep", "drop"]
 Kind = Literal["param", "grad", "buffer", "optim"]
@@ -105,8 +106,83 @@ class _Collector:
         self.entries[key] = StateEntry(storage, key, nbytes, kind, name)
 
 
+_STRUCTURE = [0]  # bumped whenever any module registers a module, parameter or buffer
+_HOOKED: list = []
+
+
+def _structure_changed(*args) -> None:
+    _STRUCTURE[0] += 1
+
+
+def _watch_structure() -> None:
+    # torch's global registration hooks fire for every module of the process; they only
+    # count, so a cached layout (ModuleSlots) knows when to look again. Installed once.
+    if not _HOOKED:
+        _HOOKED.extend(
+            register(_structure_changed)
+            for register in (
+                nn_module.register_module_module_registration_hook,
+                nn_module.register_module_parameter_registration_hook,
+                nn_module.register_module_buffer_registration_hook,
+            )
+        )
+
+
+class ModuleSlots:
+    """Where ``modules`` keep their tensors: for every parameter and buffer, the module that
+    holds it and its attribute name, found once (a module walk costs milliseconds for a large
+    model) and found again only after some module, parameter or buffer is registered anywhere
+    in the process. Reading a slot gives whatever tensor is there now, so a tensor replaced
+    under the same name (``module.weight = ...``, FSDP2 swapping sharded and unsharded
+    parameters) is seen at once. Modules whose ``named_parameters``/``named_buffers`` are
+    their own (adapters that expose state held elsewhere) are walked every time."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        _watch_structure()
+        self.modules = list(modules)
+        self._generation = -1
+        self._params: list[tuple[torch.nn.Module, str, str]] = []
+        self._buffers: list[tuple[torch.nn.Module, str, str]] = []
+
+    def _refresh(self) -> None:
+        if self._generation == _STRUCTURE[0]:
+            return
+        params, buffers = [], []
+        for i, top in enumerate(self.modules):
+            prefix = f"model{i}." if i else ""
+            if _walks_itself(top):
+                continue
+            # The order of named_parameters / named_buffers(remove_duplicate=False).
+            for mname, m in top.named_modules(remove_duplicate=False):
+                dot = f"{prefix}{mname}." if mname else prefix
+                params.extend((m, n, dot + n) for n in m._parameters)
+                buffers.extend((m, n, dot + n) for n in m._buffers)
+        self._params, self._buffers = params, buffers
+        self._generation = _STRUCTURE[0]
+
+    def named(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """(parameters, buffers) as (name, tensor), in registration order, duplicates kept."""
+        self._refresh()
+        params = [(name, t) for m, n, name in self._params if (t := m._parameters.get(n)) is not None]
+        buffers = [(name, t) for m, n, name in self._buffers if (t := m._buffers.get(n)) is not None]
+        for i, top in enumerate(self.modules):
+            if _walks_itself(top):
+                prefix = f"model{i}." if i else ""
+                params += [(prefix + n, p) for n, p in top.named_parameters(remove_duplicate=False)]
+                buffers += [(prefix + n, b) for n, b in top.named_buffers(remove_duplicate=False)]
+        return params, buffers
+
+
+def _walks_itself(m: torch.nn.Module) -> bool:
+    cls = type(m)
+    return (
+        cls.named_parameters is not torch.nn.Module.named_parameters
+        or cls.named_buffers is not torch.nn.Module.named_buffers
+    )
+
+
 def collect_module_state(
-    modules: Iterable[torch.nn.Module],
+    modules: Iterable[torch.nn.Module] | ModuleSlots,
     device: torch.device,
     *,
     extra_params: Iterable[torch.Tensor] = (),
@@ -115,18 +191,19 @@ def collect_module_state(
     include_empty: bool = False,
 ) -> list[StateEntry]:
     """Entries for the parameters, buffers and (if ``grads == "offload"``) gradients of
-    ``modules`` and of ``extra_params`` (parameters an optimizer holds outside the modules),
-    in registration order, each storage once. ``include_empty`` also lists 0-byte storages
-    (with ``nbytes == 0``), so offloaded ones can be recognised by key."""
+    ``modules`` (or the modules of a :class:`ModuleSlots`, without walking them again) and of
+    ``extra_params`` (parameters an optimizer holds outside the modules), in registration
+    order, each storage once. ``include_empty`` also lists 0-byte storages (with
+    ``nbytes == 0``), so offloaded ones can be recognised by key."""
     col = _Collector(device, min_offload_bytes, include_empty)
+    slots = modules if isinstance(modules, ModuleSlots) else ModuleSlots(list(modules))
+    params, buffers = slots.named()
     named: list[tuple[str, torch.Tensor]] = []
-    for i, module in enumerate(modules):
-        prefix = f"model{i}." if i else ""
-        for name, p in module.named_parameters(remove_duplicate=False):
-            col.add(p, "param", prefix + name)
-            named.append((prefix + name, p))
-        for name, b in module.named_buffers(remove_duplicate=False):
-            col.add(b, "buffer", prefix + name)
+    for name, p in params:
+        col.add(p, "param", name)
+        named.append((name, p))
+    for name, b in buffers:
+        col.add(b, "buffer", name)
     for i, p in enumerate(extra_params):
         col.add(p, "param", f"optimizer_param{i}")
         named.append((f"optimizer_param{i}", p))

@@ -73,6 +73,7 @@ class OffloadStore:
         self.arena = HostArena(ops, pin=self.config.pin_host)
         self.engine = TransferEngine(ops, self.arena, self.config)
         self._slots: dict[int, tuple[HostSlot, weakref.ref]] = {}
+        self._dead_slots: list[int] = []  # keys whose storage died since the last reclaim
         self._offloaded: dict[int, StateEntry] = {}  # strong refs keep offloaded storages alive
         self._in_flight = False  # a move is under way, or was interrupted (see recover())
         self._digests: dict[int, int] = {}  # key -> digest of its bytes at offload (verify)
@@ -176,14 +177,18 @@ class OffloadStore:
                 del self._slots[e.key]
             need.append(e)
         if need:
+            dead = self._dead_slots
             for e, slot in zip(need, self.arena.reserve([e.nbytes for e in need])):
-                self._slots[e.key] = (slot, weakref.ref(e.storage))
+                # The callback notes the key when the storage dies, so reclaiming looks at the
+                # dead ones only (not at every slot, at every transition).
+                self._slots[e.key] = (slot, weakref.ref(e.storage, lambda _, k=e.key: dead.append(k)))
 
     def _reclaim_dead_slots(self) -> None:
-        self.forget_unreferenced()
-        dead = [k for k, (_, ref) in self._slots.items() if ref() is None]
+        dead, self._dead_slots[:] = list(self._dead_slots), []
         for k in dead:
-            self.arena.release(self._slots.pop(k)[0])
+            held = self._slots.get(k)
+            if held is not None and held[1]() is None:  # not a new storage at the same address
+                self.arena.release(self._slots.pop(k)[0])
 
     def forget_unreferenced(self) -> int:
         """Drop offloaded storages that no tensor uses any more (their only holder is this

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from tidal.state.collect import GradPolicy, StateEntry, collect_module_state, collect_optimizer_state
+from tidal.state.collect import GradPolicy, ModuleSlots, StateEntry, collect_module_state, collect_optimizer_state
 
 __all__ = ["Role", "OptimizerResidency"]
 
@@ -44,12 +44,17 @@ class Role:
     in_use: int = 0
     last_used: int = 0
     optimizer_locked: bool = False  # inside offload_optimizer(): step() must not run
+    # Optimizer state may be on the device against the residency policy (a step, a load or a
+    # reload happened since the last settle): the end of use() then checks and moves it.
+    optim_unsettled: bool = True
     streaming: bool = False  # inside a streamed step: the per-chunk step() calls skip the hooks
     hidden_grads: dict | None = None  # grads a streamed step hid from the outer step()
     hooks: list = dataclasses.field(default_factory=list)
     _names: dict[int, str] | None = dataclasses.field(default=None, repr=False)
+    _slots: ModuleSlots | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._slots = ModuleSlots(self.modules)  # where the modules keep their tensors, found once
         if self.grads not in _GRAD_POLICIES:
             raise ValueError(f"grads must be one of {_GRAD_POLICIES}, got {self.grads!r}")
         if self.optimizer_residency not in _RESIDENCIES:
@@ -79,7 +84,7 @@ class Role:
         the live tensors; with ``include_empty`` offloaded (0-byte) storages are listed too."""
         policy = self.grads if grads is None else ("offload" if grads else "keep")
         return collect_module_state(
-            self.modules,
+            self._slots,
             device,
             extra_params=self.loose_params(),
             grads=policy,

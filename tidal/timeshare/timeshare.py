@@ -360,6 +360,7 @@ class Timeshare:
         """Bring the role's offloaded optimizer state (and grads if ``grads``) back."""
         self._recover_if_interrupted()
         role = self.role(name)
+        role.optim_unsettled = True
         live = self._optimizer_live(role, grads)
         entries = [e for e in self.store.resolve(live) if self.store.is_offloaded(e.key)]
         if not entries:
@@ -382,10 +383,13 @@ class Timeshare:
         # With step residency the state belongs on the host outside step(); a step that
         # raised skipped the post-hook and left it on the device. A role that is out keeps
         # none of it on the device (a load_state_dict may have created it there).
+        # Walking the optimizer state costs milliseconds for a large model: only after something
+        # may have put state on the device (a step, a load, a reload) since it last settled.
         off_device = not role.resident or role.optimizer_residency in ("step", "stream")
-        if off_device and not role.optimizer_locked:
+        if off_device and not role.optimizer_locked and role.optim_unsettled:
             if any(e.nbytes > 0 for e in role.optim_entries(self.device, self.config.min_offload_bytes)):
                 self.offload_optimizer_state(role.name)
+            role.optim_unsettled = False
 
     def _make_after_load(self, role: Role):
         def after_load(opt):
@@ -393,6 +397,7 @@ class Timeshare:
             # with new ones on the device: the old ones' host copies are dead, the new ones
             # go where this role keeps its optimizer state now.
             self.store.forget_unreferenced()
+            role.optim_unsettled = True
             if role.in_use == 0 or role.optimizer_residency == "role":
                 self._settle_optimizer(role)
 
@@ -488,13 +493,18 @@ class Timeshare:
         keep = self._resident_keys(exclude=evict)
         in_entries: list[StateEntry] = []
         if incoming is not None:
-            inc = self._live(incoming)
-            keep.update(e.key for e in inc)
+            # Optimizer state comes in with the role only under "role" residency; otherwise
+            # it stays where it is (the step hooks move it), so it need not be looked at.
             with_optim = incoming.optimizer_residency == "role"
-            in_entries = [e for e in inc if self.store.is_offloaded(e.key) and (with_optim or e.kind != "optim")]
+            inc = self._live(incoming, optim=with_optim)
+            keep.update(e.key for e in inc)
+            in_entries = [e for e in inc if self.store.is_offloaded(e.key)]
         out_entries: list[StateEntry] = []
         for r in evict:
-            out_entries += [e for e in self._live(r) if e.key not in keep and not self.store.is_offloaded(e.key)]
+            # A role's optimizer state under step residency is on the host unless something
+            # put it on the device since it last settled; then it goes out with the role.
+            live = self._live(r, optim=r.optimizer_residency == "role" or r.optim_unsettled)
+            out_entries += [e for e in live if e.key not in keep and not self.store.is_offloaded(e.key)]
         what = f"loading role {incoming.name!r}" if incoming else "offload"
         move = self._guarded(
             lambda: self.store.switch(
@@ -511,6 +521,7 @@ class Timeshare:
         # Still marked interrupted (write-ahead) until the flags below are all set.
         for r in evict:
             r.resident = False
+            r.optim_unsettled = False  # whatever of its optimizer state was on the device went out
             self._drop_grads(r, keep)
         if incoming is not None:
             incoming.resident = True
@@ -636,6 +647,7 @@ class Timeshare:
             if role.streaming:  # one chunk of a streamed step: its state is in already
                 return
             self._recover_if_interrupted()
+            role.optim_unsettled = True  # the step reloads or creates state on the device
             if role.optimizer_locked:
                 raise RuntimeError(
                     f"optimizer.step() of role {role.name!r} was called inside offload_optimizer(): "
@@ -664,5 +676,6 @@ class Timeshare:
                 return
             if role.optimizer_residency == "step":
                 self.offload_optimizer_state(role.name)
+                role.optim_unsettled = False
 
         return post
