@@ -144,3 +144,28 @@ def test_error_inside_a_streamed_step_consumes_only_the_chunks_stepped_and_step_
     # snapshot_state includes grads: drop them (the interrupted run consumed some)
     want, got = ({k: v for k, v in r.items() if not k.endswith(".grad")} for r in runs)
     assert_same_state(got, want)
+
+
+def test_streamed_step_leaves_gradients_and_param_groups_as_they_were():
+    """The streamed step narrows the param groups for each chunk instead of hiding .grad:
+    after step() every gradient is the one backward produced, and the groups hold the same
+    parameter objects as before, also when a later step pre-hook raised."""
+    model, opt, ts = _stream_actor()
+    ids = torch.randint(0, 64, (4, 9))
+    groups = [list(g["params"]) for g in opt.param_groups]
+    with ts.use("actor"):
+        lm_loss(model, ids).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        opt.step()
+        assert all(p.grad is grads[n] for n, p in model.named_parameters()), "gradients untouched"
+        assert [list(g["params"]) for g in opt.param_groups] == groups
+
+        def late(o, a, k):
+            raise RuntimeError("a later hook")
+
+        h = opt.register_step_pre_hook(late)
+        with pytest.raises(RuntimeError, match="a later hook"):
+            opt.step()  # tidal's pre-hook streamed the update, then this one raised
+        h.remove()
+    assert [list(g["params"]) for g in opt.param_groups] == groups, "the end of use() put the groups back"
+    ts.close()

@@ -48,7 +48,8 @@ class Role:
     # reload happened since the last settle): the end of use() then checks and moves it.
     optim_unsettled: bool = True
     streaming: bool = False  # inside a streamed step: the per-chunk step() calls skip the hooks
-    hidden_grads: dict | None = None  # grads a streamed step hid from the outer step()
+    hidden_groups: list | None = None  # param lists a streamed step took from the outer step()
+    hidden_optimizer: torch.optim.Optimizer | None = None  # ... of this optimizer
     hooks: list = dataclasses.field(default_factory=list)
     _names: dict[int, str] | None = dataclasses.field(default=None, repr=False)
     _slots: ModuleSlots | None = dataclasses.field(default=None, repr=False)

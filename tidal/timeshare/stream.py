@@ -4,11 +4,12 @@ parameters at a time, so ``step()`` never holds all of it on the device.
 With ``optimizer_residency="stream"`` the timeshare's step pre-hook runs the whole update
 here: the parameters with gradients are split into chunks of about
 ``TimeshareConfig.optimizer_chunk_bytes`` of state; for each chunk its state is reloaded, the
-optimizer's own ``step()`` runs with only that chunk's gradients visible (every other
-``.grad`` is set aside, so the optimizer skips those parameters, as it skips any parameter
-without a gradient), and the next chunk's state comes in while this one's goes out, both copy
-engines busy. The outer ``step()`` then finds no gradient and does nothing; its post-hook puts
-the gradients back. Per-parameter optimizers (Adam, AdamW, SGD, ...) compute exactly what one
+optimizer's own ``step()`` runs with only that chunk's parameters in its param groups (the
+groups' lists are narrowed for the call and restored; gradients are never touched), and the
+next chunk's state comes in while this one's goes out, both copy engines busy. The outer
+``step()`` then finds its param groups empty and does nothing; its post-hook restores them.
+Hyper-parameters (``lr``, betas, a scheduler's changes) stay in the groups throughout.
+Per-parameter optimizers (Adam, AdamW, SGD, ...) compute exactly what one
 call would: their update of a parameter reads only that parameter's state. Optimizers whose
 update couples parameters (LBFGS, a global-norm clip inside ``step()``) must not use it.
 
@@ -61,21 +62,35 @@ def _entries(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer, params: 
     )
 
 
+def _narrow(opt: torch.optim.Optimizer, keep: set) -> list[list[torch.Tensor]]:
+    """Leave in each param group only the parameters in ``keep`` (in their order); returns the
+    groups' own lists, for :func:`restore_groups`."""
+    saved = [g["params"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["params"] = [p for p in g["params"] if p in keep]
+    return saved
+
+
+def restore_groups(opt: torch.optim.Optimizer, saved: list[list[torch.Tensor]]) -> None:
+    for g, params in zip(opt.param_groups, saved):
+        g["params"] = params
+
+
 def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
-    """Run ``opt``'s update chunk by chunk (see the module docstring). Leaves every state
-    tensor of ``opt`` on the host and the gradients set aside in ``role.hidden_grads`` for
-    the step post-hook to restore. On an exception the gradients of the chunks not yet
-    stepped are restored at once (those stepped stay consumed), so ``step()`` again finishes
-    the step."""
+    """Run ``opt``'s update chunk by chunk (see the module docstring). Each chunk's ``step()``
+    sees only that chunk's parameters in the param groups; the gradients are never touched.
+    Leaves every state tensor of ``opt`` on the host and the param groups empty, saved in
+    ``role.hidden_groups`` for the step post-hook to restore (so the outer ``step()`` updates
+    nothing a second time). On an exception the groups come back at once and the chunks
+    already stepped have consumed their gradients (set to None), so ``step()`` again
+    completes exactly this step."""
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    hidden = {p: p.grad for p in params}
-    stepped: set[torch.Tensor] = set()
+    stepped: list[torch.Tensor] = []
     others = ts._resident_keys(exclude=(role,))
     role.streaming = True
+    saved = [g["params"] for g in opt.param_groups]
     ok = False
     try:
-        for p in params:
-            p.grad = None
         chunks = _chunks(opt, params, ts.config.optimizer_chunk_bytes)
         incoming = (
             [e for e in ts.store.resolve(_entries(ts, role, opt, chunks[0])) if ts.store.is_offloaded(e.key)]
@@ -91,12 +106,12 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
                 note="optimizer state chunk",
             )
         for i, chunk in enumerate(chunks):
-            for p in chunk:
-                p.grad = hidden[p]
-            opt.step()  # this chunk only: the hooks see role.streaming and stand aside
-            stepped.update(chunk)
-            for p in chunk:
-                p.grad = None
+            _narrow(opt, set(chunk))
+            try:
+                opt.step()  # this chunk only: the hooks see role.streaming and stand aside
+            finally:
+                restore_groups(opt, saved)
+            stepped.extend(chunk)
             out = [e for e in _entries(ts, role, opt, chunk) if e.nbytes > 0 and e.key not in others]
             nxt = (
                 [e for e in ts.store.resolve(_entries(ts, role, opt, chunks[i + 1])) if ts.store.is_offloaded(e.key)]
@@ -112,11 +127,11 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
     finally:
         role.streaming = False
         if ok:
-            role.hidden_grads = hidden
+            role.hidden_groups = _narrow(opt, set())  # the outer step() finds nothing to update
+            role.hidden_optimizer = opt
         else:
-            # The chunks already stepped consumed their gradients; the others get theirs back,
-            # so calling step() again completes exactly this step (optimizers skip parameters
+            # The chunks already stepped consumed their gradients; the others keep theirs, so
+            # calling step() again completes exactly this step (optimizers skip parameters
             # without a gradient).
-            for p, g in hidden.items():
-                if p not in stepped:
-                    p.grad = g
+            for p in stepped:
+                p.grad = None

@@ -28,7 +28,7 @@ from tidal.state.collect import GradPolicy, StateEntry, storage_key
 from tidal.state.foreign import install_module_hooks, install_optimizer_hooks, moved_out
 from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.role import OptimizerResidency, Role
-from tidal.timeshare.stream import streamed_step
+from tidal.timeshare.stream import restore_groups, streamed_step
 from tidal.timeshare.telemetry import TransitionRecord, format_report
 from tidal.transfer.engine import TransferConfig
 
@@ -258,6 +258,8 @@ class Timeshare:
             role.in_use -= 1
             self._touch(role)
             if role.in_use == 0 and not self.closed:
+                for opt in role.optimizers:
+                    self._restore_groups(role, opt)
                 self._settle_optimizer(role)
 
     def load(self, name: str) -> TransitionRecord | None:
@@ -390,6 +392,14 @@ class Timeshare:
             if any(e.nbytes > 0 for e in role.optim_entries(self.device, self.config.min_offload_bytes)):
                 self.offload_optimizer_state(role.name)
             role.optim_unsettled = False
+
+    def _restore_groups(self, role: Role, opt: torch.optim.Optimizer) -> None:
+        # A streamed step empties the param groups for the outer step(); its post-hook puts
+        # them back. Should that step have raised after the streamed update (another hook),
+        # the next step or the end of the use() block puts them back instead.
+        if role.hidden_groups is not None and opt is role.hidden_optimizer:
+            restore_groups(opt, role.hidden_groups)
+            role.hidden_groups = None
 
     def _make_after_load(self, role: Role):
         def after_load(opt):
@@ -647,6 +657,7 @@ class Timeshare:
             if role.streaming:  # one chunk of a streamed step: its state is in already
                 return
             self._recover_if_interrupted()
+            self._restore_groups(role, opt)
             role.optim_unsettled = True  # the step reloads or creates state on the device
             if role.optimizer_locked:
                 raise RuntimeError(
@@ -669,10 +680,8 @@ class Timeshare:
         def post(opt, args, kwargs):
             if role.streaming:
                 return
-            if role.hidden_grads is not None:  # a streamed step: its state is on the host already
-                for p, g in role.hidden_grads.items():
-                    p.grad = g
-                role.hidden_grads = None
+            if role.hidden_groups is not None:  # a streamed step: its state is on the host already
+                self._restore_groups(role, opt)
                 return
             if role.optimizer_residency == "step":
                 self.offload_optimizer_state(role.name)
