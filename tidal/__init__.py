@@ -14,6 +14,7 @@ from tidal.activations import (
 from tidal.errors import InsufficientMemoryError
 from tidal.memory import MemorySnapshot, host_rss_bytes, snapshot
 from tidal.optim import CPUAdam
+from tidal.state.sources import StateSource
 from tidal.state.strict import StrictAccessError, strict_access
 from tidal.timeshare import Role, Timeshare, TimeshareConfig, TransitionRecord, offload_optimizer
 from tidal.transfer import TransferConfig
@@ -28,6 +29,7 @@ __all__ = [
     "InsufficientMemoryError",
     "MemorySnapshot",
     "Role",
+    "StateSource",
     "StrictAccessError",
     "Timeshare",
     "TimeshareConfig",

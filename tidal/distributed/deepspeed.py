@@ -38,7 +38,7 @@ from typing_extensions import Self  # a dependency of torch
 from tidal.distributed.deepspeed_state import (
     _check_engine,
     _engine_device,
-    _EngineState,
+    EngineSource,
     _import_deepspeed,
     _inner_optimizer,
     deepspeed_state_bytes,
@@ -140,7 +140,7 @@ def add_deepspeed_role(
             early = _link_moments_while_resident(engine.optimizer, inner)
         role = ts.add_role(
             name,
-            model=_EngineState(engine, inner),
+            source=EngineSource(engine, inner),
             optimizer=inner,
             grads="offload",
             optimizer_residency=optimizer_residency,
@@ -151,18 +151,6 @@ def add_deepspeed_role(
         _OWNERS.pop(engine, None)
         raise
     role.hooks.extend(early)
-
-    def guard(module, args):
-        if not role.resident:
-            raise RuntimeError(
-                f"DeepSpeed role {name!r} is offloaded (its state is on the host); run the "
-                f"engine inside `with ts.use({name!r}):` or call ts.load({name!r}) first"
-            )
-
-    # On the engine (its forward runs first) and, ahead of DeepSpeed's own hooks, on the module
-    # (ZeRO-3's pre-forward hook would gather from empty partitions before any later hook).
-    role.hooks.append(engine.register_forward_pre_hook(guard))
-    role.hooks.append(engine.module.register_forward_pre_hook(guard, prepend=True))
     role.hooks.append(_Release(engine))
     return role
 

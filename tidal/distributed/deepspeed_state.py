@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Iterator
 
 import torch
 import torch.utils.hooks
 
 from tidal.errors import format_bytes
-from tidal.state.collect import collect_module_state, collect_optimizer_state
+from tidal.state.collect import collect_optimizer_state, collect_tensors
 
 __all__ = ["deepspeed_state_bytes", "describe_deepspeed_state"]
 
@@ -188,59 +187,61 @@ def _optimizer_storage_keys(opt: torch.optim.Optimizer | None) -> set[int]:
     return keys
 
 
-class _EngineState(torch.nn.Module):
-    """A DeepSpeed engine's device tensors, presented to tidal's collector as the buffers of a
-    module: the wrapped module's parameters, their gradients and its buffers, then the tensors
-    DeepSpeed keeps itself (gradient buckets and partitions, ZeRO-3's partitions and
-    coordinator buffers). The inner optimizer's parameters (the fp32 masters) and state are
-    left out: the role collects those as its optimizer's, so ``optimizer_residency`` applies.
+class EngineSource:
+    """A DeepSpeed engine as a role's state source (:class:`tidal.state.sources.StateSource`):
+    the wrapped module's parameters, their gradients and its buffers, then the tensors DeepSpeed
+    keeps itself (gradient buckets and partitions, ZeRO-3's partitions and coordinator buffers),
+    looked up each time, so it lists what exists *now*. The inner optimizer's parameters (the
+    fp32 masters) and state are left out: the role collects those as its optimizer's, so
+    ``optimizer_residency`` applies. Every gradient DeepSpeed holds moves with the role
+    (dropping one would break its accumulation), whatever the role's grads policy says.
 
-    ``named_buffers`` looks everything up each time it is called, so it lists what exists
-    *now*. The wrapped module is not handed to the timeshare itself: ZeRO-3 replaces its
-    parameters' storages at every gather and release, and the timeshare's forward guard
-    remembers parameter storages by key from registration on (a freed storage's key can be
-    reused by another, offloaded one). The role is guarded by its residency instead (see
-    :func:`add_deepspeed_role`). It registers no parameters and has no forward.
+    Guard: the engine's forward and, ahead of DeepSpeed's own hooks, the wrapped module's
+    (ZeRO-3's pre-forward hook would gather from empty partitions before any later hook)
+    refuse to run while the role is out. Not per tensor: ZeRO-3 frees and regathers its
+    parameters' storages itself.
 
-    Every collection also makes the current stream wait for DeepSpeed's side streams (reduction,
-    all-gather): tidal's D2H copies wait for the current stream, so they then also wait for
-    any gradient reduction or parameter gather DeepSpeed left in flight. A stream wait does not
-    block the host.
+    Before a copy, the current stream waits for DeepSpeed's side streams (reduction,
+    all-gather): the copies wait for the current stream, so they then also wait for any
+    gradient reduction or parameter gather DeepSpeed left in flight (no host blocking).
     """
 
     def __init__(self, engine: torch.nn.Module, inner: torch.optim.Optimizer | None) -> None:
-        super().__init__()
-        # Kept out of nn.Module's registries: registering the engine as a submodule would make
-        # its parameters this module's too.
-        self.__dict__["_engine"] = engine
-        self.__dict__["_inner"] = inner
+        self.engine = engine
+        self.inner = inner
 
-    def named_buffers(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        engine = self._engine
-        found, streams = _walk(engine)
+    def tensors(self, grads: bool) -> list[tuple[str, torch.Tensor, str]]:
+        engine = self.engine
+        found, _ = _walk(engine)
+        skip = _optimizer_storage_keys(self.inner)
+        out: list[tuple[str, torch.Tensor, str]] = []
+        for name, p in engine.module.named_parameters(remove_duplicate=False):
+            out.append((f"module.{name}", p, "param"))
+            if p.grad is not None and p.grad.untyped_storage()._cdata not in skip:
+                out.append((f"module.{name}.grad", p.grad, "grad"))
+        out += [(f"module.{name}", b, "buffer") for name, b in engine.module.named_buffers(remove_duplicate=False)]
+        out += [(_path_name(path), t, "buffer") for key, (t, path) in found.items() if key not in skip]
+        return out
+
+    def install(self, store, guard) -> list:
+        def hook(module, args):
+            guard(self.engine, None)
+
+        return [
+            self.engine.register_forward_pre_hook(hook),
+            self.engine.module.register_forward_pre_hook(hook, prepend=True),
+        ]
+
+    def before_copy(self) -> None:
+        _, streams = _walk(self.engine)
         if streams:
-            device = _engine_device(engine)
+            device = _engine_device(self.engine)
             current = torch.get_device_module(device).current_stream(device)
             for s in streams:
                 # DeepSpeed's side streams may still write gradient or parameter buffers; the
                 # copies that move them wait for the current stream, so it waits for these.
                 if s.device == current.device:
                     current.wait_stream(s)
-        skip = _optimizer_storage_keys(self._inner)
-        for name, p in engine.module.named_parameters(remove_duplicate=False):
-            yield f"{prefix}module.{name}", p
-            if p.grad is not None and p.grad.untyped_storage()._cdata not in skip:
-                yield f"{prefix}module.{name}.grad", p.grad
-        for name, b in engine.module.named_buffers(remove_duplicate=False):
-            yield f"{prefix}module.{name}", b
-        for key, (t, path) in found.items():
-            if key not in skip:
-                yield prefix + _path_name(path), t
-
-    def forward(self, *args, **kwargs):  # pragma: no cover - never called
-        raise RuntimeError("_EngineState only lists a DeepSpeed engine's tensors; it has no forward")
 
 
 def _engine_device(engine) -> torch.device:
@@ -254,9 +255,14 @@ def _entries(engine, min_offload_bytes: int) -> list:
     device = _engine_device(engine)
     inner = _inner_optimizer(engine)
     params = [p for g in inner.param_groups for p in g["params"]] if inner is not None else []
-    entries = collect_module_state(
-        [_EngineState(engine, inner)], device, extra_params=params, min_offload_bytes=min_offload_bytes
-    )
+    source = EngineSource(engine, inner)
+    source.before_copy()
+    tensors = source.tensors(True)
+    for i, p in enumerate(params):  # as the role lists them: the masters, and their grads
+        tensors.append((f"optimizer_param{i}", p, "param"))
+        if p.grad is not None:
+            tensors.append((f"optimizer_param{i}.grad", p.grad, "grad"))
+    entries = collect_tensors(tensors, device, min_offload_bytes=min_offload_bytes)
     if inner is not None:
         keys = {e.key for e in entries}
         entries += [

@@ -21,7 +21,16 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["GradPolicy", "ModuleSlots", "StateEntry", "collect_module_state", "collect_optimizer_state", "storage_key"]
+__all__ = [
+    "GradPolicy",
+    "Kind",
+    "ModuleSlots",
+    "StateEntry",
+    "collect_module_state",
+    "collect_optimizer_state",
+    "collect_tensors",
+    "storage_key",
+]
 
 GradPolicy = Literal["offload", "keep", "drop"]
 Kind = Literal["param", "grad", "buffer", "optim"]
@@ -179,6 +188,21 @@ def _walks_itself(m: torch.nn.Module) -> bool:
         cls.named_parameters is not torch.nn.Module.named_parameters
         or cls.named_buffers is not torch.nn.Module.named_buffers
     )
+
+
+def collect_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor, Kind]],
+    device: torch.device,
+    *,
+    min_offload_bytes: int = 0,
+    include_empty: bool = False,
+) -> list[StateEntry]:
+    """Entries for (name, tensor, kind) as listed (a role's sources), each storage once, with
+    the same rules as :func:`collect_module_state`."""
+    col = _Collector(device, min_offload_bytes, include_empty)
+    for name, t, kind in tensors:
+        col.add(t, kind, name)
+    return list(col.entries.values())
 
 
 def collect_module_state(

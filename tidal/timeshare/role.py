@@ -1,4 +1,5 @@
-"""A role: the modules and optimizers that take turns on a device as one unit."""
+"""A role: the state sources (modules, an engine, anything with the source protocol) and the
+optimizers that take turns on a device as one unit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Literal
 
 import torch
 
-from tidal.state.collect import GradPolicy, ModuleSlots, StateEntry, collect_module_state, collect_optimizer_state
+from tidal.state.collect import GradPolicy, StateEntry, collect_optimizer_state, collect_tensors
+from tidal.state.sources import ModuleSource, StateSource
 
 __all__ = ["Role", "OptimizerResidency"]
 
@@ -34,7 +36,7 @@ class Role:
     """
 
     name: str
-    modules: list[torch.nn.Module]
+    sources: list[StateSource]
     optimizers: list[torch.optim.Optimizer]
     grads: GradPolicy = "offload"
     optimizer_residency: OptimizerResidency = "step"
@@ -52,14 +54,22 @@ class Role:
     hidden_optimizer: torch.optim.Optimizer | None = None  # ... of this optimizer
     hooks: list = dataclasses.field(default_factory=list)
     _names: dict[int, str] | None = dataclasses.field(default=None, repr=False)
-    _slots: ModuleSlots | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self._slots = ModuleSlots(self.modules)  # where the modules keep their tensors, found once
         if self.grads not in _GRAD_POLICIES:
             raise ValueError(f"grads must be one of {_GRAD_POLICIES}, got {self.grads!r}")
         if self.optimizer_residency not in _RESIDENCIES:
             raise ValueError(f"optimizer_residency must be one of {_RESIDENCIES}, got {self.optimizer_residency!r}")
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The modules among the role's sources."""
+        return [m for s in self.sources if isinstance(s, ModuleSource) for m in s.modules]
+
+    def before_copy(self) -> None:
+        """Order the current stream after the sources' own work in flight (see StateSource)."""
+        for s in self.sources:
+            s.before_copy()
 
     def param_names(self) -> dict[int, str]:
         """id(param) -> name, computed once: it only names tensors in error messages, and a
@@ -81,17 +91,16 @@ class Role:
     def model_entries(
         self, device: torch.device, min_offload_bytes: int, *, grads: bool | None = None, include_empty: bool = True
     ) -> list[StateEntry]:
-        """Parameters, buffers and (by policy, or as ``grads`` says) gradients, found now from
-        the live tensors; with ``include_empty`` offloaded (0-byte) storages are listed too."""
-        policy = self.grads if grads is None else ("offload" if grads else "keep")
-        return collect_module_state(
-            self._slots,
-            device,
-            extra_params=self.loose_params(),
-            grads=policy,
-            min_offload_bytes=min_offload_bytes,
-            include_empty=include_empty,
-        )
+        """What the sources hold now (parameters, buffers, and by policy, or as ``grads``
+        says, gradients), then the optimizers' parameters no module registers; with
+        ``include_empty`` offloaded (0-byte) storages are listed too."""
+        with_grads = self.grads == "offload" if grads is None else grads
+        tensors = [t for s in self.sources for t in s.tensors(with_grads)]
+        for i, p in enumerate(self.loose_params()):
+            tensors.append((f"optimizer_param{i}", p, "param"))
+            if with_grads and p.grad is not None:
+                tensors.append((f"optimizer_param{i}.grad", p.grad, "grad"))
+        return collect_tensors(tensors, device, min_offload_bytes=min_offload_bytes, include_empty=include_empty)
 
     def optim_entries(
         self, device: torch.device, min_offload_bytes: int, *, include_empty: bool = True

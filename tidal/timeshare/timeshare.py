@@ -25,7 +25,8 @@ import torch
 from tidal.device import DeviceOps
 from tidal.errors import format_bytes
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
-from tidal.state.foreign import install_module_hooks, install_optimizer_hooks, moved_out
+from tidal.state.foreign import install_optimizer_hooks, moved_out
+from tidal.state.sources import ModuleSource, StateSource
 from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.role import OptimizerResidency, Role
 from tidal.timeshare.stream import restore_groups, streamed_step
@@ -146,6 +147,7 @@ class Timeshare:
         *,
         model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        source: StateSource | Sequence[StateSource] | None = None,
         grads: GradPolicy = "offload",
         optimizer_residency: OptimizerResidency = "step",
     ) -> Role:
@@ -154,6 +156,11 @@ class Timeshare:
         modules: a shared storage is counted once and stays resident while any role holding
         it is resident. A role whose state is partly offloaded already (it shares a module with
         an offloaded role) starts as not resident; ``use()`` brings it in.
+
+        ``model`` (modules) and ``source`` (anything implementing
+        :class:`~tidal.state.sources.StateSource`, e.g. a DeepSpeed engine's) say what the role
+        holds besides its optimizers' state. Raises ``ValueError``/``TypeError`` for a role
+        with nothing to move or state tidal cannot move, before anything is registered.
         """
         self._check_open()
         self._recover_if_interrupted()
@@ -165,8 +172,17 @@ class Timeshare:
             )
         modules = _as_list(model, torch.nn.Module, "model")
         optimizers = _as_list(optimizer, torch.optim.Optimizer, "optimizer")
-        if not modules and not optimizers:
-            raise ValueError(f"role {name!r} needs a model, an optimizer, or both")
+        sources = list(source) if isinstance(source, (list, tuple)) else ([source] if source is not None else [])
+        for s in sources:
+            if not all(callable(getattr(s, m, None)) for m in ("tensors", "install", "before_copy")):
+                raise TypeError(
+                    f"source must implement tidal.state.sources.StateSource (tensors, install, before_copy), "
+                    f"got {type(s).__name__}"
+                )
+        if modules:
+            sources.insert(0, ModuleSource(modules))
+        if not sources and not optimizers:
+            raise ValueError(f"role {name!r} needs a model, a source or an optimizer")
         for opt in optimizers:
             owner = timeshare_of(opt)
             if owner is not None:
@@ -174,7 +190,7 @@ class Timeshare:
                     f"this optimizer already belongs to role {owner[1]!r}; an optimizer "
                     f"can belong to one role only (its step hooks move its state)"
                 )
-        role = Role(name, modules, optimizers, grads=grads, optimizer_residency=optimizer_residency)
+        role = Role(name, sources, optimizers, grads=grads, optimizer_residency=optimizer_residency)
         # Collect now: validates the state (raises TypeError for unsupported tensors) before
         # anything is registered, and sizes the host slots.
         model_live = role.model_entries(self.device, self.config.min_offload_bytes)
@@ -185,16 +201,9 @@ class Timeshare:
             raise ValueError(f"role {name!r} has {self._why_no_state(role)}")
         role.resident = not any(self.store.is_offloaded(e.key) for e in entries)
         self.store.prepare([e for e in entries if not self.store.is_offloaded(e.key)])
-        guard = self._make_forward_guard(role)
-        seen: set[int] = set()
-        for top in modules:
-            # Every submodule: code that calls a block of the model directly must be refused
-            # too, not only the model's own forward.
-            for m in top.modules():
-                if id(m) not in seen:
-                    seen.add(id(m))
-                    role.hooks.append(m.register_forward_pre_hook(guard))
-        role.hooks += install_module_hooks(self.store, modules)
+        guard = self._make_guard(role)
+        for s in sources:
+            role.hooks += s.install(self.store, guard)
         for opt in optimizers:
             role.hooks.append(opt.register_step_pre_hook(self._make_step_pre_hook(role)))
             role.hooks.append(opt.register_step_post_hook(self._make_step_post_hook(role)))
@@ -348,6 +357,8 @@ class Timeshare:
         its params stay. Storages another resident role holds stay too."""
         self._recover_if_interrupted()
         role = self.role(name)
+        if grads:
+            role.before_copy()  # grads come from the sources, which may still write them
         live = self._optimizer_live(role, grads)
         others = self._resident_keys(exclude=(role,))
         entries = [e for e in live if e.nbytes > 0 and e.key not in others]
@@ -500,6 +511,8 @@ class Timeshare:
     def _transition(
         self, evict: list[Role], incoming: Role | None, *, recovering: bool = False
     ) -> TransitionRecord | None:
+        for r in [*evict, *([incoming] if incoming is not None else [])]:
+            r.before_copy()  # the copies wait for the current stream: it waits for the sources' own work
         keep = self._resident_keys(exclude=evict)
         in_entries: list[StateEntry] = []
         if incoming is not None:
@@ -633,22 +646,23 @@ class Timeshare:
         return rec
 
     # ---- hooks ------------------------------------------------------------------------------
-    def _make_forward_guard(self, role: Role):
-        def guard(module, args):
+    def _make_guard(self, role: Role):
+        def guard(where, tensors):
+            # Called by the role's sources before their state is used (a module's forward).
             if self._interrupted:
                 self._recover()
             if role.resident:
                 return
-            # The role is out; this module may still run if its own tensors are on the device
+            # The role is out; a module may still run if its own tensors are on the device
             # (shared with a resident role, or too small to move). Its children check theirs.
-            for name, t in itertools.chain(module._parameters.items(), module._buffers.items()):
-                if t is not None and moved_out(t):
-                    raise RuntimeError(
-                        f"role {role.name!r} is offloaded: {type(module).__name__}.{name} has no device "
-                        f"memory (its bytes are on the host). Run the model inside "
-                        f"`with ts.use({role.name!r}):`, or call ts.load({role.name!r}) first. To read "
-                        f"its values without loading it, use state_dict()"
-                    )
+            if tensors is not None and not any(moved_out(t) for t in tensors):
+                return
+            what = f"{type(where).__name__}" if where is not None else "its state"
+            raise RuntimeError(
+                f"role {role.name!r} is offloaded: {what} has no device memory (its bytes are on the host). "
+                f"Run it inside `with ts.use({role.name!r}):`, or call ts.load({role.name!r}) first. To read "
+                f"its values without loading it, use state_dict()"
+            )
 
         return guard
 

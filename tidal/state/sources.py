@@ -1,0 +1,96 @@
+"""State sources: what a role holds, how its use is refused while it is out, and what a copy of
+its state must wait for.
+
+A role is one or more sources plus its optimizers. A source lists the tensors it holds *now*
+(their storages are what moves), installs the guards that refuse its use while the role is out,
+and orders the current stream after any work of its own still in flight before a copy reads
+its state. Modules are a source (:class:`ModuleSource`); so is a DeepSpeed engine
+(``tidal.distributed.deepspeed``), and any object with these three methods can be::
+
+    class MySource:
+        def tensors(self, grads: bool) -> list[tuple[str, torch.Tensor, Kind]]: ...
+        def install(self, store, guard) -> list: ...     # hook handles, removed at close()
+        def before_copy(self) -> None: ...
+
+``guard(where, tensors)`` is the timeshare's check, to be called before the source's state is
+used: it raises if the role is out and any of ``tensors`` has no device memory (``tensors``
+None: if the role is out at all). ``tensors(grads)`` lists (name, tensor, kind) with kind
+"param", "buffer", "grad" or "optim"-free state: the optimizer state of the role is collected
+from its optimizers, not from sources.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from tidal.state.collect import Kind, ModuleSlots
+from tidal.state.foreign import install_module_hooks
+
+__all__ = ["Guard", "ModuleSource", "StateSource"]
+
+Guard = Callable[[Any, "Sequence[torch.Tensor] | None"], None]
+
+
+class StateSource(Protocol):
+    def tensors(self, grads: bool) -> list[tuple[str, torch.Tensor, Kind]]:
+        """What the source holds now; with ``grads`` the gradients that move with it too."""
+        ...
+
+    def install(self, store: Any, guard: Guard) -> list:
+        """Install the guards (and whatever makes foreign access right while the state is
+        out, e.g. state-dict hooks reading ``store``'s host copies); returns the handles."""
+        ...
+
+    def before_copy(self) -> None:
+        """Order the current stream after the source's own work that may still write its
+        state (a copy waits for the current stream)."""
+        ...
+
+
+class ModuleSource:
+    """One or more ``nn.Module``: their parameters, buffers and (by the role's policy) the
+    parameters' gradients, read through cached slots (:class:`ModuleSlots`).
+
+    Guards: a forward pre-hook on every submodule, checking that module's own tensors (a
+    module shared with a resident role runs; its children check theirs), and the state-dict
+    hooks of ``tidal.state.foreign``."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        self.modules = list(modules)
+        self._slots = ModuleSlots(self.modules)
+
+    def tensors(self, grads: bool) -> list[tuple[str, torch.Tensor, Kind]]:
+        params, buffers = self._slots.named()
+        out: list[tuple[str, torch.Tensor, Kind]] = [(n, p, "param") for n, p in params]
+        out += [(n, b, "buffer") for n, b in buffers]
+        if grads:
+            out += [(n + ".grad", p.grad, "grad") for n, p in params if p.grad is not None]
+        return out
+
+    def install(self, store: Any, guard: Guard) -> list:
+        handles = []
+        seen: set[int] = set()
+        for top in self.modules:
+            # Every submodule: code that calls a block of the model directly is checked too,
+            # not only the model's own forward.
+            for m in top.modules():
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    handles.append(m.register_forward_pre_hook(_module_guard(guard)))
+        return handles + install_module_hooks(store, self.modules)
+
+    def before_copy(self) -> None:
+        pass  # module state is written on the current stream only
+
+
+def _module_guard(guard: Guard):
+    def hook(module, args):
+        guard(
+            module,
+            [t for _, t in itertools.chain(module._parameters.items(), module._buffers.items()) if t is not None],
+        )
+
+    return hook
