@@ -1,9 +1,12 @@
 """Where every storage of registered state lives, and the verbs that move it.
 
-Offload = copy the storage's bytes to its host slot, then ``storage.resize_(0)``; reload =
-``resize_`` back and copy in. The tensor objects (parameters, ``.grad``, optimizer state
-values, views) never change, so optimizer keys, hooks and references held by user code stay
-valid, and nothing is left pointing at GPU memory (the leak that ``.data = ...`` causes).
+Offload = copy the storage's bytes to its host slot, then the residency backend releases its
+device memory (``tidal.state.backends``; by default ``storage.resize_(0)``); reload = the
+backend restores it and the bytes are copied in. The store admits, keeps the host slots,
+schedules the copies, records and recovers; it never frees device memory itself. The tensor
+objects (parameters, ``.grad``, optimizer state values, views) never change, so optimizer
+keys, hooks and references held by user code stay valid, and nothing is left pointing at GPU
+memory (the leak that ``.data = ...`` causes).
 
 The store is shared by every role of a timeshare, so a storage held by two roles has one
 host slot, moves once, and is only freed when no resident role holds it (the caller passes
@@ -25,6 +28,7 @@ import torch
 from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError, StateCorruptionError
 from tidal.memory import snapshot
+from tidal.state.backends import ResidencyBackend, ResizeBackend
 from tidal.state.collect import StateEntry
 from tidal.state.digest import digest
 from tidal.transfer.arena import HostArena, HostSlot
@@ -64,12 +68,22 @@ class OffloadStore:
     staging bucket per direction during a transfer.
     """
 
-    def __init__(self, ops: DeviceOps, config: TransferConfig | None = None, *, release_to_driver: bool = True) -> None:
+    def __init__(
+        self,
+        ops: DeviceOps,
+        config: TransferConfig | None = None,
+        *,
+        release_to_driver: bool = True,
+        backend: ResidencyBackend | None = None,
+    ) -> None:
         self.ops = ops
-        # False keeps freed blocks in torch's caching allocator: reusable by this process
-        # (the next role, activations), invisible to others, and no driver remap on reload.
-        self.release_to_driver = release_to_driver
         self.config = config or TransferConfig()
+        # How device memory goes and comes back. release_to_driver=False keeps freed blocks in
+        # torch's caching allocator: reusable by this process (the next role, activations),
+        # invisible to others, and no driver remap on reload.
+        self.backend: ResidencyBackend = backend or ResizeBackend(
+            ops, coalesce=self.config.coalesce_allocations, release_to_driver=release_to_driver
+        )
         self.arena = HostArena(ops, pin=self.config.pin_host)
         self.engine = TransferEngine(ops, self.arena, self.config)
         self._slots: dict[int, tuple[HostSlot, weakref.ref]] = {}
@@ -210,8 +224,8 @@ class OffloadStore:
     # ---- verbs --------------------------------------------------------------------------------
     def offload(self, entries: Sequence[StateEntry], *, release: bool | None = None) -> MoveResult:
         """Copy ``entries`` to host and free their device memory. Already-offloaded entries
-        are skipped. Blocks until the copies are done and (``release``, default the store's
-        ``release_to_driver``) the memory is back with the driver."""
+        are skipped. Blocks until the copies are done and (unless ``release`` is False) the
+        backend has settled the freed memory (by default: back with the driver)."""
         return self.switch(entries, [], release=release)
 
     def reload(self, entries: Sequence[StateEntry], *, what: str = "reload") -> MoveResult:
@@ -277,7 +291,9 @@ class OffloadStore:
                 "that are not part of any role (activations, caches).",
             )
         self.prepare(out_todo)
-        coalesce = need_in <= room and self.ops.is_accelerator and self.config.coalesce_allocations
+        # Reserving ahead only when everything incoming fits at once (else blocks are freed and
+        # reused one segment at a time, and a reservation would only get in the way).
+        coalesce = need_in <= room
         t0 = time.perf_counter()
         self._in_flight = True  # cleared once every storage is where the bookkeeping says
         try:
@@ -290,10 +306,8 @@ class OffloadStore:
         seconds = time.perf_counter() - t0
         self._in_flight = False
         t1 = time.perf_counter()
-        if out_todo and (self.release_to_driver if release is None else release):
-            # Hand the freed blocks back to the driver: other processes (an inference engine)
-            # only see what the driver sees.
-            self.ops.release_to_driver()
+        if out_todo and release is not False:
+            self.backend.settle()
         after = snapshot(self.ops)
         self.last_move = MoveResult(
             bytes_out=freeable,
@@ -349,7 +363,7 @@ class OffloadStore:
                 # The storages stay tracked (offloaded) while they are allocated and written:
                 # an exception before their copy completed frees them again in recover().
                 for item in seg.items:
-                    item.storage.resize_(item.nbytes)
+                    self.backend.restore(item.storage, item.nbytes)
                 ops.point("reload_allocated")
                 alloc_seconds += time.perf_counter() - ta
                 room -= seg.nbytes
@@ -446,31 +460,20 @@ class OffloadStore:
         freed = []
         for e in self._offloaded.values():
             if e.storage.nbytes() > 0:
-                e.storage.resize_(0)
+                self.backend.release(e.storage)
                 freed.append(e)
         self.engine.release_staging()
         self._in_flight = False
         return freed
 
     def _reserve_device_block(self, segs: Sequence[Segment], first: int, target_bytes: int) -> int:
-        """Make the caching allocator hold one free block that fits the large storages of
-        ``segs[first:j]`` (about ``target_bytes``), so their ``resize_`` calls split it instead
-        of each paying a ``cudaMalloc``, and the next offload returns few segments instead of
-        hundreds. Returns ``j``."""
-        # The allocator serves requests above 1 MiB from its large pool, rounded to 512 bytes;
-        # smaller ones come from 2 MiB small-pool segments that this block cannot serve.
-        large, j = 0, first
-        while j < len(segs) and large < target_bytes:
-            large += sum(-(-it.nbytes // 512) * 512 for it in segs[j].items if it.nbytes > (1 << 20))
+        """Tell the backend that the storages of ``segs[first:j]`` (about ``target_bytes``)
+        are about to be restored, so it can take their memory in one piece; returns ``j``."""
+        nbytes, j = [], first
+        while j < len(segs) and sum(nbytes) < target_bytes:
+            nbytes += [it.nbytes for it in segs[j].items]
             j += 1
-        if large >= (16 << 20):
-            try:
-                # Allocated and freed on the current stream, whose pool the storages'
-                # resize_ calls draw from.
-                block = torch.empty(large, dtype=torch.uint8, device=self.ops.device)
-                del block
-            except torch.OutOfMemoryError:
-                pass  # fragmented: those storages fall back to one allocation each
+        self.backend.reserve(nbytes)
         return j
 
     def _free_segment(self, seg: Segment, event: object, digested: object = None) -> int:
@@ -483,7 +486,7 @@ class OffloadStore:
         for item in seg.items:
             self._offloaded[item.tag.key] = item.tag  # tracked first: the host copy is complete
             self.ops.point("offload_tracked")
-            item.storage.resize_(0)
+            self.backend.release(item.storage)
         return seg.nbytes
 
     def close(self) -> None:
