@@ -469,9 +469,10 @@ class OffloadStore:
     def _reserve_device_block(self, segs: Sequence[Segment], first: int, target_bytes: int) -> int:
         """Tell the backend that the storages of ``segs[first:j]`` (about ``target_bytes``)
         are about to be restored, so it can take their memory in one piece; returns ``j``."""
-        nbytes, j = [], first
-        while j < len(segs) and sum(nbytes) < target_bytes:
+        nbytes, total, j = [], 0, first
+        while j < len(segs) and total < target_bytes:
             nbytes += [it.nbytes for it in segs[j].items]
+            total += segs[j].nbytes
             j += 1
         self.backend.reserve(nbytes)
         return j
