@@ -179,7 +179,7 @@ def bench_config(name: str, steps: int, budget_frac: float) -> dict:
                 line["d2h"], line["h2d"] = rate
             warm = 2  # with a budget: the measured reference step, then a planned warm-up step
             row, _ = run_variant(model, ids, variant, steps, warm, lambda: off)
-            row.note = (row.note + f" host {off.arena.reserved_bytes / 2**30:.2f} GiB").strip()
+            row.note = (row.note + f" host {off.host_reserved_bytes / 2**30:.2f} GiB").strip()
             if off.plan is not None:
                 extra["plan"] = {
                     "modes": [m.value for m in off.plan.modes],

@@ -106,7 +106,7 @@ def _run(rank: int, world: int, args, root: str) -> dict:
 
     import tidal
     from tidal.checkpoint import TrainState, load, save
-    from tidal.cli.models import build_model
+    from tidal_recipes.cli.models import build_model
     from tidal.distributed import shard_model
 
     cuda = args.device == "cuda"

@@ -24,7 +24,7 @@ Everything runs in one process, in this order, and every figure printed is measu
    Median of ``--throughput-steps`` steps after ``--throughput-warmup`` warm-up steps.
 
 2. **A full train step on the GPU** (skipped with a message when no CUDA device is used):
-   ``--preset`` (default qwen2-1.5b) from ``tidal.cli.models.build_model``, bf16 params, one
+   ``--preset`` (default qwen2-1.5b) from ``tidal_recipes.cli.models.build_model``, bf16 params, one
    batch of random token ids, ``loss = model(input_ids=x, labels=x).loss``. Each variant gets a
    fresh model built from the same seed (the previous one is freed and the cache emptied):
 
@@ -65,7 +65,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import tidal  # noqa: E402
-from tidal.cli.models import PRESETS, PlainQwen2Shape, build_model  # noqa: E402
+from tidal_recipes.cli.models import PRESETS, PlainQwen2Shape, build_model  # noqa: E402
 from tidal.device import host_available_bytes  # noqa: E402
 
 GIB = 1 << 30

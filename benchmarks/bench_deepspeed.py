@@ -6,7 +6,7 @@
 
 For each ZeRO stage and each way, a fresh process (so the first cycle is really cold: nothing
 pinned, no allocator cache) builds a Qwen2-shape causal LM with random weights
-(``tidal.cli.models.build_model``: transformers ``from_config``, no download), wraps it with
+(``tidal_recipes.cli.models.build_model``: transformers ``from_config``, no download), wraps it with
 ``deepspeed.initialize`` (bf16, gradient clipping, DeepSpeed's default buckets, world size 1
 over NCCL), trains 2 steps on random tokens so every buffer exists, then offloads and
 reloads ``--cycles`` times:
@@ -123,7 +123,7 @@ def run_one(args) -> dict:
 
     import deepspeed
 
-    from tidal.cli.models import PRESETS, StateReference, build_model
+    from tidal_recipes.cli.models import PRESETS, StateReference, build_model
     from tidal.device import DeviceOps
     from tidal.distributed import DeepSpeedOffload, deepspeed_state_bytes
     from tidal.memory import host_rss_bytes

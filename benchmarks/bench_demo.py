@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tidal.cli.demo import DemoSettings, defaults_for, run_demo  # noqa: E402
+from tidal_recipes.cli.demo import DemoSettings, defaults_for, run_demo  # noqa: E402
 from tidal.plan import predict_phases  # noqa: E402
 
 CONFIGS = {
@@ -59,7 +59,7 @@ _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def prediction(s: DemoSettings) -> dict[str, int]:
-    """The planner's per-phase peak for exactly what the demo runs (tidal.rl.GRPOTrainer):
+    """The planner's per-phase peak for exactly what the demo runs (tidal_recipes.grpo.GRPOTrainer):
     prompts of digits+2 tokens with no padding mask; its own sampling loop over the 10 digit
     ids; reference and train forwards computing logits of the answer (+1) positions only and
     log-probs over the 10 digit ids; a timeshared step whose optimizer step runs inside the

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_offload.py [--device cuda:0] [--warm-iters 3] [--results PATH]
 
-Each preset runs in its own process (``python -m tidal bench``), so each one's "cold"
+Each preset runs in its own process (``python -m tidal_recipes bench``), so each one's "cold"
 figures are the first transitions after start-up and one preset's pinned memory or
 allocator cache cannot flatter or starve the next. Every run appends a row to
 ``benchmarks/RESULTS.md`` and writes its JSON to ``--json-dir``; this script then prints what each
@@ -32,7 +32,7 @@ def run_preset(preset: str, device: str, warm_iters: int, results: str, json_dir
     cmd = [
         sys.executable,
         "-m",
-        "tidal",
+        "tidal_recipes",
         "bench",
         "--preset",
         preset,

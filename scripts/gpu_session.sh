@@ -20,7 +20,7 @@ for part in $parts; do
     probe) timeout 240 python3 scripts/probe_fsdp_release.py qwen2-0.5b 3 > "$OUT/probe.log" 2>&1 || status=1 ;;
     tests) timeout 540 python3 -m pytest -q -m gpu ${TESTS:-tests} --durations=8 -p no:cacheprovider \
              > "$OUT/gpu_tests.log" 2>&1 || status=1 ;;
-    demo) timeout 300 python3 -m tidal demo --roles processes --steps ${DEMO_STEPS:-8} --baseline-steps 0 \
+    demo) timeout 300 python3 -m tidal_recipes demo --roles processes --steps ${DEMO_STEPS:-8} --baseline-steps 0 \
              --out "$OUT/demo-processes" > "$OUT/demo_processes.log" 2>&1 || status=1 ;;
     deepspeed) if [ -d .whl ]; then bash scripts/gpu_deepspeed.sh > "$OUT/deepspeed.log" 2>&1 || status=1; fi ;;
     ckpt) timeout 300 python3 benchmarks/bench_checkpoint.py --results "$OUT/RESULTS.md" --json "$OUT/ckpt.json" \
@@ -31,7 +31,7 @@ for part in $parts; do
         cat /tmp/rayparts/ray.part.aa .rayB/ray.part.ab > /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/raysite \
           /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl .rayB/*.whl > "$OUT/ray_install.log" 2>&1 || status=1
-        PYTHONPATH=/tmp/raysite:$PYTHONPATH RAY_AUTH_MODE=disabled timeout 300 python3 -m tidal demo --roles ray \
+        PYTHONPATH=/tmp/raysite:$PYTHONPATH RAY_AUTH_MODE=disabled timeout 300 python3 -m tidal_recipes demo --roles ray \
           --steps ${DEMO_STEPS:-8} --baseline-steps 0 --out "$OUT/demo-ray" > "$OUT/demo_ray.log" 2>&1 || status=1
       fi ;;
   esac

@@ -19,7 +19,7 @@ if [ "${1:-}" != "quick" ]; then
   python3 benchmarks/bench_offload.py --results "$OUT/RESULTS.md" --json-dir "$OUT" 2>&1 | tee "$OUT/bench_offload.log" || status=1
   python3 benchmarks/bench_cpu_adam.py --results "$OUT/RESULTS.md" 2>&1 | tee "$OUT/bench_cpu_adam.log" || status=1
   # The same 1.5B run with freed blocks kept in torch's cache (single-process timeshare).
-  python3 -m tidal bench --preset qwen2-1.5b --keep-cache --results "$OUT/RESULTS.md" 2>&1 | tail -20 | tee -a "$OUT/bench_offload.log" || status=1
+  python3 -m tidal_recipes bench --preset qwen2-1.5b --keep-cache --results "$OUT/RESULTS.md" 2>&1 | tail -20 | tee -a "$OUT/bench_offload.log" || status=1
 fi
 echo "gpu_suite exit status: $status"
 exit $status

@@ -12,7 +12,7 @@ import time
 import torch
 
 import tidal
-from tidal.cli.models import build_model
+from tidal_recipes.cli.models import build_model
 
 
 def kernel_rate(n: int) -> float:

@@ -67,7 +67,7 @@ def _run(rank: int, world: int, store: str, preset: str, cycles: int) -> None:
         "nccl", rank=rank, world_size=world, init_method=f"file://{store}", device_id=torch.device("cuda", rank)
     )
     import tidal
-    from tidal.cli.models import build_model
+    from tidal_recipes.cli.models import build_model
     from tidal.distributed import shard_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

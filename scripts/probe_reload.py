@@ -8,7 +8,7 @@ import time
 import torch
 
 import tidal
-from tidal.cli.models import build_model, make_adamw_state
+from tidal_recipes.cli.models import build_model, make_adamw_state
 
 
 def main() -> None:

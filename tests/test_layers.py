@@ -1,6 +1,8 @@
-"""The package's layers, written down once: a module imports only its own layer and those
-below; no import cycles between modules (imports for type checking only excepted); imports of
-tidal inside functions only where a layer says why (the CLI keeps ``tidal --help`` instant)."""
+"""The layers of the library (``tidal``) and of its recipes (``tidal_recipes``, above it),
+written down once: a module imports only its own layer and those below (so the library never
+imports a recipe); no import cycles between modules (imports for type checking only
+excepted); imports inside functions only where a layer says why (the CLI keeps ``tidal
+--help`` instant)."""
 
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.state",),  # a role's storages and the store that moves them
     ("tidal.timeshare", "tidal.optim", "tidal.activations", "tidal.plan"),  # the capabilities
     ("tidal.checkpoint", "tidal.distributed"),  # built on the capabilities
-    ("tidal.rl",),  # the GRPO reference loop
-    ("tidal.cli",),  # the command line
-    ("tidal", "tidal.__main__"),  # the public API
+    ("tidal",),  # the public API: everything above is a recipe, never imported by the library
+    ("tidal_recipes.grpo",),  # the GRPO reference loop and its toy task
+    ("tidal_recipes.cli", "tidal_recipes.__main__", "tidal_recipes"),  # the command line
 ]
+PACKAGES = ("tidal", "tidal_recipes")
 # Where an import inside a function is the design, not a way around a cycle.
-LAZY_OK = {"tidal.cli": "subcommands import their machinery when run, so `tidal --help` needs no torch"}
+LAZY_OK = {"tidal_recipes.cli": "subcommands import their machinery when run, so `tidal --help` needs no torch"}
 
 
 def _layer(module: str) -> int:
@@ -37,7 +40,7 @@ def _layer(module: str) -> int:
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in (ROOT / "tidal").rglob("*.py"):
+    for path in (p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
@@ -73,7 +76,7 @@ def _imports(modules: dict[str, Path]) -> list[tuple[str, str, bool, int]]:
                 # `from pkg import sub` imports the module pkg.sub when it is one.
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             for t in targets:
-                if t == "tidal" or t.startswith("tidal."):
+                if any(t == p or t.startswith(p + ".") for p in PACKAGES):
                     out.append((name, t, id(node) in top, node.lineno))
     return out
 

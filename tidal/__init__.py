@@ -17,7 +17,7 @@ from tidal.optim import CPUAdam
 from tidal.state.sources import StateSource
 from tidal.state.strict import StrictAccessError, strict_access
 from tidal.timeshare import Role, Timeshare, TimeshareConfig, TransitionRecord, offload_optimizer
-from tidal.transfer import TransferConfig
+from tidal.transfer import TransferConfig, TransferContext
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "Timeshare",
     "TimeshareConfig",
     "TransferConfig",
+    "TransferContext",
     "TransitionRecord",
     "LayerMode",
     "StepReport",

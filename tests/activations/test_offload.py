@@ -22,6 +22,7 @@ from tests.activations.models import (
 from tests.policies import SkipWaits
 from tests.transfer.fakes import FakeAccelOps
 from tidal.device import use_sync_policy
+from tidal.transfer import TransferContext
 
 CFG = ActivationOffloadConfig(min_offload_bytes=256)
 
@@ -142,7 +143,7 @@ def test_arena_reused_across_steps_and_offloader_cached():
         opt.zero_grad(set_to_none=True)
         rep = off.report()
         assert rep.bytes_offloaded > 0 and rep.bytes_reloaded == rep.bytes_offloaded
-        reserved.append(off.arena.reserved_bytes)
+        reserved.append(off.host_reserved_bytes)
         offs.add(id(off))
         assert off.arena.used_bytes == 0  # every slot returned once the graph died
     assert len(offs) == 1
@@ -285,9 +286,7 @@ def test_fake_accelerator_issues_every_wait():
     torch.manual_seed(0)
     model = MixedLM(pairs=2)
     ops = FakeAccelOps()
-    off = ActivationOffloader(model, layers=model.blocks, config=CFG)
-    off.ops = ops
-    off._mover = ta.offload.GroupMover(ops, bucket_bytes=1 << 16, small_copy_bytes=1 << 12, measure=False)
+    off = ActivationOffloader(model, layers=model.blocks, config=CFG, context=TransferContext(ops))
     with off:
         loss = model(_ids())
     loss.backward()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-import tidal.activations as ta
 from tests.activations.models import MixedLM, assert_bitwise_equal, grads_of
 from tests.faults import sweep
 from tests.transfer.fakes import FakeAccelOps
+from tidal.transfer import TransferContext
 from tidal.activations import ActivationOffloadConfig, ActivationOffloader
 
 CFG = ActivationOffloadConfig(min_offload_bytes=256)
@@ -44,9 +44,7 @@ def test_fault_at_every_point_of_an_offloaded_step_loses_nothing():
         torch.manual_seed(0)
         model = MixedLM(pairs=1)
         ops = FakeAccelOps()
-        off = ActivationOffloader(model, layers=model.blocks, config=CFG)
-        off.ops = ops
-        off._mover = ta.offload.GroupMover(ops, bucket_bytes=1 << 16, small_copy_bytes=1 << 12, measure=False)
+        off = ActivationOffloader(model, layers=model.blocks, config=CFG, context=TransferContext(ops))
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         return {"model": model, "off": off, "params": params}
 

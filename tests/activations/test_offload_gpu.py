@@ -16,7 +16,8 @@ import torch.nn as nn
 from tidal.activations import ActivationOffloadConfig, ActivationOffloader, LayerMode
 from tidal.activations.mover import Batch, GroupMover
 from tidal.activations.saved import SavedStorage
-from tidal.device import DeviceOps, use_sync_policy
+from tidal.device import use_sync_policy
+from tidal.transfer import TransferContext
 from tests.activations.models import assert_bitwise_equal, grads_of, tiny_qwen2
 from tests.policies import SkipWaits
 
@@ -69,7 +70,7 @@ def test_cuda_qwen2_bit_exact(checkpointing, dtype, deterministic):
 
 # ---- one race per wait ------------------------------------------------------------------------
 def _mover() -> GroupMover:
-    return GroupMover(DeviceOps("cuda"), bucket_bytes=16 << 20, small_copy_bytes=2 << 20, measure=False)
+    return GroupMover(TransferContext("cuda"), bucket_bytes=16 << 20, small_copy_bytes=2 << 20, measure=False)
 
 
 def _record(value: float) -> tuple[SavedStorage, Batch]:

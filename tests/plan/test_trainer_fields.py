@@ -1,4 +1,4 @@
-"""The fields that describe tidal's own GRPO trainer (tidal.rl): each one moves the prediction
+"""The fields that describe tidal's own GRPO trainer (tidal_recipes.grpo): each one moves the prediction
 in the direction, and by the amount, that hand arithmetic gives.
 
 Shape: qwen2-0.5b (24 layers, hidden 896, MLP 4864, 14 heads / 2 KV heads of 64, vocab

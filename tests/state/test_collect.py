@@ -309,3 +309,45 @@ def test_entries_are_state_entries_with_live_storages():
     for e in collect_module_state([m], CPU):
         assert isinstance(e, StateEntry)
         assert e.storage.nbytes() == e.nbytes and e.key == storage_key(e.storage)
+
+
+# ---- cached module slots -------------------------------------------------------------------
+def test_cached_slots_see_replaced_and_newly_registered_tensors():
+    from tidal.state.collect import ModuleSlots
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    slots = ModuleSlots([m])
+    assert [n for n, _ in slots.named()[0]] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    new_w = nn.Parameter(torch.randn(4, 4))
+    m[0].weight = new_w  # replaced under the same name: read through the slot
+    assert slots.named()[0][0][1] is new_w
+    m[1].register_buffer("scale", torch.ones(2))  # a registration: the slots are found again
+    assert [n for n, _ in slots.named()[1]] == ["1.scale"]
+
+
+def test_debug_mode_catches_a_tensor_registered_behind_torchs_back():
+    """A tensor written into ``_parameters`` directly fires no registration hook, so the cache
+    misses it; with verification on that is an error, not a silently unmoved tensor."""
+    from tidal.state.collect import ModuleSlots
+
+    m = nn.Sequential(nn.Linear(4, 4))
+    quiet, checked = ModuleSlots([m]), ModuleSlots([m], verify=True)
+    quiet.named(), checked.named()
+    m[0]._parameters["extra"] = nn.Parameter(torch.randn(3))
+    assert "0.extra" not in [n for n, _ in quiet.named()[0]]  # the stale cache, unverified
+    with pytest.raises(RuntimeError, match=r"stale.*0\.extra"):
+        checked.named()
+
+
+def test_timeshare_config_turns_the_debug_check_on():
+    import tidal
+
+    m = nn.Sequential(nn.Linear(8, 8))
+    ts = tidal.Timeshare("cpu", config=tidal.TimeshareConfig(verify_storage_sets=True))
+    ts.add_role("a", model=m)
+    ts.offload("a")
+    ts.load("a")
+    m[0]._parameters["extra"] = nn.Parameter(torch.randn(64))
+    with pytest.raises(RuntimeError, match="stale"):
+        ts.offload("a")
+    assert ts.is_resident("a") and m[0].weight.untyped_storage().nbytes() > 0  # refused before moving

@@ -266,7 +266,7 @@ def test_offload_optimizer_whose_exit_reload_fails_strands_nothing(monkeypatch, 
         store = None
         with pytest.raises(tidal.InsufficientMemoryError) if fail else contextlib.nullcontext():
             with tidal.offload_optimizer(opt, grads=True):
-                store = tidal.timeshare.optimizer._STANDALONE[opt]
+                store = tidal.transfer.TransferContext.of("cpu").owner_of(opt)
                 if fail:
                     monkeypatch.setattr(store.ops, "driver_free_bytes", lambda: (0, 1 << 40))
         if fail:

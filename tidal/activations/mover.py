@@ -36,7 +36,7 @@ import torch
 
 from tidal.activations.saved import SavedStorage
 from tidal.device import DeviceOps
-from tidal.transfer import CopyItem, HostArena, TransferConfig, TransferEngine
+from tidal.transfer import CopyItem, TransferConfig, TransferContext
 
 __all__ = ["Batch", "GroupMover", "Timer"]
 
@@ -84,11 +84,13 @@ class Batch:
 class GroupMover:
     """Owns the host arena, the copy engine and the events of activation offload."""
 
-    def __init__(self, ops: DeviceOps, *, bucket_bytes: int, small_copy_bytes: int, measure: bool) -> None:
-        self.ops = ops
-        self.arena = HostArena(ops, pin=True)
+    def __init__(self, context: TransferContext, *, bucket_bytes: int, small_copy_bytes: int, measure: bool) -> None:
+        self.context = context
+        self.ops = ops = context.ops
         cfg = TransferConfig(bucket_bytes=bucket_bytes, small_tensor_bytes=small_copy_bytes, pin_host=True)
-        self.engine = TransferEngine(ops, self.arena, cfg)
+        self.engine = context.engine(cfg)
+        self.arena = self.engine.arena
+        self.owner = context.label("ActivationOffloader")
         self.d2h_stream = self.engine.d2h_stream
         self.h2d_stream = self.engine.h2d_stream
         self.timer = Timer(ops, measure)
@@ -112,7 +114,7 @@ class GroupMover:
             produced.record(self.ops.current_stream())
             # D2H must not read the activations before the compute kernels that write them ran.
             self.ops.wait_event("act_produce", self.d2h_stream, produced)
-        slots = self.arena.reserve([r.nbytes for r in batch.records])
+        slots = self.arena.reserve([r.nbytes for r in batch.records], owner=self.owner)
         items = []
         for rec, slot in zip(batch.records, slots):
             rec.slot = slot
@@ -202,7 +204,7 @@ class GroupMover:
         ``repeats``; None on CPU. The host slot is given back to the arena afterwards."""
         if not (self.ops.is_accelerator and self.ops.module is not None):
             return None
-        slot = self.arena.reserve([nbytes])[0]
+        slot = self.arena.reserve([nbytes], owner=self.owner)[0]
         x_host = self.arena.view(slot)
         x_gpu = torch.empty(nbytes, dtype=torch.uint8, device=self.ops.device)
         rates: list[list[float]] = [[], []]
@@ -228,4 +230,5 @@ class GroupMover:
     def close(self) -> None:
         self.ops.synchronize()
         self.engine.release_staging()
-        self.arena.close()
+        self.arena.disown(self.owner)
+        self.context.trim()

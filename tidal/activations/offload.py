@@ -81,7 +81,7 @@ from tidal.activations.saved import (
     static_storage_keys,
 )
 from tidal.activations.step import Group, Step
-from tidal.device import DeviceOps
+from tidal.transfer.context import TransferContext
 
 __all__ = ["ActivationOffloader", "offload_activations"]
 
@@ -100,6 +100,8 @@ class ActivationOffloader:
         plan: a per-layer plan (a sequence of :class:`LayerMode`, or an
             :class:`~tidal.activations.planner.ActivationPlan`); overrides ``budget_bytes``.
         device: where the activations live (default: the device of the layers' parameters).
+        context: the transfer context whose copy streams and host arena to use (default: the
+            process's one for ``device``, shared with the timeshare and CPUAdam).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class ActivationOffloader:
         config: ActivationOffloadConfig | None = None,
         plan: Any = None,
         device: str | torch.device | None = None,
+        context: TransferContext | None = None,
     ) -> None:
         if config is not None and not isinstance(config, ActivationOffloadConfig):
             raise TypeError(f"config must be an ActivationOffloadConfig, got {type(config).__name__}")
@@ -118,11 +121,9 @@ class ActivationOffloader:
         self.layers = resolve_layers(model, layers, layer_cls)
         self._model_ref = weakref.ref(model)
         if device is None:
-            params = [p for layer in self.layers for p in layer.parameters()] or list(model.parameters())
-            device = params[0].device if params else torch.device("cpu")
-            if device.type == "meta":
-                raise ValueError("the model is on the meta device; materialise it before offloading")
-        self.ops = DeviceOps(device)
+            device = _layers_device(model, self.layers)
+        self.context = context if context is not None else TransferContext.of(device)
+        self.ops = self.context.ops
         if self.config.budget_bytes is not None and not self.ops.is_accelerator:
             raise ValueError(
                 "budget_bytes needs an accelerator: the planner measures device memory and copy "
@@ -131,7 +132,7 @@ class ActivationOffloader:
         if self.config.budget_bytes is not None and not self.config.measure:
             raise ValueError("budget_bytes needs measure=True: the planner plans from measured times")
         self._mover = GroupMover(
-            self.ops,
+            self.context,
             bucket_bytes=self.config.bucket_bytes,
             small_copy_bytes=self.config.small_copy_bytes,
             measure=self.config.measure,
@@ -156,8 +157,13 @@ class ActivationOffloader:
     # ---- public --------------------------------------------------------------------------------
     @property
     def arena(self):
-        """The pinned host arena holding offloaded activations (``reserved_bytes``: its RAM)."""
+        """The (shared) pinned host arena holding offloaded activations."""
         return self._mover.arena
+
+    @property
+    def host_reserved_bytes(self) -> int:
+        """Host bytes of the arena chunks serving this offloader (its RAM, kept between steps)."""
+        return self._mover.arena.owner_bytes(self._mover.owner)
 
     def step(self) -> "ActivationOffloader":
         """The context for one forward (same as using the offloader itself)."""
@@ -436,7 +442,7 @@ class ActivationOffloader:
             group_input_bytes=[g.input_bytes for g in groups],
             peak_allocated_bytes=step.peak if step.peak is not None else self._peak(),
             start_allocated_bytes=step.start_allocated,
-            host_reserved_bytes=self._mover.arena.reserved_bytes,
+            host_reserved_bytes=self.host_reserved_bytes,
         )
         if measured and groups:
             rep.exposed_copy_s = stall_f + stall_b
@@ -464,7 +470,12 @@ class ActivationOffloader:
         return rep
 
 
-_OFFLOADERS: "weakref.WeakKeyDictionary[nn.Module, ActivationOffloader]" = weakref.WeakKeyDictionary()
+def _layers_device(model: nn.Module, layers: Sequence[nn.Module]) -> torch.device:
+    params = [p for layer in layers for p in layer.parameters()] or list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if device.type == "meta":
+        raise ValueError("the model is on the meta device; materialise it before offloading")
+    return device
 
 
 def offload_activations(
@@ -484,8 +495,9 @@ def offload_activations(
 
     The model's :class:`ActivationOffloader` is made on first use and reused while ``layers``,
     the config and the plan stay the same, so its pinned host memory (and its plan, with
-    ``budget_bytes``) carry over from step to step. Config fields may be given as keywords
-    or as ``config=``, not both.
+    ``budget_bytes``) carry over from step to step. It is found again through the claim it
+    holds on ``model`` in the device's :class:`~tidal.transfer.TransferContext`. Config
+    fields may be given as keywords or as ``config=``, not both.
     """
     if config is not None and config_fields:
         raise TypeError("give config= or config fields as keywords, not both")
@@ -493,11 +505,13 @@ def offload_activations(
     resolved = resolve_layers(model, layers, layer_cls)
     plan_key = None if plan is None else tuple(LayerMode(m) for m in getattr(plan, "modes", plan))
     key = (tuple(id(m) for m in resolved), cfg, plan_key)
-    off = _OFFLOADERS.get(model)
-    if off is None or off._cache_key != key:
-        if off is not None:
+    context = TransferContext.of(_layers_device(model, resolved))
+    off = context.owner_of(model)
+    if not isinstance(off, ActivationOffloader) or off._cache_key != key:
+        if isinstance(off, ActivationOffloader):
             off.close()  # refuses while its activations are alive
-        off = ActivationOffloader(model, layers=resolved, config=cfg, plan=plan)
+            context.release(model, off)
+        off = ActivationOffloader(model, layers=resolved, config=cfg, plan=plan, context=context)
         off._cache_key = key
-        _OFFLOADERS[model] = off
+        context.claim(model, off, what="model (for activation offload)")
     return off

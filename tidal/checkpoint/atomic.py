@@ -401,20 +401,22 @@ def _older(p: Path, than: Path) -> bool:
     return bool(a and b and int(a.group(1)) < int(b.group(1)))
 
 
-_GLOO: list = []  # [(default group, gloo group)] for the current default group
-
-
 def coordination_group():
     """The group DCP and the commit coordinate over: None (the default group) when it is gloo
-    or there is no process group, else a gloo group over all ranks, made once."""
+    or there is no process group, else a gloo group over all ranks, made once per default
+    group."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if dist.get_backend() == "gloo":
         return None
-    world = dist.group.WORLD
-    if not _GLOO or _GLOO[0][0] is not world:  # first use, or the default group was re-created
-        _GLOO[:] = [(world, dist.new_group(backend="gloo"))]
-    return _GLOO[0][1]
+    return _gloo_over(dist.group.WORLD)
+
+
+@functools.lru_cache(maxsize=1)
+def _gloo_over(world):
+    # A memo, not a registry: new_group is itself a collective, so every rank must make the
+    # group once and in the same order; a re-created default group is a new key.
+    return dist.new_group(backend="gloo")
 
 
 def on_rank0(fn: Callable[[], T], *, group=None) -> T:

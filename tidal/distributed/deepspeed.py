@@ -44,11 +44,11 @@ from tidal.distributed.deepspeed_state import (
     deepspeed_state_bytes,
     describe_deepspeed_state,
 )
-from tidal.device import DeviceOps
 from tidal.memory import snapshot
 from tidal.state.store import MoveResult
 from tidal.timeshare.role import OptimizerResidency, Role
 from tidal.timeshare.timeshare import Timeshare, TimeshareConfig
+from tidal.transfer.context import TransferContext
 
 __all__ = ["DeepSpeedOffload", "Via", "add_deepspeed_role", "deepspeed_state_bytes", "describe_deepspeed_state"]
 
@@ -56,20 +56,22 @@ Via = Literal["tidal", "deepspeed"]
 _VIAS = ("tidal", "deepspeed")
 _RESIDENCIES = ("role", "step")
 
-# engine -> what manages its state ("role 'x' of a Timeshare" / "DeepSpeedOffload(via=...)"):
-# two managers of one engine would each think they own its storages.
-_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+class _EngineOwner:
+    """Who manages an engine's state, as claimed in the device's transfer context: two
+    managers of one engine would each think they own its storages."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return self.what
 
 
-def _claim(engine: torch.nn.Module, owner: str) -> None:
-    held = _OWNERS.get(engine)
-    if held is not None:
-        raise ValueError(
-            f"this DeepSpeed engine is already managed by {held}; an engine's state can be "
-            f"moved by one manager only (each keeps its own record of where every storage "
-            f"is). Use that one, or close it first"
-        )
-    _OWNERS[engine] = owner
+def _claim(context: TransferContext, engine: torch.nn.Module, what: str) -> _EngineOwner:
+    owner = _EngineOwner(what)
+    context.claim(engine, owner, what="DeepSpeed engine")
+    return owner
 
 
 def add_deepspeed_role(
@@ -130,7 +132,7 @@ def add_deepspeed_role(
             f"the engine lives on {device} but the timeshare on {ts.device}; create the "
             f"Timeshare on the engine's device (engine.device)"
         )
-    _claim(engine, f"role {name!r} of a Timeshare")
+    owner = _claim(ts.context, engine, f"role {name!r} of a Timeshare")
     early: list = []
     try:
         inner = _inner_optimizer(engine)
@@ -148,10 +150,10 @@ def add_deepspeed_role(
     except BaseException:
         for h in early:
             h.remove()
-        _OWNERS.pop(engine, None)
+        ts.context.release(engine, owner)
         raise
     role.hooks.extend(early)
-    role.hooks.append(_Release(engine))
+    role.hooks.append(_Release(ts.context, engine, owner))
     return role
 
 
@@ -183,13 +185,13 @@ def _link_moments_while_resident(wrapper, inner: torch.optim.Optimizer) -> list:
 class _Release:
     """A role hook handle: releases the engine's claim when the timeshare closes."""
 
-    def __init__(self, engine) -> None:
-        self._engine = weakref.ref(engine)
+    def __init__(self, context: TransferContext, engine, owner: _EngineOwner) -> None:
+        self._context, self._engine, self._owner = context, weakref.ref(engine), owner
 
     def remove(self) -> None:
         engine = self._engine()
         if engine is not None:
-            _OWNERS.pop(engine, None)
+            self._context.release(engine, self._owner)
 
 
 def _check_offload_states(engine, deepspeed) -> None:
@@ -257,8 +259,9 @@ class DeepSpeedOffload:
         self.timeshare: Timeshare | None = None
         if via == "deepspeed":
             _check_offload_states(engine, _import_deepspeed())
-            _claim(engine, "DeepSpeedOffload(via='deepspeed')")
-            self._ops = DeviceOps(self.device)
+            self._context = TransferContext.of(self.device)
+            self._owner = _claim(self._context, engine, "DeepSpeedOffload(via='deepspeed')")
+            self._ops = self._context.ops
         else:
             self.timeshare = Timeshare(self.device, config=config)
             add_deepspeed_role(self.timeshare, "engine", engine)
@@ -326,7 +329,7 @@ class DeepSpeedOffload:
         if self.timeshare is not None:
             self.timeshare.close()
         else:
-            _OWNERS.pop(self.engine, None)
+            self._context.release(self.engine, self._owner)
 
     def __enter__(self) -> Self:
         return self

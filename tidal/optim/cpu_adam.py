@@ -52,7 +52,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from tidal.device import DeviceOps
-from tidal.transfer.arena import HostArena
+from tidal.transfer.arena import HostArena, HostSlot
+from tidal.transfer.context import TransferContext
 
 __all__ = ["CPUAdam"]
 
@@ -108,6 +109,7 @@ class CPUAdam(torch.optim.Optimizer):
         maximize: bool = False,
         overlap: bool = True,
         max_inflight_bytes: int = 512 << 20,
+        context: TransferContext | None = None,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -133,6 +135,7 @@ class CPUAdam(torch.optim.Optimizer):
         self._inflight: collections.deque = collections.deque()
         self._inflight_bytes = 0
         self._ops: DeviceOps | None = None
+        self._context = context
         super().__init__(params, defaults)  # calls add_param_group for each group
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -157,19 +160,36 @@ class CPUAdam(torch.optim.Optimizer):
         if not params:
             return
         if self._ops is None:
-            self._ops = DeviceOps(params[0].device)
-            self._arena = HostArena(self._ops, pin=True)
-            self._d2h, self._h2d = self._ops.new_stream(), self._ops.new_stream()
+            # The device's transfer context: its copy streams and pinned arena, shared with
+            # the timeshare and activation offload; this optimizer's slots carry its label.
+            if self._context is None:
+                self._context = TransferContext.of(params[0].device)
+            self._ops = self._context.ops
+            self._arena = self._context.arena(pin=True)
+            self._d2h, self._h2d = self._context.d2h_stream, self._context.h2d_stream
+            self._owner = self._context.label("CPUAdam")
+            self._slots: list[HostSlot] = []  # gradient and staging slots, released when collected
+            weakref.finalize(self, _release_host, self._arena, self._slots, self._owner)
+        if params[0].device != self._ops.device:
+            raise ValueError(
+                f"CPUAdam's parameters are on {params[0].device} but its transfer context is for {self._ops.device}"
+            )
         for p in params:
             if not p.is_floating_point():
                 raise TypeError(f"CPUAdam updates floating-point parameters, got {p.dtype}")
-        # Pinned: the fp32 masters (copied to the device after each update) in a chunk of
-        # their own, so saving the state writes exactly them (torch.save writes a view's whole
-        # storage, once); the fp32 gradients and param-dtype staging in another.
-        master_slots = self._arena.reserve([p.numel() * 4 for p in params])
-        slots = iter(self._arena.reserve([n for p in params for n in (p.numel() * 4, p.numel() * p.element_size())]))
+        # Pinned: the fp32 masters (copied to the device after each update), each a tensor
+        # with a storage of exactly its bytes, so saving the state writes exactly them
+        # (torch.save writes a tensor's whole storage); its slot is released only once no
+        # tensor uses it (a state_dict may outlive the optimizer). Then the fp32 gradients and
+        # param-dtype staging.
+        master_slots = self._arena.reserve([p.numel() * 4 for p in params], owner=self._owner)
+        staged = self._arena.reserve(
+            [n for p in params for n in (p.numel() * 4, p.numel() * p.element_size())], owner=self._owner
+        )
+        self._slots.extend(staged)
+        slots = iter(staged)
         for p, mslot in zip(params, master_slots):
-            master = self._arena.view(mslot).view(torch.float32).view(p.shape)
+            master = self._arena.slot_tensor(mslot, release_when_dead=True).view(torch.float32).view(p.shape)
             master.copy_(p.detach())
             grad = self._arena.view(next(slots)).view(torch.float32).view(p.shape)
             staging = self._arena.view(next(slots)).view(p.dtype).view(p.shape)
@@ -629,6 +649,13 @@ class CPUAdam(torch.optim.Optimizer):
                     v.copy_(saved[k])
         for g, sg in zip(self.param_groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
+
+
+def _release_host(arena: HostArena, slots: list[HostSlot], owner: str) -> None:
+    """When the optimizer is collected: its gradient and staging slots go back to the arena
+    and its chunks to whoever reserves next (the masters' slots follow their tensors)."""
+    arena.release_later(slots)
+    arena.disown(owner)
 
 
 def _chunks(params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:

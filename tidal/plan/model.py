@@ -104,7 +104,7 @@ class PlanConfig:
     backward through the slice makes model-dtype vocab-wide gradients (see
     :mod:`tidal.plan.phases`); ``logit_fp32_buffers`` then does not apply.
     ``sampling``: ``"generate"`` (HF ``generate``) or ``"own"`` (a loop like
-    :func:`tidal.rl.rollout.sample_answers`: prefill with ``logits_to_keep=1``, one token per
+    :func:`tidal_recipes.grpo.rollout.sample_answers`: prefill with ``logits_to_keep=1``, one token per
     step through a DynamicCache, the previous step's logits held while the next are computed,
     no vocab-wide fp32 buffer when ``action_vocab`` is set).
     Rollout (HF ``generate``): ``sampling_fp32_buffers`` fp32 ``(batch x vocab)`` buffers at the

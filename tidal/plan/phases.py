@@ -105,7 +105,7 @@ def _prefill(c: "PlanConfig") -> dict[str, int]:
 
 
 def _own_sampling_transient(c: "PlanConfig") -> dict[str, int]:
-    """A sampling loop of one's own (tidal.rl.rollout.sample_answers): prefill keeps the
+    """A sampling loop of one's own (tidal_recipes.grpo.rollout.sample_answers): prefill keeps the
     last position's logits only (``logits_to_keep=1``); each decode step feeds one token
     through a DynamicCache and the caller holds the previous step's model-dtype
     ``(batch, vocab)`` logits while the next ones are computed; the last token is sampled,

@@ -146,9 +146,10 @@ class ModuleSlots:
     parameters) is seen at once. Modules whose ``named_parameters``/``named_buffers`` are
     their own (adapters that expose state held elsewhere) are walked every time."""
 
-    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+    def __init__(self, modules: Sequence[torch.nn.Module], *, verify: bool = False) -> None:
         _watch_structure()
         self.modules = list(modules)
+        self.verify = verify  # debug: compare every read with a fresh walk (see named())
         self._generation = -1
         self._params: list[tuple[torch.nn.Module, str, str]] = []
         self._buffers: list[tuple[torch.nn.Module, str, str]] = []
@@ -179,7 +180,29 @@ class ModuleSlots:
                 prefix = f"model{i}." if i else ""
                 params += [(prefix + n, p) for n, p in top.named_parameters(remove_duplicate=False)]
                 buffers += [(prefix + n, b) for n, b in top.named_buffers(remove_duplicate=False)]
+        if self.verify:
+            self._check(params, buffers)
         return params, buffers
+
+    def _check(self, params: list, buffers: list) -> None:
+        """Raise RuntimeError if the cached slots list other tensors than a module walk."""
+        for what, cached, walk in (
+            ("parameters", params, lambda m: m.named_parameters(remove_duplicate=False)),
+            ("buffers", buffers, lambda m: m.named_buffers(remove_duplicate=False)),
+        ):
+            fresh = [
+                ((f"model{i}." if i else "") + n, t) for i, top in enumerate(self.modules) for n, t in walk(top)
+            ]
+            got = [(n, id(t)) for n, t in cached]
+            want = [(n, id(t)) for n, t in fresh]
+            if got != want:
+                diff = sorted({n for n, _ in set(got) ^ set(want)})
+                raise RuntimeError(
+                    f"the cached storage set is stale: its {what} differ from a module walk at "
+                    f"{diff[:5]}. A tensor was registered without torch's registration hooks (e.g. "
+                    f"written into module._parameters directly); register it with "
+                    f"register_parameter / register_buffer / setattr instead"
+                )
 
 
 def _walks_itself(m: torch.nn.Module) -> bool:
@@ -263,14 +286,17 @@ def collect_optimizer_state(
     names: dict[int, str] | None = None,
     min_offload_bytes: int = 0,
     include_empty: bool = False,
+    params: Iterable[torch.Tensor] | None = None,
 ) -> list[StateEntry]:
-    """Entries for every tensor of ``optimizer.state`` on ``device``, also inside lists and
-    dicts. Raises ``TypeError`` for state tidal cannot move (sparse tensors, non-resizable
-    storages, sets of tensors) before anything is moved. Non-tensor values stay untouched."""
+    """Entries for every tensor of ``optimizer.state`` on ``device`` (only the state of
+    ``params``, when given), also inside lists and dicts. Raises ``TypeError`` for state tidal
+    cannot move (sparse tensors, non-resizable storages, sets of tensors) before anything is
+    moved. Non-tensor values stay untouched."""
     names = names or {}
     col = _Collector(device, min_offload_bytes, include_empty)
     for i, opt in enumerate(optimizers):
-        for param, state in opt.state.items():
+        items = opt.state.items() if params is None else ((p, opt.state[p]) for p in params if p in opt.state)
+        for param, state in items:
             pname = names.get(id(param), f"param@{id(param):x}")
             if not isinstance(state, dict):
                 raise TypeError(f"optimizer{i}.state[{pname}] is a {type(state).__name__}, expected a dict")

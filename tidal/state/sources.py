@@ -58,9 +58,11 @@ class ModuleSource:
     module shared with a resident role runs; its children check theirs), and the state-dict
     hooks of ``tidal.state.foreign``."""
 
-    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+    def __init__(self, modules: Sequence[torch.nn.Module], *, verify: bool = False) -> None:
+        """``verify``: debug mode, every read of the cached slots is checked against a module
+        walk (a walk per read: milliseconds on a large model)."""
         self.modules = list(modules)
-        self._slots = ModuleSlots(self.modules)
+        self._slots = ModuleSlots(self.modules, verify=verify)
 
     def tensors(self, grads: bool) -> list[tuple[str, torch.Tensor, Kind]]:
         params, buffers = self._slots.named()

@@ -31,8 +31,9 @@ from tidal.memory import snapshot
 from tidal.state.backends import ResidencyBackend, ResizeBackend
 from tidal.state.collect import StateEntry
 from tidal.state.digest import digest
-from tidal.transfer.arena import HostArena, HostSlot
-from tidal.transfer.engine import CopyItem, Segment, TransferConfig, TransferEngine, byte_view
+from tidal.transfer.arena import HostSlot
+from tidal.transfer.context import TransferContext
+from tidal.transfer.engine import CopyItem, Segment, TransferConfig, byte_view
 
 __all__ = ["OffloadStore", "MoveResult"]
 
@@ -64,8 +65,17 @@ class OffloadStore:
     """Moves :class:`StateEntry` storages between a device and pinned host memory.
 
     Memory cost: host RAM equal to the bytes of every storage it has ever offloaded and that
-    is still alive (``arena.reserved_bytes``), pinned once; device memory of at most one
-    staging bucket per direction during a transfer.
+    is still alive (:attr:`host_reserved_bytes`), pinned once, in the arena of its transfer
+    context; device memory of at most one staging bucket per direction during a transfer.
+
+    Args:
+        ops: the device.
+        config: how bytes move.
+        release_to_driver: see :class:`~tidal.TimeshareConfig`.
+        backend: how device memory is released and restored (default: resize and coalesce).
+        context: the transfer context whose streams and arena to use (default: a private one,
+            so a store alone accounts its memory alone).
+        owner: the label of this store's slots in the context's host-memory account.
     """
 
     def __init__(
@@ -75,6 +85,8 @@ class OffloadStore:
         *,
         release_to_driver: bool = True,
         backend: ResidencyBackend | None = None,
+        context: TransferContext | None = None,
+        owner: str | None = None,
     ) -> None:
         self.ops = ops
         self.config = config or TransferConfig()
@@ -84,8 +96,11 @@ class OffloadStore:
         self.backend: ResidencyBackend = backend or ResizeBackend(
             ops, coalesce=self.config.coalesce_allocations, release_to_driver=release_to_driver
         )
-        self.arena = HostArena(ops, pin=self.config.pin_host)
-        self.engine = TransferEngine(ops, self.arena, self.config)
+        self.context = context if context is not None else TransferContext(ops)
+        assert self.context.ops.device == ops.device, "a store's context must be for its device"
+        self.engine = self.context.engine(self.config)
+        self.arena = self.engine.arena
+        self.owner = owner if owner is not None else self.context.label("OffloadStore")
         self._slots: dict[int, tuple[HostSlot, weakref.ref]] = {}
         self._dead_slots: list[int] = []  # keys whose storage died since the last reclaim
         self._offloaded: dict[int, StateEntry] = {}  # strong refs keep offloaded storages alive
@@ -95,6 +110,7 @@ class OffloadStore:
         # key -> (slot, its host tensor) for host copies handed out (host_view), until reloaded
         self._exposed: dict[int, tuple[HostSlot, torch.Tensor]] = {}
         self.last_move: MoveResult | None = None
+        self._closed = False
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -165,7 +181,8 @@ class OffloadStore:
 
     @property
     def host_reserved_bytes(self) -> int:
-        return self.arena.reserved_bytes
+        """Host bytes this store's slots hold (alignment padding included)."""
+        return self.arena.owner_bytes(self.owner)
 
     def staging_bytes(self, directions: int = 1) -> int:
         """Device bytes a transfer may need beyond the state itself."""
@@ -175,6 +192,7 @@ class OffloadStore:
     def prepare(self, entries: Sequence[StateEntry]) -> None:
         """Reserve host slots for entries that have none (pinning happens here, once). Call
         it when a role is registered so the first transition does not pay for pinning."""
+        self._check_open()
         self._reclaim_dead_slots()
         need: list[StateEntry] = []
         seen: set[int] = set()
@@ -192,10 +210,14 @@ class OffloadStore:
             need.append(e)
         if need:
             dead = self._dead_slots
-            for e, slot in zip(need, self.arena.reserve([e.nbytes for e in need])):
+            for e, slot in zip(need, self.arena.reserve([e.nbytes for e in need], owner=self.owner)):
                 # The callback notes the key when the storage dies, so reclaiming looks at the
                 # dead ones only (not at every slot, at every transition).
                 self._slots[e.key] = (slot, weakref.ref(e.storage, lambda _, k=e.key: dead.append(k)))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this OffloadStore was closed (its host slots are released); create a new one")
 
     def _reclaim_dead_slots(self) -> None:
         dead, self._dead_slots[:] = list(self._dead_slots), []
@@ -265,6 +287,7 @@ class OffloadStore:
         next move, or by the caller) finishes it. The caller learns where each storage is from
         :meth:`is_offloaded`.
         """
+        self._check_open()
         if self._in_flight:
             self.recover()
         self.forget_unreferenced()
@@ -499,8 +522,13 @@ class OffloadStore:
                 f"cannot close the store: {len(self._offloaded)} storages are offloaded and "
                 f"exist only on the host; reload them first"
             )
+        for slot, _ in self._slots.values():
+            self.arena.release(slot)
         self._slots.clear()
-        self.arena.close()
+        self._exposed.clear()
+        self._closed = True
+        self.arena.disown(self.owner)
+        self.context.trim()
 
 
 def _event(digested: list, i: int) -> Any:

@@ -6,29 +6,27 @@ block and brings it back after. The tensors keep their identity; ``opt.step()`` 
 block raises instead of silently stepping on empty storages.
 
 If ``opt`` belongs to a :class:`~tidal.Timeshare` role, the role's bookkeeping is used (one
-host copy, one report). Otherwise a private store is kept per optimizer, so the host memory
-is pinned on the first call only and reused after.
+host copy, one report). Otherwise a store of its own is kept for the optimizer, found again
+through its claim in the device's :class:`~tidal.transfer.TransferContext`, so the host
+memory is pinned on the first call only and reused after.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from typing import Iterator
 
 import torch
 
-from tidal.device import DeviceOps
 from tidal.state.collect import StateEntry, collect_module_state, collect_optimizer_state
 from tidal.state.foreign import install_optimizer_hooks
 from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.timeshare import timeshare_of
+from tidal.transfer.context import TransferContext
 from tidal.transfer.engine import TransferConfig
 
 __all__ = ["offload_optimizer"]
-
-_STANDALONE: "weakref.WeakKeyDictionary[torch.optim.Optimizer, OffloadStore]" = weakref.WeakKeyDictionary()
 
 
 def _optimizer_device(optimizer: torch.optim.Optimizer) -> torch.device:
@@ -39,12 +37,12 @@ def _optimizer_device(optimizer: torch.optim.Optimizer) -> torch.device:
 
 
 def _standalone_store(
-    optimizer: torch.optim.Optimizer, device: torch.device, config: TransferConfig | None
+    optimizer: torch.optim.Optimizer, context: TransferContext, config: TransferConfig | None
 ) -> OffloadStore:
-    store = _STANDALONE.get(optimizer)
-    if store is None or store.ops.device != device:
-        store = OffloadStore(DeviceOps(device), config)
-        _STANDALONE[optimizer] = store
+    store = context.owner_of(optimizer)
+    if not isinstance(store, OffloadStore):
+        store = OffloadStore(context.ops, config, context=context, owner=context.label("offload_optimizer"))
+        context.claim(optimizer, store, what="optimizer")
     return store
 
 
@@ -63,6 +61,7 @@ def offload_optimizer(
     grads: bool = False,
     min_offload_bytes: int = 16,
     config: TransferConfig | None = None,
+    context: TransferContext | None = None,
 ) -> Iterator[OptimizerOffload]:
     """Keep ``optimizer``'s state (and the params' ``.grad`` if ``grads``) on the host for
     the block.
@@ -78,6 +77,9 @@ def offload_optimizer(
     host and the next ``step()`` (or a backward reaching a gradient that is out) brings it in
     first. An optimizer whose state lives on the host by design (:class:`tidal.CPUAdam`) has
     nothing to move: the block runs unchanged, with a warning.
+
+    ``context``: the transfer context to look for the optimizer's manager in and to move
+    through (default: the process's one for the optimizer's device).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"offload_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -90,19 +92,20 @@ def offload_optimizer(
         )
         yield result
         return
-    owner = timeshare_of(optimizer)
+    device = _optimizer_device(optimizer)
+    if context is None:
+        context = TransferContext.of(device)
+    owner = timeshare_of(optimizer, context)
     if owner is not None:
         ts, name = owner
         role = ts.role(name)
-        if role.optimizer_locked:
-            raise RuntimeError(f"offload_optimizer() is already active for role {name!r}; blocks do not nest")
-        role.optimizer_locked = True  # the role's step pre-hook refuses while set
+        role.lock_optimizer()  # the role's step pre-hook refuses while locked; raises if nested
         try:
             if role.resident:  # otherwise the whole role is on the host already
                 ts.offload_optimizer_state(name, grads=grads, kind="optim-ctx")
             yield result
         finally:
-            role.optimizer_locked = False
+            role.unlock_optimizer()
             if role.resident and not ts.closed:
                 # Grads come back now; the state too unless it lives on the host between
                 # steps anyway (step residency), where the next step() brings it in.
@@ -112,8 +115,7 @@ def offload_optimizer(
                     ts.reload_optimizer_state(name, kind="optim-ctx")
         return
 
-    device = _optimizer_device(optimizer)
-    store = _standalone_store(optimizer, device, config)
+    store = _standalone_store(optimizer, context, config)
     entries: list[StateEntry] = collect_optimizer_state([optimizer], device, min_offload_bytes=min_offload_bytes)
     if grads:
         params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -4,6 +4,7 @@ optimizers that take turns on a device as one unit."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Literal
 
 import torch
@@ -11,16 +12,51 @@ import torch
 from tidal.state.collect import GradPolicy, StateEntry, collect_optimizer_state, collect_tensors
 from tidal.state.sources import ModuleSource, StateSource
 
-__all__ = ["Role", "OptimizerResidency"]
+__all__ = ["Role", "OptimizerPhase", "OptimizerResidency"]
 
 OptimizerResidency = Literal["step", "stream", "role"]
 _GRAD_POLICIES = ("offload", "keep", "drop")
 _RESIDENCIES = ("step", "stream", "role")
 
 
+class OptimizerPhase(enum.Enum):
+    """Where a role's optimizer state stands against its residency policy."""
+
+    SETTLED = "settled"  # where the policy keeps it (on the host between steps, or with the role)
+    UNSETTLED = "unsettled"  # a step, a load or a reload may have put some of it on the device
+    LOCKED = "locked"  # inside offload_optimizer(): on the host, step() refused
+    STREAMING = "streaming"  # inside a streamed step: the per-chunk step() calls skip the hooks
+
+
+# Legal optimizer-phase changes; any other is a bug (asserted).
+_PHASE_EDGES = {
+    OptimizerPhase.SETTLED: {OptimizerPhase.UNSETTLED, OptimizerPhase.LOCKED, OptimizerPhase.SETTLED},
+    OptimizerPhase.UNSETTLED: {
+        OptimizerPhase.SETTLED,
+        OptimizerPhase.LOCKED,
+        OptimizerPhase.STREAMING,
+        OptimizerPhase.UNSETTLED,
+    },
+    OptimizerPhase.LOCKED: {OptimizerPhase.UNSETTLED},
+    OptimizerPhase.STREAMING: {OptimizerPhase.UNSETTLED},
+}
+
+
 @dataclasses.dataclass(eq=False)
 class Role:
-    """One registered role.
+    """One registered role, and its state machine.
+
+    The role's state lives here and changes only through the methods below (the timeshare,
+    ``offload_optimizer`` and the streamed step call them; none assigns a field):
+
+    * residency: ``resident`` (all of its state on the device) or not. :meth:`came_in`,
+      :meth:`went_out`, :meth:`found` (after an interrupted transition, from where its
+      tensors are).
+    * use: ``in_use`` counts the open ``use()`` blocks (:meth:`enter_use`, :meth:`leave_use`);
+      a role in use is never evicted. ``last_used`` orders eviction.
+    * optimizer phase (:class:`OptimizerPhase`): :meth:`optimizer_touched`,
+      :meth:`optimizer_settled`, :meth:`lock_optimizer` / :meth:`unlock_optimizer`,
+      :meth:`begin_stream` / :meth:`end_stream`.
 
     Attributes:
         grads: ``"offload"`` moves ``.grad`` tensors with the role, ``"keep"`` leaves them on
@@ -40,19 +76,14 @@ class Role:
     optimizers: list[torch.optim.Optimizer]
     grads: GradPolicy = "offload"
     optimizer_residency: OptimizerResidency = "step"
-    # Whether the role counts as on the device. Where each storage is lives in the store;
-    # a role's storages are always found from its live tensors, never from a saved list.
-    resident: bool = True
-    in_use: int = 0
-    last_used: int = 0
-    optimizer_locked: bool = False  # inside offload_optimizer(): step() must not run
-    # Optimizer state may be on the device against the residency policy (a step, a load or a
-    # reload happened since the last settle): the end of use() then checks and moves it.
-    optim_unsettled: bool = True
-    streaming: bool = False  # inside a streamed step: the per-chunk step() calls skip the hooks
-    hidden_groups: list | None = None  # param lists a streamed step took from the outer step()
-    hidden_optimizer: torch.optim.Optimizer | None = None  # ... of this optimizer
     hooks: list = dataclasses.field(default_factory=list)
+    _resident: bool = dataclasses.field(default=True, repr=False)
+    _in_use: int = dataclasses.field(default=0, repr=False)
+    _last_used: int = dataclasses.field(default=0, repr=False)
+    # UNSETTLED at registration: the end of the first use() checks where the state is.
+    _phase: OptimizerPhase = dataclasses.field(default=OptimizerPhase.UNSETTLED, repr=False)
+    # A streamed step's param lists, taken from the outer step() (see stream.py), and whose.
+    _hidden: tuple[torch.optim.Optimizer, list] | None = dataclasses.field(default=None, repr=False)
     _names: dict[int, str] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +91,115 @@ class Role:
             raise ValueError(f"grads must be one of {_GRAD_POLICIES}, got {self.grads!r}")
         if self.optimizer_residency not in _RESIDENCIES:
             raise ValueError(f"optimizer_residency must be one of {_RESIDENCIES}, got {self.optimizer_residency!r}")
+
+    # ---- state (read-only) ------------------------------------------------------------------
+    @property
+    def resident(self) -> bool:
+        """Whether the role counts as on the device (where each storage is lives in the store)."""
+        return self._resident
+
+    @property
+    def in_use(self) -> int:
+        """Open ``use()`` blocks of this role."""
+        return self._in_use
+
+    @property
+    def last_used(self) -> int:
+        return self._last_used
+
+    @property
+    def optimizer_phase(self) -> OptimizerPhase:
+        return self._phase
+
+    @property
+    def optimizer_locked(self) -> bool:
+        """Inside ``offload_optimizer()``: ``step()`` must not run."""
+        return self._phase is OptimizerPhase.LOCKED
+
+    @property
+    def optim_unsettled(self) -> bool:
+        """Optimizer state may be on the device against the residency policy: the end of
+        ``use()`` then checks and moves it."""
+        return self._phase is OptimizerPhase.UNSETTLED
+
+    @property
+    def streaming(self) -> bool:
+        return self._phase is OptimizerPhase.STREAMING
+
+    # ---- transitions ------------------------------------------------------------------------
+    def came_in(self, clock: int) -> None:
+        """All of the role's state is on the device now."""
+        self._resident = True
+        self._last_used = clock
+
+    def went_out(self) -> None:
+        """The role's state went to the host, with whatever of its optimizer state was on the
+        device (so that is settled too)."""
+        assert self._in_use == 0, f"role {self.name!r} went out while in use"
+        self._resident = False
+        if self._phase is OptimizerPhase.UNSETTLED:
+            self._phase = OptimizerPhase.SETTLED
+
+    def found(self, resident: bool) -> None:
+        """Set from where the role's tensors are (registration, recovery, close)."""
+        self._resident = resident
+
+    def enter_use(self) -> None:
+        self._in_use += 1
+
+    def leave_use(self, clock: int) -> bool:
+        """Close one ``use()`` block; returns whether the role is now idle."""
+        assert self._in_use > 0
+        self._in_use -= 1
+        self._last_used = clock
+        return self._in_use == 0
+
+    def touched(self, clock: int) -> None:
+        self._last_used = clock
+
+    def optimizer_touched(self) -> None:
+        """A step, a load or a reload may have put optimizer state on the device."""
+        if self._phase is not OptimizerPhase.LOCKED:
+            self._move_phase(OptimizerPhase.UNSETTLED)
+
+    def optimizer_settled(self) -> None:
+        """The optimizer state is where the residency policy keeps it."""
+        if self._phase is OptimizerPhase.UNSETTLED:
+            self._move_phase(OptimizerPhase.SETTLED)
+
+    def lock_optimizer(self) -> None:
+        """Enter ``offload_optimizer()``. Raises RuntimeError if a block is open already."""
+        if self._phase is OptimizerPhase.LOCKED:
+            raise RuntimeError(f"offload_optimizer() is already active for role {self.name!r}; blocks do not nest")
+        self._move_phase(OptimizerPhase.LOCKED)
+
+    def unlock_optimizer(self) -> None:
+        """Leave ``offload_optimizer()``: whatever comes back next is checked at the end of use()."""
+        self._move_phase(OptimizerPhase.UNSETTLED)
+
+    def begin_stream(self) -> None:
+        self._move_phase(OptimizerPhase.STREAMING)
+
+    def end_stream(self, hidden: tuple[torch.optim.Optimizer, list] | None) -> None:
+        """The streamed update is over; ``hidden``: the (optimizer, param lists) it took from the
+        outer ``step()``, returned by :meth:`take_hidden` (None if it raised)."""
+        self._move_phase(OptimizerPhase.UNSETTLED)
+        self._hidden = hidden
+
+    def take_hidden(self, opt: torch.optim.Optimizer) -> list | None:
+        """The param lists a streamed step took from ``opt``'s groups, once (None if none)."""
+        if self._hidden is None or self._hidden[0] is not opt:
+            return None
+        groups, self._hidden = self._hidden[1], None
+        return groups
+
+    @property
+    def has_hidden(self) -> bool:
+        return self._hidden is not None
+
+    def _move_phase(self, to: OptimizerPhase) -> None:
+        assert to in _PHASE_EDGES[self._phase], f"role {self.name!r}: optimizer {self._phase.value} -> {to.value}"
+        self._phase = to
 
     @property
     def modules(self) -> list[torch.nn.Module]:

@@ -19,7 +19,6 @@ neighbouring chunks overlap), instead of params + grads + all of it.
 
 from __future__ import annotations
 
-import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,11 +53,15 @@ def _chunks(opt: torch.optim.Optimizer, params: list[torch.Tensor], chunk_bytes:
 
 
 def _entries(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[StateEntry]:
-    # The state of these parameters only: a stand-in with the optimizer's `state` subset.
-    view = types.SimpleNamespace(state={p: opt.state[p] for p in params if p in opt.state})
-    # include_empty: offloaded storages have size 0 and must still be found.
+    # The state of these parameters only; include_empty: offloaded storages have size 0 and
+    # must still be found.
     return collect_optimizer_state(
-        [view], ts.device, names=role.param_names(), min_offload_bytes=ts.config.min_offload_bytes, include_empty=True
+        [opt],
+        ts.device,
+        names=role.param_names(),
+        min_offload_bytes=ts.config.min_offload_bytes,
+        include_empty=True,
+        params=params,
     )
 
 
@@ -79,15 +82,15 @@ def restore_groups(opt: torch.optim.Optimizer, saved: list[list[torch.Tensor]]) 
 def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
     """Run ``opt``'s update chunk by chunk (see the module docstring). Each chunk's ``step()``
     sees only that chunk's parameters in the param groups; the gradients are never touched.
-    Leaves every state tensor of ``opt`` on the host and the param groups empty, saved in
-    ``role.hidden_groups`` for the step post-hook to restore (so the outer ``step()`` updates
-    nothing a second time). On an exception the groups come back at once and the chunks
+    Leaves every state tensor of ``opt`` on the host and the param groups empty, saved with
+    the role (:meth:`Role.end_stream`) for the step post-hook to restore (so the outer
+    ``step()`` updates nothing a second time). On an exception the groups come back at once and the chunks
     already stepped have consumed their gradients (set to None), so ``step()`` again
     completes exactly this step."""
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
     stepped: list[torch.Tensor] = []
-    others = ts._resident_keys(exclude=(role,))
-    role.streaming = True
+    others = ts.resident_keys(exclude=(role,))
+    role.begin_stream()
     saved = [g["params"] for g in opt.param_groups]
     ok = False
     try:
@@ -98,7 +101,7 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
             else []
         )
         if incoming:
-            ts._record(
+            ts.record_move(
                 "optim-in",
                 (),
                 role.name,
@@ -122,14 +125,11 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
             # Blocks freed here are what the next chunk reuses: return them to the driver
             # only once, after the last chunk.
             move = ts.store.switch(out, nxt, what=f"optimizer state of {role.name!r}", release=None if last else False)
-            ts._record("optim-stream", (role.name,), role.name if nxt else None, move, note="optimizer state chunk")
+            ts.record_move("optim-stream", (role.name,), role.name if nxt else None, move, note="optimizer state chunk")
         ok = True
     finally:
-        role.streaming = False
-        if ok:
-            role.hidden_groups = _narrow(opt, set())  # the outer step() finds nothing to update
-            role.hidden_optimizer = opt
-        else:
+        role.end_stream((opt, _narrow(opt, set())) if ok else None)  # ok: the outer step() finds nothing
+        if not ok:
             # The chunks already stepped consumed their gradients; the others keep theirs, so
             # calling step() again completes exactly this step (optimizers skip parameters
             # without a gradient).

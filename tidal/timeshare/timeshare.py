@@ -22,33 +22,48 @@ from typing import Iterator, Sequence
 
 import torch
 
-from tidal.device import DeviceOps
 from tidal.errors import format_bytes
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
 from tidal.state.foreign import install_optimizer_hooks, moved_out
 from tidal.state.sources import ModuleSource, StateSource
 from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.role import OptimizerResidency, Role
-from tidal.timeshare.stream import restore_groups, streamed_step
+from tidal.timeshare.residency import policy_for
+from tidal.timeshare.stream import restore_groups
 from tidal.timeshare.telemetry import TransitionRecord, format_report
+from tidal.transfer.context import TransferContext
 from tidal.transfer.engine import TransferConfig
 
 __all__ = ["Timeshare", "TimeshareConfig", "timeshare_of"]
 
-# optimizer -> (timeshare, role name), so offload_optimizer() can defer to the timeshare
-# that owns an optimizer instead of keeping a second copy of its state's bookkeeping.
-_OPTIMIZER_OWNERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[weakref.ref, str]]" = (
-    weakref.WeakKeyDictionary()
-)
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RoleClaim:
+    """The claim a timeshare role holds on an optimizer in its transfer context, so
+    ``offload_optimizer()`` defers to the role instead of keeping a second record."""
+
+    timeshare: "weakref.ref[Timeshare]"
+    role: str
+
+    def __repr__(self) -> str:
+        return f"role {self.role!r} of a Timeshare"
 
 
-def timeshare_of(optimizer: torch.optim.Optimizer) -> tuple["Timeshare", str] | None:
-    """The timeshare and role an optimizer was registered with, if any."""
-    owner = _OPTIMIZER_OWNERS.get(optimizer)
-    if owner is None:
+def timeshare_of(
+    optimizer: torch.optim.Optimizer, context: TransferContext | None = None
+) -> tuple["Timeshare", str] | None:
+    """The open timeshare and role an optimizer was registered with, if any, found in
+    ``context`` (default: the process's context for the optimizer's device)."""
+    if context is None:
+        device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
+        if device is None:
+            return None
+        context = TransferContext.of(device)
+    claim = context.owner_of(optimizer)
+    if not isinstance(claim, RoleClaim):
         return None
-    ts = owner[0]()
-    return (ts, owner[1]) if ts is not None and not ts.closed else None
+    ts = claim.timeshare()
+    return (ts, claim.role) if ts is not None and not ts.closed else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +82,9 @@ class TimeshareConfig:
         optimizer_chunk_bytes: with ``optimizer_residency="stream"``, the optimizer state
             moved in and out at a time during ``step()``.
         min_offload_bytes: storages smaller than this stay put (scalars such as Adam's step).
+        verify_storage_sets: debug mode: every time a role's module tensors are read from
+            their cached slots, check them against a full module walk and raise
+            ``RuntimeError`` if the cache went stale (costs a walk per transition).
         release_tolerance_bytes: warn when the driver gets back less than the freed bytes
             minus this (memory stuck in allocator segments shared with live tensors).
         release_to_driver: after an offload, return the freed blocks to the driver
@@ -83,6 +101,7 @@ class TimeshareConfig:
     switch_extra_bytes: int | None = None
     optimizer_chunk_bytes: int = 256 << 20
     min_offload_bytes: int = 16
+    verify_storage_sets: bool = False
     release_tolerance_bytes: int = 256 << 20
     release_to_driver: bool = True
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
@@ -122,12 +141,31 @@ class Timeshare:
         device: the device the roles share (``"cuda:0"``; ``"cpu"`` runs the same code with
             synchronous copies, for tests).
         config: budget, thresholds and transfer settings.
+        context: the transfer context (copy streams, host arena, claims) to use; default: the
+            process's one for ``device``, shared with activation offload and CPUAdam.
     """
 
-    def __init__(self, device: str | torch.device = "cuda", *, config: TimeshareConfig | None = None) -> None:
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        *,
+        config: TimeshareConfig | None = None,
+        context: TransferContext | None = None,
+    ) -> None:
         self.config = config or TimeshareConfig()
-        self.ops = DeviceOps(device)
-        self.store = OffloadStore(self.ops, self.config.transfer, release_to_driver=self.config.release_to_driver)
+        self.context = context if context is not None else TransferContext.of(device)
+        want = torch.device(device)
+        have = self.context.ops.device
+        if want.type != have.type or (want.index is not None and want.index != have.index):
+            raise ValueError(f"the transfer context is for {have}, not for the timeshare's device {want}")
+        self.ops = self.context.ops
+        self.store = OffloadStore(
+            self.ops,
+            self.config.transfer,
+            release_to_driver=self.config.release_to_driver,
+            context=self.context,
+            owner=self.context.label("Timeshare"),
+        )
         self._roles: dict[str, Role] = {}
         self.records: list[TransitionRecord] = []
         self._clock = 0
@@ -180,15 +218,22 @@ class Timeshare:
                     f"got {type(s).__name__}"
                 )
         if modules:
-            sources.insert(0, ModuleSource(modules))
+            sources.insert(0, ModuleSource(modules, verify=self.config.verify_storage_sets))
         if not sources and not optimizers:
             raise ValueError(f"role {name!r} needs a model, a source or an optimizer")
         for opt in optimizers:
-            owner = timeshare_of(opt)
+            owner = timeshare_of(opt, self.context)
             if owner is not None:
                 raise ValueError(
                     f"this optimizer already belongs to role {owner[1]!r}; an optimizer "
                     f"can belong to one role only (its step hooks move its state)"
+                )
+            held = self.context.owner_of(opt)
+            if isinstance(held, OffloadStore) and held.offloaded_bytes:
+                raise ValueError(
+                    f"role {name!r}: this optimizer's state is still on the host from an "
+                    f"offload_optimizer() block that could not bring it back; run its step() (which "
+                    f"reloads it) before adding it to a role"
                 )
         role = Role(name, sources, optimizers, grads=grads, optimizer_residency=optimizer_residency)
         # Collect now: validates the state (raises TypeError for unsupported tensors) before
@@ -199,7 +244,7 @@ class Timeshare:
         )
         if not entries:
             raise ValueError(f"role {name!r} has {self._why_no_state(role)}")
-        role.resident = not any(self.store.is_offloaded(e.key) for e in entries)
+        role.found(not any(self.store.is_offloaded(e.key) for e in entries))
         self.store.prepare([e for e in entries if not self.store.is_offloaded(e.key)])
         guard = self._make_guard(role)
         for s in sources:
@@ -208,9 +253,12 @@ class Timeshare:
             role.hooks.append(opt.register_step_pre_hook(self._make_step_pre_hook(role)))
             role.hooks.append(opt.register_step_post_hook(self._make_step_post_hook(role)))
             role.hooks += install_optimizer_hooks(self.store, opt, after_load=self._make_after_load(role))
-            _OPTIMIZER_OWNERS[opt] = (weakref.ref(self), name)
+            # The role takes the claim over from offload_optimizer()'s own store (idle, checked above).
+            if isinstance(self.context.owner_of(opt), OffloadStore):
+                self.context.release(opt)
+            self.context.claim(opt, RoleClaim(weakref.ref(self), name), what="optimizer")
         self._roles[name] = role
-        self._touch(role)
+        role.touched(self._tick())
         return role
 
     def _why_no_state(self, role: Role) -> str:
@@ -260,13 +308,11 @@ class Timeshare:
         block until another role needs the room."""
         role = self.role(name)
         self.load(name)
-        role.in_use += 1
+        role.enter_use()
         try:
             yield role
         finally:
-            role.in_use -= 1
-            self._touch(role)
-            if role.in_use == 0 and not self.closed:
+            if role.leave_use(self._tick()) and not self.closed:
                 for opt in role.optimizers:
                     self._restore_groups(role, opt)
                 self._settle_optimizer(role)
@@ -281,7 +327,7 @@ class Timeshare:
         role = self.role(name)
         evict = self._choose_evictions(role)
         if role.resident and not evict:
-            self._touch(role)
+            role.touched(self._tick())
             return None
         return self._transition(evict, None if role.resident else role)
 
@@ -335,11 +381,11 @@ class Timeshare:
         if parked:
             self.store.reload(parked, what="close() bringing every role back")
         for r in self._roles.values():
-            r.resident = True
+            r.found(True)
             for h in r.hooks:
                 h.remove()
             for opt in r.optimizers:
-                _OPTIMIZER_OWNERS.pop(opt, None)
+                self.context.release(opt)
         self.store.close()
         self.closed = True
 
@@ -360,12 +406,12 @@ class Timeshare:
         if grads:
             role.before_copy()  # grads come from the sources, which may still write them
         live = self._optimizer_live(role, grads)
-        others = self._resident_keys(exclude=(role,))
+        others = self.resident_keys(exclude=(role,))
         entries = [e for e in live if e.nbytes > 0 and e.key not in others]
         if not entries:
             return None
         move = self._guarded(lambda: self.store.offload(entries), touches_model=grads)
-        return self._record(kind, (name,), None, move, note="optimizer state" + (" + grads" if grads else ""))
+        return self.record_move(kind, (name,), None, move, note="optimizer state" + (" + grads" if grads else ""))
 
     def reload_optimizer_state(
         self, name: str, *, grads: bool = False, kind: str = "optim-in"
@@ -373,7 +419,7 @@ class Timeshare:
         """Bring the role's offloaded optimizer state (and grads if ``grads``) back."""
         self._recover_if_interrupted()
         role = self.role(name)
-        role.optim_unsettled = True
+        role.optimizer_touched()
         live = self._optimizer_live(role, grads)
         entries = [e for e in self.store.resolve(live) if self.store.is_offloaded(e.key)]
         if not entries:
@@ -382,7 +428,7 @@ class Timeshare:
             lambda: self.store.reload(entries, what=f"reloading the optimizer state of role {name!r}"),
             touches_model=grads,
         )
-        return self._record(kind, (), name, move, note="optimizer state" + (" + grads" if grads else ""))
+        return self.record_move(kind, (), name, move, note="optimizer state" + (" + grads" if grads else ""))
 
     def _optimizer_live(self, role: Role, grads: bool) -> list[StateEntry]:
         """The role's optimizer state tensors (and its params' grads if ``grads``), live."""
@@ -398,19 +444,19 @@ class Timeshare:
         # none of it on the device (a load_state_dict may have created it there).
         # Walking the optimizer state costs milliseconds for a large model: only after something
         # may have put state on the device (a step, a load, a reload) since it last settled.
-        off_device = not role.resident or role.optimizer_residency in ("step", "stream")
-        if off_device and not role.optimizer_locked and role.optim_unsettled:
+        off_device = not role.resident or not policy_for(role.optimizer_residency).moves_with_role
+        if off_device and role.optim_unsettled:
             if any(e.nbytes > 0 for e in role.optim_entries(self.device, self.config.min_offload_bytes)):
                 self.offload_optimizer_state(role.name)
-            role.optim_unsettled = False
+            role.optimizer_settled()
 
     def _restore_groups(self, role: Role, opt: torch.optim.Optimizer) -> None:
         # A streamed step empties the param groups for the outer step(); its post-hook puts
         # them back. Should that step have raised after the streamed update (another hook),
         # the next step or the end of the use() block puts them back instead.
-        if role.hidden_groups is not None and opt is role.hidden_optimizer:
-            restore_groups(opt, role.hidden_groups)
-            role.hidden_groups = None
+        groups = role.take_hidden(opt)
+        if groups is not None:
+            restore_groups(opt, groups)
 
     def _make_after_load(self, role: Role):
         def after_load(opt):
@@ -418,8 +464,8 @@ class Timeshare:
             # with new ones on the device: the old ones' host copies are dead, the new ones
             # go where this role keeps its optimizer state now.
             self.store.forget_unreferenced()
-            role.optim_unsettled = True
-            if role.in_use == 0 or role.optimizer_residency == "role":
+            role.optimizer_touched()
+            if role.in_use == 0 or policy_for(role.optimizer_residency).moves_with_role:
                 self._settle_optimizer(role)
 
         return after_load
@@ -444,9 +490,10 @@ class Timeshare:
                 f"TimeshareConfig.budget_bytes so both roles can stay resident"
             )
 
-    def _touch(self, role: Role) -> None:
+    def _tick(self) -> int:
+        """The next value of the clock that orders eviction (least recently used first)."""
         self._clock += 1
-        role.last_used = self._clock
+        return self._clock
 
     def _live(self, role: Role, *, optim: bool = True) -> list[StateEntry]:
         """The role's storages now, from its live tensors, as the store sees them (offloaded
@@ -460,7 +507,9 @@ class Timeshare:
     def _entries(self, role: Role) -> dict[int, StateEntry]:
         return {e.key: e for e in self._live(role)}
 
-    def _resident_keys(self, *, exclude: Sequence[Role] = ()) -> set[int]:
+    def resident_keys(self, *, exclude: Sequence[Role] = ()) -> set[int]:
+        """Keys of the storages resident roles (but those in ``exclude``) hold on the device:
+        what a move must not take out. For optimizer residency strategies."""
         keys: set[int] = set()
         for r in self._roles.values():
             if r.resident and r not in exclude:
@@ -513,12 +562,12 @@ class Timeshare:
     ) -> TransitionRecord | None:
         for r in [*evict, *([incoming] if incoming is not None else [])]:
             r.before_copy()  # the copies wait for the current stream: it waits for the sources' own work
-        keep = self._resident_keys(exclude=evict)
+        keep = self.resident_keys(exclude=evict)
         in_entries: list[StateEntry] = []
         if incoming is not None:
             # Optimizer state comes in with the role only under "role" residency; otherwise
             # it stays where it is (the step hooks move it), so it need not be looked at.
-            with_optim = incoming.optimizer_residency == "role"
+            with_optim = policy_for(incoming.optimizer_residency).moves_with_role
             inc = self._live(incoming, optim=with_optim)
             keep.update(e.key for e in inc)
             in_entries = [e for e in inc if self.store.is_offloaded(e.key)]
@@ -526,7 +575,7 @@ class Timeshare:
         for r in evict:
             # A role's optimizer state under step residency is on the host unless something
             # put it on the device since it last settled; then it goes out with the role.
-            live = self._live(r, optim=r.optimizer_residency == "role" or r.optim_unsettled)
+            live = self._live(r, optim=policy_for(r.optimizer_residency).moves_with_role or r.optim_unsettled)
             out_entries += [e for e in live if e.key not in keep and not self.store.is_offloaded(e.key)]
         what = f"loading role {incoming.name!r}" if incoming else "offload"
         move = self._guarded(
@@ -543,16 +592,14 @@ class Timeshare:
         )
         # Still marked interrupted (write-ahead) until the flags below are all set.
         for r in evict:
-            r.resident = False
-            r.optim_unsettled = False  # whatever of its optimizer state was on the device went out
+            r.went_out()
             self._drop_grads(r, keep)
         if incoming is not None:
-            incoming.resident = True
-            self._touch(incoming)
+            incoming.came_in(self._tick())
         if not recovering:  # a recovery clears the mark once all of it is done
             self._interrupted = False
         kind = "switch" if evict and incoming else ("reload" if incoming else "offload")
-        return self._record(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
+        return self.record_move(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
 
     # ---- recovery from an interrupted transition ------------------------------------------
     def _guarded(self, move, *, touches_model: bool, recovering: bool = False, settled_by_caller: bool = False):
@@ -598,7 +645,7 @@ class Timeshare:
             held = [e for e in model if e.kind != "grad"]
             n_out = sum(self.store.is_offloaded(e.key) for e in held)
             grads_out = any(self.store.is_offloaded(e.key) for e in model if e.kind == "grad")
-            r.resident = n_out == 0 and (not grads_out or r.optimizer_locked)
+            r.found(n_out == 0 and (not grads_out or r.optimizer_locked))
             if r.resident:
                 continue
             if r.in_use or (n_out == 0 and grads_out):
@@ -620,9 +667,11 @@ class Timeshare:
             if storage_key(storage) not in keep:
                 p.grad = None
 
-    def _record(
+    def record_move(
         self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
     ) -> TransitionRecord:
+        """Add a store move to the timeshare's records (and warn if the driver did not get the
+        freed memory back). For optimizer residency strategies, which move state themselves."""
         rec = TransitionRecord.from_move(
             len(self.records),
             kind,
@@ -672,7 +721,6 @@ class Timeshare:
                 return
             self._recover_if_interrupted()
             self._restore_groups(role, opt)
-            role.optim_unsettled = True  # the step reloads or creates state on the device
             if role.optimizer_locked:
                 raise RuntimeError(
                     f"optimizer.step() of role {role.name!r} was called inside offload_optimizer(): "
@@ -683,10 +731,8 @@ class Timeshare:
                     f"optimizer.step() of role {role.name!r} was called while the role is "
                     f"offloaded; step inside `with ts.use({role.name!r}):`"
                 )
-            if role.optimizer_residency == "stream" and not getattr(opt, "tidal_state_on_host", False):
-                streamed_step(self, role, opt)  # the real update, chunk by chunk; step() then finds no grads
-                return
-            self.reload_optimizer_state(role.name)
+            role.optimizer_touched()  # the step reloads or creates state on the device
+            policy_for(role.optimizer_residency).before_step(self, role, opt)
 
         return pre
 
@@ -694,11 +740,6 @@ class Timeshare:
         def post(opt, args, kwargs):
             if role.streaming:
                 return
-            if role.hidden_groups is not None:  # a streamed step: its state is on the host already
-                self._restore_groups(role, opt)
-                return
-            if role.optimizer_residency == "step":
-                self.offload_optimizer_state(role.name)
-                role.optim_unsettled = False
+            policy_for(role.optimizer_residency).after_step(self, role, opt)
 
         return post

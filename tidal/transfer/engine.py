@@ -98,10 +98,11 @@ class Segment:
     chunk: int
     start: int
     end: int
+    nbytes: int = -1  # the items' bytes (computed when not given; kept up to date by plan())
 
-    @property
-    def nbytes(self) -> int:
-        return sum(item.nbytes for item in self.items)
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            self.nbytes = sum(item.nbytes for item in self.items)
 
 
 class TransferEngine:
@@ -116,12 +117,20 @@ class TransferEngine:
     * :meth:`release_staging` when the transfer is over.
     """
 
-    def __init__(self, ops: DeviceOps, arena: HostArena, config: TransferConfig | None = None) -> None:
+    def __init__(
+        self,
+        ops: DeviceOps,
+        arena: HostArena,
+        config: TransferConfig | None = None,
+        *,
+        streams: tuple[Any, Any] | None = None,
+    ) -> None:
+        """``streams``: the (D2H, H2D) copy streams to queue on, shared with other engines of
+        the device (see :class:`~tidal.transfer.context.TransferContext`); new ones if None."""
         self.ops = ops
         self.arena = arena
         self.config = config or TransferConfig()
-        self.d2h_stream = ops.new_stream()
-        self.h2d_stream = ops.new_stream()
+        self.d2h_stream, self.h2d_stream = streams if streams is not None else (ops.new_stream(), ops.new_stream())
         self._staging_out: torch.Tensor | None = None
         self._staging_in: torch.Tensor | None = None
         self.bytes_out = 0
@@ -152,6 +161,7 @@ class TransferEngine:
                 and s.offset + s.nbytes - open_bucket.start <= cfg.bucket_bytes
             ):
                 open_bucket.items.append(item)
+                open_bucket.nbytes += item.nbytes
                 open_bucket.end = s.offset + s.nbytes
             else:
                 open_bucket = Segment([item], True, s.chunk, s.offset, s.offset + s.nbytes)

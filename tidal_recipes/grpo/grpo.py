@@ -1,7 +1,7 @@
 """GRPO's arithmetic: group-relative advantages, log-probabilities over the action space,
 the clipped policy loss, the k3 KL estimator and the entropy.
 
-Pure functions on tensors; the trainer (:mod:`tidal.rl.trainer`) moves the roles and calls
+Pure functions on tensors; the trainer (:mod:`tidal_recipes.grpo.trainer`) moves the roles and calls
 them. Every response token is scored (the tasks answer with a fixed number of tokens), so
 the means are over all response tokens of a micro-batch.
 """

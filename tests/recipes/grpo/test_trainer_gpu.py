@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tidal.rl import DigitTask, GRPOConfig, GRPOTrainer  # noqa: E402
+from tidal_recipes.grpo import DigitTask, GRPOConfig, GRPOTrainer  # noqa: E402
 from tidal.timeshare import TimeshareConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tidal.cli.plan import add_parser
+from tidal_recipes.cli.plan import add_parser
 
 
 def _run(argv, capsys):

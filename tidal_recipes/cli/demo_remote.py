@@ -2,7 +2,7 @@
 
 The policy (rollout + actor_train) and the reference are workers of their own processes on one
 device, taking turns through a cross-process GPU lease; the verifier runs in CPU workers
-(:class:`tidal.rl.RemoteGRPO`). Prints the per-phase table, the hand-overs between the
+(:class:`tidal_recipes.grpo.RemoteGRPO`). Prints the per-phase table, the hand-overs between the
 processes (seconds, and the driver-level free memory each release confirmed), the reward, and
 writes ``demo.jsonl`` and a ``timeline.png`` merged from the workers' timelines.
 """
@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from tidal.cli.demo import (
+from tidal_recipes.cli.demo import (
     PHASES,
     _grpo_config,
     _phase_rows,
@@ -29,7 +29,7 @@ from tidal.cli.demo import (
 )
 from tidal.device import DeviceOps
 from tidal.errors import format_bytes
-from tidal.rl import RemoteConfig, RemoteGRPO
+from tidal_recipes.grpo import RemoteConfig, RemoteGRPO
 from tidal.timeline import MemoryTimeline
 
 __all__ = ["run_remote_demo"]

@@ -34,7 +34,7 @@ from tidal.device import DeviceOps, host_available_bytes
 from tidal.errors import format_bytes
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.transfer import TransferConfig
-from tidal.cli.models import PRESETS, StateReference, build_model, make_adamw_state, named_state
+from tidal_recipes.cli.models import PRESETS, StateReference, build_model, make_adamw_state, named_state
 
 __all__ = ["BenchSkipped", "run_bench", "format_result", "append_results_row", "TARGETS"]
 

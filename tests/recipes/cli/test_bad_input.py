@@ -8,10 +8,10 @@ import json
 import pytest
 
 import tidal
-import tidal.cli.bench
-import tidal.cli.demo
+import tidal_recipes.cli.bench
+import tidal_recipes.cli.demo
 import tidal.plan
-from tidal.cli.main import EXIT_OUTPUT, EXIT_USAGE, main
+from tidal_recipes.cli.main import EXIT_OUTPUT, EXIT_USAGE, main
 
 
 def _no_work(*args, **kwargs):
@@ -25,7 +25,7 @@ def test_version(capsys):
 
 @pytest.mark.parametrize("flag", ["--results", "--json"])
 def test_bench_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch, flag):
-    monkeypatch.setattr(tidal.cli.bench, "run_bench", _no_work)
+    monkeypatch.setattr(tidal_recipes.cli.bench, "run_bench", _no_work)
     for bad, why in [
         (tmp_path, "is a folder"),
         (tmp_path / "missing" / "x.md", "does not exist"),
@@ -38,7 +38,7 @@ def test_bench_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeyp
 
 
 def test_demo_out_folder_is_checked_before_the_run(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(tidal.cli.demo, "run_demo", _no_work)
+    monkeypatch.setattr(tidal_recipes.cli.demo, "run_demo", _no_work)
     a_file = tmp_path / "taken"
     a_file.write_text("x")
     for bad, why in [(a_file, "is not a folder"), (a_file / "sub", "is a file")]:

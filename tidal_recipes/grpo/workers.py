@@ -1,11 +1,11 @@
 """The GRPO roles as workers of their own processes, sharing one GPU through a lease.
 
-Each class is plain Python: :class:`tidal.rl.RemoteGRPO` runs it as a Ray actor or in a
+Each class is plain Python: :class:`tidal_recipes.grpo.RemoteGRPO` runs it as a Ray actor or in a
 spawned process, and it can be built in-process in tests. A worker builds its model itself
 (from a picklable ``model_factory(device) -> nn.Module``), so no weights cross processes.
 
 - :class:`PolicyWorker`: ``rollout`` and ``actor_train``, one module with its optimizer (a
-  :class:`~tidal.rl.GRPOTrainer` without a reference role), so the weights exist once.
+  :class:`~tidal_recipes.grpo.GRPOTrainer` without a reference role), so the weights exist once.
 - :class:`ReferenceWorker`: the frozen reference, log-probs only.
 - :class:`RewardWorker`: the task's verifier, on the CPU.
 
@@ -26,10 +26,10 @@ import torch
 
 from tidal.device import DeviceOps
 from tidal.distributed.lease import GPULease, LeaseConfig
-from tidal.rl.grpo import group_advantages
-from tidal.rl.modes import role_mode
-from tidal.rl.phases import RoleTurns
-from tidal.rl.trainer import GRPOConfig, GRPOTrainer, StepResult, answer_logprobs
+from tidal_recipes.grpo.grpo import group_advantages
+from tidal_recipes.grpo.modes import role_mode
+from tidal_recipes.grpo.phases import RoleTurns
+from tidal_recipes.grpo.trainer import GRPOConfig, GRPOTrainer, StepResult, answer_logprobs
 from tidal.state import storage_key
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare

@@ -1,6 +1,6 @@
 """``tidal demo``: the GRPO loop with its roles colocated on one device, and what it cost.
 
-Runs :class:`tidal.rl.GRPOTrainer` on a Qwen2-shape model with random weights (no
+Runs :class:`tidal_recipes.grpo.GRPOTrainer` on a Qwen2-shape model with random weights (no
 download) learning a digit task from scratch, with a progress bar; then prints a per-phase
 table (seconds, peak memory, bytes moved, transition GB/s), the peak with the timeshare
 against all roles resident (computed, and measured by a short run of the same loop without
@@ -105,7 +105,7 @@ def build_policy(s: DemoSettings, device: str | None = None):
         import transformers  # noqa: F401, PLC0415 (the demo needs a Hugging Face model)
     except ImportError as e:
         raise ImportError("tidal demo trains a Hugging Face model: pip install 'tidal[demo]'") from e
-    from tidal.cli.models import build_model  # noqa: PLC0415
+    from tidal_recipes.cli.models import build_model  # noqa: PLC0415
 
     model, _ = build_model(s.preset, device=s.device, dtype=getattr(torch, s.dtype), seed=s.seed)
     if s.lora_rank:
@@ -123,7 +123,7 @@ def build_policy(s: DemoSettings, device: str | None = None):
 
 
 def _grpo_config(s: DemoSettings, *, timeshare: bool):
-    from tidal.rl import DigitTask, GRPOConfig, LossConfig  # noqa: PLC0415
+    from tidal_recipes.grpo import DigitTask, GRPOConfig, LossConfig  # noqa: PLC0415
     from tidal.timeshare import TimeshareConfig  # noqa: PLC0415
 
     # A capped switch overlap keeps a switch's peak at one role's state plus the cap, instead
@@ -145,7 +145,7 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
 
 
 def _trainer(s: DemoSettings, *, timeshare: bool):
-    from tidal.rl import GRPOTrainer  # noqa: PLC0415
+    from tidal_recipes.grpo import GRPOTrainer  # noqa: PLC0415
 
     return GRPOTrainer(build_policy(s), config=_grpo_config(s, timeshare=timeshare))
 
@@ -256,7 +256,7 @@ def _phase_rows(results: list) -> dict[str, dict]:
 
 def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     """Run the demo with its roles in this process (``s.roles == "local"``; the others run
-    through :func:`tidal.cli.demo_remote.run_remote_demo`); returns every figure it printed
+    through :func:`tidal_recipes.cli.demo_remote.run_remote_demo`); returns every figure it printed
     (also in ``demo.jsonl``)."""
     if s.roles != "local":
         raise ValueError(f"run_demo runs the roles in this process; roles={s.roles!r} runs through run_remote_demo")

@@ -3,8 +3,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tidal.rl import DigitTask, GRPOConfig, GRPOTrainer, LossConfig  # noqa: E402
-from tidal.rl.tasks import TASK_VOCAB  # noqa: E402
+from tidal_recipes.grpo import DigitTask, GRPOConfig, GRPOTrainer, LossConfig  # noqa: E402
+from tidal_recipes.grpo.tasks import TASK_VOCAB  # noqa: E402
 
 
 def tiny_policy(seed: int = 0, vocab: int = 16):

@@ -1,4 +1,4 @@
-"""Entry point of the ``tidal`` command (``tidal ...`` or ``python -m tidal ...``).
+"""Entry point of the ``tidal`` command (``tidal ...`` or ``python -m tidal_recipes ...``).
 
 Usage::
 
@@ -25,12 +25,12 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from tidal.cli.args import device_arg, nonneg_int, output_problem, positive_int
+from tidal_recipes.cli.args import device_arg, nonneg_int, output_problem, positive_int
 
 __all__ = ["build_parser", "main"]
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SKIPPED, EXIT_OUTPUT = 0, 1, 2, 3, 4
-_PRESETS = ("nano", "tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b")  # mirrors tidal.cli.models.PRESETS
+_PRESETS = ("nano", "tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b")  # mirrors tidal_recipes.cli.models.PRESETS
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -87,7 +87,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from tidal.cli.bench import BenchSkipped, run_bench  # noqa: PLC0415 (keep --help light)
+    from tidal_recipes.cli.bench import BenchSkipped, run_bench  # noqa: PLC0415 (keep --help light)
     from tidal.device import DeviceOps  # noqa: PLC0415
     from tidal.transfer import TransferConfig  # noqa: PLC0415
 
@@ -197,7 +197,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from tidal.cli.demo import DemoSettings, defaults_for, run_demo  # noqa: PLC0415
+    from tidal_recipes.cli.demo import DemoSettings, defaults_for, run_demo  # noqa: PLC0415
     from tidal.device import DeviceOps  # noqa: PLC0415
 
     if args.device is not None:
@@ -235,7 +235,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         roles=args.roles,
     )
     if settings.roles != "local":
-        from tidal.cli.demo_remote import run_remote_demo as run_demo  # noqa: PLC0415
+        from tidal_recipes.cli.demo_remote import run_remote_demo as run_demo  # noqa: PLC0415
     try:
         summary = run_demo(settings, log=lambda line: print(line, flush=True))
     except (ImportError, ValueError) as e:
@@ -256,7 +256,7 @@ def _outputs_unwritable(command: str, paths: list[tuple[str, str | None]], *, fo
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from tidal.cli.plan import add_parser  # noqa: PLC0415 (arithmetic only: no torch model, no CUDA)
+    from tidal_recipes.cli.plan import add_parser  # noqa: PLC0415 (arithmetic only: no torch model, no CUDA)
 
     add_parser(sub)
 

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tidal.cli.demo import DemoSettings, _grpo_config, build_policy  # noqa: E402
-from tidal.rl import GRPOTrainer, RemoteConfig, RemoteGRPO  # noqa: E402
+from tidal_recipes.cli.demo import DemoSettings, _grpo_config, build_policy  # noqa: E402
+from tidal_recipes.grpo import GRPOTrainer, RemoteConfig, RemoteGRPO  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

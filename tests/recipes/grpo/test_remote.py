@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tidal.cli.demo import DemoSettings, _grpo_config, build_policy  # noqa: E402
-from tidal.cli.demo_remote import run_remote_demo  # noqa: E402
-from tidal.rl import GRPOTrainer, RemoteConfig, RemoteGRPO, WorkerError  # noqa: E402
+from tidal_recipes.cli.demo import DemoSettings, _grpo_config, build_policy  # noqa: E402
+from tidal_recipes.cli.demo_remote import run_remote_demo  # noqa: E402
+from tidal_recipes.grpo import GRPOTrainer, RemoteConfig, RemoteGRPO, WorkerError  # noqa: E402
 
 SETTINGS = DemoSettings(
     preset="nano", device="cpu", steps=3, digits=3, prompts=4, group=4, micro_batch=8, switch_extra_mib=None

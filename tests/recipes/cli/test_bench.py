@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tidal.cli.main import main
+from tidal_recipes.cli.main import main
 
 
 @pytest.fixture(scope="module")

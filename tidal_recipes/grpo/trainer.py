@@ -32,11 +32,11 @@ import torch
 from tidal.device import DeviceOps
 from tidal.distributed.lease import GPULease
 from tidal.optim import CPUAdam
-from tidal.rl.grpo import LossConfig, action_logprobs, group_advantages, grpo_loss
-from tidal.rl.modes import role_mode, set_checkpointing
-from tidal.rl.phases import RoleTurns
-from tidal.rl.rollout import logits_kwargs, sample_answers
-from tidal.rl.tasks import DIGIT0, TASK_VOCAB, DigitTask
+from tidal_recipes.grpo.grpo import LossConfig, action_logprobs, group_advantages, grpo_loss
+from tidal_recipes.grpo.modes import role_mode, set_checkpointing
+from tidal_recipes.grpo.phases import RoleTurns
+from tidal_recipes.grpo.rollout import logits_kwargs, sample_answers
+from tidal_recipes.grpo.tasks import DIGIT0, TASK_VOCAB, DigitTask
 from tidal.state import storage_key
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare, TimeshareConfig
@@ -165,7 +165,7 @@ class GRPOTrainer:
         reference: the frozen reference; default a deep copy of ``policy`` made here (for a
             LoRA policy none is made). Ignored when ``config.loss.kl_coef == 0``.
         timeline: where memory samples go (one is made if None).
-        remote_reference: the reference runs in another process (:mod:`tidal.rl.workers`);
+        remote_reference: the reference runs in another process (:mod:`tidal_recipes.grpo.workers`);
             this trainer then has no reference role and ``train_phase`` takes its log-probs.
         lease: a cross-process :class:`~tidal.distributed.GPULease` of the device: every
             phase's role comes in on a turn of the lease, and every role here is offloaded

@@ -1,7 +1,7 @@
 """GRPO with its roles in separate processes on one device: Ray actors, or spawned processes.
 
 The driver (:class:`RemoteGRPO`) draws prompts and sequences the step; the roles live in
-workers (:mod:`tidal.rl.workers`):
+workers (:mod:`tidal_recipes.grpo.workers`):
 
 - ``policy`` (rollout + actor_train, one module) and ``reference``: GPU workers colocated on one
   GPU, each holding its state through its own Timeshare and taking turns through the GPU's
@@ -17,7 +17,7 @@ Backends:
 - ``"processes"``: the workers are spawned processes of this host and the arbiter a
   :class:`~tidal.distributed.LeaseServer` thread of the driver; no Ray needed.
 
-A step gives the same numbers as :class:`~tidal.rl.GRPOTrainer` with the same config and
+A step gives the same numbers as :class:`~tidal_recipes.grpo.GRPOTrainer` with the same config and
 model (same prompts, same sampling stream, same updates), since the roles run the same code
 on the same device; only host tensors of a few MB cross processes.
 """
@@ -37,8 +37,8 @@ import torch
 
 from tidal.distributed.lease import LeaseServer, start_lease_actor
 from tidal.distributed.placement import CPUWorker, GPURole, PlacementSpec, place
-from tidal.rl.trainer import GRPOConfig, StepResult, draw_prompts, prompt_generator
-from tidal.rl.workers import PolicyWorker, ReferenceWorker, RewardWorker
+from tidal_recipes.grpo.trainer import GRPOConfig, StepResult, draw_prompts, prompt_generator
+from tidal_recipes.grpo.workers import PolicyWorker, ReferenceWorker, RewardWorker
 
 __all__ = ["RemoteConfig", "RemoteGRPO", "WorkerError"]
 
@@ -186,7 +186,7 @@ class RemoteGRPO:
     Args:
         model_factory: picklable ``factory(device) -> model`` (e.g. a ``functools.partial`` of
             a module-level function); every worker calls it, so each gets the same weights.
-        config: the GRPO settings, as for :class:`~tidal.rl.GRPOTrainer`.
+        config: the GRPO settings, as for :class:`~tidal_recipes.grpo.GRPOTrainer`.
         remote: backend and device (see :class:`RemoteConfig`).
 
     Host memory: each GPU worker keeps its offloaded state in pinned host memory of its own

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from tidal.rl import DigitTask, LossConfig, action_logprobs, group_advantages, grpo_loss, kl_k3
-from tidal.rl.tasks import DIGIT0, SEP
+from tidal_recipes.grpo import DigitTask, LossConfig, action_logprobs, group_advantages, grpo_loss, kl_k3
+from tidal_recipes.grpo.tasks import DIGIT0, SEP
 
 
 def test_group_advantages_by_hand():

@@ -12,7 +12,7 @@ Prints the per-phase table (GiB), the components of each phase, the predicted tr
 times, the recommendation (with ``--gpu-mem-gib``) and the assumptions. ``--json`` prints the
 same as JSON instead (or writes it to PATH). Nothing touches a GPU: it is arithmetic.
 
-Wiring (in ``tidal/cli/main.py``): ``from tidal.cli.plan import add_parser`` and add it to the
+Wiring (in ``tidal_recipes/cli/main.py``): ``from tidal_recipes.cli.plan import add_parser`` and add it to the
 subcommand list; ``add_parser`` sets ``run`` as the handler. Exit codes: 0 done (fitting or
 not: the report says), 2 usage error (a config that cannot be read, an invalid value, a --json
 path that cannot be written: all found before any work), 4 the --json file could not be
@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from tidal.cli.args import nonneg_int, positive_float, positive_int
+from tidal_recipes.cli.args import nonneg_int, positive_float, positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -112,7 +112,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--sampling",
         choices=("generate", "own"),
         default="generate",
-        help="rollout by HF generate (default) or a loop of one's own like tidal.rl's",
+        help="rollout by HF generate (default) or a loop of one's own like tidal_recipes.grpo's",
     )
     p.add_argument(
         "--cpu-adam-inflight-mib", type=nonneg_int, default=512, help="CPUAdam(max_inflight_bytes) in MiB (default 512)"
@@ -159,7 +159,7 @@ def _bandwidth(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """Build the plan (and the recommendation) for ``args``; print it. Returns the exit code."""
-    from tidal.cli.args import output_problem  # noqa: PLC0415
+    from tidal_recipes.cli.args import output_problem  # noqa: PLC0415
     from tidal.plan import GIB, PlanConfig, build_plan, format_plan, load_shape, recommend  # noqa: PLC0415
 
     problem = output_problem(args.json) if args.json not in (None, "-") else None

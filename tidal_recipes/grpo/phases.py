@@ -7,8 +7,8 @@ confirmed its release, and leaving it offloads every role of this process). A *p
 work done in a turn, measured: wall seconds, the switch's and the compute's allocator peaks,
 driver-level used memory, bytes moved and transition seconds.
 
-Used by :class:`tidal.rl.GRPOTrainer` and by the remote role workers
-(:mod:`tidal.rl.workers`), so both report the same figures.
+Used by :class:`tidal_recipes.grpo.GRPOTrainer` and by the remote role workers
+(:mod:`tidal_recipes.grpo.workers`), so both report the same figures.
 """
 
 from __future__ import annotations

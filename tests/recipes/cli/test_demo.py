@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from tidal.cli.main import main  # noqa: E402
+from tidal_recipes.cli.main import main  # noqa: E402
 
 
 def test_demo_reward_rises_and_writes_its_files(tmp_path, capsys):

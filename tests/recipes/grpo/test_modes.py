@@ -5,9 +5,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tidal.rl import DigitTask, GRPOConfig, GRPOTrainer  # noqa: E402
-from tidal.rl.modes import RoleMode, checkpointing_enabled, role_mode, set_checkpointing  # noqa: E402
-from tests.rl.test_trainer import tiny_policy  # noqa: E402
+from tidal_recipes.grpo import DigitTask, GRPOConfig, GRPOTrainer  # noqa: E402
+from tidal_recipes.grpo.modes import RoleMode, checkpointing_enabled, role_mode, set_checkpointing  # noqa: E402
+from tests.recipes.grpo.test_trainer import tiny_policy  # noqa: E402
 
 
 def test_role_mode_sets_and_restores():
