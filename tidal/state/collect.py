@@ -190,9 +190,7 @@ class ModuleSlots:
             ("parameters", params, lambda m: m.named_parameters(remove_duplicate=False)),
             ("buffers", buffers, lambda m: m.named_buffers(remove_duplicate=False)),
         ):
-            fresh = [
-                ((f"model{i}." if i else "") + n, t) for i, top in enumerate(self.modules) for n, t in walk(top)
-            ]
+            fresh = [((f"model{i}." if i else "") + n, t) for i, top in enumerate(self.modules) for n, t in walk(top)]
             got = [(n, id(t)) for n, t in cached]
             want = [(n, id(t)) for n, t in fresh]
             if got != want:
