@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A package name covers its submodules.
 LAYERS: list[tuple[str, ...]] = [
-    ("tidal.errors", "tidal.device"),  # no tidal imports at all below this line
+    ("tidal.units",),  # no tidal imports at all
+    ("tidal.errors", "tidal.device"),
     ("tidal.memory", "tidal.timeline"),  # readings of device memory; a run's memory timeline
     ("tidal.transfer",),  # host arena, copy streams, staging
     ("tidal.state",),  # a role's storages and the store that moves them

@@ -3,15 +3,9 @@ transition that cannot fit raises :class:`InsufficientMemoryError`."""
 
 from __future__ import annotations
 
-__all__ = ["InsufficientMemoryError", "StateCorruptionError", "format_bytes"]
+from tidal.units import format_bytes
 
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+__all__ = ["InsufficientMemoryError", "StateCorruptionError"]
 
 
 class InsufficientMemoryError(RuntimeError):

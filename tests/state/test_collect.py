@@ -351,3 +351,14 @@ def test_timeshare_config_turns_the_debug_check_on():
     with pytest.raises(RuntimeError, match="stale"):
         ts.offload("a")
     assert ts.is_resident("a") and m[0].weight.untyped_storage().nbytes() > 0  # refused before moving
+
+
+def test_unique_storage_bytes_counts_each_storage_once():
+    from tidal.state import unique_storage_bytes
+
+    w = torch.randn(10, 10)
+    b = torch.randn(7)
+    views = [w, w.t(), w[2:5], b, None, b[:3]]
+    assert unique_storage_bytes(views) == 400 + 28
+    assert unique_storage_bytes(views, torch.device("cpu")) == 428
+    assert unique_storage_bytes(views, torch.device("meta")) == 0

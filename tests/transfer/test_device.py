@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from tidal.device import DeviceOps, host_available_bytes
-from tidal.errors import InsufficientMemoryError, format_bytes
+from tidal.errors import InsufficientMemoryError
+from tidal.units import format_bytes
 from tidal.memory import host_rss_bytes, nvml_used_bytes, snapshot
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from tidal.errors import format_bytes
+from tidal.units import format_bytes
 
 __all__ = ["ActivationOffloadConfig", "LayerMode", "StepReport"]
 

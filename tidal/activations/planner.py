@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from tidal.activations.config import LayerMode, StepReport
 from tidal.activations.layers import user_checkpointed
-from tidal.errors import format_bytes
+from tidal.units import format_bytes
 
 if TYPE_CHECKING:
     from tidal.activations.offload import ActivationOffloader

@@ -33,7 +33,7 @@ import types
 import torch
 import torch.utils.hooks
 
-from tidal.errors import format_bytes
+from tidal.units import format_bytes
 from tidal.state.collect import collect_optimizer_state, collect_tensors
 
 __all__ = ["deepspeed_state_bytes", "describe_deepspeed_state"]

@@ -46,12 +46,15 @@ decode steps sets it to ``False`` and calls :func:`reshard` before the role is s
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from tidal.state.collect import unique_storage_bytes
 
 __all__ = ["ZERO_STAGES", "shard_model", "zero_stage_of", "no_sync", "reshard", "local_state_bytes"]
 
@@ -214,9 +217,4 @@ def reshard(model: torch.nn.Module) -> None:
 def local_state_bytes(model: torch.nn.Module) -> int:
     """Bytes of this rank's parameters and buffers (local shards of DTensors), deduplicated
     by storage: what a timeshare moves for the model part of a role."""
-    seen: dict[int, int] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        local = t._local_tensor if hasattr(t, "_local_tensor") else t
-        st = local.untyped_storage()
-        seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
+    return unique_storage_bytes(itertools.chain(model.parameters(), model.buffers()))

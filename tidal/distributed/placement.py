@@ -60,7 +60,7 @@ from tidal.distributed.placement_plan import (
     _Slot,
     _slots_for,
 )
-from tidal.errors import format_bytes
+from tidal.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ray.util.placement_group import PlacementGroup

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Literal, Sequence
 
-from tidal.errors import format_bytes
+from tidal.units import format_bytes
 
 __all__ = ["CPUWorker", "GPURole", "PlacementError", "PlacementSpec"]
 

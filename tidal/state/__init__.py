@@ -1,6 +1,12 @@
 """The state of a role: its storages, found and deduplicated, and the store that moves them."""
 
-from tidal.state.collect import StateEntry, collect_module_state, collect_optimizer_state, storage_key
+from tidal.state.collect import (
+    StateEntry,
+    collect_module_state,
+    collect_optimizer_state,
+    storage_key,
+    unique_storage_bytes,
+)
 from tidal.state.store import MoveResult, OffloadStore
 
 __all__ = [
@@ -10,4 +16,5 @@ __all__ = [
     "collect_module_state",
     "collect_optimizer_state",
     "storage_key",
+    "unique_storage_bytes",
 ]

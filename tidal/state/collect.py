@@ -30,6 +30,7 @@ __all__ = [
     "collect_optimizer_state",
     "collect_tensors",
     "storage_key",
+    "unique_storage_bytes",
 ]
 
 GradPolicy = Literal["offload", "keep", "drop"]
@@ -209,6 +210,22 @@ def _walks_itself(m: torch.nn.Module) -> bool:
         cls.named_parameters is not torch.nn.Module.named_parameters
         or cls.named_buffers is not torch.nn.Module.named_buffers
     )
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor | None], device: torch.device | None = None) -> int:
+    """Bytes of the storages under ``tensors`` (on ``device`` only, when given), each storage
+    once however many tensors view it; a DTensor counts its local shard; None entries are
+    skipped. Offloaded storages count 0 (their device bytes are gone)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t
+        if device is not None and local.device != device:
+            continue
+        st = local.untyped_storage()
+        seen[storage_key(st)] = st.nbytes()
+    return sum(seen.values())
 
 
 def collect_tensors(

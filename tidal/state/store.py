@@ -31,6 +31,7 @@ from tidal.memory import snapshot
 from tidal.state.backends import ResidencyBackend, ResizeBackend
 from tidal.state.collect import StateEntry
 from tidal.state.digest import digest
+from tidal.units import gbps
 from tidal.transfer.arena import HostSlot
 from tidal.transfer.context import TransferContext
 from tidal.transfer.engine import CopyItem, Segment, TransferConfig, byte_view
@@ -58,7 +59,7 @@ class MoveResult:
 
     @property
     def gbps(self) -> float:
-        return self.bytes_moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return gbps(self.bytes_moved, self.seconds)
 
 
 class OffloadStore:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tidal.errors import format_bytes
+from tidal.units import format_bytes
 from tidal.state.store import MoveResult
 
 __all__ = ["TransitionRecord", "format_report"]
@@ -12,7 +12,8 @@ __all__ = ["TransitionRecord", "format_report"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransitionRecord:
-    """One transition.
+    """One transition of a timeshare: the store's :class:`MoveResult` (bytes, seconds, driver
+    readings), with what the timeshare knows around it (which roles, the host memory held).
 
     ``unreleased_bytes`` is what tidal freed (net of what it loaded) that the driver did not
     get back: caching-allocator segments still shared with live tensors. Only meaningful on
@@ -23,20 +24,22 @@ class TransitionRecord:
     kind: str
     roles_out: tuple[str, ...]
     role_in: str | None
-    bytes_out: int
-    bytes_in: int
-    seconds: float
-    release_seconds: float
-    driver_free_before: int
-    driver_free_after: int
+    move: MoveResult
     host_reserved_bytes: int
     unreleased_bytes: int
     note: str = ""
 
+    # The move's own figures, read through (one record of them, in the MoveResult).
+    bytes_out = property(lambda self: self.move.bytes_out)
+    bytes_in = property(lambda self: self.move.bytes_in)
+    seconds = property(lambda self: self.move.seconds)
+    release_seconds = property(lambda self: self.move.release_seconds)
+    driver_free_before = property(lambda self: self.move.driver_free_before)
+    driver_free_after = property(lambda self: self.move.driver_free_after)
+
     @property
     def gbps(self) -> float:
-        moved = self.bytes_out + self.bytes_in
-        return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return self.move.gbps
 
     @classmethod
     def from_move(
@@ -59,19 +62,16 @@ class TransitionRecord:
             kind=kind,
             roles_out=roles_out,
             role_in=role_in,
-            bytes_out=move.bytes_out,
-            bytes_in=move.bytes_in,
-            seconds=move.seconds,
-            release_seconds=move.release_seconds,
-            driver_free_before=move.driver_free_before,
-            driver_free_after=move.driver_free_after,
+            move=move,
             host_reserved_bytes=host_reserved_bytes,
             unreleased_bytes=unreleased,
             note=note,
         )
 
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        """Flat: the record's fields with the move's inlined, and ``gbps``."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "move"}
+        d.update(dataclasses.asdict(self.move))
         d["gbps"] = self.gbps
         return d
 

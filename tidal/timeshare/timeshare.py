@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from tidal.errors import format_bytes
+from tidal.units import format_bytes
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
 from tidal.state.foreign import install_optimizer_hooks, moved_out
 from tidal.state.sources import ModuleSource, StateSource

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from tidal.device import DeviceOps, host_available_bytes
-from tidal.errors import format_bytes
+from tidal.units import format_bytes, gbps
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.transfer import TransferConfig
 from tidal_recipes.cli.models import PRESETS, StateReference, build_model, make_adamw_state, named_state
@@ -48,10 +48,6 @@ class BenchSkipped(RuntimeError):
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
 def _timed(ops: DeviceOps, fn: Callable):
@@ -129,7 +125,7 @@ def measure_line_rate(ops: DeviceOps, nbytes: int, reps: int = 5) -> dict:
     for name, pairs in runs.items():
         _timed(ops, lambda: queue(pairs))  # warm-up: first-touch, driver mappings
         secs = [_timed(ops, lambda: queue(pairs))[1] for _ in range(reps)]
-        out[f"{name}_gbps"] = _gbps(nbytes * len(pairs), statistics.median(secs))
+        out[f"{name}_gbps"] = gbps(nbytes * len(pairs), statistics.median(secs))
     ops.free_host_buffer(x_host, pinned=True)
     ops.free_host_buffer(y_host, pinned=True)
     del x_dev, y_dev
@@ -187,15 +183,15 @@ def run_anchor(ops: DeviceOps, model, opt, warm_iters: int) -> dict:
         "bytes": nbytes,
         "host_tensors_pinned": pinned,
         "torch_pinned_cache_bytes": pinned_bytes,
-        "offload_cold_gbps": _gbps(nbytes, cycles[0][1]),
-        "offload_cold_wall_gbps": _gbps(nbytes, cycles[0][2]),
-        "reload_cold_gbps": _gbps(nbytes, cycles[0][3]),
+        "offload_cold_gbps": gbps(nbytes, cycles[0][1]),
+        "offload_cold_wall_gbps": gbps(nbytes, cycles[0][2]),
+        "reload_cold_gbps": gbps(nbytes, cycles[0][3]),
     }
     if warm:
         res.update(
-            offload_warm_gbps=_gbps(nbytes, _median([c[1] for c in warm])),
-            offload_warm_wall_gbps=_gbps(nbytes, _median([c[2] for c in warm])),
-            reload_warm_gbps=_gbps(nbytes, _median([c[3] for c in warm])),
+            offload_warm_gbps=gbps(nbytes, _median([c[1] for c in warm])),
+            offload_warm_wall_gbps=gbps(nbytes, _median([c[2] for c in warm])),
+            reload_warm_gbps=gbps(nbytes, _median([c[3] for c in warm])),
         )
     return res
 
@@ -232,9 +228,9 @@ def run_tidal_cycles(
     )
     for col, (direction, suffix, nbytes) in enumerate(columns):
         secs = [r[col] for r in rows]
-        res[f"{direction}_cold{suffix}"] = _gbps(nbytes, secs[0])
+        res[f"{direction}_cold{suffix}"] = gbps(nbytes, secs[0])
         if warm_iters:
-            res[f"{direction}_warm{suffix}"] = _gbps(nbytes, _median(secs[1:]))
+            res[f"{direction}_warm{suffix}"] = gbps(nbytes, _median(secs[1:]))
     for key in [k for k in res if k.endswith("_gbps") and "wall" not in k]:
         res[key.replace("_gbps", "_vs_line")] = res[key] / line["d2h_gbps" if key.startswith("offload") else "h2d_gbps"]
     return res

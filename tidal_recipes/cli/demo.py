@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from tidal.errors import format_bytes
+from tidal.units import format_bytes, gbps
 
 __all__ = ["DemoSettings", "defaults_for", "run_demo"]
 
@@ -249,7 +249,7 @@ def _phase_rows(results: list) -> dict[str, dict]:
             ),
             "moved_bytes": moved,
             "transition_seconds": trans,
-            "transition_gbps": moved / trans / 1e9 if trans > 0 else 0.0,
+            "transition_gbps": gbps(moved, trans),
         }
     return rows
 

@@ -28,7 +28,7 @@ from tidal_recipes.cli.demo import (
     write_outputs,
 )
 from tidal.device import DeviceOps
-from tidal.errors import format_bytes
+from tidal.units import format_bytes
 from tidal_recipes.grpo import RemoteConfig, RemoteGRPO
 from tidal.timeline import MemoryTimeline
 

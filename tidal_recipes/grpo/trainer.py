@@ -37,7 +37,7 @@ from tidal_recipes.grpo.modes import role_mode, set_checkpointing
 from tidal_recipes.grpo.phases import RoleTurns
 from tidal_recipes.grpo.rollout import logits_kwargs, sample_answers
 from tidal_recipes.grpo.tasks import DIGIT0, TASK_VOCAB, DigitTask
-from tidal.state import storage_key
+from tidal.state import storage_key, unique_storage_bytes
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare, TimeshareConfig
 
@@ -254,22 +254,14 @@ class GRPOTrainer:
     def state_bytes_on_device(self) -> int:
         """Bytes of role state (params, grads, optimizer state) held in storages on the
         device now; each storage counted once."""
-        seen: dict[int, int] = {}
-
-        def add(t: torch.Tensor | None) -> None:
-            if isinstance(t, torch.Tensor) and t.device == self.device:
-                seen[storage_key(t.untyped_storage())] = t.untyped_storage().nbytes()
-
+        tensors: list = []
         for m in self._modules():
             for p in m.parameters():
-                add(p)
-                add(p.grad)
-            for b in m.buffers():
-                add(b)
+                tensors += [p, p.grad]
+            tensors += list(m.buffers())
         for st in self.optimizer.state.values():
-            for v in st.values():
-                add(v)
-        return sum(seen.values())
+            tensors += list(st.values())
+        return unique_storage_bytes(tensors, self.device)
 
     def all_resident_state_bytes(self) -> int:
         """Bytes the roles' state would take with every role resident at once: weights (the

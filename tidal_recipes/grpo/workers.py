@@ -19,6 +19,7 @@ to MB of host tensors).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ from tidal_recipes.grpo.grpo import group_advantages
 from tidal_recipes.grpo.modes import role_mode
 from tidal_recipes.grpo.phases import RoleTurns
 from tidal_recipes.grpo.trainer import GRPOConfig, GRPOTrainer, StepResult, answer_logprobs
-from tidal.state import storage_key
+from tidal.state import unique_storage_bytes
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare
 
@@ -167,12 +168,7 @@ class ReferenceWorker:
 
     def _state_bytes(self) -> int:
         """Bytes of the reference's weights held on the device now (CPU timelines plot it)."""
-        seen = {
-            storage_key(t.untyped_storage()): t.untyped_storage().nbytes()
-            for t in list(self.model.parameters()) + list(self.model.buffers())
-            if t.device == self.device
-        }
-        return sum(seen.values())
+        return unique_storage_bytes(itertools.chain(self.model.parameters(), self.model.buffers()), self.device)
 
     def logprobs(self, seqs: torch.Tensor) -> dict:
         """The reference's log-probs of the answers in ``seqs`` (host tensor) and the phase."""

@@ -1,0 +1,19 @@
+"""Units, written once: byte counts for people, and transfer rates."""
+
+from __future__ import annotations
+
+__all__ = ["format_bytes", "gbps"]
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units (``"1.50 GiB"``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """Decimal GB per second (1e9 bytes, as PCIe line rates are quoted); 0.0 for no time."""
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
