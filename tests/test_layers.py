@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.state",),  # a role's storages and the store that moves them
     ("tidal.timeshare", "tidal.optim", "tidal.activations", "tidal.plan"),  # the capabilities
     ("tidal.checkpoint", "tidal.distributed"),  # built on the capabilities
+    ("tidal.integrations",),  # adapters for other trainers (TRL, transformers)
     ("tidal",),  # the public API: everything above is a recipe, never imported by the library
     ("tidal_recipes.grpo",),  # the GRPO reference loop and its toy task
     ("tidal_recipes.cli", "tidal_recipes.__main__", "tidal_recipes"),  # the command line

@@ -1,0 +1,192 @@
+"""TRL's GRPOTrainer with tidal (tidal.integrations.trl) against the same TRL run without
+it: a real client nobody here wrote. Tiny Qwen2-shape model saved locally, a character-level
+tokenizer, a reward in Python; CPU, a few steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config  # noqa: E402
+
+import tidal  # noqa: E402
+from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer  # noqa: E402
+
+CHARS = list("0123456789+= abcdefghij")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved tiny model and tokenizer (what a user points TRL at)."""
+    path = tmp_path_factory.mktemp("tiny")
+    vocab = {c: i for i, c in enumerate(["<pad>", "<eos>"] + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    cfg = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    hf.save_pretrained(path)
+    return str(path)
+
+
+def sevens(completions, **kwargs):
+    return [float(c.count("7")) for c in completions]
+
+
+def _args(out, **kw):
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=3,
+        beta=0.1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+        bf16=False,
+    )
+    base.update(kw)
+    return trl.GRPOConfig(**base)
+
+
+def _data():
+    return datasets.Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(16)]})
+
+
+def _run(cls, tiny, out, *, model=None, optimizers=(None, None), tidal_config=None, **kw):
+    extra = {"tidal": tidal_config} if tidal_config is not None else {}
+    trainer = cls(
+        model=model if model is not None else tiny,
+        reward_funcs=sevens,
+        args=_args(out, **kw),
+        train_dataset=_data(),
+        optimizers=optimizers,
+        **extra,
+    )
+    trainer.train()
+    return trainer
+
+
+def _history(trainer):
+    keys = ("loss", "reward", "kl", "grad_norm")
+    return [tuple(h.get(k) for k in keys) for h in trainer.state.log_history if "loss" in h]
+
+
+def _weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_grpo_with_tidal_is_bit_identical_to_trl_alone(tiny, tmp_path):
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal")
+    assert _history(ours) == _history(plain) and len(_history(ours)) == 3
+    want, got = _weights(plain), _weights(ours)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    # Not a no-op: the reference and the policy took turns, and the optimizer state went
+    # to the host around each step.
+    kinds = [(r.kind, r.roles_out, r.role_in) for r in ours.timeshare.records]
+    assert kinds.count(("switch", ("policy",), "reference")) == 3
+    assert kinds.count(("switch", ("reference",), "policy")) == 3
+    assert sum(k[0] == "optim-out" for k in kinds) == 3
+    assert ours.timeshare.is_resident("policy") and not ours.timeshare.is_resident("reference")
+
+
+def test_transitions_reach_the_trainers_log(tiny, tmp_path):
+    ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal", max_steps=2)
+    logged = [h for h in ours.state.log_history if "loss" in h]
+    assert all(h["tidal/transitions"] >= 2 for h in logged)
+    assert all(h["tidal/moved_gb"] > 0 and h["tidal/transition_s"] > 0 and h["tidal/gbps"] > 0 for h in logged)
+    assert sum(h["tidal/transitions"] for h in logged) == len(ours.timeshare.records)
+
+
+def test_stream_and_role_residency_give_the_same_run(tiny, tmp_path):
+    plain = _weights(_run(trl.GRPOTrainer, tiny, tmp_path / "plain", max_steps=2))
+    for residency in ("stream", "role"):
+        ours = _run(
+            TidalGRPOTrainer,
+            tiny,
+            tmp_path / residency,
+            max_steps=2,
+            tidal_config=TidalConfig(optimizer_residency=residency),
+        )
+        got = _weights(ours)
+        assert all(torch.equal(plain[k], got[k]) for k in plain), residency
+
+
+def test_cpu_adam_as_the_optimizer_matches_adamw(tiny, tmp_path):
+    """CPUAdam (state on the host by design) in place of TRL's AdamW: the same run up to the
+    float rounding of a different (fused) kernel."""
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain", max_steps=2)
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    ours = _run(TidalGRPOTrainer, tiny, tmp_path / "cpuadam", model=model, optimizers=(opt, None), max_steps=2)
+    want, got = _weights(plain), _weights(ours)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert [h[1] for h in _history(ours)] == [h[1] for h in _history(plain)]  # same samples, same rewards
+
+
+def test_save_model_writes_the_real_weights_while_roles_are_out(tiny, tmp_path):
+    ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal", max_steps=2)
+    ours.timeshare.offload("policy")  # everything on the host now
+    ours.save_model(str(tmp_path / "saved"))
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    ours.timeshare.load("policy")
+    got = _weights(ours)
+    for n, p in saved.named_parameters():
+        assert torch.equal(p.detach(), got[n]), n
+
+
+def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tiny, tmp_path):
+    full = _run(TidalGRPOTrainer, tiny, tmp_path / "full", max_steps=4, save_strategy="steps", save_steps=2)
+    first = TidalGRPOTrainer(
+        model=tiny,
+        reward_funcs=sevens,
+        args=_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=_data(),
+    )
+    first.train()
+    again = TidalGRPOTrainer(
+        model=tiny,
+        reward_funcs=sevens,
+        args=_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=_data(),
+    )
+    again.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
+    want, got = _weights(full), _weights(again)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize(
+    "setting, match", [({"use_vllm": True}, "use_vllm"), ({"torch_compile": True}, "torch_compile")]
+)
+def test_settings_tidal_cannot_work_with_are_refused_before_any_work(tiny, tmp_path, setting, match):
+    with pytest.raises(ValueError, match=match):
+        TidalGRPOTrainer(model=tiny, reward_funcs=sevens, args=_args(tmp_path, **setting), train_dataset=_data())
+
+
+def test_a_wrong_tidal_argument_is_a_type_error(tiny, tmp_path):
+    with pytest.raises(TypeError, match="TidalConfig"):
+        TidalGRPOTrainer(model=tiny, reward_funcs=sevens, args=_args(tmp_path), train_dataset=_data(), tidal={})

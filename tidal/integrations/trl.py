@@ -1,0 +1,258 @@
+"""TRL's ``GRPOTrainer`` with tidal (extra ``tidal[trl]``).
+
+Replace ``GRPOTrainer`` by :class:`TidalGRPOTrainer`; nothing else in the training script
+changes::
+
+    from tidal.integrations.trl import TidalGRPOTrainer
+
+    trainer = TidalGRPOTrainer(model=path, reward_funcs=reward, args=GRPOConfig(beta=0.04, ...),
+                               train_dataset=ds)
+    trainer.train()
+
+What it does, on the trainer's one device:
+
+* The policy (its weights, gradients and optimizer) and, with ``beta > 0``, the reference
+  model TRL builds are roles of a :class:`~tidal.Timeshare`: the reference is on the device
+  only while it scores, the policy only while it generates, computes the loss and steps. Each
+  hand-over is one overlapped switch at PCIe line rate.
+* The policy's optimizer state stays on the host except inside ``optimizer.step()`` (step
+  residency; ``TidalConfig.optimizer_residency``), so generation, reference scoring and the
+  loss's forward/backward never hold it. A :class:`tidal.CPUAdam` passed as
+  ``optimizers=(CPUAdam(...), None)`` keeps it on the host for good.
+* Every log line (console, TensorBoard, W&B: whatever ``report_to`` says) carries
+  ``tidal/transitions``, ``tidal/moved_gb``, ``tidal/transition_s``, ``tidal/gbps`` for the
+  transitions since the previous log, and on a GPU ``tidal/peak_gib/<phase>``: the peak
+  allocated from the start of a phase to the start of the next (``generate``; ``score``, the
+  policy's log-probs of the samples; ``reference``; ``loss``, with the backward and the
+  optimizer step that follow it).
+* ``save_model``, checkpoints and resume read and write the state wherever it is (tidal's
+  state-dict hooks), so saving with the reference offloaded or the optimizer state on the
+  host writes the real values.
+
+Results do not change: the moves are pure data movement, bit-exact (tested against the same
+TRL run without tidal).
+
+Refused, before any work (``ValueError`` naming the setting): DeepSpeed or FSDP through
+accelerate (tidal's own adapters move those states; use ``tidal.distributed``), vLLM
+generation (its engine holds its own copy of the weights and its own memory pool), PEFT
+(the reference is the adapter-disabled policy itself, so there is no second model to
+offload), more than one process, and ``torch_compile=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from tidal.timeshare import Timeshare, TimeshareConfig
+from tidal.timeshare.role import OptimizerResidency
+
+__all__ = ["TidalConfig", "TidalGRPOTrainer"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TidalConfig:
+    """How :class:`TidalGRPOTrainer` uses tidal.
+
+    Attributes:
+        optimizer_residency: where the policy's optimizer state lives between steps
+            (``"step"``: on the host except inside ``step()``; ``"stream"``: the same, moved a
+            chunk at a time; ``"role"``: with the policy). Ignored for ``tidal.CPUAdam``, whose
+            state is on the host by design.
+        timeshare: the timeshare's settings (budget, headroom, transfer).
+    """
+
+    optimizer_residency: OptimizerResidency = "step"
+    timeshare: TimeshareConfig = dataclasses.field(default_factory=TimeshareConfig)
+
+
+class TidalGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose policy and reference take turns on the device (see the
+    module docstring). Takes GRPOTrainer's arguments, plus ``tidal=TidalConfig(...)``.
+
+    Memory cost: host RAM for the state of each role while it is out (pinned once, when the
+    role is registered: the reference at construction, the policy when its optimizer exists);
+    on the device, the role in use plus one staging bucket per direction during a switch.
+
+    Raises:
+        ValueError: a setting tidal cannot work with (see the module docstring), before any
+            work.
+    """
+
+    def __init__(self, *args: Any, tidal: TidalConfig | None = None, **kwargs: Any) -> None:
+        if tidal is not None and not isinstance(tidal, TidalConfig):
+            raise TypeError(f"tidal must be a tidal.integrations.trl.TidalConfig, got {type(tidal).__name__}")
+        _refuse_settings(kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None))
+        super().__init__(*args, **kwargs)
+        self.tidal_config = tidal or TidalConfig()
+        self._refuse_prepared()
+        self.timeshare = Timeshare(self.accelerator.device, config=self.tidal_config.timeshare)
+        if self.ref_model is not None:
+            _own_storages(self.ref_model)
+            self.timeshare.add_role("reference", model=self.ref_model, grads="drop")
+            self.timeshare.offload("reference")  # the policy computes first (generation)
+        self._tidal_logged = 0  # transitions already reported in a log line
+        self._tidal_peaks: dict[str, int] = {}  # phase -> peak allocated bytes since the last log
+        self._tidal_phase: str | None = None  # the outermost phase the device's peak is attributed to
+        self._tidal_depth = 0
+
+    # ---- roles --------------------------------------------------------------------------------
+    def _policy_ready(self) -> bool:
+        """Register the policy once its optimizer exists (Trainer makes it in ``train()``)."""
+        if "policy" in self.timeshare.roles:
+            return True
+        optimizer = self.optimizer
+        if optimizer is None:
+            return False
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch one
+        _own_storages(self.accelerator.unwrap_model(self.model), optimizer)
+        self.timeshare.add_role(
+            "policy",
+            model=self.accelerator.unwrap_model(self.model),
+            optimizer=optimizer,
+            optimizer_residency=self.tidal_config.optimizer_residency,
+        )
+        return True
+
+    def _turn(self, role: str):
+        """The role on the device for a phase (a no-op before the policy is registered)."""
+        if role == "policy" and not self._policy_ready():
+            return _Phase(self, None, "generate")
+        if role == "reference" and "policy" not in self.timeshare.roles:
+            self._policy_ready()
+        return _Phase(self, role, "reference" if role == "reference" else "score")
+
+    # ---- the phases ---------------------------------------------------------------------------
+    def _generate(self, prompts: list):
+        with self._turn("policy").named("generate"):
+            return super()._generate(prompts)
+
+    def _get_per_token_logps_and_entropies(self, model, *args: Any, **kwargs: Any):
+        role = "reference" if self.ref_model is not None and model is self.ref_model else "policy"
+        with self._turn(role):
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self._turn("policy").named("loss"):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    # ---- logging ------------------------------------------------------------------------------
+    def _mark_phase(self, phase: str | None) -> None:
+        """Attribute the device's peak since the last mark to the phase that was running."""
+        device = self.timeshare.device
+        if device.type != "cuda":
+            return
+        if self._tidal_phase is not None:
+            peak = torch.cuda.max_memory_allocated(device)
+            self._tidal_peaks[self._tidal_phase] = max(self._tidal_peaks.get(self._tidal_phase, 0), peak)
+        torch.cuda.reset_peak_memory_stats(device)
+        self._tidal_phase = phase
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self._mark_phase(self._tidal_phase)  # close the running phase's reading
+        records = self.timeshare.records[self._tidal_logged :]
+        self._tidal_logged = len(self.timeshare.records)
+        moved = sum(r.bytes_out + r.bytes_in for r in records)
+        seconds = sum(r.seconds for r in records)
+        logs["tidal/transitions"] = len(records)
+        logs["tidal/moved_gb"] = moved / 1e9
+        logs["tidal/transition_s"] = seconds
+        logs["tidal/gbps"] = moved / seconds / 1e9 if seconds > 0 else 0.0
+        for phase, peak in self._tidal_peaks.items():
+            logs[f"tidal/peak_gib/{phase}"] = peak / 2**30
+        self._tidal_peaks.clear()
+        super().log(logs, start_time)
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _refuse_prepared(self) -> None:
+        state = self.accelerator.state
+        if self.accelerator.num_processes > 1:
+            raise ValueError(
+                f"TidalGRPOTrainer runs in one process ({self.accelerator.num_processes} were launched): its "
+                f"roles take turns on one device. Launch one process per GPU without accelerate's multi-process "
+                f"launcher, or use tidal.distributed for sharded roles"
+            )
+        if getattr(state, "deepspeed_plugin", None) is not None or getattr(state, "fsdp_plugin", None) is not None:
+            raise ValueError(
+                "TidalGRPOTrainer does not work with DeepSpeed or FSDP through accelerate: those engines keep "
+                "their own copies of the state. Turn them off in the accelerate config, or use "
+                "tidal.distributed (add_deepspeed_role, FSDP2 roles) directly"
+            )
+
+
+class _Phase:
+    """``with``: the role resident for the block. The outermost phase also marks where the
+    device's peak is attributed: from its start until the next outermost phase starts (so the
+    loss phase's peak includes the backward and the optimizer step that follow it)."""
+
+    def __init__(self, trainer: TidalGRPOTrainer, role: str | None, phase: str) -> None:
+        self.trainer, self.role, self.phase = trainer, role, phase
+        self._ctx = None
+
+    def named(self, phase: str) -> "_Phase":
+        self.phase = phase
+        return self
+
+    def __enter__(self) -> None:
+        tr = self.trainer
+        if tr._tidal_depth == 0:
+            tr._mark_phase(self.phase)
+        tr._tidal_depth += 1
+        if self.role is not None:
+            self._ctx = tr.timeshare.use(self.role)
+            try:
+                self._ctx.__enter__()
+            except BaseException:
+                tr._tidal_depth -= 1
+                raise
+
+    def __exit__(self, *exc) -> None:
+        self.trainer._tidal_depth -= 1
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def _own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Weights (and, after a resume, optimizer state) loaded on the CPU may be views of the
+    memory-mapped checkpoint file, which tidal cannot free; give each such tensor memory of
+    its own (same values; the same Parameter object, so optimizer keys and hooks stay valid).
+    On a GPU the load already copied them."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.numel() and not t.untyped_storage().resizable():
+                t.data = t.data.clone()
+        if optimizer is not None and not getattr(optimizer, "tidal_state_on_host", False):
+            for st in optimizer.state.values():
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.numel() and not v.untyped_storage().resizable():
+                        st[k] = v.clone()
+
+
+def _refuse_settings(args: Any) -> None:
+    """Settings tidal cannot work with, found in the GRPOConfig before TRL builds anything."""
+    if args is None:
+        return
+    if getattr(args, "use_vllm", False):
+        raise ValueError(
+            "TidalGRPOTrainer does not support use_vllm=True: vLLM keeps its own copy of the weights and its own "
+            "memory pool, which a timeshare cannot move. Set use_vllm=False (generation then runs on the policy, "
+            "which takes turns with the reference)"
+        )
+    if getattr(args, "torch_compile", False):
+        raise ValueError(
+            "TidalGRPOTrainer does not support torch_compile=True: compiled graphs keep the addresses of the "
+            "weights tidal moves. Set torch_compile=False"
+        )
+    if getattr(args, "deepspeed", None):
+        raise ValueError(
+            "TidalGRPOTrainer does not work with deepspeed= in the training arguments: DeepSpeed keeps its own "
+            "copies of the state. Remove it, or use tidal.distributed.add_deepspeed_role directly"
+        )
+    if getattr(args, "fsdp", None):
+        raise ValueError(
+            "TidalGRPOTrainer does not work with fsdp= in the training arguments; remove it, or build FSDP2 roles "
+            "with tidal.distributed directly"
+        )
