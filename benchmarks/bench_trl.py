@@ -1,0 +1,236 @@
+"""TRL's GRPOTrainer alone against TRL with tidal (TidalGRPOTrainer), side by side on one GPU.
+
+    python benchmarks/bench_trl.py [--preset qwen2-1.5b] [--steps 4] [--variants trl,step,stream]
+        [--results PATH] [--json PATH]
+
+A Qwen2-shape model built from a config (random bf16 weights, saved to a local folder so
+TRL can load the policy and build its reference from it, as it does from a hub id), a
+character-level tokenizer, prompts and a reward in Python. Each variant runs in its own
+process (so one's allocator cache cannot flatter the next): ``trl`` is ``GRPOTrainer``;
+``step`` / ``stream`` / ``role`` are ``TidalGRPOTrainer`` with that optimizer residency.
+Measured after the first step (warm-up): peak allocated device memory
+(``torch.cuda.max_memory_allocated``), median step wall time (device-synchronised, from
+``on_step_begin`` to ``on_step_end``), and for tidal the transitions' share of the step time.
+Anchor: TRL alone (the ratio columns); targets: peak <= 0.6x at step time <= 1.05x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PRESETS = {
+    # hidden, intermediate, layers, heads, kv heads
+    "tiny": (64, 128, 2, 4, 2),  # a dry run of the script (CPU included)
+    "qwen2-0.5b": (896, 4864, 24, 14, 2),
+    "qwen2-1.5b": (1536, 8960, 28, 12, 2),
+    "qwen2-7b": (3584, 18944, 28, 28, 4),
+}
+CHARS = list("0123456789+= abcdefghijklmnopqrstuvwxyz")
+
+
+def save_model(preset: str, path: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    vocab = {c: i for i, c in enumerate(["<pad>", "<eos>"] + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    h, i, n, a, kv = PRESETS[preset]
+    # The real vocabulary size: the embedding and head are a large part of a small model's bytes.
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=n,
+        num_attention_heads=a,
+        num_key_value_heads=kv,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def reward(completions, **kwargs):
+    return [float(c.count("7")) for c in completions]
+
+
+def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) -> None:
+    """One training run in this process; writes its measurements to ``out_json``."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, ROOT)
+    from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer
+
+    times: list[float] = []
+    peaks: list[int] = []
+
+    cuda = torch.cuda.is_available()
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+                if state.global_step == 1:  # after the warm-up step
+                    torch.cuda.reset_peak_memory_stats()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            if state.global_step > 1:
+                times.append(time.perf_counter() - self.t0)
+                peaks.append(torch.cuda.max_memory_allocated() if cuda else 1)
+
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        beta=0.04,
+        learning_rate=1e-6,
+        max_steps=steps,
+        num_generations=args.num_generations,
+        per_device_train_batch_size=args.batch,
+        max_completion_length=args.completion,
+        logging_steps=1,
+        report_to=[],
+        bf16=cuda,
+        use_cpu=not cuda,
+        save_strategy="no",
+        seed=0,
+    )
+    data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(256)]})
+    common = dict(model=model_path, reward_funcs=reward, args=cfg, train_dataset=data, callbacks=[Clock()])
+    if variant == "trl":
+        trainer = GRPOTrainer(**common)
+    else:
+        trainer = TidalGRPOTrainer(**common, tidal=TidalConfig(optimizer_residency=variant))
+    t0 = time.perf_counter()
+    error = None
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as e:
+        error = f"out of memory: {str(e).splitlines()[0]}"
+    res = {"variant": variant, "error": error, "wall_s": time.perf_counter() - t0}
+    if not error:
+        res.update(step_s=statistics.median(times), peak_bytes=max(peaks), steps_measured=len(times))
+        res["loss"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if variant != "trl":
+            recs = trainer.timeshare.records
+            res["transition_s_per_step"] = sum(r.seconds + r.release_seconds for r in recs) / max(steps, 1)
+            res["moved_gb_per_step"] = sum(r.bytes_out + r.bytes_in for r in recs) / 1e9 / max(steps, 1)
+            res["transition_gbps"] = (
+                sum(r.bytes_out + r.bytes_in for r in recs) / max(sum(r.seconds for r in recs), 1e-9) / 1e9
+            )
+    with open(out_json, "w") as f:
+        json.dump(res, f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen2-1.5b", choices=sorted(PRESETS))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--variants", default="trl,step,stream")
+    p.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (completions per step)")
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    p.add_argument("--results", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._variant:
+        run_variant(args._variant, args._model, args.steps, args._out, args)
+        return 0
+
+    import torch
+    import transformers
+    import trl
+
+    work = tempfile.mkdtemp()
+    model_path = os.path.join(work, args.preset)
+    t0 = time.perf_counter()
+    save_model(args.preset, model_path)
+    print(f"saved {args.preset} to {model_path} in {time.perf_counter() - t0:.1f} s", flush=True)
+    results = []
+    for v in args.variants.split(","):
+        out = os.path.join(work, f"{v}.json")
+        cmd = [
+            sys.executable,
+            __file__,
+            "--_variant",
+            v,
+            "--_model",
+            model_path,
+            "--_out",
+            out,
+            "--steps",
+            str(args.steps),
+            "--batch",
+            str(args.batch),
+            "--num-generations",
+            str(args.num_generations),
+            "--completion",
+            str(args.completion),
+        ]
+        rc = subprocess.run(cmd).returncode
+        res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
+        results.append(res)
+        print(json.dumps(res), flush=True)
+    base = next((r for r in results if r["variant"] == "trl" and not r.get("error")), None)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"\n{gpu}, torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
+    print(f"{args.preset}, {args.batch} completions x {args.completion} tokens per step, beta 0.04, bf16")
+    rows = []
+    date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    for r in results:
+        if r.get("error"):
+            line = f"  {r['variant']:8s} {r['error'][:120]}"
+            row = f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {args.preset} | {args.batch}x{args.completion} | {r['variant']} | {r['error'][:80]} | - | - | - | - | - |"
+        else:
+            pr = r["peak_bytes"] / base["peak_bytes"] if base else float("nan")
+            sr = r["step_s"] / base["step_s"] if base else float("nan")
+            share = r.get("transition_s_per_step", 0.0) / r["step_s"]
+            line = (
+                f"  {r['variant']:8s} step {r['step_s']:.3f} s ({sr:.2f}x TRL)  peak {r['peak_bytes'] / 2**30:.2f} GiB "
+                f"({pr:.2f}x TRL)  transitions {share:.1%} of the step, {r.get('moved_gb_per_step', 0):.1f} GB/step "
+                f"at {r.get('transition_gbps', 0):.1f} GB/s"
+            )
+            row = (
+                f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {args.preset} | {args.batch}x{args.completion} | "
+                f"{r['variant']} | {r['step_s']:.3f} | {sr:.2f} | {r['peak_bytes'] / 2**30:.2f} | {pr:.2f} | {share:.3f} | "
+                f"{r.get('transition_gbps', 0):.1f} |"
+            )
+        print(line)
+        rows.append(row)
+    print("targets: peak <= 0.6x TRL at step <= 1.05x TRL")
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write("\n".join(rows) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
