@@ -116,6 +116,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         use_cpu=not cuda,
         save_strategy="no",
         seed=0,
+        model_init_kwargs={"dtype": args.dtype},
     )
     data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(256)]})
     common = dict(model=model_path, reward_funcs=reward, args=cfg, train_dataset=data, callbacks=[Clock()])
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (completions per step)")
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    p.add_argument("--dtype", default="float32", help="weights as TRL loads them (its default: float32)")
     p.add_argument("--results", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
@@ -199,13 +201,15 @@ def main(argv=None) -> int:
     base = next((r for r in results if r["variant"] == "trl" and not r.get("error")), None)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{gpu}, torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
-    print(f"{args.preset}, {args.batch} completions x {args.completion} tokens per step, beta 0.04, bf16")
+    print(
+        f"{args.preset}, {args.batch} completions x {args.completion} tokens per step, beta 0.04, weights {args.dtype}, bf16 autocast"
+    )
     rows = []
     date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     for r in results:
         if r.get("error"):
             line = f"  {r['variant']:8s} {r['error'][:120]}"
-            row = f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {args.preset} | {args.batch}x{args.completion} | {r['variant']} | {r['error'][:80]} | - | - | - | - | - |"
+            row = f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {args.preset} {args.dtype} | {args.batch}x{args.completion} | {r['variant']} | {r['error'][:80]} | - | - | - | - | - |"
         else:
             pr = r["peak_bytes"] / base["peak_bytes"] if base else float("nan")
             sr = r["step_s"] / base["step_s"] if base else float("nan")

@@ -18,7 +18,8 @@ What it does, on the trainer's one device:
 * The policy's optimizer state stays on the host except inside ``optimizer.step()`` (step
   residency; ``TidalConfig.optimizer_residency``), so generation, reference scoring and the
   loss's forward/backward never hold it. A :class:`tidal.CPUAdam` passed as
-  ``optimizers=(CPUAdam(...), None)`` keeps it on the host for good.
+  ``optimizers=(CPUAdam(...), None)`` keeps it on the host for good; gradient clipping and the
+  logged ``grad_norm`` then use its host gradients.
 * Every log line (console, TensorBoard, W&B: whatever ``report_to`` says) carries
   ``tidal/transitions``, ``tidal/moved_gb``, ``tidal/transition_s``, ``tidal/gbps`` for the
   transitions since the previous log, and on a GPU ``tidal/peak_gib/<phase>``: the peak
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from tidal.integrations.hf import CPUAdamClipping
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.timeshare.role import OptimizerResidency
 
@@ -69,7 +71,7 @@ class TidalConfig:
     timeshare: TimeshareConfig = dataclasses.field(default_factory=TimeshareConfig)
 
 
-class TidalGRPOTrainer(GRPOTrainer):
+class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy and reference take turns on the device (see the
     module docstring). Takes GRPOTrainer's arguments, plus ``tidal=TidalConfig(...)``.
 

@@ -1,0 +1,121 @@
+"""transformers.Trainer with tidal (tidal.integrations.hf): CPU Adam and activation offload
+against the same Trainer run without them, on a tiny causal LM on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Trainer, TrainingArguments
+
+from tidal.integrations.hf import TidalTrainer, TidalTrainerConfig
+from tidal.transfer import TransferContext
+
+
+def _model():
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _data(n=32, seq=16):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (n, seq), generator=g)
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def _args(out, **kw):
+    base = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,  # small enough that clipping acts: it must see the gradients
+        weight_decay=0.1,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _train(out, tidal=None, resume=None, **kw):
+    model = _model()
+    extra = {"tidal": tidal} if tidal is not None else {}
+    cls = TidalTrainer if tidal is not None else Trainer
+    trainer = cls(model=model, args=_args(out, **kw), train_dataset=_data(), **extra)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _logs(trainer):
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def _weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_activation_offload_is_bit_identical_and_really_offloads(tmp_path):
+    plain = _train(tmp_path / "plain")
+    ours = _train(tmp_path / "ours", TidalTrainerConfig(activation_offload=True, activation_min_offload_bytes=0))
+    assert _logs(ours) == _logs(plain) and len(_logs(ours)) == 4
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    off = TransferContext.of("cpu").owner_of(ours.model)
+    assert off is not None and off.report().bytes_offloaded > 0
+
+
+def test_cpu_adam_matches_adamw_with_clipping_and_weight_decay(tmp_path):
+    plain = _train(tmp_path / "plain")
+    ours = _train(tmp_path / "ours", TidalTrainerConfig(cpu_adam=True))
+    assert type(ours.optimizer.optimizer).__name__ == "CPUAdam"
+    for (loss_a, norm_a), (loss_b, norm_b) in zip(_logs(plain), _logs(ours)):
+        assert loss_b == pytest.approx(loss_a, rel=1e-5)
+        assert norm_b == pytest.approx(norm_a, rel=1e-5) and norm_a > 0.5  # clipping acted, on host grads
+    want, got = _weights(plain), _weights(ours)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_resume_with_both_equals_the_uninterrupted_run(tmp_path):
+    cfg = TidalTrainerConfig(cpu_adam=True, activation_offload=True, activation_min_offload_bytes=0)
+    full = _train(tmp_path / "full", cfg)
+    _train(tmp_path / "parts", cfg, save_strategy="steps", save_steps=2)
+    resumed = _train(tmp_path / "parts", cfg, resume=str(tmp_path / "parts" / "checkpoint-2"))
+    want, got = _weights(full), _weights(resumed)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_settings_tidal_cannot_work_with_are_refused(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError, match="builds the optimizer itself"):
+        TidalTrainer(
+            model=model,
+            args=_args(tmp_path),
+            train_dataset=_data(),
+            optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+            tidal=TidalTrainerConfig(cpu_adam=True),
+        )
+    with pytest.raises(ValueError, match="no list of transformer blocks"):
+        TidalTrainer(
+            model=model,
+            args=_args(tmp_path),
+            train_dataset=_data(),
+            tidal=TidalTrainerConfig(activation_offload=True, activation_layers="model.nope"),
+        )
+    with pytest.raises(TypeError, match="TidalTrainerConfig"):
+        TidalTrainer(model=model, args=_args(tmp_path), train_dataset=_data(), tidal={"cpu_adam": True})

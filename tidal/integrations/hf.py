@@ -1,0 +1,155 @@
+"""``transformers.Trainer`` with tidal: CPU Adam and activation offload by configuration.
+
+Replace ``Trainer`` by :class:`TidalTrainer` and say what to use::
+
+    from tidal.integrations.hf import TidalTrainer, TidalTrainerConfig
+
+    trainer = TidalTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                           tidal=TidalTrainerConfig(cpu_adam=True, activation_offload=True))
+    trainer.train()
+
+* ``cpu_adam``: the optimizer is :class:`tidal.CPUAdam` (fp32 masters, moments and gradients
+  on the host; the device keeps only the parameters), built from the training arguments as
+  Trainer builds its AdamW: ``learning_rate``, ``adam_beta1``/``adam_beta2``,
+  ``adam_epsilon``, and ``weight_decay`` for the same decay / no-decay parameter groups. The
+  scheduler drives it as usual. Gradient clipping (``max_grad_norm``) and the logged
+  ``grad_norm`` go through :meth:`tidal.CPUAdam.clip_grad_norm_` (the gradients are on the
+  host, so ``torch.nn.utils.clip_grad_norm_`` would see none).
+* ``activation_offload``: each loss forward runs under :func:`tidal.offload_activations`
+  over the model's transformer blocks (``activation_layers``), so the activations saved for
+  backward wait on the host; the backward brings them back ahead of use.
+
+Results: activation offload is pure data movement (bit-identical); CPUAdam is AdamW computed
+by torch's fused CPU kernel in fp32 (equal to torch's AdamW up to float rounding). Checkpoints
+and resume save and load CPUAdam's state like any optimizer's.
+
+Refused before any work (``ValueError`` naming the setting): ``cpu_adam`` with DeepSpeed or
+FSDP through accelerate (they shard and step the optimizer themselves), or with an
+``optimizers=`` / ``optimizer_cls_and_kwargs=`` of one's own; ``activation_offload`` with
+``torch_compile=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from tidal.activations import offload_activations
+from tidal.optim import CPUAdam
+
+__all__ = ["TidalTrainer", "TidalTrainerConfig", "CPUAdamClipping"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TidalTrainerConfig:
+    """What :class:`TidalTrainer` turns on.
+
+    Attributes:
+        cpu_adam: use :class:`tidal.CPUAdam` as the optimizer.
+        activation_offload: offload the activations saved in each loss forward.
+        activation_layers: dotted path from the model to its list of transformer blocks
+            (``"model.layers"`` for Llama/Qwen-style models); ``"auto"`` looks for
+            ``model.layers``, ``transformer.h`` and ``layers``.
+        activation_min_offload_bytes: saved tensors smaller than this stay on the device.
+    """
+
+    cpu_adam: bool = False
+    activation_offload: bool = False
+    activation_layers: str = "auto"
+    activation_min_offload_bytes: int = 1 << 20
+
+
+class CPUAdamClipping:
+    """A Trainer mixin: with :class:`tidal.CPUAdam` as the optimizer, clipping and the logged
+    gradient norm use its host gradients. Other optimizers: Trainer's own behaviour."""
+
+    def _tidal_cpu_adam(self) -> CPUAdam | None:
+        opt = getattr(self, "optimizer", None)
+        opt = getattr(opt, "optimizer", opt)  # accelerate's wrapper holds the torch one
+        return opt if isinstance(opt, CPUAdam) else None
+
+    def _clip_grad_norm(self, model):
+        opt = self._tidal_cpu_adam()
+        if opt is None:
+            return super()._clip_grad_norm(model)
+        return opt.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        opt = self._tidal_cpu_adam()
+        if opt is None or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm)
+        return opt.clip_grad_norm_(float("inf"))
+
+
+class TidalTrainer(CPUAdamClipping, Trainer):
+    """``transformers.Trainer`` with CPU Adam and/or activation offload (see the module
+    docstring). Takes Trainer's arguments, plus ``tidal=TidalTrainerConfig(...)``.
+
+    Memory cost: with ``cpu_adam``, 16 bytes per parameter on the host (pinned fp32 masters
+    and gradients, moments) and no optimizer state or gradients on the device; with
+    ``activation_offload``, host RAM for the activations of one step (pinned once, reused).
+
+    Raises:
+        ValueError: a setting tidal cannot work with, before any work.
+        TypeError: ``tidal`` is not a :class:`TidalTrainerConfig`.
+    """
+
+    def __init__(self, *args: Any, tidal: TidalTrainerConfig | None = None, **kwargs: Any) -> None:
+        if tidal is not None and not isinstance(tidal, TidalTrainerConfig):
+            raise TypeError(f"tidal must be a tidal.integrations.hf.TidalTrainerConfig, got {type(tidal).__name__}")
+        self.tidal_config = tidal = tidal or TidalTrainerConfig()
+        targs = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        if tidal.cpu_adam:
+            if kwargs.get("optimizers", (None, None))[0] is not None or kwargs.get("optimizer_cls_and_kwargs"):
+                raise ValueError(
+                    "TidalTrainerConfig(cpu_adam=True) builds the optimizer itself; drop optimizers= / "
+                    "optimizer_cls_and_kwargs=, or set cpu_adam=False and pass tidal.CPUAdam there yourself"
+                )
+            if targs is not None and (getattr(targs, "deepspeed", None) or getattr(targs, "fsdp", None)):
+                raise ValueError(
+                    "TidalTrainerConfig(cpu_adam=True) does not work with DeepSpeed or FSDP in the training "
+                    "arguments: they shard and step the optimizer themselves. Use their own CPU offload, or "
+                    "remove deepspeed= / fsdp="
+                )
+        if tidal.activation_offload and targs is not None and getattr(targs, "torch_compile", False):
+            raise ValueError(
+                "TidalTrainerConfig(activation_offload=True) does not support torch_compile=True (the saved-tensor "
+                "hooks need the eager model); set one of them off"
+            )
+        super().__init__(*args, **kwargs)
+        if tidal.cpu_adam:
+            a = self.args
+            self.optimizer_cls_and_kwargs = (
+                CPUAdam,
+                {"lr": a.learning_rate, "betas": (a.adam_beta1, a.adam_beta2), "eps": a.adam_epsilon},
+            )
+        self._tidal_layers = _find_layers(self.model, tidal.activation_layers) if tidal.activation_offload else None
+
+    def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
+        if self._tidal_layers is None or not model.training:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        with offload_activations(
+            self.accelerator.unwrap_model(model),
+            layers=self._tidal_layers,
+            min_offload_bytes=self.tidal_config.activation_min_offload_bytes,
+        ):
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def _find_layers(model: torch.nn.Module, path: str) -> torch.nn.ModuleList:
+    """The model's transformer blocks, by dotted path or by the usual names."""
+    paths = ("model.layers", "transformer.h", "layers", "model.decoder.layers") if path == "auto" else (path,)
+    for p in paths:
+        with contextlib.suppress(AttributeError):
+            found = operator.attrgetter(p)(model)
+            if isinstance(found, torch.nn.ModuleList) and len(found) > 0:
+                return found
+    raise ValueError(
+        f"TidalTrainerConfig(activation_offload=True): no list of transformer blocks found in "
+        f"{type(model).__name__} at {', '.join(paths)}; pass activation_layers='<dotted path to the ModuleList>'"
+    )
