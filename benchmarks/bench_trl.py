@@ -66,6 +66,8 @@ def save_model(preset: str, path: str) -> None:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()  # this process only orchestrates: the variants run in their own
 
 
 def reward(completions, **kwargs):
@@ -145,6 +147,10 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         json.dump(res, f)
 
 
+def _x(ratio: float | None) -> str:
+    return f"{ratio:.2f}" if ratio is not None else "-"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2-1.5b", choices=sorted(PRESETS))
@@ -211,17 +217,17 @@ def main(argv=None) -> int:
             line = f"  {r['variant']:8s} {r['error'][:120]}"
             row = f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {args.preset} {args.dtype} | {args.batch}x{args.completion} | {r['variant']} | {r['error'][:80]} | - | - | - | - | - |"
         else:
-            pr = r["peak_bytes"] / base["peak_bytes"] if base else float("nan")
-            sr = r["step_s"] / base["step_s"] if base else float("nan")
+            pr = r["peak_bytes"] / base["peak_bytes"] if base else None
+            sr = r["step_s"] / base["step_s"] if base else None
             share = r.get("transition_s_per_step", 0.0) / r["step_s"]
             line = (
-                f"  {r['variant']:8s} step {r['step_s']:.3f} s ({sr:.2f}x TRL)  peak {r['peak_bytes'] / 2**30:.2f} GiB "
-                f"({pr:.2f}x TRL)  transitions {share:.1%} of the step, {r.get('moved_gb_per_step', 0):.1f} GB/step "
+                f"  {r['variant']:8s} step {r['step_s']:.3f} s ({_x(sr)} TRL)  peak {r['peak_bytes'] / 2**30:.2f} GiB "
+                f"({_x(pr)} TRL)  transitions {share:.1%} of the step, {r.get('moved_gb_per_step', 0):.1f} GB/step "
                 f"at {r.get('transition_gbps', 0):.1f} GB/s"
             )
             row = (
-                f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {args.preset} | {args.batch}x{args.completion} | "
-                f"{r['variant']} | {r['step_s']:.3f} | {sr:.2f} | {r['peak_bytes'] / 2**30:.2f} | {pr:.2f} | {share:.3f} | "
+                f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {args.preset} {args.dtype} | {args.batch}x{args.completion} | "
+                f"{r['variant']} | {r['step_s']:.3f} | {_x(sr)} | {r['peak_bytes'] / 2**30:.2f} | {_x(pr)} | {share:.3f} | "
                 f"{r.get('transition_gbps', 0):.1f} |"
             )
         print(line)

@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
         vocab_size=len(vocab),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=4,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=64,
@@ -133,6 +133,34 @@ def test_stream_and_role_residency_give_the_same_run(tiny, tmp_path):
         )
         got = _weights(ours)
         assert all(torch.equal(plain[k], got[k]) for k in plain), residency
+
+
+def test_gradient_accumulation_and_activation_offload_stay_bit_identical(tiny, tmp_path):
+    """Two micro-batches per step (the policy's partial gradients go to the host and back
+    while the reference scores) and the loss's saved activations offloaded."""
+    plain = _run(
+        trl.GRPOTrainer,
+        tiny,
+        tmp_path / "plain",
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+    )
+    cfg = TidalConfig(activation_offload=True, activation_min_offload_bytes=0)
+    ours = _run(
+        TidalGRPOTrainer,
+        tiny,
+        tmp_path / "ours",
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        tidal_config=cfg,
+    )
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    policy = ours.accelerator.unwrap_model(ours.model)
+    assert tidal.TransferContext.of("cpu").owner_of(policy).report().bytes_offloaded > 0
 
 
 def test_cpu_adam_as_the_optimizer_matches_adamw(tiny, tmp_path):

@@ -42,7 +42,7 @@ from transformers import Trainer
 from tidal.activations import offload_activations
 from tidal.optim import CPUAdam
 
-__all__ = ["TidalTrainer", "TidalTrainerConfig", "CPUAdamClipping"]
+__all__ = ["CPUAdamClipping", "TidalTrainer", "TidalTrainerConfig", "find_layers"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,7 +128,7 @@ class TidalTrainer(CPUAdamClipping, Trainer):
                 CPUAdam,
                 {"lr": a.learning_rate, "betas": (a.adam_beta1, a.adam_beta2), "eps": a.adam_epsilon},
             )
-        self._tidal_layers = _find_layers(self.model, tidal.activation_layers) if tidal.activation_offload else None
+        self._tidal_layers = find_layers(self.model, tidal.activation_layers) if tidal.activation_offload else None
 
     def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
         if self._tidal_layers is None or not model.training:
@@ -141,7 +141,7 @@ class TidalTrainer(CPUAdamClipping, Trainer):
             return super().compute_loss(model, inputs, *args, **kwargs)
 
 
-def _find_layers(model: torch.nn.Module, path: str) -> torch.nn.ModuleList:
+def find_layers(model: torch.nn.Module, path: str) -> torch.nn.ModuleList:
     """The model's transformer blocks, by dotted path or by the usual names."""
     paths = ("model.layers", "transformer.h", "layers", "model.decoder.layers") if path == "auto" else (path,)
     for p in paths:

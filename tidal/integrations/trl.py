@@ -20,6 +20,8 @@ What it does, on the trainer's one device:
   loss's forward/backward never hold it. A :class:`tidal.CPUAdam` passed as
   ``optimizers=(CPUAdam(...), None)`` keeps it on the host for good; gradient clipping and the
   logged ``grad_norm`` then use its host gradients.
+* With ``TidalConfig(activation_offload=True)`` the activations the loss forward saves wait
+  on the host until its backward.
 * Every log line (console, TensorBoard, W&B: whatever ``report_to`` says) carries
   ``tidal/transitions``, ``tidal/moved_gb``, ``tidal/transition_s``, ``tidal/gbps`` for the
   transitions since the previous log, and on a GPU ``tidal/peak_gib/<phase>``: the peak
@@ -48,7 +50,8 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from tidal.integrations.hf import CPUAdamClipping
+from tidal.activations import offload_activations
+from tidal.integrations.hf import CPUAdamClipping, find_layers
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.timeshare.role import OptimizerResidency
 
@@ -65,10 +68,17 @@ class TidalConfig:
             chunk at a time; ``"role"``: with the policy). Ignored for ``tidal.CPUAdam``, whose
             state is on the host by design.
         timeshare: the timeshare's settings (budget, headroom, transfer).
+        activation_offload: offload the activations the loss forward saves for backward
+            (:func:`tidal.offload_activations` over ``activation_layers``, a dotted path to the
+            policy's transformer blocks; ``"auto"``: ``model.layers`` and the usual names).
+            Saved tensors under ``activation_min_offload_bytes`` stay on the device.
     """
 
     optimizer_residency: OptimizerResidency = "step"
     timeshare: TimeshareConfig = dataclasses.field(default_factory=TimeshareConfig)
+    activation_offload: bool = False
+    activation_layers: str = "auto"
+    activation_min_offload_bytes: int = 1 << 20
 
 
 class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
@@ -138,8 +148,17 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        cfg = self.tidal_config
         with self._turn("policy").named("loss"):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if not cfg.activation_offload:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            policy = self.accelerator.unwrap_model(model)
+            with offload_activations(
+                policy,
+                layers=find_layers(policy, cfg.activation_layers),
+                min_offload_bytes=cfg.activation_min_offload_bytes,
+            ):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     # ---- logging ------------------------------------------------------------------------------
     def _mark_phase(self, phase: str | None) -> None:
