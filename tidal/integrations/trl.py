@@ -14,7 +14,9 @@ What it does, on the trainer's one device:
 * The policy (its weights, gradients and optimizer) and, with ``beta > 0``, the reference
   model TRL builds are roles of a :class:`~tidal.Timeshare`: the reference is on the device
   only while it scores, the policy only while it generates, computes the loss and steps. Each
-  hand-over is one overlapped switch at PCIe line rate.
+  hand-over is one overlapped switch at PCIe line rate. The reference is a frozen role: after
+  its first trip out, it goes out without a copy (only its reload moves bytes), unless
+  ``sync_ref_model=True`` makes TRL write it.
 * The policy's optimizer state stays on the host except inside ``optimizer.step()`` (step
   residency; ``TidalConfig.optimizer_residency``), so generation, reference scoring and the
   loss's forward/backward never hold it. A :class:`tidal.CPUAdam` passed as
@@ -104,7 +106,10 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
         self.timeshare = Timeshare(self.accelerator.device, config=self.tidal_config.timeshare)
         if self.ref_model is not None:
             _own_storages(self.ref_model)
-            self.timeshare.add_role("reference", model=self.ref_model, grads="drop")
+            # Frozen (its host copy stays valid: it goes out without a copy) unless TRL
+            # writes it: sync_ref_model mixes the policy into it every few steps.
+            frozen = not getattr(self.args, "sync_ref_model", False)
+            self.timeshare.add_role("reference", model=self.ref_model, grads="drop", frozen=frozen)
             self.timeshare.offload("reference")  # the policy computes first (generation)
         self._tidal_logged = 0  # transitions already reported in a log line
         self._tidal_peaks: dict[str, int] = {}  # phase -> peak allocated bytes since the last log

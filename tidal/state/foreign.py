@@ -33,6 +33,10 @@ __all__ = ["Locator", "readable", "install_module_hooks", "install_optimizer_hoo
 class Locator(Protocol):
     def host_tensor(self, t: torch.Tensor) -> torch.Tensor | None: ...
 
+    def will_write(self, t: torch.Tensor) -> None:
+        """``t``'s device bytes are about to be written: a host copy kept valid is stale."""
+        ...
+
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -112,6 +116,8 @@ def _module_load_hook(
             # The bytes are in the host copy; torch's copy_ of a tensor into itself is a no-op,
             # so the offloaded tensor is neither read nor written, and keeps its identity.
             state_dict[key] = t
+        else:
+            store.will_write(t)  # torch copies into the resident tensor next
 
 
 def install_module_hooks(store: Locator, modules: Iterable[torch.nn.Module]) -> list:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -52,6 +52,8 @@ class MoveResult:
     driver_free_after: int
     segments: int
     alloc_seconds: float = 0.0
+    # Bytes released without a D2H copy: their host copy was still valid (a frozen role).
+    bytes_skipped: int = 0
 
     @property
     def bytes_moved(self) -> int:
@@ -112,6 +114,9 @@ class OffloadStore:
         self._exposed: dict[int, tuple[HostSlot, torch.Tensor]] = {}
         self.last_move: MoveResult | None = None
         self._closed = False
+        # Resident storages whose host slot still holds exactly their bytes: reloaded for an
+        # owner that declared them frozen (never written). Offloading one copies nothing.
+        self._host_valid: set[int] = set()
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -208,6 +213,7 @@ class OffloadStore:
             if held is not None:
                 self.arena.release(held[0])
                 del self._slots[e.key]
+            self._host_valid.discard(e.key)
             need.append(e)
         if need:
             dead = self._dead_slots
@@ -215,6 +221,12 @@ class OffloadStore:
                 # The callback notes the key when the storage dies, so reclaiming looks at the
                 # dead ones only (not at every slot, at every transition).
                 self._slots[e.key] = (slot, weakref.ref(e.storage, lambda _, k=e.key: dead.append(k)))
+
+    def will_write(self, t: torch.Tensor) -> None:
+        """Foreign code is about to write ``t``'s device bytes (a ``load_state_dict`` into a
+        resident module): its host copy, if kept valid for a frozen owner, is stale now."""
+        local = t if type(t) in (torch.Tensor, torch.nn.Parameter) else getattr(t, "_local_tensor", t)
+        self._host_valid.discard(local.untyped_storage()._cdata)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -226,6 +238,7 @@ class OffloadStore:
             held = self._slots.get(k)
             if held is not None and held[1]() is None:  # not a new storage at the same address
                 self.arena.release(self._slots.pop(k)[0])
+                self._host_valid.discard(k)
 
     def forget_unreferenced(self) -> int:
         """Drop offloaded storages that no tensor uses any more (their only holder is this
@@ -239,6 +252,7 @@ class OffloadStore:
             del self._offloaded[k]
             self._exposed.pop(k, None)
             self._digests.pop(k, None)
+            self._host_valid.discard(k)
         return len(dead)
 
     def _items(self, entries: Sequence[StateEntry]) -> list[CopyItem]:
@@ -265,8 +279,15 @@ class OffloadStore:
         headroom_bytes: int = 0,
         extra_bytes: int | None = None,
         release: bool | None = None,
+        frozen: Collection[int] = (),
     ) -> MoveResult:
         """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy.
+
+        ``frozen``: keys of incoming storages their owner declares never written. Their host
+        copy stays valid after the reload, so offloading them later copies nothing (the device
+        memory is only released; ``MoveResult.bytes_skipped``). With ``verify`` on, such an
+        offload first checks the device bytes against the digest taken when they went out, and
+        raises ``ValueError`` (nothing moved) if they were written.
 
         The out-going D2H copies are all queued first. Incoming storages are allocated and
         their H2D copies queued as long as free memory allows; when it runs short, the host
@@ -297,8 +318,13 @@ class OffloadStore:
         # must move (and be counted) once.
         out_todo = list({e.key: e for e in out_entries if e.key not in self._offloaded}.values())
         in_todo = list({e.key: self._offloaded[e.key] for e in in_entries if e.key in self._offloaded}.values())
+        skip = [e for e in out_todo if e.key in self._host_valid]
+        if skip:
+            self._check_unchanged(skip, what)
+            out_todo = [e for e in out_todo if e.key not in self._host_valid]
         need_in = sum(e.nbytes for e in in_todo)
-        freeable = sum(e.nbytes for e in out_todo)
+        skipped = sum(e.nbytes for e in skip)
+        freeable = sum(e.nbytes for e in out_todo) + skipped
         before = snapshot(self.ops)
         room = before.driver_free_bytes + before.cached_free_bytes - headroom_bytes
         room -= self.staging_bytes(int(bool(out_todo)) + int(bool(in_todo)))
@@ -321,7 +347,13 @@ class OffloadStore:
         t0 = time.perf_counter()
         self._in_flight = True  # cleared once every storage is where the bookkeeping says
         try:
-            segments, alloc_seconds = self._move(out_todo, in_todo, room, coalesce, what)
+            for e in skip:
+                # Tracked first (its host copy is whole already), then released: no copy.
+                self._offloaded[e.key] = e
+                self._host_valid.discard(e.key)
+                self.ops.point("offload_skipped")
+                self.backend.release(e.storage)
+            segments, alloc_seconds = self._move(out_todo, in_todo, room, coalesce, what, set(frozen))
         except BaseException:
             self.recover()
             raise
@@ -334,8 +366,9 @@ class OffloadStore:
             self.backend.settle()
         after = snapshot(self.ops)
         self.last_move = MoveResult(
-            bytes_out=freeable,
+            bytes_out=freeable - skipped,
             bytes_in=need_in,
+            bytes_skipped=skipped,
             seconds=seconds,
             release_seconds=time.perf_counter() - t1,
             driver_free_before=before.driver_free_bytes,
@@ -346,7 +379,13 @@ class OffloadStore:
         return self.last_move
 
     def _move(
-        self, out_todo: list[StateEntry], in_todo: list[StateEntry], room: int, coalesce: bool, what: str
+        self,
+        out_todo: list[StateEntry],
+        in_todo: list[StateEntry],
+        room: int,
+        coalesce: bool,
+        what: str,
+        frozen: set[int],
     ) -> tuple[int, float]:
         """The copies of :meth:`switch`, in an order where an exception at any point leaves
         every storage resident or tracked. Returns (segments, seconds spent allocating)."""
@@ -423,10 +462,33 @@ class OffloadStore:
             )
         for e in in_todo:
             del self._offloaded[e.key]
+            # A frozen storage's host copy stays the truth (and its digest the check), unless
+            # it was handed out (a state dict may have been loaded into it since).
+            if e.key in frozen and e.key not in self._exposed:
+                self._host_valid.add(e.key)
+            else:
+                self._digests.pop(e.key, None)
             self._exposed.pop(e.key, None)
-            self._digests.pop(e.key, None)
             ops.point("reload_untracked")
         return len(out_segs) + len(in_segs), alloc_seconds
+
+    def _check_unchanged(self, entries: list[StateEntry], what: str) -> None:
+        """With ``verify`` on: the device bytes of storages declared frozen must still be those
+        their host copy holds; raise ``ValueError`` (nothing moved) naming those that changed."""
+        mode = self.config.verify
+        if mode == "off":
+            return
+        known = [e for e in entries if e.key in self._digests]
+        if not known:
+            return
+        got = torch.stack([digest(byte_view(e.storage), mode) for e in known]).tolist()
+        changed = [e.name for e, d in zip(known, got) if d != self._digests[e.key]]
+        if changed:
+            raise ValueError(
+                f"{what}: {len(changed)} storage(s) of a role declared frozen were written since they were "
+                f"loaded ({', '.join(changed[:5])}); their host copies are stale, so nothing was moved. Add the "
+                f"role without frozen=True if it is trained or changed in place"
+            )
 
     def _digest_segments(self, segs: Sequence[Segment], after: Sequence[Any] | None, mode: str) -> list:
         """Queue the digest of every storage of ``segs`` on the digest stream, after the
@@ -527,6 +589,7 @@ class OffloadStore:
             self.arena.release(slot)
         self._slots.clear()
         self._exposed.clear()
+        self._host_valid.clear()
         self._closed = True
         self.arena.disown(self.owner)
         self.context.trim()

@@ -76,6 +76,7 @@ class Role:
     optimizers: list[torch.optim.Optimizer]
     grads: GradPolicy = "offload"
     optimizer_residency: OptimizerResidency = "step"
+    frozen: bool = False  # nothing writes its parameters and buffers (see Timeshare.add_role)
     hooks: list = dataclasses.field(default_factory=list)
     _resident: bool = dataclasses.field(default=True, repr=False)
     _in_use: int = dataclasses.field(default=0, repr=False)

@@ -36,6 +36,7 @@ class TransitionRecord:
     release_seconds = property(lambda self: self.move.release_seconds)
     driver_free_before = property(lambda self: self.move.driver_free_before)
     driver_free_after = property(lambda self: self.move.driver_free_after)
+    bytes_skipped = property(lambda self: self.move.bytes_skipped)
 
     @property
     def gbps(self) -> float:
@@ -54,9 +55,13 @@ class TransitionRecord:
         measure_release: bool,
         note: str = "",
     ) -> "TransitionRecord":
-        expected_gain = move.bytes_out - move.bytes_in
+        freed = move.bytes_out + move.bytes_skipped
+        expected_gain = freed - move.bytes_in
         seen_gain = move.driver_free_after - move.driver_free_before
-        unreleased = max(0, expected_gain - seen_gain) if measure_release and move.bytes_out else 0
+        unreleased = max(0, expected_gain - seen_gain) if measure_release and freed else 0
+        if move.bytes_skipped:
+            skipped = f"{move.bytes_skipped / 1e9:.3f} GB released without a copy (host copy still valid)"
+            note = f"{note}; {skipped}" if note else skipped
         return cls(
             index=index,
             kind=kind,

@@ -188,6 +188,7 @@ class Timeshare:
         source: StateSource | Sequence[StateSource] | None = None,
         grads: GradPolicy = "offload",
         optimizer_residency: OptimizerResidency = "step",
+        frozen: bool = False,
     ) -> Role:
         """Register a role. Nothing moves; host memory for the role's current state is reserved
         and pinned here (once), so the first transition runs at line rate. Roles may share
@@ -199,6 +200,14 @@ class Timeshare:
         :class:`~tidal.state.sources.StateSource`, e.g. a DeepSpeed engine's) say what the role
         holds besides its optimizers' state. Raises ``ValueError``/``TypeError`` for a role
         with nothing to move or state tidal cannot move, before anything is registered.
+
+        ``frozen=True`` declares that nothing writes the role's parameters and buffers (a
+        reference or reward model): once they have gone out, their host copy stays valid, so
+        every later offload of the role releases its device memory without copying (only the
+        reload moves bytes). With ``TransferConfig(verify=...)`` on, each such offload first
+        checks the bytes and refuses (``ValueError``, nothing moved) if they changed. A
+        ``load_state_dict`` into the role's modules is seen and handled. A frozen role has no
+        optimizer (``ValueError``).
         """
         self._check_open()
         self._recover_if_interrupted()
@@ -221,6 +230,11 @@ class Timeshare:
             sources.insert(0, ModuleSource(modules, verify=self.config.verify_storage_sets))
         if not sources and not optimizers:
             raise ValueError(f"role {name!r} needs a model, a source or an optimizer")
+        if frozen and optimizers:
+            raise ValueError(
+                f"role {name!r}: frozen=True declares its state is never written, but it has an optimizer "
+                f"that updates it; drop frozen=True for a trained role"
+            )
         for opt in optimizers:
             owner = timeshare_of(opt, self.context)
             if owner is not None:
@@ -235,7 +249,7 @@ class Timeshare:
                     f"offload_optimizer() block that could not bring it back; run its step() (which "
                     f"reloads it) before adding it to a role"
                 )
-        role = Role(name, sources, optimizers, grads=grads, optimizer_residency=optimizer_residency)
+        role = Role(name, sources, optimizers, grads=grads, optimizer_residency=optimizer_residency, frozen=frozen)
         # Collect now: validates the state (raises TypeError for unsupported tensors) before
         # anything is registered, and sizes the host slots.
         model_live = role.model_entries(self.device, self.config.min_offload_bytes)
@@ -578,6 +592,11 @@ class Timeshare:
             live = self._live(r, optim=policy_for(r.optimizer_residency).moves_with_role or r.optim_unsettled)
             out_entries += [e for e in live if e.key not in keep and not self.store.is_offloaded(e.key)]
         what = f"loading role {incoming.name!r}" if incoming else "offload"
+        frozen: set[int] = set()
+        if incoming is not None and incoming.frozen:
+            # Its parameters and buffers, but none a trained role also holds (a shared module).
+            trained = {e.key for r in self._roles.values() if not r.frozen for e in self._live(r, optim=False)}
+            frozen = {e.key for e in in_entries if e.kind != "grad" and e.key not in trained}
         move = self._guarded(
             lambda: self.store.switch(
                 out_entries,
@@ -585,6 +604,7 @@ class Timeshare:
                 what=what,
                 headroom_bytes=self.config.headroom_bytes,
                 extra_bytes=self.config.switch_extra_bytes,
+                frozen=frozen,
             ),
             touches_model=True,
             recovering=recovering,
