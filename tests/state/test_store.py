@@ -7,6 +7,7 @@ from torch import nn
 from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError
 from tidal.state import MoveResult, OffloadStore, collect_module_state, collect_optimizer_state, storage_key
+from tidal.state.collect import collect_tensors
 from tidal.transfer import TransferConfig
 from tests.transfer.fakes import FakeAccelOps, assert_bits_equal, bits
 
@@ -681,3 +682,27 @@ def test_switch_extra_bytes_rejects_negative():
 
     with pytest.raises(ValueError, match="switch_extra_bytes"):
         TimeshareConfig(switch_extra_bytes=-1)
+
+
+def test_an_offload_of_frozen_storages_only_still_returns_memory_to_the_driver():
+    """(Found on the GPU: with every outgoing storage skipped, the release was not settled.)"""
+    from tests.transfer.fakes import FakeAccelOps
+    from tidal.state.backends import ResizeBackend
+
+    ops = FakeAccelOps()
+    settled = []
+
+    class Counting(ResizeBackend):
+        def settle(self):
+            settled.append(True)
+            super().settle()
+
+    store = OffloadStore(ops, TransferConfig(), backend=Counting(ops, coalesce=False, release_to_driver=True))
+    t = torch.randn(1000)
+    entries = collect_tensors([("t", t, "param")], torch.device("cpu"), min_offload_bytes=1)
+    store.offload(entries)
+    store.switch([], entries, frozen={entries[0].key})  # reloaded as frozen: its host copy stays valid
+    settled.clear()
+    move = store.offload(entries)
+    assert move.bytes_skipped == 4000 and move.bytes_out == 0
+    assert settled, "the skipped offload did not settle the released memory"

@@ -362,7 +362,7 @@ class OffloadStore:
         seconds = time.perf_counter() - t0
         self._in_flight = False
         t1 = time.perf_counter()
-        if out_todo and release is not False:
+        if (out_todo or skip) and release is not False:
             self.backend.settle()
         after = snapshot(self.ops)
         self.last_move = MoveResult(
