@@ -28,6 +28,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from tidal_recipes.grpo.char_task import EOS_ID, PAD_ID, char_tokenizer, reward_sevens  # noqa: E402
+
 PRESETS = {
     # hidden, intermediate, layers, heads, kv heads
     "tiny": (64, 128, 2, 4, 2),  # a dry run of the script (CPU included)
@@ -40,13 +44,9 @@ CHARS = list("0123456789+= abcdefghijklmnopqrstuvwxyz")
 
 def save_model(preset: str, path: str) -> None:
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
-    vocab = {c: i for i, c in enumerate(["<pad>", "<eos>"] + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    char_tokenizer(CHARS).save_pretrained(path)
     h, i, n, a, kv = PRESETS[preset]
     # The real vocabulary size: the embedding and head are a large part of a small model's bytes.
     cfg = Qwen2Config(
@@ -56,9 +56,9 @@ def save_model(preset: str, path: str) -> None:
         num_hidden_layers=n,
         num_attention_heads=a,
         num_key_value_heads=kv,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=EOS_ID,
         tie_word_embeddings=False,
         dtype="bfloat16",
     )
@@ -70,10 +70,6 @@ def save_model(preset: str, path: str) -> None:
     torch.cuda.empty_cache()  # this process only orchestrates: the variants run in their own
 
 
-def reward(completions, **kwargs):
-    return [float(c.count("7")) for c in completions]
-
-
 def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) -> None:
     """One training run in this process; writes its measurements to ``out_json``."""
     import torch
@@ -81,7 +77,6 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, ROOT)
     from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer
 
     times: list[float] = []
@@ -121,7 +116,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         model_init_kwargs={"dtype": args.dtype},
     )
     data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(256)]})
-    common = dict(model=model_path, reward_funcs=reward, args=cfg, train_dataset=data, callbacks=[Clock()])
+    common = dict(model=model_path, reward_funcs=reward_sevens, args=cfg, train_dataset=data, callbacks=[Clock()])
     if variant == "trl":
         trainer = GRPOTrainer(**common)
     else:

@@ -12,37 +12,30 @@ import os
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, Qwen2Config
 from trl import GRPOConfig
 
 from tidal.integrations.trl import TidalGRPOTrainer
+from tidal_recipes.grpo.char_task import EOS_ID, PAD_ID, char_tokenizer, reward_sevens
 
 
 def save_tiny_model(path: str) -> None:
     """A character-level tokenizer and a 2-layer Qwen2-shape model with random weights."""
-    vocab = {c: i for i, c in enumerate(["<pad>", "<eos>", *"0123456789+= "])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    tok = char_tokenizer("0123456789+= ")
+    tok.save_pretrained(path)
     cfg = Qwen2Config(
-        vocab_size=len(vocab),
+        vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=EOS_ID,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-
-
-def reward_sevens(completions, **kwargs):
-    """Reward: how many 7s the completion holds (a task a tiny model learns in a few steps)."""
-    return [float(c.count("7")) for c in completions]
 
 
 def main() -> None:

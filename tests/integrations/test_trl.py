@@ -10,11 +10,11 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
 import tidal  # noqa: E402
 from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer  # noqa: E402
+from tidal_recipes.grpo.char_task import EOS_ID, PAD_ID, char_tokenizer, reward_sevens  # noqa: E402
 
 CHARS = list("0123456789+= abcdefghij")
 
@@ -23,31 +23,24 @@ CHARS = list("0123456789+= abcdefghij")
 def tiny(tmp_path_factory):
     """A saved tiny model and tokenizer (what a user points TRL at)."""
     path = tmp_path_factory.mktemp("tiny")
-    vocab = {c: i for i, c in enumerate(["<pad>", "<eos>"] + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    hf = char_tokenizer(CHARS)
     cfg = Qwen2Config(
-        vocab_size=len(vocab),
+        vocab_size=len(hf),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=4,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=EOS_ID,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     hf.save_pretrained(path)
     return str(path)
-
-
-def sevens(completions, **kwargs):
-    return [float(c.count("7")) for c in completions]
 
 
 def _args(out, **kw):
@@ -78,7 +71,7 @@ def _run(cls, tiny, out, *, model=None, optimizers=(None, None), tidal_config=No
     extra = {"tidal": tidal_config} if tidal_config is not None else {}
     trainer = cls(
         model=model if model is not None else tiny,
-        reward_funcs=sevens,
+        reward_funcs=reward_sevens,
         args=_args(out, **kw),
         train_dataset=_data(),
         optimizers=optimizers,
@@ -191,14 +184,14 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tiny, tmp_path):
     full = _run(TidalGRPOTrainer, tiny, tmp_path / "full", max_steps=4, save_strategy="steps", save_steps=2)
     first = TidalGRPOTrainer(
         model=tiny,
-        reward_funcs=sevens,
+        reward_funcs=reward_sevens,
         args=_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2),
         train_dataset=_data(),
     )
     first.train()
     again = TidalGRPOTrainer(
         model=tiny,
-        reward_funcs=sevens,
+        reward_funcs=reward_sevens,
         args=_args(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2),
         train_dataset=_data(),
     )
@@ -212,9 +205,9 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tiny, tmp_path):
 )
 def test_settings_tidal_cannot_work_with_are_refused_before_any_work(tiny, tmp_path, setting, match):
     with pytest.raises(ValueError, match=match):
-        TidalGRPOTrainer(model=tiny, reward_funcs=sevens, args=_args(tmp_path, **setting), train_dataset=_data())
+        TidalGRPOTrainer(model=tiny, reward_funcs=reward_sevens, args=_args(tmp_path, **setting), train_dataset=_data())
 
 
 def test_a_wrong_tidal_argument_is_a_type_error(tiny, tmp_path):
     with pytest.raises(TypeError, match="TidalConfig"):
-        TidalGRPOTrainer(model=tiny, reward_funcs=sevens, args=_args(tmp_path), train_dataset=_data(), tidal={})
+        TidalGRPOTrainer(model=tiny, reward_funcs=reward_sevens, args=_args(tmp_path), train_dataset=_data(), tidal={})
