@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.errors", "tidal.device"),
     ("tidal.memory", "tidal.timeline"),  # readings of device memory; a run's memory timeline
     ("tidal.transfer",),  # host arena, copy streams, staging
+    ("tidal.vmm",),  # address-stable regions: CUDA virtual memory released and restored in place
     ("tidal.state",),  # a role's storages and the store that moves them
     ("tidal.timeshare", "tidal.optim", "tidal.activations", "tidal.plan"),  # the capabilities
     ("tidal.checkpoint", "tidal.distributed"),  # built on the capabilities

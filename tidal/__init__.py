@@ -18,6 +18,7 @@ from tidal.state.sources import StateSource
 from tidal.state.strict import StrictAccessError, strict_access
 from tidal.timeshare import Role, Timeshare, TimeshareConfig, TransitionRecord, offload_optimizer
 from tidal.transfer import TransferConfig, TransferContext
+from tidal.vmm import Region, VmmUnavailableError
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "CPUAdam",
     "InsufficientMemoryError",
     "MemorySnapshot",
+    "Region",
     "Role",
     "StateSource",
     "StrictAccessError",
@@ -36,6 +38,7 @@ __all__ = [
     "TransferConfig",
     "TransferContext",
     "TransitionRecord",
+    "VmmUnavailableError",
     "LayerMode",
     "StepReport",
     "host_rss_bytes",
