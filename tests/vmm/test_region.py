@@ -4,6 +4,7 @@ are restored with one allocation each, and no exception anywhere loses a byte.""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -277,3 +278,11 @@ def test_close_gives_everything_back_and_refuses_while_allocated():
         region.release()
     with pytest.raises(RuntimeError, match="closed"):
         region.tag("x")
+
+
+def test_dropping_an_open_region_warns():
+    region, drv = make_region(guard=False)
+    region.tag().alloc(G)
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        del region
+        gc.collect()

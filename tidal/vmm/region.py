@@ -425,6 +425,21 @@ class Region:
             self._scratch = None
         self._closed = True
 
+    def __del__(self) -> None:
+        # Nothing can be freed safely here (torch may still hold blocks in the region, and at
+        # interpreter exit the driver binding may be gone): say so, once, while it can be fixed.
+        try:
+            held = 0 if self._closed else self.mapped_bytes()
+        except Exception:  # noqa: BLE001 - a half-built region, or interpreter teardown
+            return
+        if held:
+            warnings.warn(
+                f"region {self.name!r} was dropped without close(): {format_bytes(held)} of device memory stay "
+                f"mapped until the process exits",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
     def __enter__(self) -> "Region":
         return self
 
