@@ -31,6 +31,10 @@ def test_tensors_keep_their_addresses_and_bytes_and_memory_goes_back():
         small = [torch.randn(1000 + i, device="cuda") for i in range(64)]
     with region.allocate("scratch", policy="discard"):
         work = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+    raw = region.tag("w").alloc(4 * MiB)  # raw memory beside torch's pool in the same tag
+    raw_view = region.driver.view(raw, 4 * MiB)
+    raw_view.copy_(torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8))
+    raw_host = raw_view.cpu()
     big_host, small_host = big.cpu(), [s.cpu() for s in small]
     ptrs = [big.data_ptr()] + [s.data_ptr() for s in small] + [work.data_ptr()]
     assert _driver_free() < baseline - 1536 * MiB
@@ -38,13 +42,14 @@ def test_tensors_keep_their_addresses_and_bytes_and_memory_goes_back():
     for cycle in range(3):
         out = region.release()
         assert _driver_free() >= baseline - SLACK, (cycle, baseline, _driver_free())
-        live = big.numel() * 4 + sum(s.numel() * 4 for s in small)
+        live = big.numel() * 4 + sum(s.numel() * 4 for s in small) + 4 * MiB
         # Only the backup tag's live blocks move: not the discard tag, not the pool's free room.
         assert live <= out.bytes_copied <= live + 64 * 512, (out.bytes_copied, live)
         region.restore()
         assert [big.data_ptr()] + [s.data_ptr() for s in small] + [work.data_ptr()] == ptrs
         assert torch.equal(big.cpu(), big_host)
         assert all(torch.equal(s.cpu(), h) for s, h in zip(small, small_host))
+        assert torch.equal(region.driver.view(raw, 4 * MiB).cpu(), raw_host)
         work.fill_(cycle)  # the discard tag's memory is usable again
         assert int(work[-1]) == cycle
 

@@ -104,6 +104,7 @@ class RegionTag:
         self.guard: list[tuple[int, int]] = []  # scratch pieces mapped over its released addresses
         self.guard_run: list[int] | None = None  # [start, end) released during a release, not yet guarded
         self._pool: Any = None
+        self._pool_segments: set[int] = set()  # addresses of the allocations torch's pool asked for
         self.last_error: BaseException | None = None  # what the last failed allocation raised
 
     # ---- queries --------------------------------------------------------------------------
@@ -178,7 +179,9 @@ class RegionTag:
             # An exception cannot cross into torch: a null pointer is its out-of-memory signal
             # (it frees cached blocks, retries, then raises OutOfMemoryError).
             try:
-                return self.alloc(size)
+                va = self.alloc(size)
+                self._pool_segments.add(va)
+                return va
             except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt re-raised by Region.allocate
                 self.last_error = e
                 return None
@@ -203,9 +206,10 @@ class RegionTag:
         if self._pool is None:
             return
         held = {int(seg["address"]) for seg in torch.cuda.memory.memory_snapshot(self._pool.id)}
-        for va, a in self.allocations.items():
-            if va not in held:
-                a.dead = True
+        for va in self._pool_segments - held:
+            self._pool_segments.discard(va)
+            if va in self.allocations:
+                self.allocations[va].dead = True
 
     def _live_ranges(self) -> list[tuple[int, int]]:
         """The byte ranges in mapped memory whose contents matter, in address order: the pool's
@@ -224,10 +228,10 @@ class RegionTag:
 
     def _allocated_blocks(self) -> list[tuple[int, int]]:
         """(address, bytes) of what is allocated in the tag: the blocks torch's pool has handed
-        out when torch manages it, else the live allocations."""
+        out of the segments it asked for, and the live allocations made directly."""
+        out = [(a.va, a.nbytes) for a in self.allocations.values() if not a.dead and a.va not in self._pool_segments]
         if self._pool is None:
-            return [(a.va, a.nbytes) for a in self.allocations.values() if not a.dead]
-        out = []
+            return out
         for seg in torch.cuda.memory.memory_snapshot(self._pool.id):
             addr = int(seg["address"])
             for block in seg.get("blocks", []):
