@@ -18,9 +18,9 @@ class Recording(ResizeBackend):
         super().__init__(ops, **kw)
         self.calls: list[tuple[str, int]] = []
 
-    def reserve(self, nbytes):
-        self.calls.append(("reserve", sum(nbytes)))
-        super().reserve(nbytes)
+    def reserve(self, items):
+        self.calls.append(("reserve", sum(n for _, n in items)))
+        super().reserve(items)
 
     def restore(self, storage, nbytes):
         self.calls.append(("restore", nbytes))

@@ -57,6 +57,7 @@ from tidal.checkpoint.hf_files import (
     _write_config,
 )
 from tidal.state.collect import storage_key
+from tidal.state.foreign import moved_out
 
 __all__ = ["export_hf", "export_hf_from_checkpoint"]
 
@@ -161,7 +162,7 @@ def _local_source(t: torch.Tensor, timeshare: Any, where: str) -> torch.Tensor:
     local = t._local_tensor if isinstance(t, DTensor) else t
     if local.device.type == "meta":
         raise ValueError(f"{where} is on the meta device: it has no values to export")
-    if local.numel() and local.untyped_storage().nbytes() == 0:
+    if moved_out(local):
         local = _host_view(local, timeshare, where)
     if (
         isinstance(t, DTensor)

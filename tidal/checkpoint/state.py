@@ -138,7 +138,7 @@ class TrainState(Stateful):
             if o.state:
                 continue
             params = [p for g in o.param_groups for p in g["params"]]
-            if any(_local(p).numel() and _local(p).untyped_storage().nbytes() == 0 for p in params):
+            if any(moved_out(p) for p in params):
                 raise ValueError(
                     "the optimizer has no state yet and its parameters are offloaded, so its state "
                     "cannot be created to load into; make the role resident (ts.load(name)) before "

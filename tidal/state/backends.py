@@ -5,33 +5,61 @@ a backend decides how the device memory under a storage goes away after its byte
 host, and how it comes back before they return. Protocol::
 
     class Backend:
-        def reserve(self, nbytes: Sequence[int]) -> None: ...  # about to restore these (a hint)
+        def reserve(self, items: Sequence[tuple[UntypedStorage, int]]) -> None: ...  # about to restore these (a hint)
         def restore(self, storage, nbytes: int) -> None: ...     # give the storage its memory back
         def release(self, storage) -> None: ...                   # take its memory away
         def settle(self) -> None: ...                             # after a release: where the memory goes
 
 :class:`ResizeBackend` (the default, no native code) resizes the storage itself, as FSDP does:
 tensors, views and optimizer keys stay valid, but a restored storage may get another device
-address. An address-stable backend (issue 15: CUDA virtual memory at the same addresses) plugs
-in here.
+address. :class:`RegionBackend` keeps addresses for storages allocated in a
+:class:`~tidal.vmm.Region` tag (CUDA virtual memory unmapped and mapped again in place) and
+hands every other storage to a fallback (resize).
+
+A storage released in place keeps its size, so "moved out" cannot be read off ``nbytes() ==
+0`` alone: :func:`holds_memory` is the one test every reader uses (foreign access, strict
+access, checkpoints, recovery).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol, Sequence
 
 import torch
 
 from tidal.device import DeviceOps
+from tidal.vmm import RegionTag
 
-__all__ = ["ResidencyBackend", "ResizeBackend"]
+__all__ = ["RegionBackend", "ResidencyBackend", "ResizeBackend", "holds_memory", "releasable_in_place"]
+
+# The backends serving region tags (each knows the storages it released in place: their tensors
+# look whole but their addresses hold no bytes of theirs), and those tags: storages in them can
+# be released in place, resizable or not. Weak: a dropped timeshare takes its entries with it.
+_BACKENDS: "weakref.WeakSet[RegionBackend]" = weakref.WeakSet()
+_IN_PLACE_TAGS: "weakref.WeakSet[RegionTag]" = weakref.WeakSet()
+
+
+def releasable_in_place(storage: torch.UntypedStorage) -> bool:
+    """The storage lies in a region tag that an address-stable backend serves."""
+    ptr = storage.data_ptr()
+    return any(t.find(ptr) is not None for t in list(_IN_PLACE_TAGS))
+
+
+def holds_memory(storage: torch.UntypedStorage) -> bool:
+    """The storage's device bytes are its own: it has a size and no backend released it in place."""
+    if storage.nbytes() == 0:
+        return False
+    key = storage._cdata
+    return not any(key in b._released for b in list(_BACKENDS))
+
 
 _LARGE = 1 << 20  # the caching allocator serves larger requests from its large pool
 _MIN_RESERVE = 16 << 20
 
 
 class ResidencyBackend(Protocol):
-    def reserve(self, nbytes: Sequence[int]) -> None: ...
+    def reserve(self, items: Sequence[tuple[torch.UntypedStorage, int]]) -> None: ...
 
     def restore(self, storage: torch.UntypedStorage, nbytes: int) -> None: ...
 
@@ -60,9 +88,10 @@ class ResizeBackend:
         self.coalesce = coalesce and ops.is_accelerator
         self.release_to_driver = release_to_driver
 
-    def reserve(self, nbytes: Sequence[int]) -> None:
+    def reserve(self, items: Sequence[tuple[torch.UntypedStorage, int]]) -> None:
         if not self.coalesce:
             return
+        nbytes = [n for _, n in items]
         # The allocator rounds large requests to 512 bytes; smaller ones come from 2 MiB
         # small-pool segments that this block cannot serve.
         large = sum(-(-n // 512) * 512 for n in nbytes if n > _LARGE)
@@ -86,3 +115,109 @@ class ResizeBackend:
         if self.release_to_driver:
             # Other processes (an inference engine) only see what the driver sees.
             self.ops.release_to_driver()
+
+
+class RegionBackend:
+    """Address-stable residency for storages allocated in region tags; any other storage goes
+    to ``fallback``.
+
+    The store copies a storage's bytes as always; releasing one only marks it (its tensors keep
+    their size and addresses). :meth:`settle` then gives a tag's memory back to the driver
+    (:meth:`Region.release`): the released storages without a copy, any other block allocated
+    in the tag (a module's plain tensor attribute, a tensor of the caller's) copied by the
+    region and restored with it. Restoring the first storage of a released tag maps the whole
+    tag again at the same addresses; the store then copies the bytes in. Tags are registered
+    with :meth:`add` and must have policy ``"discard"`` (the store holds the copy).
+
+    Memory cost: none beyond the region's (its scratch guard while released).
+    """
+
+    def __init__(self, fallback: ResidencyBackend) -> None:
+        self.fallback = fallback
+        self._tags: list[RegionTag] = []
+        self._pending: set[RegionTag] = set()  # tags with storages released since the last settle
+        # storage key -> (tag, address, bytes, the storage): held, so no other storage can take
+        # its key while it is listed here
+        self._released: dict[int, tuple[RegionTag, int, int, torch.UntypedStorage]] = {}
+        _BACKENDS.add(self)
+
+    def add(self, tag: RegionTag) -> bool:
+        """Serve the storages allocated in ``tag`` (see :meth:`check`); returns whether it is new."""
+        self.check(tag)
+        if tag in self._tags:
+            return False
+        self._tags.append(tag)
+        _IN_PLACE_TAGS.add(tag)
+        return True
+
+    def remove(self, tag: RegionTag) -> None:
+        """Stop serving ``tag`` (none of its storages may be released)."""
+        assert not any(e[0] is tag for e in self._released.values()), "a released storage's tag"
+        self._tags.remove(tag)
+        if not any(tag in b._tags for b in _BACKENDS):
+            _IN_PLACE_TAGS.discard(tag)
+
+    @staticmethod
+    def check(tag: RegionTag) -> None:
+        """``TypeError`` unless ``tag`` is a region tag, ``ValueError`` unless its policy is ``"discard"``."""
+        if not isinstance(tag, RegionTag):
+            raise TypeError(f"expected a tidal.vmm.RegionTag (region.tag(name)), got {type(tag).__name__}")
+        if tag.policy != "discard":
+            raise ValueError(
+                f"region {tag.region.name!r}, tag {tag.name!r} has policy {tag.policy!r}: a role's store copies its "
+                f"bytes itself, so the tag must not copy them again; declare it with policy='discard'"
+            )
+
+    def tag_of(self, storage: torch.UntypedStorage) -> RegionTag | None:
+        """The registered tag whose allocations hold ``storage``, if any."""
+        if not self._tags:
+            return None
+        ptr = storage.data_ptr()
+        for t in self._tags:
+            if t.find(ptr) is not None:
+                return t
+        return None
+
+    def reserve(self, items: Sequence[tuple[torch.UntypedStorage, int]]) -> None:
+        # Storages released in place come back in their own memory: no room to make for them.
+        self.fallback.reserve([(s, n) for s, n in items if s._cdata not in self._released])
+
+    def release(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._released:
+            return
+        tag = self.tag_of(storage)
+        if tag is None:
+            self.fallback.release(storage)
+            return
+        self._released[key] = (tag, storage.data_ptr(), storage.nbytes(), storage)
+        self._pending.add(tag)
+
+    def restore(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        entry = self._released.get(storage._cdata)
+        if entry is None:
+            self.fallback.restore(storage, nbytes)
+            return
+        tag = entry[0]
+        if not tag.resident:
+            tag.region.restore([tag.name])  # the whole tag, at the same addresses; no copy
+        del self._released[storage._cdata]
+
+    def settle(self) -> None:
+        for tag in list(self._pending):
+            released = sorted((e[1], e[2]) for e in self._released.values() if e[0] is tag)
+            if not released:
+                self._pending.discard(tag)  # brought back before it was settled (a recovered transition)
+                continue
+            # Blocks of the tag that are no released storage's (a plain tensor attribute of a
+            # module, a tensor of the caller's) are copied by the region and come back with it.
+            other = [(va, n) for va, n in tag._allocated_blocks() if not _inside(released, va, n)]
+            if tag.resident:
+                tag.region.release([tag.name], keep={tag.name: other} if other else None)
+            self._pending.discard(tag)
+        self.fallback.settle()
+
+
+def _inside(ranges: Sequence[tuple[int, int]], va: int, n: int) -> bool:
+    """The block at ``va`` is a released storage's (a block may be rounded up past the storage's end)."""
+    return any(lo <= va < lo + m for lo, m in ranges)

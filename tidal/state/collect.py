@@ -21,6 +21,8 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from tidal.state.backends import releasable_in_place
+
 __all__ = [
     "GradPolicy",
     "Kind",
@@ -107,7 +109,7 @@ class _Collector:
             return
         if 0 < nbytes < self.min_offload_bytes:
             return
-        if not storage.resizable():
+        if not storage.resizable() and not releasable_in_place(storage):
             raise TypeError(
                 f"{name}: its storage is not resizable (it wraps memory torch does not own, "
                 f"e.g. from numpy, DLPack or a CUDA IPC handle), so tidal cannot free it; "

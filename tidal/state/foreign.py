@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
+from tidal.state.backends import holds_memory
+
 __all__ = ["Locator", "readable", "install_module_hooks", "install_optimizer_hooks", "moved_out"]
 
 
@@ -47,18 +49,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def moved_out(t: torch.Tensor) -> bool:
-    """``t`` has elements but its storage has no memory (offloaded, or freed by its owner)."""
+    """``t`` has elements but its storage holds none of its bytes (offloaded, released in place
+    by an address-stable backend, or freed by its owner)."""
     local = _local(t)
-    return local.numel() > 0 and local.untyped_storage().nbytes() == 0
+    return local.numel() > 0 and not holds_memory(local.untyped_storage())
 
 
 def readable(store: Locator, t: torch.Tensor) -> torch.Tensor:
     """``t`` if its bytes are on the device; else the same view of its host copy (a
     ``DTensor`` rewrapped with its spec). An empty storage that the store does not hold (not
     tidal's) is returned as it is."""
-    local = _local(t)
-    if local.numel() == 0 or local.untyped_storage().nbytes() > 0:
+    if not moved_out(t):
         return t
+    local = _local(t)
     host = store.host_tensor(local)
     if host is None:
         return t

@@ -28,7 +28,7 @@ import torch
 from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError, StateCorruptionError
 from tidal.memory import snapshot
-from tidal.state.backends import ResidencyBackend, ResizeBackend
+from tidal.state.backends import ResidencyBackend, ResizeBackend, holds_memory
 from tidal.state.collect import StateEntry
 from tidal.state.digest import digest
 from tidal.units import gbps
@@ -545,7 +545,7 @@ class OffloadStore:
         self._drain_digests()
         freed = []
         for e in self._offloaded.values():
-            if e.storage.nbytes() > 0:
+            if holds_memory(e.storage):
                 self.backend.release(e.storage)
                 freed.append(e)
         self.engine.release_staging()
@@ -555,12 +555,12 @@ class OffloadStore:
     def _reserve_device_block(self, segs: Sequence[Segment], first: int, target_bytes: int) -> int:
         """Tell the backend that the storages of ``segs[first:j]`` (about ``target_bytes``)
         are about to be restored, so it can take their memory in one piece; returns ``j``."""
-        nbytes, total, j = [], 0, first
+        items, total, j = [], 0, first
         while j < len(segs) and total < target_bytes:
-            nbytes += [it.nbytes for it in segs[j].items]
+            items += [(it.storage, it.nbytes) for it in segs[j].items]
             total += segs[j].nbytes
             j += 1
-        self.backend.reserve(nbytes)
+        self.backend.reserve(items)
         return j
 
     def _free_segment(self, seg: Segment, event: object, digested: object = None) -> int:

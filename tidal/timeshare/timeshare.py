@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 import torch
 
 from tidal.units import format_bytes
+from tidal.state.backends import RegionBackend, ResizeBackend
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
 from tidal.state.foreign import install_optimizer_hooks, moved_out
 from tidal.state.sources import ModuleSource, StateSource
@@ -33,6 +34,7 @@ from tidal.timeshare.stream import restore_groups
 from tidal.timeshare.telemetry import TransitionRecord, format_report
 from tidal.transfer.context import TransferContext
 from tidal.transfer.engine import TransferConfig
+from tidal.vmm import RegionTag
 
 __all__ = ["Timeshare", "TimeshareConfig", "timeshare_of"]
 
@@ -159,10 +161,20 @@ class Timeshare:
         if want.type != have.type or (want.index is not None and want.index != have.index):
             raise ValueError(f"the transfer context is for {have}, not for the timeshare's device {want}")
         self.ops = self.context.ops
+        # Resize (the default) for every storage, address-stable for those of roles added with
+        # region= (their region tags are registered with this backend).
+        self._residency = RegionBackend(
+            ResizeBackend(
+                self.ops,
+                coalesce=self.config.transfer.coalesce_allocations,
+                release_to_driver=self.config.release_to_driver,
+            )
+        )
         self.store = OffloadStore(
             self.ops,
             self.config.transfer,
             release_to_driver=self.config.release_to_driver,
+            backend=self._residency,
             context=self.context,
             owner=self.context.label("Timeshare"),
         )
@@ -189,6 +201,7 @@ class Timeshare:
         grads: GradPolicy = "offload",
         optimizer_residency: OptimizerResidency = "step",
         frozen: bool = False,
+        region: RegionTag | None = None,
     ) -> Role:
         """Register a role. Nothing moves; host memory for the role's current state is reserved
         and pinned here (once), so the first transition runs at line rate. Roles may share
@@ -208,6 +221,14 @@ class Timeshare:
         checks the bytes and refuses (``ValueError``, nothing moved) if they changed. A
         ``load_state_dict`` into the role's modules is seen and handled. A frozen role has no
         optimizer (``ValueError``).
+
+        ``region`` (a :class:`~tidal.vmm.RegionTag` with policy ``"discard"``) makes the role's
+        storages that were allocated in that tag address-stable: an offload copies them out as
+        usual, then unmaps the tag's memory in place; a reload maps it again at the same
+        addresses before copying the bytes back, so CUDA graphs and raw pointers into the role
+        stay valid. Its other storages (gradients, optimizer state made outside the tag) move by
+        resizing. Raises ``ValueError`` if none of the role's storages lies in the tag (build
+        the model inside ``with region.allocate(tag):``) or the tag's policy is ``"backup"``.
         """
         self._check_open()
         self._recover_if_interrupted()
@@ -250,14 +271,27 @@ class Timeshare:
                     f"reloads it) before adding it to a role"
                 )
         role = Role(name, sources, optimizers, grads=grads, optimizer_residency=optimizer_residency, frozen=frozen)
-        # Collect now: validates the state (raises TypeError for unsupported tensors) before
-        # anything is registered, and sizes the host slots.
-        model_live = role.model_entries(self.device, self.config.min_offload_bytes)
-        entries = self.store.resolve(model_live) + self.store.resolve(
-            role.optim_entries(self.device, self.config.min_offload_bytes)
-        )
-        if not entries:
-            raise ValueError(f"role {name!r} has {self._why_no_state(role)}")
+        # A region tag is served from here on (its storages may be non-resizable), and no
+        # longer if the role is refused below.
+        added = self._residency.add(region) if region is not None else False
+        try:
+            # Collect now: validates the state (raises TypeError for unsupported tensors) before
+            # anything else is registered, and sizes the host slots.
+            model_live = role.model_entries(self.device, self.config.min_offload_bytes)
+            entries = self.store.resolve(model_live) + self.store.resolve(
+                role.optim_entries(self.device, self.config.min_offload_bytes)
+            )
+            if not entries:
+                raise ValueError(f"role {name!r} has {self._why_no_state(role)}")
+            if region is not None and not any(region.find(e.storage.data_ptr()) is not None for e in entries):
+                raise ValueError(
+                    f"role {name!r}: none of its storages lies in region {region.region.name!r}, tag {region.name!r}; "
+                    f"build the model inside `with region.allocate({region.name!r}, policy='discard'):`"
+                )
+        except BaseException:
+            if added:
+                self._residency.remove(region)
+            raise
         role.found(not any(self.store.is_offloaded(e.key) for e in entries))
         self.store.prepare([e for e in entries if not self.store.is_offloaded(e.key)])
         guard = self._make_guard(role)

@@ -1,0 +1,95 @@
+"""A rollout role in a region on a GPU: its weights are a timeshare role (``region=``), its KV
+cache and captured decode graph are discard tags of the same region. Switching to a training
+role and back three times, the graph replays bit-identically without re-capture, and the
+driver gets the rollout's memory back while the training role runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.vmm.test_region_gpu import _driver_free
+
+MiB = 1 << 20
+VOCAB = 65536
+
+
+def _qwen2():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.gpu
+def test_rollout_role_with_captured_graph_takes_turns_with_training():
+    pytest.importorskip("transformers")
+    from transformers import StaticCache
+
+    from tidal import Timeshare
+    from tidal.vmm import Region
+
+    region = Region("rollout")
+    prompt = torch.randint(0, VOCAB, (1, 12), device="cuda")
+    pos_prefill = torch.arange(12, device="cuda")
+    with torch.no_grad():
+        with region.allocate("weights", policy="discard"):  # only the role's state: its store holds the copy
+            model = _qwen2()  # 2 x 128 MiB of embeddings
+        with region.allocate("kv", policy="discard"):
+            ids = torch.full((1, 1), 7, dtype=torch.long, device="cuda")  # the graph's static inputs
+            pos = torch.full((1,), 12, dtype=torch.long, device="cuda")
+            cache = StaticCache(config=model.config, max_cache_len=64)
+            model(input_ids=prompt, past_key_values=cache, cache_position=pos_prefill, use_cache=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())  # the warm-up reads what the default stream wrote
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True)
+        torch.cuda.current_stream().wait_stream(side)  # the capture starts after the warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=region.pool("graph", policy="discard").id):
+            logits = model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
+
+    def rollout():
+        with torch.no_grad():
+            cache.reset()
+            ids.fill_(7)  # discarded with the KV cache: set again, as a new rollout does
+            pos.fill_(12)
+            model(input_ids=prompt, past_key_values=cache, cache_position=pos_prefill, use_cache=True)
+            graph.replay()
+            return logits.clone()
+
+    reference = rollout()
+    weight_ptrs = [p.data_ptr() for p in model.parameters()]
+    trainer = torch.nn.Linear(512, 512, device="cuda")  # 1 MiB of training state
+    ts = Timeshare("cuda")
+    ts.add_role("rollout", model=model, region=region.tag("weights"))
+    ts.add_role("train", model=trainer)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    for cycle in range(3):
+        with ts.use("train"):
+            region.release(["kv", "graph"])  # the rollout's cache and graph memory, no copy
+            assert not region.tags["weights"].resident, cycle  # the role's memory went in place
+            assert region.mapped_bytes() == 0, cycle
+            free_training = _driver_free()
+            trainer.weight.data.mul_(1.0)
+        region.restore(["kv", "graph"])
+        with ts.use("rollout"):
+            assert [p.data_ptr() for p in model.parameters()] == weight_ptrs
+            assert torch.equal(rollout(), reference), cycle
+            free_rollout = _driver_free()
+        # While training, the driver had the rollout's weights back (less the 1 MiB trainer, the
+        # region's 66 MiB scratch guard and allocator rounding).
+        assert free_training - free_rollout >= weights - 96 * MiB, (cycle, free_training, free_rollout, weights)
+        assert weights > 256 * MiB
