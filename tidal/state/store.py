@@ -117,6 +117,10 @@ class OffloadStore:
         # Resident storages whose host slot still holds exactly their bytes: reloaded for an
         # owner that declared them frozen (never written). Offloading one copies nothing.
         self._host_valid: set[int] = set()
+        # key -> digest of the bytes its host slot holds, for storages whose owner asks to skip
+        # unchanged copies (switch(check_unchanged=...)): set once a copy has completed, dropped
+        # whenever the slot may hold anything else (re-reserved, handed out, overwritten).
+        self._host_digest: dict[int, int] = {}
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -163,6 +167,7 @@ class OffloadStore:
         """
         if key not in self._offloaded:
             return None
+        self._host_digest.pop(key, None)  # the caller may write the host copy (a load_state_dict)
         slot = self._slots[key][0]
         held = self._exposed.get(key)
         if held is None or held[0] != slot:
@@ -214,6 +219,7 @@ class OffloadStore:
                 self.arena.release(held[0])
                 del self._slots[e.key]
             self._host_valid.discard(e.key)
+            self._host_digest.pop(e.key, None)
             need.append(e)
         if need:
             dead = self._dead_slots
@@ -239,6 +245,7 @@ class OffloadStore:
             if held is not None and held[1]() is None:  # not a new storage at the same address
                 self.arena.release(self._slots.pop(k)[0])
                 self._host_valid.discard(k)
+                self._host_digest.pop(k, None)
 
     def forget_unreferenced(self) -> int:
         """Drop offloaded storages that no tensor uses any more (their only holder is this
@@ -253,6 +260,7 @@ class OffloadStore:
             self._exposed.pop(k, None)
             self._digests.pop(k, None)
             self._host_valid.discard(k)
+            self._host_digest.pop(k, None)
         return len(dead)
 
     def _items(self, entries: Sequence[StateEntry]) -> list[CopyItem]:
@@ -280,8 +288,17 @@ class OffloadStore:
         extra_bytes: int | None = None,
         release: bool | None = None,
         frozen: Collection[int] = (),
+        check_unchanged: Collection[int] = (),
     ) -> MoveResult:
         """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy.
+
+        ``check_unchanged``: keys of out-going storages to release without a copy if their
+        device bytes are still those their host slot holds. A digest of the device bytes
+        (``tidal.state.digest``, every byte, on the device, at HBM bandwidth) is compared with
+        the digest taken when the host copy was made; any write, through any path (optimizer
+        kernels, ``.data``, in-place ops, raw pointers, NCCL), changes the bytes and so the
+        digest, and the storage is copied as usual. Cost: one read of those bytes on the device
+        and one host synchronisation per move; it saves their D2H copy when nothing changed.
 
         ``frozen``: keys of incoming storages their owner declares never written. Their host
         copy stays valid after the reload, so offloading them later copies nothing (the device
@@ -322,6 +339,19 @@ class OffloadStore:
         if skip:
             self._check_unchanged(skip, what)
             out_todo = [e for e in out_todo if e.key not in self._host_valid]
+        digested: dict[int, int] = {}
+        checked = [e for e in out_todo if e.key in check_unchanged]
+        t_check = time.perf_counter()
+        if checked:
+            # Read after the compute stream's queued work (the current stream), then on the host.
+            got = torch.stack([digest(byte_view(e.storage)) for e in checked]).tolist()
+            same = {e.key for e, d in zip(checked, got) if self._host_digest.get(e.key) == d}
+            skip += [e for e in checked if e.key in same]
+            out_todo = [e for e in out_todo if e.key not in same]
+            digested = {e.key: d for e, d in zip(checked, got) if e.key not in same}
+        for e in out_todo:
+            self._host_digest.pop(e.key, None)  # its slot is about to be overwritten
+        check_seconds = time.perf_counter() - t_check  # part of the move's time
         need_in = sum(e.nbytes for e in in_todo)
         skipped = sum(e.nbytes for e in skip)
         freeable = sum(e.nbytes for e in out_todo) + skipped
@@ -359,8 +389,12 @@ class OffloadStore:
             raise
         finally:
             engine.release_staging()
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 + check_seconds
         self._in_flight = False
+        # Their copies have completed: the host slots hold exactly the digested bytes.
+        for key, d in digested.items():
+            if key in self._offloaded:
+                self._host_digest[key] = d
         t1 = time.perf_counter()
         if (out_todo or skip) and release is not False:
             self.backend.settle()
@@ -589,6 +623,7 @@ class OffloadStore:
             self.arena.release(slot)
         self._slots.clear()
         self._exposed.clear()
+        self._host_digest.clear()
         self._host_valid.clear()
         self._closed = True
         self.arena.disown(self.owner)

@@ -77,6 +77,7 @@ class Role:
     grads: GradPolicy = "offload"
     optimizer_residency: OptimizerResidency = "step"
     frozen: bool = False  # nothing writes its parameters and buffers (see Timeshare.add_role)
+    skip_unchanged: bool = False  # offloads digest its parameters and buffers, copying only changed ones
     hooks: list = dataclasses.field(default_factory=list)
     _resident: bool = dataclasses.field(default=True, repr=False)
     _in_use: int = dataclasses.field(default=0, repr=False)

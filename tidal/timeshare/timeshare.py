@@ -201,6 +201,7 @@ class Timeshare:
         grads: GradPolicy = "offload",
         optimizer_residency: OptimizerResidency = "step",
         frozen: bool = False,
+        skip_unchanged: bool = False,
         region: RegionTag | None = None,
     ) -> Role:
         """Register a role. Nothing moves; host memory for the role's current state is reserved
@@ -221,6 +222,14 @@ class Timeshare:
         checks the bytes and refuses (``ValueError``, nothing moved) if they changed. A
         ``load_state_dict`` into the role's modules is seen and handled. A frozen role has no
         optimizer (``ValueError``).
+
+        ``skip_unchanged=True`` is the check without the promise: every offload of the role
+        digests its parameters and buffers on the device (one read of their bytes, at HBM
+        bandwidth, and one host synchronisation) and copies only those whose bytes differ from
+        their host copy; the others are released without a copy (``bytes_skipped`` in the
+        records). For a role that is often not written between its turns (a reference or reward
+        model updated now and then, a rollout copy of the policy while the policy trains
+        elsewhere); a role written every turn pays the digest for nothing.
 
         ``region`` (a :class:`~tidal.vmm.RegionTag` with policy ``"discard"``) makes the role's
         storages that were allocated in that tag address-stable: an offload copies them out as
@@ -270,7 +279,15 @@ class Timeshare:
                     f"offload_optimizer() block that could not bring it back; run its step() (which "
                     f"reloads it) before adding it to a role"
                 )
-        role = Role(name, sources, optimizers, grads=grads, optimizer_residency=optimizer_residency, frozen=frozen)
+        role = Role(
+            name,
+            sources,
+            optimizers,
+            grads=grads,
+            optimizer_residency=optimizer_residency,
+            frozen=frozen,
+            skip_unchanged=skip_unchanged,
+        )
         # A region tag is served from here on (its storages may be non-resizable), and no
         # longer if the role is refused below.
         added = self._residency.add(region) if region is not None else False
@@ -620,11 +637,15 @@ class Timeshare:
             keep.update(e.key for e in inc)
             in_entries = [e for e in inc if self.store.is_offloaded(e.key)]
         out_entries: list[StateEntry] = []
+        check: set[int] = set()  # out-going keys to copy only if changed (skip_unchanged roles)
         for r in evict:
             # A role's optimizer state under step residency is on the host unless something
             # put it on the device since it last settled; then it goes out with the role.
             live = self._live(r, optim=policy_for(r.optimizer_residency).moves_with_role or r.optim_unsettled)
-            out_entries += [e for e in live if e.key not in keep and not self.store.is_offloaded(e.key)]
+            going = [e for e in live if e.key not in keep and not self.store.is_offloaded(e.key)]
+            out_entries += going
+            if r.skip_unchanged:
+                check.update(e.key for e in going if e.kind in ("param", "buffer"))
         what = f"loading role {incoming.name!r}" if incoming else "offload"
         frozen: set[int] = set()
         if incoming is not None and incoming.frozen:
@@ -639,6 +660,7 @@ class Timeshare:
                 headroom_bytes=self.config.headroom_bytes,
                 extra_bytes=self.config.switch_extra_bytes,
                 frozen=frozen,
+                check_unchanged=check,
             ),
             touches_model=True,
             recovering=recovering,
