@@ -38,6 +38,9 @@ __all__ = ["RegionBackend", "ResidencyBackend", "ResizeBackend", "holds_memory",
 # be released in place, resizable or not. Weak: a dropped timeshare takes its entries with it.
 _BACKENDS: "weakref.WeakSet[RegionBackend]" = weakref.WeakSet()
 _IN_PLACE_TAGS: "weakref.WeakSet[RegionTag]" = weakref.WeakSet()
+# How many storages are released in place now (an upper bound: a backend dropped with entries
+# leaves its count, which only costs holds_memory its fast path).
+_IN_PLACE_COUNT = [0]
 
 
 def releasable_in_place(storage: torch.UntypedStorage) -> bool:
@@ -50,6 +53,8 @@ def holds_memory(storage: torch.UntypedStorage) -> bool:
     """The storage's device bytes are its own: it has a size and no backend released it in place."""
     if storage.nbytes() == 0:
         return False
+    if not _IN_PLACE_COUNT[0]:
+        return True  # the common case (no storage released in place anywhere): no lookup
     key = storage._cdata
     return not any(key in b._released for b in list(_BACKENDS))
 
@@ -191,6 +196,7 @@ class RegionBackend:
             self.fallback.release(storage)
             return
         self._released[key] = (tag, storage.data_ptr(), storage.nbytes(), storage)
+        _IN_PLACE_COUNT[0] += 1
         self._pending.add(tag)
 
     def restore(self, storage: torch.UntypedStorage, nbytes: int) -> None:
@@ -202,6 +208,7 @@ class RegionBackend:
         if not tag.resident:
             tag.region.restore([tag.name])  # the whole tag, at the same addresses; no copy
         del self._released[storage._cdata]
+        _IN_PLACE_COUNT[0] -= 1
 
     def settle(self) -> None:
         for tag in list(self._pending):
