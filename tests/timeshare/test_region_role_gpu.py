@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vmm.test_region_gpu import _driver_free
+from tests.vmm.test_region_gpu import _driver_free, capture_decode
 
 MiB = 1 << 20
 VOCAB = 65536
@@ -51,15 +51,7 @@ def test_rollout_role_with_captured_graph_takes_turns_with_training():
             pos = torch.full((1,), 12, dtype=torch.long, device="cuda")
             cache = StaticCache(config=model.config, max_cache_len=64)
             model(input_ids=prompt, past_key_values=cache, cache_position=pos_prefill, use_cache=True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())  # the warm-up reads what the default stream wrote
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True)
-        torch.cuda.current_stream().wait_stream(side)  # the capture starts after the warm-up
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=region.pool("graph", policy="discard").id):
-            logits = model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
+        graph, logits = capture_decode(model, cache, ids, pos, region.pool("graph", policy="discard"))
 
     def rollout():
         with torch.no_grad():

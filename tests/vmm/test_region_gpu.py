@@ -96,6 +96,21 @@ def _tiny_qwen2():
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
 
 
+def capture_decode(model, cache, ids, pos, pool):
+    """A decode step of ``model`` captured in a CUDA graph whose memory comes from ``pool``
+    (after the warm-up a capture needs, on a side stream); returns the graph and its logits."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the warm-up reads what the default stream wrote
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True)
+    torch.cuda.current_stream().wait_stream(side)  # the capture starts after the warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool.id):
+        logits = model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
+    return graph, logits
+
+
 @pytest.mark.gpu
 def test_captured_decode_graph_replays_bit_identically_after_100_cycles():
     pytest.importorskip("transformers")
@@ -122,15 +137,7 @@ def test_captured_decode_graph_replays_bit_identically_after_100_cycles():
             model(input_ids=prompt, past_key_values=cache, cache_position=pos_prefill, use_cache=True)
             ids.fill_(7)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())  # the warm-up reads what the default stream wrote
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True)
-        torch.cuda.current_stream().wait_stream(side)  # the capture starts after the warm-up
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=region.pool("graph", policy="discard").id):
-            logits = model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
+        graph, logits = capture_decode(model, cache, ids, pos, region.pool("graph", policy="discard"))
 
         prefill()
         graph.replay()
