@@ -14,8 +14,8 @@ cycled through three systems, one after the other:
 * ``torch_memory_saver`` (its torch hook mode, CPU backup for the weights, none for the KV
   cache): pause / resume, cold and warm. Skipped with the reason if it cannot be imported.
 
-Every figure is a ratio against the line rate measured in the same run (one pinned 2 GiB copy
-each way, best of three). Release times run until the memory is back with the driver; restore
+Every figure is a ratio against the line rate measured in the same run (``tidal bench``'s
+measurement: one pinned 2 GiB copy each way, median of five after a warm-up). Release times run until the memory is back with the driver; restore
 times until the bytes have landed (synchronised). Driver-level free memory is read after each
 release.
 """
@@ -38,6 +38,7 @@ from tidal import Timeshare, TimeshareConfig  # noqa: E402
 from tidal.device import DeviceOps  # noqa: E402
 from tidal.units import format_bytes  # noqa: E402
 from tidal.vmm import Region  # noqa: E402
+from tidal_recipes.cli.bench import measure_line_rate  # noqa: E402
 from tidal_recipes.cli.models import PRESETS, PlainQwen2Shape  # noqa: E402
 
 GiB = 1 << 30
@@ -57,26 +58,6 @@ def make_weights(shape_list: list[torch.Size]) -> list[torch.Tensor]:
 def driver_free() -> int:
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0]
-
-
-def line_rate(nbytes: int = 2 * GiB) -> tuple[float, float]:
-    """(D2H, H2D) GB/s of one pinned copy, best of three."""
-    ops = DeviceOps("cuda")
-    host = ops.new_host_buffer(nbytes, pin=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = []
-    for src, dst in ((dev, host), (host, dev)):
-        best = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        out.append(nbytes / best / 1e9)
-    del dev
-    ops.free_host_buffer(host, pinned=True)
-    return out[0], out[1]
 
 
 def timed(fn) -> float:
@@ -195,9 +176,10 @@ def main() -> int:
         return 2
     torch.cuda.init()
     gpu = torch.cuda.get_device_name()
-    d2h, h2d = line_rate()
+    rate = measure_line_rate(DeviceOps("cuda"), 2 * GiB)
+    d2h, h2d = rate["d2h_gbps"], rate["h2d_gbps"]
     print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    print(f"line rate (pinned, 2 GiB, best of 3): D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
+    print(f"line rate (pinned, 2 GiB, median of {rate['reps']}): D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
     kv_bytes = int(args.kv_gib * GiB)
     rows = []
     for preset in args.presets.split(","):

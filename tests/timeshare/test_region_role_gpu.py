@@ -8,28 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.activations.models import tiny_qwen2
 from tests.vmm.test_region_gpu import _driver_free, capture_decode
 
 MiB = 1 << 20
-VOCAB = 65536
+VOCAB = 131072
 
 
 def _qwen2():
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    # Tied embeddings: one 256 MiB embedding, so the role is over 256 MiB.
+    return tiny_qwen2(
+        2, dtype=torch.bfloat16, device="cuda", attn="sdpa", hidden=1024, intermediate=2048, vocab=VOCAB
+    ).eval()
 
 
 @pytest.mark.gpu
@@ -45,7 +35,7 @@ def test_rollout_role_with_captured_graph_takes_turns_with_training():
     pos_prefill = torch.arange(12, device="cuda")
     with torch.no_grad():
         with region.allocate("weights", policy="discard"):  # only the role's state: its store holds the copy
-            model = _qwen2()  # 2 x 128 MiB of embeddings
+            model = _qwen2()
         with region.allocate("kv", policy="discard"):
             ids = torch.full((1, 1), 7, dtype=torch.long, device="cuda")  # the graph's static inputs
             pos = torch.full((1,), 12, dtype=torch.long, device="cuda")

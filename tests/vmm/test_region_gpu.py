@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.activations.models import tiny_qwen2
 from tests.policies import SkipWaits
 from tidal.device import use_sync_policy
 
@@ -80,20 +81,9 @@ def test_restore_is_ordered_before_the_compute_that_reads_it():
 
 
 def _tiny_qwen2():
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    return tiny_qwen2(
+        2, dtype=torch.bfloat16, device="cuda", attn="sdpa", hidden=256, intermediate=512, vocab=1024
+    ).eval()
 
 
 def capture_decode(model, cache, ids, pos, pool):
