@@ -2,7 +2,8 @@
 # Issue 15's GPU pass on one lent GPU: the region tests, then bench_vmm (tidal's VMM region, its
 # resize backend and torch_memory_saver side by side). torch_memory_saver's wheel is carried in
 # .whl/ (pip download torch_memory_saver==0.0.10 -d .whl).
-#   bash scripts/gpu_vmm.sh [tests] [bench]   (default: both)
+#   bash scripts/gpu_vmm.sh [tests] [probe] [elision] [bench]   (default: tests bench)
+# elision: benchmarks/bench_elision.py (issue 16: offloads of unchanged state that copy nothing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
@@ -18,6 +19,8 @@ for part in ${*:-tests bench}; do
            tail -5 "$OUT/vmm_tests.log" ;;
     probe) timeout 60 python3 benchmarks/probe_vmm_driver.py > "$OUT/probe.log" 2>&1 || status=1
            cat "$OUT/probe.log" ;;
+    elision) timeout 300 python3 benchmarks/bench_elision.py --results "$OUT/RESULTS.md" > "$OUT/bench_elision.log" 2>&1 || status=1
+           cat "$OUT/bench_elision.log" ;;
     bench) timeout 400 python3 benchmarks/bench_vmm.py --results "$OUT/RESULTS.md" ${BENCH_ARGS:-} > "$OUT/bench_vmm.log" 2>&1 || status=1
            cat "$OUT/bench_vmm.log" ;;
   esac

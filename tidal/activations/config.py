@@ -66,7 +66,10 @@ class ActivationOffloadConfig:
             stalls (a few microseconds per layer). Needed by the planner.
         reset_peak: reset the allocator's peak counter when a step starts, so the report's
             ``peak_allocated_bytes`` is this step's peak (this resets
-            ``torch.cuda.max_memory_allocated`` for everyone in the process).
+            ``torch.cuda.max_memory_allocated`` for everyone in the process). With a budget,
+            the step the planner measures also resets it at each layer boundary to measure
+            each layer's own peak (``StepReport.layer_forward_peak_bytes``); the planner needs
+            that, so ``budget_bytes`` with ``reset_peak=False`` is refused.
         planner_margin_bytes: head-room the planner keeps under ``budget_bytes`` for what
             its memory model does not see (allocator fragmentation, workspaces).
         line_rate_bytes_per_s: host<->device copy rate the planner assumes; ``None``: measure
@@ -110,6 +113,12 @@ class ActivationOffloadConfig:
             )
         if self.planner_margin_bytes < 0:
             raise ValueError(f"planner_margin_bytes must be >= 0, got {self.planner_margin_bytes}")
+        if self.budget_bytes is not None and not self.reset_peak:
+            raise ValueError(
+                "budget_bytes needs reset_peak=True: the planner measures the step's peak and each "
+                "layer's own peak through the allocator's peak counter; drop reset_peak=False or "
+                "the budget (and pass plan=)"
+            )
         if self.line_rate_bytes_per_s is not None and self.line_rate_bytes_per_s <= 0:
             raise ValueError(f"line_rate_bytes_per_s must be > 0, got {self.line_rate_bytes_per_s}")
 
@@ -140,6 +149,15 @@ class StepReport:
         tail_forward_s / tail_backward_s: the part after the last layer (head, loss) in
             forward, and before the last layer's backward.
         peak_allocated_bytes: the allocator's peak during the step (``reset_peak``).
+        layer_forward_peak_bytes / layer_backward_peak_bytes: per layer group, the peak of
+            the allocator during that layer's forward (its backward), less what was allocated
+            when it started: its saved activations, outputs, gradients and transient
+            workspaces. Measured on the step the planner plans from only (``None`` otherwise).
+        head_forward_peak_bytes: the same for the stretch from the last layer's end to the
+            forward's exit (head and loss).
+        head_backward_peak_allocated_bytes: the allocator's peak (not less anything) from the
+            forward's exit, after the last offloaded group is released, to the last layer's
+            backward (the head's backward).
         start_allocated_bytes: bytes allocated when the step started (parameters, optimizer
             state, kept gradients): the planner's static part.
         host_reserved_bytes: pinned host bytes the offloader's arena holds.
@@ -163,6 +181,10 @@ class StepReport:
     tail_forward_s: float | None = None
     tail_backward_s: float | None = None
     peak_allocated_bytes: int | None = None
+    layer_forward_peak_bytes: list[int] | None = None
+    layer_backward_peak_bytes: list[int] | None = None
+    head_forward_peak_bytes: int | None = None
+    head_backward_peak_allocated_bytes: int | None = None
     start_allocated_bytes: int | None = None
     host_reserved_bytes: int = 0
 

@@ -80,7 +80,7 @@ from tidal.activations.saved import (
     skip_reason,
     static_storage_keys,
 )
-from tidal.activations.step import Group, Step
+from tidal.activations.step import Group, PeakWindows, Step
 from tidal.transfer.context import TransferContext
 
 __all__ = ["ActivationOffloader", "offload_activations"]
@@ -224,9 +224,12 @@ class ActivationOffloader:
             raise ValueError("the model of this offloader no longer exists")
         check_checkpointing(self.layers)
         if prev is not None and prev.peak is None:
-            prev.peak = self._peak()
+            prev.peak = self._step_peak(prev)
         modes = self._modes_for_step(planning=True)
         step = Step(self, modes)
+        if self._is_planner_reference():
+            # The step the planner will plan from: it also measures each layer's own peak.
+            step.windows = PeakWindows(self.ops)
         self._mover.stalls = step.stalls
         self._mover.d2h_intervals = step.d2h_intervals
         self._mover.h2d_intervals = step.h2d_intervals
@@ -260,8 +263,12 @@ class ActivationOffloader:
         try:
             with self._lock:
                 if step is not None and step.forward_open:
+                    if step.windows is not None:
+                        step.windows.close()  # the head's forward ends before the last copy is released
                     step.close_forward()
                     step.fwd_exit = self._mover.timer.mark()
+                    if step.windows is not None:
+                        step.windows.open(("head_backward", 0))
         finally:
             self._teardown()
 
@@ -293,6 +300,8 @@ class ActivationOffloader:
                 f"layer runs without grad on purpose, leave it out of layers="
             )
         with self._lock:
+            if step.windows is not None:
+                step.windows.close()  # the offload point's releases belong to no layer
             step.offload_point()
             group = Group(len(step.groups), li, step.modes[li])
             for rec in step.gap:
@@ -313,6 +322,8 @@ class ActivationOffloader:
             step.groups.append(group)
             step.current = group
             group.fwd_start = self._mover.timer.mark()
+            if step.windows is not None:
+                step.windows.open(("forward", li))
             if step.fwd_first is None:
                 step.fwd_first = group.fwd_start
 
@@ -324,6 +335,8 @@ class ActivationOffloader:
             return
         step.current.fwd_end = self._mover.timer.mark()
         step.current = None
+        if step.windows is not None:
+            step.windows.open(("after", li))  # after the last layer: the head and the loss
 
     # ---- saved-tensor hooks -------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -425,6 +438,22 @@ class ActivationOffloader:
             return int(self.ops.module.max_memory_allocated(self.ops.device))
         return None
 
+    def _is_planner_reference(self) -> bool:
+        """Whether the step about to run is the one the planner will plan from."""
+        return (
+            self.config.budget_bytes is not None
+            and self._explicit_plan is None
+            and self.plan is None
+            and self._reference is None
+            and self.ops.is_accelerator
+        )
+
+    def _step_peak(self, step: Step) -> int | None:
+        if step.windows is not None:
+            step.windows.close()
+            return step.windows.step_peak
+        return self._peak()
+
     def _build_report(self, step: Step) -> StepReport:
         if step.report is not None:
             return step.report
@@ -440,10 +469,16 @@ class ActivationOffloader:
             bytes_kept_referenced=step.bytes_kept_referenced,
             group_saved_bytes=[g.saved_bytes for g in groups],
             group_input_bytes=[g.input_bytes for g in groups],
-            peak_allocated_bytes=step.peak if step.peak is not None else self._peak(),
+            peak_allocated_bytes=step.peak if step.peak is not None else self._step_peak(step),
             start_allocated_bytes=step.start_allocated,
             host_reserved_bytes=self.host_reserved_bytes,
         )
+        if step.windows is not None and groups:
+            layers = [g.layer_index for g in groups]
+            rep.layer_forward_peak_bytes = [step.windows.excess.get(("forward", li), 0) for li in layers]
+            rep.layer_backward_peak_bytes = [step.windows.excess.get(("backward", li), 0) for li in layers]
+            rep.head_forward_peak_bytes = step.windows.excess.get(("after", layers[-1]))
+            rep.head_backward_peak_allocated_bytes = step.windows.peak.get(("head_backward", 0))
         if measured and groups:
             rep.exposed_copy_s = stall_f + stall_b
             rep.forward_stall_s, rep.backward_stall_s = stall_f, stall_b

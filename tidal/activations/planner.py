@@ -3,8 +3,10 @@
 Inputs, all measured in one warm-up step under the offloader (:func:`plan_from_report`):
 per layer, the bytes it saves (``saved_bytes``, what KEEP costs), the bytes of its inputs
 (``input_bytes``, what a checkpoint keeps), its forward and backward device time, the bytes of
-its parameters' gradients; the head's forward/backward time; the step's measured peak; and
-the D2H / H2D line rate of the offloader's own pinned buffers and streams.
+its parameters' gradients, the allocator's peak inside its forward and inside its backward
+(above what was allocated when each started: saved activations, gradients and the transient
+workspaces nothing else accounts for); the head's forward/backward time and peak; the step's
+measured peak; and the D2H / H2D line rate of the offloader's own pinned buffers and streams.
 
 Model (:func:`simulate`), which mirrors what ``offload.py`` does:
 
@@ -17,17 +19,22 @@ Model (:func:`simulate`), which mirrors what ``offload.py`` does:
   are prefetched; the H2D stream copies in order, never before that group's D2H finished, and
   layer ``b`` waits for its own reload. A recomputed layer pays its forward again.
 * memory: activation bytes resident (kept groups, groups not yet released, reloaded groups,
-  checkpointed inputs), plus a recomputed layer's activations while its backward runs, plus
-  parameter gradients as the backward creates them; the model's peak is the maximum over all
-  these points.
+  checkpointed inputs), plus, inside a layer's forward, its own measured peak (at least its
+  saved bytes), plus, inside its backward, a recomputed layer's activations and the layer's own
+  measured backward peak (at least its parameters' gradients), plus the parameter gradients
+  made so far; the model's peak is the maximum over all these points.
 
 The model is calibrated on the measured step: predicted peak = bytes allocated when the step
-started (parameters, optimizer state) + model(plan), where the model includes a head term
-(logits, loss) fitted so that the model reproduces the measured peak of the warm-up step at the
-point where the head runs (with the layers' resident activations under the warm-up plan), and
-applied conservatively (see :func:`plan_layers`). Measured on an H200 before that, a
-difference-only calibration under-predicted keep-heavy plans by one layer group.
-``margin_bytes`` covers what the model leaves out (workspaces inside a layer, fragmentation).
+started (parameters, optimizer state) + model(plan) + offset. The head's forward (logits,
+loss) adds its measured peak at the end of the forward, the group in flight still resident;
+its backward adds its measured peak less the static bytes and the layers' activations the
+model has resident there under the warm-up plan (the group in flight released), so the model
+reproduces the warm-up step's head exactly (without per-stretch peaks, the whole step's peak
+is fitted at the head, applied with the group in flight); the offset is whatever the model still falls short
+of the warm-up step's measured peak, added to every plan, so the prediction is never below
+what was measured. Measured on an H200 before the per-layer peaks, a model without in-layer
+workspaces under-predicted a small model's keep-heavy plan by 220 MB (1044 MB measured).
+``margin_bytes`` covers what the model still leaves out (fragmentation, a peak that moves).
 
 Search: start with every layer kept; while the predicted peak exceeds the budget, apply the
 single-layer change with the least added step time per byte of peak it removes (counting only
@@ -60,6 +67,11 @@ class LayerProfile:
     backward_s: float
     grad_bytes: int = 0
     user_checkpointed: bool = False
+    # The allocator's peak inside the layer's forward / backward above what was allocated when
+    # it started (0: unknown, the saved bytes / gradient bytes stand in). backward_peak_bytes
+    # is without recomputation (a recomputed layer adds its activations on top).
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,10 +118,13 @@ def simulate(
     tail_backward_s: float = 0.0,
     prefetch_groups: int = 1,
     tail_bytes: int = 0,
+    tail_backward_bytes: int = 0,
 ) -> _Sim:
     """Step time, modelled activation+gradient peak and pure compute time of ``modes``.
     ``tail_bytes``: what the head and loss hold at their peak, on top of the layers' resident
-    activations at the end of the forward (the group in flight included)."""
+    activations at the end of the forward (the group in flight included);
+    ``tail_backward_bytes``: what the head's backward holds at its peak, on top of the layers'
+    activations resident after the forward (the group in flight released)."""
     n = len(profiles)
     off = [modes[i].offloads and i < n - 1 for i in range(n)]
     t = 0.0
@@ -130,7 +145,7 @@ def simulate(
             d2h_free = max(t, d2h_free) + nbytes / d2h_bytes_per_s
             d2h_done[last_ended] = d2h_free
             inflight = (nbytes, d2h_free)
-        peak = max(peak, resident + p.saved_bytes)
+        peak = max(peak, resident + max(p.saved_bytes, p.forward_peak_bytes))
         t += p.forward_s
         compute += p.forward_s
         resident += _moved_bytes(p, modes[i])
@@ -142,6 +157,7 @@ def simulate(
         t = max(t, inflight[1])
         resident -= inflight[0]
     tail_resident = resident
+    peak = max(peak, resident + tail_backward_bytes)
     t += tail_backward_s
     compute += tail_backward_s
     grads = 0
@@ -170,7 +186,7 @@ def simulate(
         if off[b]:
             t = max(t, reloaded[b])
         transient = max(p.saved_bytes - p.input_bytes, 0) if modes[b].recomputes else 0
-        peak = max(peak, resident + transient + grads + p.grad_bytes)
+        peak = max(peak, resident + transient + grads + max(p.grad_bytes, p.backward_peak_bytes))
         work = p.backward_s + (p.forward_s if modes[b].recomputes else 0.0)
         t += work
         compute += work
@@ -200,9 +216,15 @@ def plan_layers(
     tail_backward_s: float = 0.0,
     prefetch_groups: int = 1,
     margin_bytes: int = 0,
+    head_forward_peak_bytes: int | None = None,
+    head_backward_peak_allocated_bytes: int | None = None,
 ) -> ActivationPlan:
     """The plan with the least modelled step time whose predicted peak fits ``budget_bytes``
-    (greedy; see the module docstring)."""
+    (greedy; see the module docstring). ``head_forward_peak_bytes``: the head's measured peak
+    in the forward above what was allocated at the last layer's end;
+    ``head_backward_peak_allocated_bytes``: the allocator's measured peak in the head's
+    backward (both from :class:`StepReport`; ``None``: the head is fitted from the reference
+    peak)."""
     n = len(profiles)
     if n == 0 or len(reference_modes) != n:
         raise ValueError(f"need one reference mode per layer profile, got {len(reference_modes)} for {n}")
@@ -215,18 +237,26 @@ def plan_layers(
         tail_backward_s=tail_backward_s,
         prefetch_groups=prefetch_groups,
     )
-    # The head's share, fitted on the measured step: its peak, less what was allocated before
-    # the step, less the layers' activations resident after the forward (the smaller of the
-    # two head points, forward and backward), and applied at the larger one (with the copy
-    # still in flight). So the prediction errs high by at most one in-flight group whichever
-    # point the real peak is at; never low.
     ref = simulate(profiles, reference_modes, **kw)
-    kw["tail_bytes"] = max(reference_peak_bytes - static_bytes - ref.tail_resident_bytes, 0)
+    if head_backward_peak_allocated_bytes is not None:
+        # The head's backward, fitted on its own measured peak: less what was allocated before
+        # the step and the layers' activations resident after the forward.
+        kw["tail_backward_bytes"] = max(head_backward_peak_allocated_bytes - static_bytes - ref.tail_resident_bytes, 0)
+        kw["tail_bytes"] = head_forward_peak_bytes or 0
+    else:
+        # The head's share, fitted on the measured step: its peak, less what was allocated
+        # before the step, less the layers' activations resident after the forward (the
+        # smaller of the two head points, forward and backward), and applied at the larger one
+        # (with the copy still in flight). So the prediction errs high by at most one in-flight
+        # group whichever point the real peak is at; never low.
+        kw["tail_bytes"] = max(reference_peak_bytes - static_bytes - ref.tail_resident_bytes, 0)
+    # What the model still misses of the measured step, added to every plan.
+    offset = max(reference_peak_bytes - static_bytes - simulate(profiles, reference_modes, **kw).memory_bytes, 0)
     allowed = [_allowed(i, n, p) for i, p in enumerate(profiles)]
 
     def predict(modes: list[LayerMode]) -> tuple[int, _Sim]:
         sim = simulate(profiles, modes, **kw)
-        return static_bytes + sim.memory_bytes, sim
+        return static_bytes + offset + sim.memory_bytes, sim
 
     target = budget_bytes - margin_bytes
     modes = [a[0] for a in allowed]
@@ -300,14 +330,21 @@ def plan_from_report(off: "ActivationOffloader", report: StepReport) -> Activati
         grads = sum(getattr(p, "_local_tensor", p).nbytes for p in layer.parameters() if p.requires_grad)
         user = user_checkpointed(layer)
         recomputed = report.modes[i].recomputes
+        saved, inputs = report.group_saved_bytes[i], report.group_input_bytes[i]
+        fwd_peak = report.layer_forward_peak_bytes[i] if report.layer_forward_peak_bytes else 0
+        bwd_peak = report.layer_backward_peak_bytes[i] if report.layer_backward_peak_bytes else 0
+        if recomputed:  # its measured backward peak includes the recomputed activations
+            bwd_peak = max(bwd_peak - max(saved - inputs, 0), 0)
         profiles.append(
             LayerProfile(
-                saved_bytes=report.group_saved_bytes[i],
-                input_bytes=report.group_input_bytes[i],
+                saved_bytes=saved,
+                input_bytes=inputs,
                 forward_s=fwd[i],
                 backward_s=max(bwd[i] - (fwd[i] if recomputed else 0.0), 0.0),
                 grad_bytes=int(grads),
                 user_checkpointed=user,
+                forward_peak_bytes=fwd_peak,
+                backward_peak_bytes=bwd_peak,
             )
         )
     d2h, h2d = off.line_rate
@@ -323,4 +360,6 @@ def plan_from_report(off: "ActivationOffloader", report: StepReport) -> Activati
         tail_backward_s=report.tail_backward_s or 0.0,
         prefetch_groups=off.config.prefetch_groups,
         margin_bytes=off.config.planner_margin_bytes,
+        head_forward_peak_bytes=report.head_forward_peak_bytes,
+        head_backward_peak_allocated_bytes=report.head_backward_peak_allocated_bytes,
     )

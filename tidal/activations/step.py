@@ -16,7 +16,45 @@ from tidal.activations.saved import SavedStorage, storage_referenced_elsewhere
 if TYPE_CHECKING:
     from tidal.activations.offload import ActivationOffloader
 
-__all__ = ["Group", "Step"]
+__all__ = ["Group", "PeakWindows", "Step"]
+
+
+class PeakWindows:
+    """The allocator's peak in each stretch of one step, for the planner: each layer's
+    forward and backward, the head's forward (from the last layer's end to the forward's
+    exit) and the head's backward (from the forward's exit, after its releases, to the last
+    layer's backward).
+
+    A stretch is opened with :meth:`open` (which resets the allocator's peak counter) and
+    closed with :meth:`close`; :attr:`peak` holds its peak, :attr:`excess` its peak less what
+    was allocated when it opened.
+    What happens between a close and the next open (releases, reloads) belongs to no stretch.
+    Cost: two allocator-stat reads and a peak reset per stretch, host side only. Side effect:
+    afterwards ``torch.cuda.max_memory_allocated`` covers only the stretch since the last
+    open; :attr:`step_peak` is the peak over the whole step."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+        self.excess: dict[tuple[str, int], int] = {}
+        self.peak: dict[tuple[str, int], int] = {}
+        self.step_peak = 0
+        self._open: tuple[tuple[str, int], int] | None = None
+
+    def open(self, key: tuple[str, int]) -> None:
+        self.close()
+        now = self.ops.allocated_bytes()
+        self.step_peak = max(self.step_peak, now)
+        self.ops.reset_peak()
+        self._open = (key, now)
+
+    def close(self) -> None:
+        peak = self.ops.peak_allocated_bytes()
+        self.step_peak = max(self.step_peak, peak)
+        if self._open is not None:
+            key, start = self._open
+            self.excess[key] = max(self.excess.get(key, 0), peak - start)
+            self.peak[key] = max(self.peak.get(key, 0), peak)
+            self._open = None
 
 
 class Group:
@@ -83,6 +121,8 @@ class Step:
         self.bwd_start: Any = None
         self.bwd_end: Any = None
         self.peak: int | None = None
+        # Set on the step the planner measures (ActivationOffloader.__enter__).
+        self.windows: PeakWindows | None = None
         self.start_allocated = off.ops.allocated_bytes() if off.ops.is_accelerator else None
         self.stalls: list = []
         self.d2h_intervals: list = []
@@ -156,6 +196,8 @@ class Step:
         self.bwd_group = gi
         if group.bwd_mark is None:
             group.bwd_mark = self.mover.timer.mark()
+        if self.windows is not None:
+            self.windows.close()  # the previous stretch ends before this layer's reloads
         if group.batch is not None:
             self.reload(group.batch, pid)
         # Prefetch the groups whose backward comes within the next prefetch_groups layers;
@@ -166,6 +208,8 @@ class Step:
                 break
             if batch.index < gi:
                 self.reload(batch, pid)
+        if self.windows is not None:
+            self.windows.open(("backward", group.layer_index))
 
     def reload(self, batch: Batch, pid: int | None) -> None:
         if batch.reload_pass == pid and pid is not None:
@@ -176,6 +220,8 @@ class Step:
     def _pass_end(self) -> None:
         if self.bwd_end is None:
             self.bwd_end = self.mover.timer.mark()
+        if self.windows is not None:
+            self.windows.close()
 
     # ---- views --------------------------------------------------------------------------------
     def view_died(self, rec: SavedStorage, view_id: int) -> None:

@@ -30,11 +30,11 @@ from tidal.errors import InsufficientMemoryError, StateCorruptionError
 from tidal.memory import snapshot
 from tidal.state.backends import ResidencyBackend, ResizeBackend, holds_memory
 from tidal.state.collect import StateEntry
-from tidal.state.digest import digest
+from tidal.state.digest import digest, digest_many
 from tidal.units import gbps
 from tidal.transfer.arena import HostSlot
 from tidal.transfer.context import TransferContext
-from tidal.transfer.engine import CopyItem, Segment, TransferConfig, byte_view
+from tidal.transfer.engine import CopyItem, Segment, TransferConfig
 
 __all__ = ["OffloadStore", "MoveResult"]
 
@@ -344,7 +344,7 @@ class OffloadStore:
         t_check = time.perf_counter()
         if checked:
             # Read after the compute stream's queued work (the current stream), then on the host.
-            got = torch.stack([digest(byte_view(e.storage)) for e in checked]).tolist()
+            got = digest_many([e.storage for e in checked]).tolist()
             same = {e.key for e, d in zip(checked, got) if self._host_digest.get(e.key) == d}
             skip += [e for e in checked if e.key in same]
             out_todo = [e for e in out_todo if e.key not in same]
@@ -472,7 +472,7 @@ class OffloadStore:
                 self._free_segment(out_segs[freed], out_events[freed], _event(out_digests, freed))
                 freed += 1
             if out_digests:  # every segment's digests were waited for before its free
-                values = torch.stack([d for _, ds in out_digests for d in ds]).tolist()
+                values = torch.cat([ds for _, ds in out_digests]).tolist()
                 for item, d in zip((it for seg in out_segs for it in seg.items), values):
                     self._digests[item.tag.key] = d
         except BaseException:
@@ -490,7 +490,7 @@ class OffloadStore:
         if in_digests:
             self._verify(
                 [it.tag for seg in in_segs for it in seg.items],
-                torch.stack([d for _, ds in in_digests for d in ds]).tolist(),
+                torch.cat([ds for _, ds in in_digests]).tolist(),
                 verify,
                 what,
             )
@@ -515,7 +515,7 @@ class OffloadStore:
         known = [e for e in entries if e.key in self._digests]
         if not known:
             return
-        got = torch.stack([digest(byte_view(e.storage), mode) for e in known]).tolist()
+        got = digest_many([e.storage for e in known], mode).tolist()
         changed = [e.name for e, d in zip(known, got) if d != self._digests[e.key]]
         if changed:
             raise ValueError(
@@ -542,7 +542,7 @@ class OffloadStore:
                 if after is not None:
                     # A reloaded segment is read once its H2D copy has landed.
                     ops.wait_event("digest_after_h2d", stream, after[i])
-                values = [digest(byte_view(it.storage), mode) for it in seg.items]
+                values = digest_many([it.storage for it in seg.items], mode)
                 done = ops.new_event()
                 if done is not None:
                     done.record(stream)

@@ -1,0 +1,114 @@
+"""The ``"full"`` digest of :mod:`tidal.state.digest` as one Triton kernel over many storages.
+
+Each program reads one chunk of ``CHUNK_WORDS`` 64-bit words of one storage and writes its
+partial sum; the partial sums are added per storage (modulo 2**64, so in any order). The value
+is the one :func:`tidal.state.digest.digest` computes: for word ``i`` of ``nwords``, with
+``full = nwords // cols * cols`` words in complete rows, ``x[i] * w[i % cols] * (2 * (i //
+cols) + 1)`` for ``i < full`` and ``x[i] * w[i - full] * (2 * full + 3)`` after; the trailing
+``nbytes % 8`` bytes times ``w[k] * tail_mul``; plus ``nbytes``.
+
+Imported only on a CUDA device; Triton is optional (:func:`available`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+__all__ = ["available", "digest_full"]
+
+CHUNK_WORDS = 1 << 18  # 2 MiB of words per program, a whole number of rows
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def digest_chunks(
+        addr_ptr,
+        nbytes_ptr,
+        chunk_of_ptr,
+        start_ptr,
+        w_ptr,
+        part_ptr,
+        COLS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        TAIL_MUL: tl.constexpr,
+    ):
+        c = tl.program_id(0)
+        s = tl.load(chunk_of_ptr + c)
+        start = tl.load(start_ptr + c)
+        n = tl.load(nbytes_ptr + s)
+        nwords = n // 8
+        full = nwords // COLS * COLS  # words in complete rows
+        addr = tl.load(addr_ptr + s)
+        words = addr.to(tl.pointer_type(tl.int64))
+        end = tl.minimum(start + CHUNK, nwords)
+        cols = tl.arange(0, COLS)
+        w = tl.load(w_ptr + cols)  # the same column weights for every row
+        total = tl.full([], 0, tl.int64)
+        # Chunks start at whole rows and full is a whole number of rows, so a step of COLS words
+        # covers one complete row or the partial last one (whose weights are w[i - full], the
+        # same w[i % COLS]); each is summed, then weighted by its rank.
+        for lo in range(start, end, COLS):
+            i = lo + cols
+            x = tl.load(words + i, mask=i < end, other=0)
+            rank = tl.where(lo < full, 2 * (lo // COLS) + 1, 2 * full + 3)
+            total += tl.sum(x * w, axis=0) * rank
+        if start == 0:  # the chunk that starts the storage adds its tail bytes and its length
+            k = tl.arange(0, 8).to(tl.int64)
+            tm = k < n - nwords * 8
+            b = tl.load(addr.to(tl.pointer_type(tl.uint8)) + nwords * 8 + k, mask=tm, other=0).to(tl.int64)
+            wk = tl.load(w_ptr + k, mask=tm, other=0)
+            total += tl.sum(b * wk, axis=0) * TAIL_MUL + n
+        tl.store(part_ptr + c, total)
+
+    return digest_chunks
+
+
+def digest_full(
+    spans: Sequence[tuple[int, int]], device: torch.device, weights: torch.Tensor, *, cols: int, tail_mul: int
+) -> torch.Tensor:
+    """The full digests of the device byte ranges ``spans`` (address, bytes; 8-byte aligned
+    addresses) as one int64 tensor, queued on the current stream."""
+    assert CHUNK_WORDS % cols == 0
+    addrs, sizes, chunk_of, starts = [], [], [], []
+    for si, (addr, nbytes) in enumerate(spans):
+        addrs.append(addr)
+        sizes.append(nbytes)
+        for start in range(0, max(nbytes // 8, 1), CHUNK_WORDS):
+            chunk_of.append(si)
+            starts.append(start)
+    # From pinned memory, so the copy is queued behind the stream's work instead of waiting for it.
+    meta_host = torch.tensor(addrs + sizes + chunk_of + starts, dtype=torch.int64).pin_memory()
+    meta = meta_host.to(device, non_blocking=True)
+    ns, nc = len(spans), len(chunk_of)
+    addr_d, size_d = meta[:ns], meta[ns : 2 * ns]
+    chunk_d, start_d = meta[2 * ns : 2 * ns + nc], meta[2 * ns + nc :]
+    parts = torch.empty(nc, dtype=torch.int64, device=device)
+    _kernel()[(nc,)](
+        addr_d,
+        size_d,
+        chunk_d,
+        start_d,
+        weights,
+        parts,
+        COLS=cols,
+        CHUNK=CHUNK_WORDS,
+        TAIL_MUL=tail_mul,
+        num_warps=8,
+    )
+    return torch.zeros(ns, dtype=torch.int64, device=device).index_add_(0, chunk_d, parts)
