@@ -8,7 +8,7 @@ from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError
 from tidal.state import MoveResult, OffloadStore, collect_module_state, collect_optimizer_state, storage_key
 from tidal.state.collect import collect_tensors
-from tidal.transfer import TransferConfig
+from tidal.transfer import TransferConfig, TransferContext
 from tests.transfer.fakes import FakeAccelOps, assert_bits_equal, bits
 
 CPU = torch.device("cpu")
@@ -280,6 +280,32 @@ def test_1000_cycles_bit_exact_without_growth(kind):
     assert footprint[1] == 1
     _assert_state_equal(tensors, clones)
     assert m.v.data_ptr() == m.w.data_ptr() + 40
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+def test_a_store_dropped_without_close_gives_its_host_memory_back(offloaded):
+    """Its host slots go back to the shared arena and its chunks are disowned (so the
+    context's trim frees them); dropped with state only on the host, it also warns."""
+    ctx = TransferContext(DeviceOps("cpu"))  # shared by the store's owner and others
+    model = Model(3)
+    store = OffloadStore(DeviceOps("cpu"), context=ctx)
+    arena = store.arena
+    entries = collect_module_state([model], CPU)
+    store.offload(entries)
+    if not offloaded:
+        store.reload(entries)
+    assert arena.used_bytes > 0 and store.owner in arena.bytes_by_owner()
+    owner = store.owner
+    if offloaded:
+        with pytest.warns(ResourceWarning, match="lost"):
+            del store
+            gc.collect()
+    else:
+        del store
+        gc.collect()
+    assert arena.used_bytes == 0
+    assert owner not in arena.bytes_by_owner()
+    assert ctx.trim() > 0 and arena.reserved_bytes == 0
 
 
 # ---- switch ------------------------------------------------------------------------------------

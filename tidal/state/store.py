@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 import weakref
 from typing import Any, Collection, Sequence
 
@@ -121,6 +122,11 @@ class OffloadStore:
         # unchanged copies (switch(check_unchanged=...)): set once a copy has completed, dropped
         # whenever the slot may hold anything else (re-reserved, handed out, overwritten).
         self._host_digest: dict[int, int] = {}
+        # Dropped without close(): its host slots go back to the (shared, longer-lived) arena
+        # and its chunks are disowned, so nothing stays pinned for a store that is gone.
+        self._finalizer = weakref.finalize(
+            self, _give_back_slots, self.arena, self._slots, self._offloaded, self.owner
+        )
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -626,8 +632,22 @@ class OffloadStore:
         self._host_digest.clear()
         self._host_valid.clear()
         self._closed = True
+        self._finalizer.detach()
         self.arena.disown(self.owner)
         self.context.trim()
+
+
+def _give_back_slots(arena: Any, slots: dict, offloaded: dict, owner: str) -> None:
+    """A store's finalizer (see ``OffloadStore.__init__``): runs inside the garbage collector,
+    so it only queues (``HostArena.release_later``)."""
+    if offloaded:
+        warnings.warn(
+            f"an OffloadStore ({owner}) was dropped while {len(offloaded)} storages existed only in its "
+            f"host copies: their bytes are lost. Reload the roles and close() the timeshare before dropping it",
+            ResourceWarning,
+            stacklevel=1,
+        )
+    arena.release_later([slot for slot, _ in slots.values()], disown=owner)
 
 
 def _event(digested: list, i: int) -> Any:

@@ -76,6 +76,7 @@ class HostArena:
         # Slots whose handed-out tensor died (see slot_tensor(release_when_dead=True)): released
         # at the next reserve or query, never from inside the garbage collector.
         self._dead: list[HostSlot] = []
+        self._dead_owners: list[str] = []  # owners dropped without close(): disowned likewise
         self._closed = False
         self.pin_seconds = 0.0
 
@@ -183,14 +184,18 @@ class HostArena:
                 freed += n
         return freed
 
-    def release_later(self, slots: Sequence[HostSlot]) -> None:
-        """Queue ``slots`` for release at the next arena call. Safe from a finalizer or the
-        garbage collector (it only appends)."""
+    def release_later(self, slots: Sequence[HostSlot], *, disown: str | None = None) -> None:
+        """Queue ``slots`` for release (and ``disown``'s chunks for :meth:`disown`) at the next
+        arena call. Safe from a finalizer or the garbage collector (it only appends)."""
         self._dead.extend(slots)
+        if disown is not None:
+            self._dead_owners.append(disown)
 
     def _release_dead(self) -> None:
         while self._dead:
             self.release(self._dead.pop())
+        while self._dead_owners:
+            self.disown(self._dead_owners.pop())
 
     def _give_back(self, slot: HostSlot) -> None:
         span = _align_up(slot.nbytes, self._alignment)
@@ -250,6 +255,7 @@ class HostArena:
         self._chunk_owner = []
         self._used_bytes = 0
         self._dead.clear()
+        self._dead_owners.clear()
         self._closed = True
 
     # ---- internals ---------------------------------------------------------------------------
