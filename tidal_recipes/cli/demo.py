@@ -44,6 +44,7 @@ class DemoSettings:
     optimizer: str = "adamw"
     dtype: str = "float32"
     grad_ckpt: bool = False
+    rollout_graph: bool = False
     kl_coef: float = 0.02
     lora_rank: int = 0
     baseline_steps: int = 2
@@ -56,6 +57,15 @@ class DemoSettings:
     def __post_init__(self) -> None:
         if self.roles not in ROLE_PLACES:
             raise ValueError(f"roles must be one of {ROLE_PLACES}, got {self.roles!r}")
+        if self.rollout_graph and not str(self.device).startswith("cuda"):
+            raise ValueError(
+                f"--rollout-graph captures the decode step in a CUDA graph: it needs the policy on a CUDA device, "
+                f"got --device {self.device}"
+            )
+        if self.rollout_graph and self.roles != "local":
+            raise ValueError(
+                f"--rollout-graph runs with the roles in this process (--roles local), not roles={self.roles!r}"
+            )
 
 
 def defaults_for(device: str | None) -> dict:
@@ -137,6 +147,7 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
         lr=s.lr,
         optimizer=s.optimizer,
         grad_ckpt=s.grad_ckpt,
+        rollout_graph=s.rollout_graph,
         loss=LossConfig(kl_coef=s.kl_coef),
         timeshare=timeshare,
         timeshare_config=TimeshareConfig(switch_extra_bytes=extra),
@@ -283,6 +294,10 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     unreleased = max((r.unreleased_bytes for r in records), default=0)
     # After the first step: that one also allocates lazily created workspaces (cuBLAS).
     rollout_left = max(r.phases["rollout"]["left_allocated_bytes"] for r in (results[1:] or results))
+    captures = trainer.decoder.captures if trainer.decoder is not None else None
+    graph_tags = [trainer.region.tags[n] for n in ("kv", "graph")] if trainer.region is not None else []
+    # The rollout's cache and graph workspace: their size, and what stays mapped after a rollout.
+    graph_mem = (sum(t.allocated_bytes for t in graph_tags), sum(t.mapped_bytes for t in graph_tags))
     trainer.close()
     del trainer
     _free_device(s.device)
@@ -336,12 +351,23 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
                 f"all roles resident ({how}, no timeshare, {s.baseline_steps} steps): peak "
                 f"{format_bytes(peak)}; timeshare / all-resident = {peak_ts / peak:.2f}"
             )
-    if on_gpu:
+    if captures is not None:
+        log(
+            f"rollout KV cache and graph workspace: {format_bytes(graph_mem[0])} in the rollout region, "
+            f"{format_bytes(graph_mem[1])} of it mapped after the last rollout (released to the driver between "
+            f"rollouts; torch's allocated counter still counts these blocks, and the policy's weights in the "
+            f"region, while unmapped: read the driver's 'peak used'); the driver got back all but "
+            f"{format_bytes(unreleased)} of what every switch freed ({len(records)} transitions)"
+        )
+    elif on_gpu:
         log(
             f"rollout KV cache: {format_bytes(rollout_left)} left allocated after a rollout (its sampled "
             f"tokens; steps after the first); the driver got "
             f"back all but {format_bytes(unreleased)} of what every switch freed ({len(records)} transitions)"
         )
+    rollout_tps = s.prompts * s.group * s.digits / rows["rollout"]["seconds"]
+    how = f"decode step in a CUDA graph, captured {captures} time(s)" if captures is not None else "eager decode"
+    log(f"rollout: {rollout_tps:,.0f} sampled tokens/s ({how}; steps after the first)")
     log(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     png = os.path.join(s.out_dir, "timeline.png")
     summary = {
@@ -359,6 +385,10 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         "reward_first": first,
         "reward_last": last,
         "rollout_left_allocated_bytes": rollout_left,
+        "rollout_tokens_per_second": rollout_tps,
+        "rollout_graph_captures": captures,
+        "rollout_graph_region_bytes": graph_mem[0] if captures is not None else None,
+        "rollout_graph_mapped_after_bytes": graph_mem[1] if captures is not None else None,
         "max_unreleased_bytes": unreleased,
         "device_name": torch.cuda.get_device_name(s.device) if on_gpu else "cpu",
         "torch": torch.__version__,

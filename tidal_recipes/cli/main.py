@@ -165,6 +165,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="gradient checkpointing in training (default: on on a GPU, off on cpu)",
     )
+    p.add_argument(
+        "--rollout-graph",
+        action="store_true",
+        help="decode with the step captured in a CUDA graph over a static KV cache, its memory in a tidal "
+        "Region released between rollouts (CUDA only)",
+    )
     p.add_argument("--kl-coef", type=float, default=0.02, help="KL to the reference (0: no reference role)")
     p.add_argument("--lora-rank", type=nonneg_int, default=0, help="train LoRA adapters of this rank (needs peft)")
     p.add_argument(
@@ -223,17 +229,22 @@ def _run_demo(args: argparse.Namespace) -> int:
     ):
         if getattr(args, name) is not None:
             chosen[name] = getattr(args, name)
-    settings = DemoSettings(
-        **chosen,
-        task=args.task,
-        kl_coef=args.kl_coef,
-        lora_rank=args.lora_rank,
-        baseline_steps=args.baseline_steps,
-        seed=args.seed,
-        switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
-        out_dir=args.out,
-        roles=args.roles,
-    )
+    try:
+        settings = DemoSettings(
+            **chosen,
+            task=args.task,
+            kl_coef=args.kl_coef,
+            lora_rank=args.lora_rank,
+            rollout_graph=args.rollout_graph,
+            baseline_steps=args.baseline_steps,
+            seed=args.seed,
+            switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
+            out_dir=args.out,
+            roles=args.roles,
+        )
+    except ValueError as e:
+        print(f"tidal demo: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if settings.roles != "local":
         from tidal_recipes.cli.demo_remote import run_remote_demo as run_demo  # noqa: PLC0415
     try:

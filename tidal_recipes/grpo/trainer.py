@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import gc
 import time
 import weakref
 
@@ -32,6 +34,7 @@ import torch
 from tidal.device import DeviceOps
 from tidal.distributed.lease import GPULease
 from tidal.optim import CPUAdam
+from tidal_recipes.grpo.graph_rollout import GraphDecoder
 from tidal_recipes.grpo.grpo import LossConfig, action_logprobs, group_advantages, grpo_loss
 from tidal_recipes.grpo.modes import role_mode, set_checkpointing
 from tidal_recipes.grpo.phases import RoleTurns
@@ -40,9 +43,11 @@ from tidal_recipes.grpo.tasks import DIGIT0, TASK_VOCAB, DigitTask
 from tidal.state import storage_key, unique_storage_bytes
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare, TimeshareConfig
+from tidal.vmm import Region
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "StepResult", "answer_logprobs", "draw_prompts", "prompt_generator"]
 
+WEIGHTS_TAG = "weights"  # the policy's weights in the rollout region (rollout_graph with a timeshare)
 ACTION_IDS = (DIGIT0, TASK_VOCAB)  # the policy's action space: the ten digit tokens
 OPTIMIZERS = ("adamw", "cpu_adam")
 
@@ -65,6 +70,11 @@ class GRPOConfig:
         grad_ckpt: gradient checkpointing in training (non-reentrant); rollout keeps its cache.
         temperature: sampling temperature of the rollout.
         loss: clip, KL and entropy coefficients. ``kl_coef=0`` skips the reference role.
+        rollout_graph: decode with the step captured in a CUDA graph over a static KV cache
+            (:class:`~tidal_recipes.grpo.graph_rollout.GraphDecoder`): the cache and the
+            graph's workspace live in a :class:`tidal.Region` and go back to the driver between
+            rollouts; with the timeshare the policy's weights live there too (a role with
+            ``region=``), so the graph survives their offloads. CUDA only; not with LoRA.
         timeshare: run the roles through a Timeshare (False: all roles stay resident).
         timeshare_config: its settings (default: only the role in use is resident).
         seed: seeds prompts, sampling and dropout, so a run is reproducible.
@@ -81,6 +91,7 @@ class GRPOConfig:
     optimizer: str = "adamw"
     grad_ckpt: bool = False
     temperature: float = 1.0
+    rollout_graph: bool = False
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     timeshare: bool = True
     timeshare_config: TimeshareConfig | None = None
@@ -119,6 +130,20 @@ class StepResult:
 
     def as_dict(self) -> dict:
         return {"type": "step", **dataclasses.asdict(self)}
+
+
+def _move_into(model: torch.nn.Module, region: Region | None, tag: str | None) -> None:
+    """Copy ``model``'s parameters and buffers into ``region``'s ``tag`` (a ``discard`` tag: the
+    timeshare's store holds their host copy), or back to ordinary memory (``region=None``).
+    The tensor objects stay; their storages change. Costs one copy of the weights (device)."""
+    ctx = region.allocate(tag, policy="discard") if region is not None else contextlib.nullcontext()
+    with ctx, torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+        for mod in model.modules():
+            for name, b in mod._buffers.items():
+                if b is not None and b.device.type != "cpu":
+                    mod._buffers[name] = b.clone()
 
 
 def _is_lora(model: torch.nn.Module) -> bool:
@@ -214,6 +239,24 @@ class GRPOTrainer:
             reference = reference if reference is not None else copy.deepcopy(policy)
             reference.requires_grad_(False).eval()
         self.reference = reference
+        self.region: Region | None = None
+        self.decoder: GraphDecoder | None = None
+        if cfg.rollout_graph:
+            if self.device.type != "cuda" or self.lora:
+                raise ValueError(
+                    f"rollout_graph=True captures the decode step in a CUDA graph: it needs the policy on a "
+                    f"CUDA device and not a LoRA model (got {self.device}{', LoRA' if self.lora else ''}); "
+                    f"drop rollout_graph"
+                )
+            self.region = Region("rollout", device=self.device)
+            try:
+                self.decoder = GraphDecoder(policy, self.region)
+            except ValueError:
+                self.region.close()
+                raise
+            if cfg.timeshare:
+                # The graph reads the weights at fixed addresses: they move in place from now on.
+                _move_into(policy, self.region, WEIGHTS_TAG)
         if cfg.grad_ckpt:
             # On for good: HF layers checkpoint only in train mode, which only the training
             # phase sets (role_mode); the rollout and reference run in eval mode.
@@ -236,10 +279,14 @@ class GRPOTrainer:
             # grads="drop": they are zeroed after every step, so a switch never has any to move.
             # AdamW's state comes in a chunk at a time during step(), so the step's peak holds
             # weights + grads + one chunk, not the whole state.
-            self.ts.add_role(
-                "actor_train", model=policy, optimizer=self.optimizer, grads="drop", optimizer_residency="stream"
-            )
-            self.ts.add_role("rollout", model=policy)
+            roles = [
+                ("actor_train", dict(optimizer=self.optimizer, grads="drop", optimizer_residency="stream")),
+                ("rollout", dict(region=self.region.tag(WEIGHTS_TAG) if self.region is not None else None)),
+            ]
+            if self.region is not None:
+                roles.reverse()  # the region's tag is served before any role collects its storages
+            for name, kw in roles:
+                self.ts.add_role(name, model=policy, **kw)
             if self.local_reference:
                 self.ts.add_role("reference", model=self.reference if not self.lora else policy)
         self.turns = RoleTurns(self.ops, self.timeline, self.ts, lease)
@@ -296,8 +343,8 @@ class GRPOTrainer:
             self.turns.phase("rollout", role="rollout", into=res.phases, step=self.step_index),
             role_mode(self.policy, "rollout"),
         ):
-            answers = sample_answers(
-                self.policy,
+            sample = self.decoder.sample if self.decoder is not None else functools.partial(sample_answers, self.policy)
+            answers = sample(
                 prompts,
                 n_ans,
                 ACTION_IDS,
@@ -410,5 +457,12 @@ class GRPOTrainer:
         """Bring every role back to the device and release tidal's host memory."""
         if self.ts is not None:
             self.ts.close()
+        if self.region is not None:
+            self.decoder.close()
+            if self.config.timeshare:
+                _move_into(self.policy, None, None)  # the weights back to ordinary memory
+            gc.collect()
+            self.region.close()
+            self.region = None
         if isinstance(self.optimizer, CPUAdam):
             self.optimizer.close()

@@ -110,3 +110,14 @@ def test_a_demo_output_that_cannot_be_written_loses_nothing_else(tmp_path, capsy
     assert "rollout" in text and "train" in text, "the table was printed"
     assert f"could not write {out / 'demo.jsonl'}" in text
     assert (out / "timeline.png").is_file()
+
+
+def test_rollout_graph_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tidal_recipes.cli.demo, "build_policy", _no_work)
+    out = tmp_path / "demo"
+    assert main(["demo", "--device", "cpu", "--rollout-graph", "--out", str(out)]) == EXIT_USAGE
+    assert "--rollout-graph captures the decode step in a CUDA graph" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--roles local"):
+        tidal_recipes.cli.demo.DemoSettings(
+            preset="nano", device="cuda", steps=1, rollout_graph=True, roles="processes"
+        )

@@ -106,3 +106,5 @@ def test_bad_configs_are_refused():
         GRPOConfig(group_size=0)
     with pytest.raises(ValueError, match=f"at least {TASK_VOCAB}"):
         GRPOTrainer(tiny_policy(vocab=8))
+    with pytest.raises(ValueError, match="rollout_graph=True .* CUDA device"):
+        GRPOTrainer(tiny_policy(), config=GRPOConfig(rollout_graph=True))
