@@ -28,6 +28,10 @@ def test_one_kernel_equals_the_reference_for_every_size():
     want = [int(digest(x)) for x in xs]
     assert got == want
     assert digest_many([x.untyped_storage() for x in xs]).tolist() == want  # as the store passes them
+    # "sampled": the storages over 4096 words sampled by the second kernel, the others whole.
+    sampled = [int(digest(x, "sampled")) for x in xs]
+    assert digest_many(xs, "sampled").tolist() == sampled
+    assert sum(s != f for s, f in zip(sampled, want)) >= 2  # some were really sampled
     assert len(set(want)) == len(want)
     # The host computes the same value (verify compares digests of host and device bytes).
     assert [int(digest(x.cpu())) for x in xs] == want

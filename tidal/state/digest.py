@@ -91,13 +91,14 @@ def digest(x: torch.Tensor, mode: VerifyMode = "full") -> torch.Tensor:
 def digest_many(items: Sequence[torch.Tensor | torch.UntypedStorage], mode: VerifyMode = "full") -> torch.Tensor:
     """:func:`digest` of each of ``items`` (storages, or 1-D ``uint8`` tensors, on one device) as
     a 1-D ``int64`` tensor on that device, queued on its current stream (no synchronisation).
-    ``"full"`` on CUDA with Triton installed, every item 8-byte aligned: one kernel for all of
-    them; otherwise one :func:`digest` per item. Memory: a few bytes per chunk of input.
+    On CUDA with Triton installed, every item 8-byte aligned: one kernel for all of them (two
+    for ``"sampled"``: the storages it samples, and the small ones it reads whole); otherwise
+    one :func:`digest` per item. Memory: a few bytes per chunk of input.
     Raises ``ValueError`` for an empty sequence."""
     if not items:
         raise ValueError("digest_many needs at least one storage or tensor")
     device = items[0].device
-    if mode == "full" and device.type == "cuda" and digest_kernel.available():
+    if device.type == "cuda" and digest_kernel.available():
         spans = []
         for x in items:
             if isinstance(x, torch.UntypedStorage):
@@ -106,5 +107,7 @@ def digest_many(items: Sequence[torch.Tensor | torch.UntypedStorage], mode: Veri
                 assert x.dtype == torch.uint8 and x.dim() == 1 and x.is_contiguous(), (x.dtype, x.shape)
                 spans.append((x.data_ptr(), x.numel()))
         if all(x.device == device for x in items) and all(addr % 8 == 0 for addr, _ in spans):
-            return digest_kernel.digest_full(spans, device, _column_weights(device), cols=_COLS, tail_mul=_TAIL)
+            return digest_kernel.digest_spans(
+                spans, device, _column_weights(device), cols=_COLS, tail_mul=_TAIL, sampled=mode == "sampled"
+            )
     return torch.stack([digest(byte_view(x) if isinstance(x, torch.UntypedStorage) else x, mode) for x in items])

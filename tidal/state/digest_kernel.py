@@ -1,4 +1,5 @@
-"""The ``"full"`` digest of :mod:`tidal.state.digest` as one Triton kernel over many storages.
+"""The digests of :mod:`tidal.state.digest` as Triton kernels over many storages: ``"full"``
+in one kernel, and ``"sampled"`` in one more for the storages it samples.
 
 Each program reads one chunk of ``CHUNK_WORDS`` 64-bit words of one storage and writes its
 partial sum; the partial sums are added per storage (modulo 2**64, so in any order). The value
@@ -17,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["available", "digest_full"]
+__all__ = ["available", "digest_full", "digest_sampled", "digest_spans"]
 
 CHUNK_WORDS = 1 << 18  # 2 MiB of words per program, a whole number of rows
 
@@ -76,7 +77,51 @@ def _kernel():
             total += tl.sum(b * wk, axis=0) * TAIL_MUL + n
         tl.store(part_ptr + c, total)
 
-    return digest_chunks
+    @triton.jit
+    def digest_samples(
+        addr_ptr, nbytes_ptr, stride_ptr, phase_ptr, w_ptr, out_ptr, COLS: tl.constexpr, TAIL_MUL: tl.constexpr
+    ):
+        s = tl.program_id(0)
+        n = tl.load(nbytes_ptr + s)
+        nwords = n // 8
+        addr = tl.load(addr_ptr + s)
+        k = tl.arange(0, COLS).to(tl.int64)
+        pos = k * tl.load(stride_ptr + s) + tl.load(phase_ptr + s)
+        x = tl.load(addr.to(tl.pointer_type(tl.int64)) + pos)
+        total = tl.sum(x * tl.load(w_ptr + k) * (pos * 2 + 1), axis=0)
+        t = tl.arange(0, 8).to(tl.int64)
+        tm = t < n - nwords * 8
+        b = tl.load(addr.to(tl.pointer_type(tl.uint8)) + nwords * 8 + t, mask=tm, other=0).to(tl.int64)
+        total += tl.sum(b * tl.load(w_ptr + t, mask=tm, other=0), axis=0) * TAIL_MUL + n
+        tl.store(out_ptr + s, total)
+
+    return digest_chunks, digest_samples
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    # From pinned memory, so the copy is queued behind the stream's work instead of waiting for it.
+    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+
+
+def digest_sampled(
+    spans: Sequence[tuple[int, int]], device: torch.device, weights: torch.Tensor, *, cols: int, tail_mul: int
+) -> torch.Tensor:
+    """The sampled digests of ``spans`` (each more than ``cols`` words; 8-byte aligned), one
+    program per storage reading ``cols`` words at the positions the torch path reads."""
+    strides, phases = [], []
+    for _, nbytes in spans:
+        nwords = nbytes // 8
+        assert nwords > cols, "a storage of at most `cols` words is digested in full"
+        stride = nwords // cols
+        strides.append(stride)
+        phases.append((nwords * 2654435761) % stride)  # exact on the host: no 64-bit wrap
+    ns = len(spans)
+    meta = _to_device([a for a, _ in spans] + [n for _, n in spans] + strides + phases, device)
+    out = torch.empty(ns, dtype=torch.int64, device=device)
+    _kernel()[1][(ns,)](
+        meta[:ns], meta[ns : 2 * ns], meta[2 * ns : 3 * ns], meta[3 * ns :], weights, out, COLS=cols, TAIL_MUL=tail_mul
+    )
+    return out
 
 
 def digest_full(
@@ -92,14 +137,12 @@ def digest_full(
         for start in range(0, max(nbytes // 8, 1), CHUNK_WORDS):
             chunk_of.append(si)
             starts.append(start)
-    # From pinned memory, so the copy is queued behind the stream's work instead of waiting for it.
-    meta_host = torch.tensor(addrs + sizes + chunk_of + starts, dtype=torch.int64).pin_memory()
-    meta = meta_host.to(device, non_blocking=True)
+    meta = _to_device(addrs + sizes + chunk_of + starts, device)
     ns, nc = len(spans), len(chunk_of)
     addr_d, size_d = meta[:ns], meta[ns : 2 * ns]
     chunk_d, start_d = meta[2 * ns : 2 * ns + nc], meta[2 * ns + nc :]
     parts = torch.empty(nc, dtype=torch.int64, device=device)
-    _kernel()[(nc,)](
+    _kernel()[0][(nc,)](
         addr_d,
         size_d,
         chunk_d,
@@ -112,3 +155,28 @@ def digest_full(
         num_warps=8,
     )
     return torch.zeros(ns, dtype=torch.int64, device=device).index_add_(0, chunk_d, parts)
+
+
+def digest_spans(
+    spans: Sequence[tuple[int, int]],
+    device: torch.device,
+    weights: torch.Tensor,
+    *,
+    cols: int,
+    tail_mul: int,
+    sampled: bool,
+) -> torch.Tensor:
+    """The digests of ``spans`` in order: all full, or (``sampled``) sampled where a storage
+    has more than ``cols`` words and full for the others, as the torch path does."""
+    big = [i for i, (_, n) in enumerate(spans) if sampled and n // 8 > cols]
+    if not big:
+        return digest_full(spans, device, weights, cols=cols, tail_mul=tail_mul)
+    chosen = set(big)
+    small = [i for i in range(len(spans)) if i not in chosen]
+    out = torch.empty(len(spans), dtype=torch.int64, device=device)
+    parts = [(big, digest_sampled([spans[i] for i in big], device, weights, cols=cols, tail_mul=tail_mul))]
+    if small:
+        parts.append((small, digest_full([spans[i] for i in small], device, weights, cols=cols, tail_mul=tail_mul)))
+    for index, values in parts:
+        out.index_copy_(0, _to_device(index, device), values)
+    return out
