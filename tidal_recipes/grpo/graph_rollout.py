@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from tidal.vmm import Region
-from tidal_recipes.grpo.rollout import logits_kwargs
+from tidal_recipes.grpo.rollout import draw_answers, logits_kwargs
 
 __all__ = ["GraphDecoder"]
 
@@ -80,7 +80,6 @@ class GraphDecoder:
                 f"this GraphDecoder was captured for batch, prompt length, new tokens = {self._shape}; "
                 f"got {shape}. Use one decoder per shape"
             )
-        lo, hi = action_ids
         batch, plen, _ = shape
         if self._graph is not None:
             self.region.restore([KV_TAG, GRAPH_TAG])  # no-op while resident
@@ -95,23 +94,25 @@ class GraphDecoder:
                 use_cache=True,
                 **logits_kwargs(self.model, 1),
             )
-            logits = out.logits[:, -1]
+            first = out.logits[:, -1]
             del out
-            picked = []
-            for i in range(new_tokens):
-                probs = torch.softmax(logits[:, lo:hi].float() / temperature, dim=-1)
-                tok = torch.multinomial(probs, 1, generator=generator) + lo
-                picked.append(tok)
-                if on_step is not None:
-                    on_step(i)
-                if i + 1 == new_tokens:
-                    break
+
+            def next_logits(tok: torch.Tensor, i: int) -> torch.Tensor:
                 self._ids.copy_(tok)
                 self._pos.fill_(plen + i)
                 self._graph.replay()
-                logits = self._logits[:, -1]
-            answers = torch.cat(picked, dim=1)
-            del logits, picked
+                return self._logits[:, -1]
+
+            answers = draw_answers(
+                first,
+                new_tokens,
+                action_ids,
+                generator=generator,
+                temperature=temperature,
+                on_step=on_step,
+                next_logits=next_logits,
+            )
+            del first
         finally:
             # The cache and the graph's workspace go back to the driver; the graph stays.
             self.region.release([t for t in (KV_TAG, GRAPH_TAG) if t in self.region.tags])

@@ -13,10 +13,11 @@ of the last position only (``logits_to_keep=1``).
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 
-__all__ = ["logits_kwargs", "sample_answers"]
+__all__ = ["draw_answers", "logits_kwargs", "sample_answers"]
 
 
 def logits_kwargs(model: torch.nn.Module, keep: int) -> dict:
@@ -29,6 +30,34 @@ def logits_kwargs(model: torch.nn.Module, keep: int) -> dict:
         if name in params:
             return {name: keep}
     return {}
+
+
+def draw_answers(
+    logits: torch.Tensor,
+    new_tokens: int,
+    action_ids: tuple[int, int],
+    *,
+    generator: torch.Generator,
+    temperature: float,
+    on_step: Callable[[int], None] | None,
+    next_logits: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """The sampling loop of every rollout here: draw each answer token from
+    ``softmax(logits[lo:hi] / temperature)`` with ``generator``, then ask ``next_logits(token, i)``
+    for the logits after it (an eager decode step, or a graph's replay). ``logits``: (B, vocab)
+    after the prompt. Returns (B, new_tokens) int64 ids."""
+    lo, hi = action_ids
+    picked = []
+    for i in range(new_tokens):
+        probs = torch.softmax(logits[:, lo:hi].float() / temperature, dim=-1)
+        tok = torch.multinomial(probs, 1, generator=generator) + lo
+        picked.append(tok)
+        if on_step is not None:
+            on_step(i)
+        if i + 1 == new_tokens:
+            break
+        logits = next_logits(tok, i)
+    return torch.cat(picked, dim=1)
 
 
 @torch.no_grad()
@@ -53,26 +82,29 @@ def sample_answers(
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    lo, hi = action_ids
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
         out = model(input_ids=prompts, use_cache=True, **logits_kwargs(model, 1))
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        state = {"cache": out.past_key_values}
+        first = out.logits[:, -1]
         del out
-        picked = []
-        for i in range(new_tokens):
-            probs = torch.softmax(logits[:, lo:hi].float() / temperature, dim=-1)
-            tok = torch.multinomial(probs, 1, generator=generator) + lo
-            picked.append(tok)
-            if on_step is not None:
-                on_step(i)
-            if i + 1 == new_tokens:
-                break
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1]
-            del out
-        del cache, logits  # the KV cache dies here: nothing of the rollout outlives the call
-        return torch.cat(picked, dim=1)
+
+        def next_logits(tok: torch.Tensor, _i: int) -> torch.Tensor:
+            step = model(input_ids=tok, past_key_values=state["cache"], use_cache=True)
+            state["cache"] = step.past_key_values
+            return step.logits[:, -1]
+
+        answers = draw_answers(
+            first,
+            new_tokens,
+            action_ids,
+            generator=generator,
+            temperature=temperature,
+            on_step=on_step,
+            next_logits=next_logits,
+        )
+        state.clear()  # the KV cache dies here: nothing of the rollout outlives the call
+        return answers
     finally:
         model.train(was_training)
