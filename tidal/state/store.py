@@ -125,6 +125,7 @@ class OffloadStore:
         # Dropped without close(): its host slots go back to the (shared, longer-lived) arena
         # and its chunks are disowned, so nothing stays pinned for a store that is gone.
         self._finalizer = weakref.finalize(self, _give_back_slots, self.arena, self._slots, self._offloaded, self.owner)
+        self._finalizer.atexit = False  # at interpreter exit the process gives everything back
 
     # ---- queries ----------------------------------------------------------------------------
     @property
