@@ -8,7 +8,8 @@ is the one :func:`tidal.state.digest.digest` computes: for word ``i`` of ``nword
 cols) + 1)`` for ``i < full`` and ``x[i] * w[i - full] * (2 * full + 3)`` after; the trailing
 ``nbytes % 8`` bytes times ``w[k] * tail_mul``; plus ``nbytes``.
 
-Imported only on a CUDA device; Triton is optional (:func:`available`).
+Triton is optional (:func:`available`) and imported only when a kernel first runs, on a CUDA
+device; without it :mod:`tidal.state.digest` runs the same digests as torch ops.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from tidal.vmm import Region
-from tidal_recipes.grpo.rollout import draw_answers, logits_kwargs
+from tidal_recipes.grpo.rollout import check_sampling, draw_answers, logits_kwargs
 
 __all__ = ["GraphDecoder"]
 
@@ -70,10 +70,7 @@ class GraphDecoder:
         on_step: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """(B, new_tokens) int64 ids sampled after ``prompts`` (B, P); see ``sample_answers``."""
-        if new_tokens < 1:
-            raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_sampling(new_tokens, temperature)
         shape = (prompts.shape[0], prompts.shape[1], new_tokens)
         if self._shape is not None and shape != self._shape:
             raise ValueError(

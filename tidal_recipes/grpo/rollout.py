@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["draw_answers", "logits_kwargs", "sample_answers"]
+__all__ = ["check_sampling", "draw_answers", "logits_kwargs", "sample_answers"]
 
 
 def logits_kwargs(model: torch.nn.Module, keep: int) -> dict:
@@ -30,6 +30,14 @@ def logits_kwargs(model: torch.nn.Module, keep: int) -> dict:
         if name in params:
             return {name: keep}
     return {}
+
+
+def check_sampling(new_tokens: int, temperature: float) -> None:
+    """``ValueError`` unless ``new_tokens >= 1`` and ``temperature > 0`` (before any work)."""
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
 def draw_answers(
@@ -78,10 +86,7 @@ def sample_answers(
     so a seeded run is reproducible. ``on_step(i)`` is called after each decoded token (the
     demo samples memory there).
     """
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_sampling(new_tokens, temperature)
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
