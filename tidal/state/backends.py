@@ -16,8 +16,8 @@ address. :class:`RegionBackend` keeps addresses for storages allocated in a
 :class:`~tidal.vmm.Region` tag (CUDA virtual memory unmapped and mapped again in place) and
 hands every other storage to a fallback (resize).
 
-A storage released in place keeps its size, so "moved out" cannot be read off ``nbytes() ==
-0`` alone: :func:`holds_memory` is the one test every reader uses (foreign access, strict
+A storage released in place keeps its size, as does one whose bytes a prefetch is still copying
+in (``OffloadStore.prefetch``), so "moved out" cannot be read off ``nbytes() == 0`` alone: :func:`holds_memory` is the one test every reader uses (foreign access, strict
 access, checkpoints, recovery).
 """
 
@@ -31,7 +31,14 @@ import torch
 from tidal.device import DeviceOps
 from tidal.vmm import RegionTag
 
-__all__ = ["RegionBackend", "ResidencyBackend", "ResizeBackend", "holds_memory", "releasable_in_place"]
+__all__ = [
+    "RegionBackend",
+    "ResidencyBackend",
+    "ResizeBackend",
+    "holds_memory",
+    "mark_arriving",
+    "releasable_in_place",
+]
 
 # The backends serving region tags (each knows the storages it released in place: their tensors
 # look whole but their addresses hold no bytes of theirs), and those tags: storages in them can
@@ -49,13 +56,30 @@ def releasable_in_place(storage: torch.UntypedStorage) -> bool:
     return any(t.find(ptr) is not None for t in list(_IN_PLACE_TAGS))
 
 
+# Keys of storages whose device memory is allocated but whose bytes are still on their way in,
+# ahead of their reload (OffloadStore.prefetch): they hold no bytes of theirs yet. The store
+# that marks one keeps the storage alive until it unmarks it, so no other storage takes its key.
+_ARRIVING: set[int] = set()
+
+
+def mark_arriving(storage: torch.UntypedStorage, arriving: bool) -> None:
+    """Count ``storage`` as holding none of its bytes (``arriving``) or as itself again."""
+    if arriving:
+        _ARRIVING.add(storage._cdata)
+    else:
+        _ARRIVING.discard(storage._cdata)
+
+
 def holds_memory(storage: torch.UntypedStorage) -> bool:
-    """The storage's device bytes are its own: it has a size and no backend released it in place."""
+    """The storage's device bytes are its own: it has a size, no backend released it in place,
+    and no prefetch is still copying its bytes in."""
     if storage.nbytes() == 0:
         return False
-    if not _IN_PLACE_COUNT[0]:
-        return True  # the common case (no storage released in place anywhere): no lookup
+    if not _IN_PLACE_COUNT[0] and not _ARRIVING:
+        return True  # the common case (nothing released in place or arriving anywhere): no lookup
     key = storage._cdata
+    if key in _ARRIVING:
+        return False
     return not any(key in b._released for b in list(_BACKENDS))
 
 

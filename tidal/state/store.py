@@ -19,6 +19,7 @@ gradients recreated by ``zero_grad(set_to_none=True)``) are reclaimed at the nex
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import warnings
 import weakref
@@ -29,7 +30,7 @@ import torch
 from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError, StateCorruptionError
 from tidal.memory import snapshot
-from tidal.state.backends import ResidencyBackend, ResizeBackend, holds_memory
+from tidal.state.backends import ResidencyBackend, ResizeBackend, holds_memory, mark_arriving
 from tidal.state.collect import StateEntry
 from tidal.state.digest import digest, digest_many
 from tidal.units import gbps
@@ -43,7 +44,9 @@ __all__ = ["OffloadStore", "MoveResult"]
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoveResult:
     """What one transfer did. ``seconds`` runs from the first copy queued to the last one
-    finished (host-synchronised), excluding the allocator release that follows."""
+    finished (host-synchronised), excluding the allocator release that follows; for a move
+    that only ``queued`` its copies (a prefetch, a write-back), it is the host time spent
+    queueing them, and nothing was released."""
 
     bytes_out: int
     bytes_in: int
@@ -55,6 +58,10 @@ class MoveResult:
     alloc_seconds: float = 0.0
     # Bytes released without a D2H copy: their host copy was still valid (a frozen role).
     bytes_skipped: int = 0
+    # Bytes brought in whose H2D copy a prefetch had queued already (not copied again).
+    bytes_prefetched: int = 0
+    # The copies were queued behind compute, not waited for (prefetch, write_back).
+    queued: bool = False
 
     @property
     def bytes_moved(self) -> int:
@@ -122,9 +129,18 @@ class OffloadStore:
         # unchanged copies (switch(check_unchanged=...)): set once a copy has completed, dropped
         # whenever the slot may hold anything else (re-reserved, handed out, overwritten).
         self._host_digest: dict[int, int] = {}
+        # key -> its prefetch (prefetch()): device memory allocated and the H2D copy queued; the
+        # storage stays tracked (offloaded, holds_memory False) until a switch claims it.
+        self._arriving: dict[int, _Arrival] = {}
+        self._arrival_order = itertools.count()  # queue order on the H2D stream
+        # Write-backs queued (write_back()) whose digests are not read yet: every verb settles
+        # them first, before any host slot is reserved, released or overwritten.
+        self._writing: list[_WriteBack] = []
         # Dropped without close(): its host slots go back to the (shared, longer-lived) arena
         # and its chunks are disowned, so nothing stays pinned for a store that is gone.
-        self._finalizer = weakref.finalize(self, _give_back_slots, self.arena, self._slots, self._offloaded, self.owner)
+        self._finalizer = weakref.finalize(
+            self, _give_back_slots, self.arena, self._slots, self._offloaded, self._arriving, self.owner
+        )
         self._finalizer.atexit = False  # at interpreter exit the process gives everything back
 
     # ---- queries ----------------------------------------------------------------------------
@@ -172,6 +188,10 @@ class OffloadStore:
         """
         if key not in self._offloaded:
             return None
+        if key in self._arriving:
+            # The caller may write the host copy, which a prefetch has read already: that
+            # storage is brought in again by its reload instead.
+            self.cancel_prefetch(only=(key,))
         self._host_digest.pop(key, None)  # the caller may write the host copy (a load_state_dict)
         slot = self._slots[key][0]
         held = self._exposed.get(key)
@@ -209,6 +229,7 @@ class OffloadStore:
         """Reserve host slots for entries that have none (pinning happens here, once). Call
         it when a role is registered so the first transition does not pay for pinning."""
         self._check_open()
+        self._settle_write_backs()  # no write-back may still be writing a slot released below
         self._reclaim_dead_slots()
         need: list[StateEntry] = []
         seen: set[int] = set()
@@ -260,6 +281,8 @@ class OffloadStore:
         # _storage_Use_Count counts the holders of the storage: every tensor (view) on it,
         # plus one for the Python storage object the record holds.
         dead = [k for k, e in self._offloaded.items() if torch._C._storage_Use_Count(e.storage._cdata) <= 1]
+        if any(k in self._arriving for k in dead):
+            self.cancel_prefetch(only=[k for k in dead if k in self._arriving])
         for k in dead:
             del self._offloaded[k]
             self._exposed.pop(k, None)
@@ -316,6 +339,11 @@ class OffloadStore:
         waits for the next out-going segment's copy, frees it, and goes on. So the switch
         overlaps fully when both sets fit at once and degrades gracefully when they do not.
 
+        Incoming storages that a :meth:`prefetch` has allocated and queued already are not
+        copied again: the current stream waits for their copies (no host wait) and they count
+        as resident (``MoveResult.bytes_prefetched``). Out-going storages whose host copy a
+        :meth:`write_back` made are checked as with ``check_unchanged``.
+
         ``extra_bytes`` caps the overlap: at no point do the two sides hold more than the
         larger of them plus ``extra_bytes`` (None: as much as is free). The copies still run
         on both engines, one segment apart, since freeing waits only for one D2H segment.
@@ -334,18 +362,23 @@ class OffloadStore:
         self._check_open()
         if self._in_flight:
             self.recover()
+        self._settle_write_backs()
         self.forget_unreferenced()
         engine = self.engine
         # Dedup by key: entries of several roles may list a shared storage more than once; it
         # must move (and be counted) once.
         out_todo = list({e.key: e for e in out_entries if e.key not in self._offloaded}.values())
         in_todo = list({e.key: self._offloaded[e.key] for e in in_entries if e.key in self._offloaded}.values())
+        claimed = [e for e in in_todo if e.key in self._arriving]  # allocated and queued by a prefetch
+        if claimed:
+            in_todo = [e for e in in_todo if e.key not in self._arriving]
         skip = [e for e in out_todo if e.key in self._host_valid]
         if skip:
             self._check_unchanged(skip, what)
             out_todo = [e for e in out_todo if e.key not in self._host_valid]
         digested: dict[int, int] = {}
-        checked = [e for e in out_todo if e.key in check_unchanged]
+        # Those the owner asks to check, and those with a host copy a write-back made.
+        checked = [e for e in out_todo if e.key in check_unchanged or e.key in self._host_digest]
         t_check = time.perf_counter()
         if checked:
             # Read after the compute stream's queued work (the current stream), then on the host.
@@ -353,7 +386,7 @@ class OffloadStore:
             same = {e.key for e, d in zip(checked, got) if self._host_digest.get(e.key) == d}
             skip += [e for e in checked if e.key in same]
             out_todo = [e for e in out_todo if e.key not in same]
-            digested = {e.key: d for e, d in zip(checked, got) if e.key not in same}
+            digested = {e.key: d for e, d in zip(checked, got) if e.key not in same and e.key in check_unchanged}
         for e in out_todo:
             self._host_digest.pop(e.key, None)  # its slot is about to be overwritten
         check_seconds = time.perf_counter() - t_check  # part of the move's time
@@ -388,7 +421,7 @@ class OffloadStore:
                 self._host_valid.discard(e.key)
                 self.ops.point("offload_skipped")
                 self.backend.release(e.storage)
-            segments, alloc_seconds = self._move(out_todo, in_todo, room, coalesce, what, set(frozen))
+            segments, alloc_seconds = self._move(out_todo, in_todo, room, coalesce, what, set(frozen), claimed)
         except BaseException:
             self.recover()
             raise
@@ -408,6 +441,7 @@ class OffloadStore:
             bytes_out=freeable - skipped,
             bytes_in=need_in,
             bytes_skipped=skipped,
+            bytes_prefetched=sum(e.nbytes for e in claimed),
             seconds=seconds,
             release_seconds=time.perf_counter() - t1,
             driver_free_before=before.driver_free_bytes,
@@ -425,6 +459,7 @@ class OffloadStore:
         coalesce: bool,
         what: str,
         frozen: set[int],
+        claimed: Sequence[StateEntry] = (),
     ) -> tuple[int, float]:
         """The copies of :meth:`switch`, in an order where an exception at any point leaves
         every storage resident or tracked. Returns (segments, seconds spent allocating)."""
@@ -489,6 +524,8 @@ class OffloadStore:
                 self._free_segment(out_segs[freed], None)
                 freed += 1
             raise
+        if claimed:
+            self._claim(claimed, frozen, what)
         engine.publish(last_in_event)
         # The bytes must have landed before the storages count as resident.
         engine.wait("reload_done", last_in_event)
@@ -501,15 +538,259 @@ class OffloadStore:
             )
         for e in in_todo:
             del self._offloaded[e.key]
-            # A frozen storage's host copy stays the truth (and its digest the check), unless
-            # it was handed out (a state dict may have been loaded into it since).
-            if e.key in frozen and e.key not in self._exposed:
-                self._host_valid.add(e.key)
-            else:
-                self._digests.pop(e.key, None)
-            self._exposed.pop(e.key, None)
+            self._came_in(e.key, frozen)
             ops.point("reload_untracked")
         return len(out_segs) + len(in_segs), alloc_seconds
+
+    def _came_in(self, key: int, frozen: set[int]) -> None:
+        # A frozen storage's host copy stays the truth (and its digest the check), unless it
+        # was handed out (a state dict may have been loaded into it since).
+        if key in frozen and key not in self._exposed:
+            self._host_valid.add(key)
+        else:
+            self._digests.pop(key, None)
+        self._exposed.pop(key, None)
+
+    # ---- ahead of a transition: prefetch and write-back ----------------------------------------
+    def prefetch(
+        self, entries: Sequence[StateEntry], *, leave_free_bytes: int = 0, limit_bytes: int | None = None
+    ) -> MoveResult:
+        """Start bringing offloaded ``entries`` back behind the work queued on the current
+        stream, and return without waiting for the copies.
+
+        In the order given (give them in the order their next user reads them), as many as fit
+        in the device memory that is free (driver-free plus allocator-cached, less
+        ``leave_free_bytes`` and one staging bucket, at most ``limit_bytes``) are allocated and
+        their H2D copies queued; it stops at the first that does not fit. They stay tracked as
+        offloaded until a :meth:`switch` (or :meth:`reload`) brings them in: their memory holds
+        none of their bytes yet (:func:`~tidal.state.backends.holds_memory` is False), so every
+        reader of the state (``state_dict``, checkpoints, strict access) sees their host copy,
+        which stays valid. That switch does not copy them again: the current stream waits for
+        their copies (no host wait) and they count as resident. A prefetch lasts until claimed
+        or :meth:`cancel_prefetch`; :meth:`host_view` of one (the caller may write the host
+        copy) cancels that storage's.
+
+        Memory cost: the device memory of the storages it brings in, from the call on; one
+        staging bucket while queueing.
+
+        Atomic per storage under any exception (``KeyboardInterrupt`` included): the store
+        waits for the copies queued, releases every storage a prefetch allocated (their host
+        copies stay the truth) and re-raises. Returns what it queued (``bytes_in``; ``seconds``
+        is the host time spent queueing, ``queued`` is set)."""
+        if leave_free_bytes < 0:
+            raise ValueError(f"leave_free_bytes must be >= 0, got {leave_free_bytes}")
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError(f"limit_bytes must be >= 0 or None, got {limit_bytes}")
+        self._check_open()
+        if self._in_flight:
+            self.recover()
+        self._settle_write_backs()
+        self.forget_unreferenced()
+        todo = {e.key: self._offloaded[e.key] for e in entries if e.key in self._offloaded}
+        todo = [e for k, e in todo.items() if k not in self._arriving]
+        before = snapshot(self.ops)
+        room = before.driver_free_bytes + before.cached_free_bytes - leave_free_bytes - self.staging_bytes(1)
+        if limit_bytes is not None:
+            room = min(room, limit_bytes)
+        take: list[StateEntry] = []
+        total = 0
+        for e in todo:
+            if total + e.nbytes > room:
+                break
+            take.append(e)
+            total += e.nbytes
+        t0 = time.perf_counter()
+        segments, alloc_seconds = 0, 0.0
+        if take:
+            self._in_flight = True  # cleared once every storage queued is recorded as arriving
+            try:
+                segments, alloc_seconds = self._queue_arrivals(take)
+            except BaseException:
+                self.recover()
+                raise
+            finally:
+                self.engine.release_staging()
+            self._in_flight = False
+        seconds = time.perf_counter() - t0
+        self.last_move = MoveResult(
+            bytes_out=0,
+            bytes_in=total,
+            seconds=seconds,
+            release_seconds=0.0,
+            driver_free_before=before.driver_free_bytes,
+            driver_free_after=snapshot(self.ops).driver_free_bytes if take else before.driver_free_bytes,
+            segments=segments,
+            alloc_seconds=alloc_seconds,
+            queued=True,
+        )
+        return self.last_move
+
+    def _queue_arrivals(self, take: list[StateEntry]) -> tuple[int, float]:
+        """Allocate ``take`` and queue their H2D copies (see :meth:`prefetch`)."""
+        engine, ops = self.engine, self.ops
+        segs = engine.plan(self._items(take))
+        ops.point("prefetch_planned")
+        engine.begin_in()
+        alloc_seconds = 0.0
+        reserved_until, reserve_target = 0, 64 << 20
+        events: list = []
+        for i, seg in enumerate(segs):
+            ta = time.perf_counter()
+            if i >= reserved_until:
+                # Everything taken fits at once: one block per growing run of segments.
+                reserved_until = self._reserve_device_block(segs, i, reserve_target)
+                reserve_target = min(2 * reserve_target, 2 << 30)
+            for item in seg.items:
+                # Allocated while tracked (an exception now frees it again in recover()), then
+                # marked: its memory holds none of its bytes until a switch claims it.
+                self.backend.restore(item.storage, item.nbytes)
+                mark_arriving(item.storage, True)
+                self._arriving[item.tag.key] = _Arrival(item.tag, next(self._arrival_order))
+            ops.point("prefetch_allocated")
+            alloc_seconds += time.perf_counter() - ta
+            event = engine.copy_in(seg)
+            events.append(event)
+            for item in seg.items:
+                self._arriving[item.tag.key].event = event
+        verify = self.config.verify
+        if verify != "off":
+            for seg, (done, values) in zip(segs, self._digest_segments(segs, events, verify)):
+                for j, item in enumerate(seg.items):
+                    self._arriving[item.tag.key].digest = (done, values, j)
+        return len(segs), alloc_seconds
+
+    def _claim(self, claimed: Sequence[StateEntry], frozen: set[int], what: str) -> None:
+        """Count prefetched storages as resident: the current stream waits for their copies."""
+        arrivals = [self._arriving[e.key] for e in claimed]
+        last = max(arrivals, key=lambda a: a.order)
+        # Kernels on the compute stream may read them only after their copies landed; the H2D
+        # stream runs its copies in queue order, so the last one's event covers them all.
+        self.ops.wait_event("compute_after_prefetch", self.ops.current_stream(), last.event)
+        if any(a.digest is not None for a in arrivals):
+            for done in {id(a.digest[0]): a.digest[0] for a in arrivals if a.digest is not None}.values():
+                # The digests of the bytes that arrived must be done before they are read.
+                self.engine.wait("prefetch_digested", done)
+            checked = [a for a in arrivals if a.digest is not None]
+            got = [int(a.digest[1][a.digest[2]]) for a in checked]
+            self._verify([a.entry for a in checked], got, self.config.verify, what)
+        for e in claimed:
+            mark_arriving(e.storage, False)  # its bytes are its own once the stream waited
+            del self._offloaded[e.key]
+            self._arriving.pop(e.key)
+            self._came_in(e.key, frozen)
+            self.ops.point("prefetch_claimed")
+
+    @property
+    def prefetched_bytes(self) -> int:
+        """Bytes a prefetch has allocated and queued that no switch has claimed yet."""
+        return sum(a.entry.nbytes for a in self._arriving.values())
+
+    def prefetched_keys(self) -> set[int]:
+        """Keys of the storages a prefetch has allocated and queued that no switch has claimed."""
+        return set(self._arriving)
+
+    def cancel_prefetch(self, *, only: Collection[int] | None = None) -> int:
+        """Give back the device memory of prefetched storages (those in ``only``, default all)
+        once their copies have landed; they stay offloaded, their host copies valid. Returns
+        the bytes released. Atomic per storage under any exception (see :meth:`recover`)."""
+        self._check_open()
+        gone = [a for k, a in self._arriving.items() if only is None or k in only]
+        if not gone:
+            return 0
+        self._in_flight = True  # a storage unmarked but not yet released is freed by recover()
+        last = max(gone, key=lambda a: a.order)
+        # The copies into their memory must have landed before the allocator may hand it out.
+        self.engine.wait("cancel_after_h2d", last.event)
+        if any(a.digest is not None for a in gone):
+            self._drain_digests()  # no digest still reads that memory either
+        for a in gone:
+            mark_arriving(a.entry.storage, False)
+            del self._arriving[a.entry.key]
+            self.ops.point("prefetch_cancelled")
+            self.backend.release(a.entry.storage)
+        self.backend.settle()
+        self._in_flight = False
+        return sum(a.entry.nbytes for a in gone)
+
+    def write_back(self, entries: Sequence[StateEntry]) -> MoveResult:
+        """Queue a copy of resident ``entries`` to their host slots behind the work queued on the
+        current stream, without waiting and without releasing anything, so that a later
+        :meth:`switch` releases those not written since without copying them again.
+
+        The copy reads the bytes as they are once the current stream's queued work has run. The
+        device bytes are digested just before and just after the copy, on the copy's stream;
+        the host copy counts only if the two digests agree: a write that lands while the copy
+        runs, through any path, discards it (the one case not caught is a write undone before
+        the copy ends). At the storage's offload its bytes are digested again and copied only
+        if they changed, whatever ``check_unchanged`` says. Storages offloaded already or whose
+        host copy is valid (frozen) are skipped. The next verb of the store reads the digests
+        (waiting for the copy if it has not finished).
+
+        Memory cost: one staging bucket on the device while queueing; the storages' own host
+        slots (reserved here if missing: pinned once). Returns what it queued (``bytes_out``;
+        ``seconds`` is the host time spent queueing, ``queued`` is set)."""
+        self._check_open()
+        if self._in_flight:
+            self.recover()
+        self._settle_write_backs()
+        todo = {e.key: e for e in entries if e.key not in self._offloaded and e.key not in self._host_valid}
+        todo = [e for e in todo.values() if e.nbytes > 0]
+        before = snapshot(self.ops)
+        t0 = time.perf_counter()
+        segments = 0
+        if todo:
+            self.prepare(todo)
+            for e in todo:
+                self._host_digest.pop(e.key, None)  # its slot is about to be overwritten
+            engine, ops = self.engine, self.ops
+            storages = [e.storage for e in todo]
+            try:
+                segs = engine.plan(self._items(todo))
+                engine.begin_out()
+                with ops.on_stream(engine.d2h_stream):
+                    pre = digest_many(storages)
+                for seg in segs:
+                    engine.copy_out(seg)
+                with ops.on_stream(engine.d2h_stream):
+                    post = digest_many(storages)
+                    done = ops.new_event()
+                    if done is not None:
+                        done.record(engine.d2h_stream)
+                segments = len(segs)
+            except BaseException:
+                engine.drain()  # no copy still writes a slot that nothing records as written
+                raise
+            finally:
+                self.engine.release_staging()
+            # Holds the storages until settled: no block may be reused while the copy reads it.
+            self._writing.append(_WriteBack(todo, done, pre, post))
+            ops.point("write_back_queued")
+        self.last_move = MoveResult(
+            bytes_out=sum(e.nbytes for e in todo),
+            bytes_in=0,
+            seconds=time.perf_counter() - t0,
+            release_seconds=0.0,
+            driver_free_before=before.driver_free_bytes,
+            driver_free_after=before.driver_free_bytes,
+            segments=segments,
+            queued=True,
+        )
+        return self.last_move
+
+    def _settle_write_backs(self) -> None:
+        """Read the digests of the write-backs queued: a host copy whose storage's bytes were
+        the same before and after its copy counts (its digest is recorded)."""
+        while self._writing:
+            wb = self._writing[0]
+            # The copies and the digests around them must have run before the digests are read
+            # and before any slot they write is reserved again.
+            self.engine.wait("write_back_done", wb.done)
+            pre, post = wb.pre.tolist(), wb.post.tolist()
+            self._writing.pop(0)
+            for e, a, b in zip(wb.entries, pre, post):
+                held = self._slots.get(e.key)  # the slot written is still this storage's
+                if a == b and e.key not in self._offloaded and held is not None and held[1]() is e.storage:
+                    self._host_digest[e.key] = a
 
     def _check_unchanged(self, entries: list[StateEntry], what: str) -> None:
         """With ``verify`` on: the device bytes of storages declared frozen must still be those
@@ -582,6 +863,10 @@ class OffloadStore:
         when nothing was interrupted. Returns the entries it freed."""
         self.engine.drain()
         self._drain_digests()
+        self._writing.clear()  # their copies have run; their host copies just do not count
+        for a in self._arriving.values():
+            mark_arriving(a.entry.storage, False)  # tracked and holding memory: freed below
+        self._arriving.clear()
         freed = []
         for e in self._offloaded.values():
             if holds_memory(e.storage):
@@ -619,6 +904,7 @@ class OffloadStore:
         """Release host memory. Refuses while state is offloaded (it would be lost)."""
         if self._in_flight:
             self.recover()
+        self._settle_write_backs()
         if self._offloaded:
             raise RuntimeError(
                 f"cannot close the store: {len(self._offloaded)} storages are offloaded and "
@@ -636,9 +922,33 @@ class OffloadStore:
         self.context.trim()
 
 
-def _give_back_slots(arena: Any, slots: dict, offloaded: dict, owner: str) -> None:
+@dataclasses.dataclass(eq=False)
+class _Arrival:
+    """A prefetched storage: its record, its place in the H2D queue, the event of its copy,
+    and with verify on (digests done event, digests, index)."""
+
+    entry: StateEntry
+    order: int
+    event: Any = None
+    digest: tuple[Any, torch.Tensor, int] | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _WriteBack:
+    """Storages copied to their host slots ahead of their offload, and the digests of their
+    device bytes before and after the copies (``done`` marks all of it)."""
+
+    entries: list[StateEntry]
+    done: Any
+    pre: torch.Tensor
+    post: torch.Tensor
+
+
+def _give_back_slots(arena: Any, slots: dict, offloaded: dict, arriving: dict, owner: str) -> None:
     """A store's finalizer (see ``OffloadStore.__init__``): runs inside the garbage collector,
     so it only queues (``HostArena.release_later``)."""
+    for a in arriving.values():
+        mark_arriving(a.entry.storage, False)
     if offloaded:
         warnings.warn(
             f"an OffloadStore ({owner}) was dropped while {len(offloaded)} storages existed only in its "

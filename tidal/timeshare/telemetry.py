@@ -37,6 +37,8 @@ class TransitionRecord:
     driver_free_before = property(lambda self: self.move.driver_free_before)
     driver_free_after = property(lambda self: self.move.driver_free_after)
     bytes_skipped = property(lambda self: self.move.bytes_skipped)
+    bytes_prefetched = property(lambda self: self.move.bytes_prefetched)
+    queued = property(lambda self: self.move.queued)
 
     @property
     def gbps(self) -> float:
@@ -58,10 +60,16 @@ class TransitionRecord:
         freed = move.bytes_out + move.bytes_skipped
         expected_gain = freed - move.bytes_in
         seen_gain = move.driver_free_after - move.driver_free_before
-        unreleased = max(0, expected_gain - seen_gain) if measure_release and freed else 0
+        # A move that only queued its copies (a prefetch, a write-back) released nothing.
+        unreleased = max(0, expected_gain - seen_gain) if measure_release and freed and not move.queued else 0
+        extra = []
         if move.bytes_skipped:
-            skipped = f"{move.bytes_skipped / 1e9:.3f} GB released without a copy (host copy still valid)"
-            note = f"{note}; {skipped}" if note else skipped
+            extra.append(f"{move.bytes_skipped / 1e9:.3f} GB released without a copy (host copy still valid)")
+        if move.bytes_prefetched:
+            extra.append(f"{move.bytes_prefetched / 1e9:.3f} GB had arrived ahead (prefetched), not copied again")
+        if move.queued:
+            extra.append("copies queued behind compute; seconds = host time to queue them")
+        note = "; ".join(([note] if note else []) + extra)
         return cls(
             index=index,
             kind=kind,
@@ -111,7 +119,8 @@ def format_report(
     for r in records:
         lines.append(
             f"  {r.index:>3} {r.kind:<10} {','.join(r.roles_out) or '-':<18} {r.role_in or '-':<14} "
-            f"{_gb(r.bytes_out):>7} {_gb(r.bytes_in):>7} {r.seconds:>7.3f} {r.gbps:>7.1f} "
+            f"{_gb(r.bytes_out):>7} {_gb(r.bytes_in):>7} {r.seconds:>7.3f} "
+            f"{'-' if r.queued else format(r.gbps, '.1f'):>7} "
             f"{_gb(r.driver_free_before):>14} {_gb(r.driver_free_after):>13}" + (f"  ({r.note})" if r.note else "")
         )
     if not records:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import time
 import warnings
 import weakref
 from typing import Iterator, Sequence
@@ -396,6 +397,82 @@ class Timeshare:
             return None
         return self._transition(evict, None if role.resident else role)
 
+    def prefetch(
+        self,
+        name: str,
+        *,
+        leave_free_bytes: int | None = None,
+        limit_bytes: int | None = None,
+        write_back: bool = True,
+    ) -> TransitionRecord | None:
+        """Start making ``name`` resident behind the work queued now, so that the ``use(name)``
+        (or ``load(name)``) that follows finds its state arrived and its switch costs next to
+        nothing. Returns without waiting for any copy; call it at the start of the phase before
+        (its compute hides the copies).
+
+        Both halves are queued behind the current stream, one per copy engine:
+
+        * in: the role's offloaded storages, in the order its modules list them (the order a
+          forward uses them), as many as fit in free device memory less ``leave_free_bytes``
+          (default ``TimeshareConfig.headroom_bytes``: leave what the phase running now still
+          needs), within ``budget_bytes`` next to the resident roles if a budget is set, and at
+          most ``limit_bytes``. The role stays out meanwhile: its forwards are refused and
+          ``state_dict()`` reads its host copies. ``use``/``load`` then makes the current stream
+          wait for those copies (no host wait) and moves whatever did not fit as usual.
+        * out (``write_back``): the storages of the roles that ``load(name)`` would move out
+          (without a budget every other resident role; with one, the least recently used ones
+          it cannot keep) are copied to their host slots now, nothing released, so that switch
+          releases those not written in between without a copy (one digest of their bytes on
+          the device decides, see :meth:`OffloadStore.write_back`). A role in use (the phase
+          running now) is written back too: what it writes after this call is caught by the
+          digest and copied by the switch.
+
+        A prefetch lasts until the next transition: ``use``/``load`` of ``name`` claims it, any
+        other transition first gives its memory back (nothing lost).
+
+        Memory cost: the device memory of the storages brought in, from this call on (the
+        overlap the budget, ``leave_free_bytes`` and ``limit_bytes`` bound); no host memory
+        beyond the roles' slots.
+
+        Raises ``ValueError`` for an unknown role or a negative byte count, ``RuntimeError``
+        inside a backward pass or after :meth:`close`. Returns the record (kind
+        ``"prefetch"``: ``bytes_in`` queued, ``bytes_out`` written back, ``seconds`` the host
+        time spent queueing), or None when nothing was queued (the role is resident, or
+        nothing fits).
+        """
+        self._check_open()
+        self._check_not_in_backward("prefetch")
+        self._recover_if_interrupted()
+        role = self.role(name)
+        leave = self.config.headroom_bytes if leave_free_bytes is None else leave_free_bytes
+        for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes)):
+            if v is not None and v < 0:
+                raise ValueError(f"{what} must be >= 0, got {v}")
+        if role.resident:
+            return None
+        evict = self._choose_evictions(role, ignore_use=True)
+        budget = self.config.budget_bytes
+        if budget is not None:
+            # Nothing goes out before use(): what comes in shares the budget with every resident role.
+            resident = {e.key: e.nbytes for r in self._roles.values() if r.resident for e in self._live(r)}
+            room = max(0, budget - sum(n for k, n in resident.items() if not self.store.is_offloaded(k)))
+            limit_bytes = room if limit_bytes is None else min(limit_bytes, room)
+        in_entries, inc = self._incoming(role)
+        self._cancel_prefetch(keep={e.key for e in in_entries})
+        t0 = time.perf_counter()
+        out_entries = self._outgoing(evict, self.resident_keys(exclude=evict) | {e.key for e in inc})[0]
+        out = self.store.write_back(out_entries) if write_back and out_entries else None
+        inn = self.store.prefetch(in_entries, leave_free_bytes=leave, limit_bytes=limit_bytes)
+        if not (inn.bytes_in or (out is not None and out.bytes_out)):
+            return None
+        move = dataclasses.replace(
+            inn,
+            bytes_out=out.bytes_out if out is not None else 0,
+            seconds=time.perf_counter() - t0,
+            segments=inn.segments + (out.segments if out is not None else 0),
+        )
+        return self.record_move("prefetch", tuple(r.name for r in evict), name, move)
+
     def offload(self, name: str) -> TransitionRecord | None:
         """Move ``name``'s state to the host and return its device memory to the driver.
         Storages shared with a resident role stay. Returns None if already offloaded."""
@@ -581,12 +658,15 @@ class Timeshare:
                 keys.update(e.key for e in self._live(r) if not self.store.is_offloaded(e.key))
         return keys
 
-    def _choose_evictions(self, role: Role) -> list[Role]:
+    def _choose_evictions(self, role: Role, *, ignore_use: bool = False) -> list[Role]:
+        """The resident roles that bringing ``role`` in moves out. ``ignore_use``: as if no
+        role were in use (what ``prefetch`` writes back ahead of the switch); no error then."""
         others = [r for r in self._roles.values() if r.resident and r is not role]
         budget = self.config.budget_bytes
         if budget is None:
             for r in others:
-                self._check_evictable(r, reason=f"use({role.name!r})")
+                if not ignore_use:
+                    self._check_evictable(r, reason=f"use({role.name!r})")
             return others
         incoming = self._entries(role)
         incoming_bytes = sum(e.nbytes for e in incoming.values())
@@ -609,12 +689,12 @@ class Timeshare:
             now = resident_bytes(staying)
             if now <= budget:
                 break
-            if r.in_use:
+            if r.in_use and not ignore_use:
                 continue
             rest = [x for x in staying if x is not r]
             if resident_bytes(rest) < now:  # evicting a role that frees nothing is pointless
                 staying, evict = rest, evict + [r]
-        if resident_bytes(staying) > budget:
+        if resident_bytes(staying) > budget and not ignore_use:
             busy = [r.name for r in staying if r.in_use]
             raise RuntimeError(
                 f"role {role.name!r} does not fit in budget_bytes={budget} next to the roles in "
@@ -630,30 +710,20 @@ class Timeshare:
         keep = self.resident_keys(exclude=evict)
         in_entries: list[StateEntry] = []
         if incoming is not None:
-            # Optimizer state comes in with the role only under "role" residency; otherwise
-            # it stays where it is (the step hooks move it), so it need not be looked at.
-            with_optim = policy_for(incoming.optimizer_residency).moves_with_role
-            inc = self._live(incoming, optim=with_optim)
+            in_entries, inc = self._incoming(incoming)
             keep.update(e.key for e in inc)
-            in_entries = [e for e in inc if self.store.is_offloaded(e.key)]
-        out_entries: list[StateEntry] = []
-        check: set[int] = set()  # out-going keys to copy only if changed (skip_unchanged roles)
-        for r in evict:
-            # A role's optimizer state under step residency is on the host unless something
-            # put it on the device since it last settled; then it goes out with the role.
-            live = self._live(r, optim=policy_for(r.optimizer_residency).moves_with_role or r.optim_unsettled)
-            going = [e for e in live if e.key not in keep and not self.store.is_offloaded(e.key)]
-            out_entries += going
-            if r.skip_unchanged:
-                check.update(e.key for e in going if e.kind in ("param", "buffer"))
+        out_entries, check = self._outgoing(evict, keep)
         what = f"loading role {incoming.name!r}" if incoming else "offload"
         frozen: set[int] = set()
         if incoming is not None and incoming.frozen:
             # Its parameters and buffers, but none a trained role also holds (a shared module).
             trained = {e.key for r in self._roles.values() if not r.frozen for e in self._live(r, optim=False)}
             frozen = {e.key for e in in_entries if e.kind != "grad" and e.key not in trained}
-        move = self._guarded(
-            lambda: self.store.switch(
+
+        def move_state() -> MoveResult:
+            # A prefetch of another role gives its memory back first (its storages stay out).
+            self._cancel_prefetch(keep={e.key for e in in_entries}, guarded=False)
+            return self.store.switch(
                 out_entries,
                 in_entries,
                 what=what,
@@ -661,7 +731,10 @@ class Timeshare:
                 extra_bytes=self.config.switch_extra_bytes,
                 frozen=frozen,
                 check_unchanged=check,
-            ),
+            )
+
+        move = self._guarded(
+            move_state,
             touches_model=True,
             recovering=recovering,
             settled_by_caller=True,
@@ -676,6 +749,35 @@ class Timeshare:
             self._interrupted = False
         kind = "switch" if evict and incoming else ("reload" if incoming else "offload")
         return self.record_move(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
+
+    def _incoming(self, role: Role) -> tuple[list[StateEntry], list[StateEntry]]:
+        """(the role's storages that are out, all it brings in) for a transition loading it.
+        Optimizer state comes in with the role only under "role" residency; otherwise it stays
+        where it is (the step hooks move it), so it need not be looked at."""
+        inc = self._live(role, optim=policy_for(role.optimizer_residency).moves_with_role)
+        return [e for e in inc if self.store.is_offloaded(e.key)], inc
+
+    def _outgoing(self, evict: Sequence[Role], keep: set[int]) -> tuple[list[StateEntry], set[int]]:
+        """(the storages moving out with ``evict`` but those in ``keep``, the keys among them
+        to copy only if changed: the parameters and buffers of skip_unchanged roles)."""
+        out_entries: list[StateEntry] = []
+        check: set[int] = set()
+        for r in evict:
+            # A role's optimizer state under step residency is on the host unless something
+            # put it on the device since it last settled; then it goes out with the role.
+            live = self._live(r, optim=policy_for(r.optimizer_residency).moves_with_role or r.optim_unsettled)
+            going = [e for e in live if e.key not in keep and not self.store.is_offloaded(e.key)]
+            out_entries += going
+            if r.skip_unchanged:
+                check.update(e.key for e in going if e.kind in ("param", "buffer"))
+        return out_entries, check
+
+    def _cancel_prefetch(self, *, keep: set[int], guarded: bool = True) -> None:
+        """Give back the memory of prefetched storages but those in ``keep``."""
+        gone = self.store.prefetched_keys() - keep
+        if gone:
+            cancel = lambda: self.store.cancel_prefetch(only=gone)  # noqa: E731
+            self._guarded(cancel, touches_model=True) if guarded else cancel()
 
     # ---- recovery from an interrupted transition ------------------------------------------
     def _guarded(self, move, *, touches_model: bool, recovering: bool = False, settled_by_caller: bool = False):

@@ -45,6 +45,7 @@ class DemoSettings:
     dtype: str = "float32"
     grad_ckpt: bool = False
     rollout_graph: bool = False
+    prefetch: bool = False
     kl_coef: float = 0.02
     lora_rank: int = 0
     baseline_steps: int = 2
@@ -61,6 +62,10 @@ class DemoSettings:
             raise ValueError(
                 f"--rollout-graph captures the decode step in a CUDA graph: it needs the policy on a CUDA device, "
                 f"got --device {self.device}"
+            )
+        if self.prefetch and self.roles != "local":
+            raise ValueError(
+                f"--prefetch brings the next role in within this process (--roles local), not roles={self.roles!r}"
             )
         if self.rollout_graph and self.roles != "local":
             raise ValueError(
@@ -151,6 +156,7 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
         loss=LossConfig(kl_coef=s.kl_coef),
         timeshare=timeshare,
         timeshare_config=TimeshareConfig(switch_extra_bytes=extra),
+        prefetch=s.prefetch and timeshare,
         seed=s.seed,
     )
 
@@ -259,6 +265,8 @@ def _phase_rows(results: list) -> dict[str, dict]:
                 r.phases[name]["switch_peak_allocated_bytes"] for r in results if name in r.phases
             ),
             "moved_bytes": moved,
+            "prefetched_bytes": statistics.fmean(p.get("prefetched_bytes", 0) for p in ph),
+            "written_back_bytes": statistics.fmean(p.get("written_back_bytes", 0) for p in ph),
             "transition_seconds": trans,
             "transition_gbps": gbps(moved, trans),
         }
@@ -313,6 +321,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     # The same loop with every role resident: with this run's optimizer, and the usual way
     # (GPU AdamW), each measured in this process after the timeshare run is gone.
     baselines: dict[str, int | str] = {}
+    baseline_step_s: dict[str, float] = {}  # their step seconds (steps after the first)
     for which in dict.fromkeys(s.optimizer if b == "same" else b for b in s.baseline_optimizers):
         if s.baseline_steps == 0:
             break
@@ -320,6 +329,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
             base = _trainer(dataclasses.replace(s, optimizer=which), timeshare=False)
             base_results = [base.step() for _ in range(s.baseline_steps)]
             baselines[which] = max(v["peak_allocated_bytes"] for v in _phase_rows(base_results).values())
+            baseline_step_s[which] = statistics.fmean(r.seconds for r in (base_results[1:] or base_results))
             base.close()
             del base
         except torch.OutOfMemoryError as e:
@@ -349,7 +359,8 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         else:
             log(
                 f"all roles resident ({how}, no timeshare, {s.baseline_steps} steps): peak "
-                f"{format_bytes(peak)}; timeshare / all-resident = {peak_ts / peak:.2f}"
+                f"{format_bytes(peak)}; timeshare / all-resident = {peak_ts / peak:.2f}; step "
+                f"{baseline_step_s[which]:.3f} s, timeshare / all-resident = {step_s / baseline_step_s[which]:.3f}"
             )
     if captures is not None:
         log(
@@ -382,6 +393,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         "all_resident_state_bytes": all_state,
         "peak_all_resident_bytes": baseline_peak,
         "peak_all_resident_by_optimizer": baselines,
+        "step_all_resident_seconds_by_optimizer": baseline_step_s,
         "reward_first": first,
         "reward_last": last,
         "rollout_left_allocated_bytes": rollout_left,

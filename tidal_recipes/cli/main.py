@@ -171,6 +171,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="decode with the step captured in a CUDA graph over a static KV cache, its memory in a tidal "
         "Region released between rollouts (CUDA only)",
     )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="each phase brings the next phase's role in behind its compute and writes its own role back "
+        "ahead of the switch (Timeshare.prefetch), within the last step's highest phase peak",
+    )
     p.add_argument("--kl-coef", type=float, default=0.02, help="KL to the reference (0: no reference role)")
     p.add_argument("--lora-rank", type=nonneg_int, default=0, help="train LoRA adapters of this rank (needs peft)")
     p.add_argument(
@@ -236,6 +242,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             kl_coef=args.kl_coef,
             lora_rank=args.lora_rank,
             rollout_graph=args.rollout_graph,
+            prefetch=args.prefetch,
             baseline_steps=args.baseline_steps,
             seed=args.seed,
             switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,

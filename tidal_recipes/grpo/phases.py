@@ -88,12 +88,26 @@ class RoleTurns:
         self.turns.append(turn)
 
     @contextlib.contextmanager
-    def phase(self, name: str, *, role: str, into: dict, step: int = -1) -> Iterator[None]:
+    def phase(
+        self,
+        name: str,
+        *,
+        role: str,
+        into: dict,
+        step: int = -1,
+        then: str | None = None,
+        then_limit_bytes: int | None = None,
+    ) -> Iterator[None]:
         """A phase run in a turn of ``role``; its figures go to ``into[name]``: seconds, the
         peaks (allocator: of the switch and of the compute; driver-level used), what the phase
         left allocated, bytes moved (the switch that brought the role in, optimizer state
-        moved around ``step()``, and with a lease the offload at its end) and transition
-        seconds (bringing the role in, moving optimizer state, releasing the lease)."""
+        moved around ``step()``, a prefetch, and with a lease the offload at its end) and
+        transition seconds (bringing the role in, moving optimizer state, queueing a
+        prefetch, releasing the lease: the time the step spends on transitions).
+
+        ``then``: the role of the next phase, prefetched at the start of this one behind its
+        compute (:meth:`tidal.Timeshare.prefetch`, at most ``then_limit_bytes`` brought in;
+        ``"prefetched_bytes"`` in the figures, which the peaks include)."""
         start = len(self.ts.records) if self.ts is not None else 0
         t0 = time.perf_counter()
         with self.timeline.phase(name, step=step) as span, self.turn(role) as turn:
@@ -101,6 +115,10 @@ class RoleTurns:
             switch_peak = self.ops.peak_allocated_bytes()
             self.ops.reset_peak()
             alloc_start = self.ops.allocated_bytes()
+            if then is not None and self.ts is not None:
+                if self.lease is not None:
+                    raise ValueError("prefetching the next role is not supported across processes (a lease)")
+                self.ts.prefetch(then, limit_bytes=then_limit_bytes)
             yield
             self.ops.synchronize()  # the compute peak must include the phase's queued kernels
             compute_peak = self.ops.peak_allocated_bytes()
@@ -108,7 +126,7 @@ class RoleTurns:
         recs = self.ts.records[start:] if self.ts is not None else []
         # The switch is timed by wall clock (it includes allocation and release); optimizer
         # moves inside step() by their records.
-        in_step_s = sum(r.seconds for r in recs if r.kind.startswith("optim"))
+        in_step_s = sum(r.seconds for r in recs if r.kind.startswith("optim") or r.kind == "prefetch")
         peak = (
             span.peak_allocated_bytes
             if not self.ops.is_accelerator
@@ -123,6 +141,10 @@ class RoleTurns:
             # what the phase left allocated (0 for the rollout: its KV cache died with it)
             "left_allocated_bytes": alloc_end - alloc_start,
             "moved_bytes": sum(r.bytes_in + r.bytes_out for r in recs),
+            # Of moved_bytes, what ran behind the phase's compute: the next role brought in
+            # ahead, this role written back ahead of its offload.
+            "prefetched_bytes": sum(r.bytes_in for r in recs if r.kind == "prefetch"),
+            "written_back_bytes": sum(r.bytes_out for r in recs if r.kind == "prefetch"),
             "transition_seconds": turn.load_s + in_step_s + turn.release_s,
         }
         if self.lease is not None:

@@ -77,6 +77,12 @@ class GRPOConfig:
             ``region=``), so the graph survives their offloads. CUDA only; not with LoRA.
         timeshare: run the roles through a Timeshare (False: all roles stay resident).
         timeshare_config: its settings (default: only the role in use is resident).
+        prefetch: with the timeshare, each phase starts bringing the next phase's role in
+            behind its own compute and writes its role's state back to the host ahead of the
+            switch (:meth:`tidal.Timeshare.prefetch`), so the switches that follow move next to
+            nothing. On an accelerator the bytes brought in ahead are bounded so that no phase
+            goes above the highest phase peak of the step before (the first step prefetches
+            nothing: it measures those peaks).
         seed: seeds prompts, sampling and dropout, so a run is reproducible.
     """
 
@@ -95,6 +101,7 @@ class GRPOConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     timeshare: bool = True
     timeshare_config: TimeshareConfig | None = None
+    prefetch: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -110,6 +117,8 @@ class GRPOConfig:
             )
         if self.lr <= 0 or self.max_grad_norm < 0 or self.temperature <= 0:
             raise ValueError("lr and temperature must be > 0 and max_grad_norm >= 0")
+        if self.prefetch and not self.timeshare:
+            raise ValueError("prefetch=True brings the next role in through the timeshare; it needs timeshare=True")
 
     @property
     def batch_size(self) -> int:
@@ -213,6 +222,11 @@ class GRPOTrainer:
                 "lease= takes turns with other processes by offloading this trainer's roles "
                 "through its Timeshare; it needs GRPOConfig(timeshare=True)"
             )
+        if lease is not None and cfg.prefetch:
+            raise ValueError(
+                "prefetch=True brings the next role in while this process holds the device; with lease= the "
+                "roles of other processes use it in between: drop prefetch"
+            )
         if lease is not None and not isinstance(lease, GPULease):
             raise TypeError(f"lease must be a tidal.distributed.GPULease, got {type(lease).__name__}")
         if remote_reference and reference is not None:
@@ -291,6 +305,7 @@ class GRPOTrainer:
                 self.ts.add_role("reference", model=self.reference if not self.lora else policy)
         self.turns = RoleTurns(self.ops, self.timeline, self.ts, lease)
         self.step_index = 0
+        self._last_peaks: dict[str, int] = {}  # each phase's peak in the last step (see _then)
         self._gen_device = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._gen_prompts = prompt_generator(cfg)
 
@@ -329,6 +344,19 @@ class GRPOTrainer:
             model, seqs, answer_len, micro_batch=self.config.micro_batch, on_chunk=self.timeline.sample
         )
 
+    def _then(self, phase: str) -> dict:
+        """What ``phase`` prefetches (``RoleTurns.phase`` keywords): the next phase's role, within
+        the highest phase peak of the last step on an accelerator (nothing in the first step)."""
+        if not self.config.prefetch:
+            return {}
+        after = {"rollout": "reference" if self.local_reference else "actor_train", "reference": "actor_train"}
+        then = after.get(phase, "rollout")
+        if not self.ops.is_accelerator:
+            return {"then": then}
+        if not self._last_peaks:
+            return {}
+        return {"then": then, "then_limit_bytes": max(0, max(self._last_peaks.values()) - self._last_peaks[phase])}
+
     def next_prompts(self) -> torch.Tensor:
         """The next step's prompts on the host (see :func:`draw_prompts`), drawn from the
         trainer's own generator, so a run is reproducible."""
@@ -340,7 +368,7 @@ class GRPOTrainer:
         cfg, n_ans = self.config, self.config.task.answer_len
         prompts = prompts.to(self.device)
         with (
-            self.turns.phase("rollout", role="rollout", into=res.phases, step=self.step_index),
+            self.turns.phase("rollout", role="rollout", into=res.phases, step=self.step_index, **self._then("rollout")),
             role_mode(self.policy, "rollout"),
         ):
             sample = self.decoder.sample if self.decoder is not None else functools.partial(sample_answers, self.policy)
@@ -362,7 +390,9 @@ class GRPOTrainer:
             raise ValueError("this trainer has no reference role (kl_coef=0 or remote_reference=True)")
         model = self.reference if not self.lora else self.policy
         with (
-            self.turns.phase("reference", role="reference", into=res.phases, step=self.step_index),
+            self.turns.phase(
+                "reference", role="reference", into=res.phases, step=self.step_index, **self._then("reference")
+            ),
             role_mode(model, "reference"),
         ):
             ctx = self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
@@ -385,7 +415,7 @@ class GRPOTrainer:
             return t.to(self.device) if t is not None else None
 
         with (
-            self.turns.phase("train", role="actor_train", into=res.phases, step=self.step_index),
+            self.turns.phase("train", role="actor_train", into=res.phases, step=self.step_index, **self._then("train")),
             role_mode(self.policy, "actor_train"),
         ):
             res.stats = self._train(put(seqs), self.config.task.answer_len, put(adv), put(old_logp), put(ref_logp))
@@ -404,6 +434,9 @@ class GRPOTrainer:
         ref_logp = self.reference_phase(seqs, res) if self.use_reference else None
         self.train_phase(seqs, adv, old_logp, ref_logp, res)
         res.seconds = time.perf_counter() - t0
+        # Each phase's own peak (without what it brought in ahead for the next): the next
+        # step's prefetches stay under the highest of them.
+        self._last_peaks = {k: v["peak_allocated_bytes"] - v.get("prefetched_bytes", 0) for k, v in res.phases.items()}
         return res
 
     def _train(

@@ -45,6 +45,29 @@ def test_timeshare_does_not_change_training(kw):
     assert all(ph["moved_bytes"] == 0 for r in rb for ph in r.phases.values())
 
 
+@pytest.mark.parametrize("kw", [{}, {"optimizer": "cpu_adam"}])
+def test_prefetch_does_not_change_training_and_moves_less(kw):
+    """Each phase prefetching the next role: bit-exact against the same timeshare without it,
+    the reference and the policy's weights arrive ahead, and the policy's unchanged weights go
+    out without a copy (written back during the rollout)."""
+    a, ra = run(3, prefetch=True, **kw)
+    b, rb = run(3, **kw)
+    assert [r.reward_mean for r in ra] == [r.reward_mean for r in rb]
+    assert [r.stats for r in ra] == [r.stats for r in rb]
+    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
+        assert torch.equal(pa, pb), n
+    kinds = [rec.kind for rec in a.ts.records]
+    assert "prefetch" in kinds
+    claimed = [rec for rec in a.ts.records if rec.bytes_prefetched]
+    assert {rec.role_in for rec in claimed} == {"reference", "actor_train"}
+    # after the first step, the policy's weights go out at the reference's turn with no copy
+    ref_in = [rec for rec in a.ts.records if rec.role_in == "reference" and rec.kind == "switch"]
+    assert ref_in[-1].bytes_out == 0 and ref_in[-1].bytes_skipped > 0 and ref_in[-1].bytes_in == 0
+    assert all("prefetched_bytes" in ph for r in ra for ph in r.phases.values())
+    with pytest.raises(ValueError, match="timeshare=True"):
+        GRPOConfig(prefetch=True, timeshare=False)
+
+
 def test_roles_take_turns_on_the_device():
     """During the reference phase the policy's weights are off the device (storage size 0),
     during training the reference's are, and the policy's weights exist once (rollout and
