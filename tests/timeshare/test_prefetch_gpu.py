@@ -109,6 +109,8 @@ def test_unchanged_written_back_role_goes_out_without_a_copy_and_memory_comes_ba
     ts.add_role("b", model=ref, frozen=True)
     with ts.use("b"):
         pass
+    with ts.use("a"):
+        pass  # b's first offload copies (later ones do not: it is frozen)
     torch.cuda.empty_cache()
     base = _free()  # a resident, b out
     with ts.use("a"):
