@@ -96,7 +96,7 @@ class RoleTurns:
         into: dict,
         step: int = -1,
         then: str | None = None,
-        then_limit_bytes: int | None = None,
+        then_leave_free_bytes: int = 0,
     ) -> Iterator[None]:
         """A phase run in a turn of ``role``; its figures go to ``into[name]``: seconds, the
         peaks (allocator: of the switch and of the compute; driver-level used), what the phase
@@ -106,8 +106,9 @@ class RoleTurns:
         prefetch, releasing the lease: the time the step spends on transitions).
 
         ``then``: the role of the next phase, prefetched at the start of this one behind its
-        compute (:meth:`tidal.Timeshare.prefetch`, at most ``then_limit_bytes`` brought in;
-        ``"prefetched_bytes"`` in the figures, which the peaks include)."""
+        compute (:meth:`tidal.Timeshare.prefetch`), leaving ``then_leave_free_bytes`` of the
+        free device memory to this phase; ``"prefetched_bytes"`` in the figures, which the
+        peaks include, and ``"start_allocated_bytes"``, what was allocated before it.)"""
         start = len(self.ts.records) if self.ts is not None else 0
         t0 = time.perf_counter()
         with self.timeline.phase(name, step=step) as span, self.turn(role) as turn:
@@ -118,7 +119,7 @@ class RoleTurns:
             if then is not None and self.ts is not None:
                 if self.lease is not None:
                     raise ValueError("prefetching the next role is not supported across processes (a lease)")
-                self.ts.prefetch(then, limit_bytes=then_limit_bytes)
+                self.ts.prefetch(then, leave_free_bytes=then_leave_free_bytes)
             yield
             self.ops.synchronize()  # the compute peak must include the phase's queued kernels
             compute_peak = self.ops.peak_allocated_bytes()
@@ -140,6 +141,7 @@ class RoleTurns:
             "peak_driver_used_bytes": span.peak_driver_used_bytes,
             # what the phase left allocated (0 for the rollout: its KV cache died with it)
             "left_allocated_bytes": alloc_end - alloc_start,
+            "start_allocated_bytes": alloc_start,
             "moved_bytes": sum(r.bytes_in + r.bytes_out for r in recs),
             # Of moved_bytes, what ran behind the phase's compute: the next role brought in
             # ahead, this role written back ahead of its offload.

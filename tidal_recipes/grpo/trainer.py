@@ -80,9 +80,10 @@ class GRPOConfig:
         prefetch: with the timeshare, each phase starts bringing the next phase's role in
             behind its own compute and writes its role's state back to the host ahead of the
             switch (:meth:`tidal.Timeshare.prefetch`), so the switches that follow move next to
-            nothing. On an accelerator the bytes brought in ahead are bounded so that no phase
-            goes above the highest phase peak of the step before (the first step prefetches
-            nothing: it measures those peaks).
+            nothing. It trades peak memory for time: the next role is brought in as far as
+            free device memory allows once what the phase itself allocated in the step before
+            (plus 10% and 256 MiB) is left to it; the first step prefetches nothing on an
+            accelerator (it measures those needs).
         seed: seeds prompts, sampling and dropout, so a run is reproducible.
     """
 
@@ -302,10 +303,11 @@ class GRPOTrainer:
             for name, kw in roles:
                 self.ts.add_role(name, model=policy, **kw)
             if self.local_reference:
-                self.ts.add_role("reference", model=self.reference if not self.lora else policy)
+                # Never written (a LoRA policy's base is the trained module's: not declared so).
+                self.ts.add_role("reference", model=self.reference if not self.lora else policy, frozen=not self.lora)
         self.turns = RoleTurns(self.ops, self.timeline, self.ts, lease)
         self.step_index = 0
-        self._last_peaks: dict[str, int] = {}  # each phase's peak in the last step (see _then)
+        self._last_growth: dict[str, int] = {}  # what each phase allocated in the last step (see _then)
         self._gen_device = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._gen_prompts = prompt_generator(cfg)
 
@@ -345,17 +347,17 @@ class GRPOTrainer:
         )
 
     def _then(self, phase: str) -> dict:
-        """What ``phase`` prefetches (``RoleTurns.phase`` keywords): the next phase's role, within
-        the highest phase peak of the last step on an accelerator (nothing in the first step)."""
+        """What ``phase`` prefetches (``RoleTurns.phase`` keywords): the next phase's role, leaving
+        free on an accelerator what the phase allocated in the last step (nothing in the first)."""
         if not self.config.prefetch:
             return {}
         after = {"rollout": "reference" if self.local_reference else "actor_train", "reference": "actor_train"}
         then = after.get(phase, "rollout")
         if not self.ops.is_accelerator:
             return {"then": then}
-        if not self._last_peaks:
+        if phase not in self._last_growth:
             return {}
-        return {"then": then, "then_limit_bytes": max(0, max(self._last_peaks.values()) - self._last_peaks[phase])}
+        return {"then": then, "then_leave_free_bytes": int(1.1 * self._last_growth[phase]) + (256 << 20)}
 
     def next_prompts(self) -> torch.Tensor:
         """The next step's prompts on the host (see :func:`draw_prompts`), drawn from the
@@ -434,9 +436,12 @@ class GRPOTrainer:
         ref_logp = self.reference_phase(seqs, res) if self.use_reference else None
         self.train_phase(seqs, adv, old_logp, ref_logp, res)
         res.seconds = time.perf_counter() - t0
-        # Each phase's own peak (without what it brought in ahead for the next): the next
-        # step's prefetches stay under the highest of them.
-        self._last_peaks = {k: v["peak_allocated_bytes"] - v.get("prefetched_bytes", 0) for k, v in res.phases.items()}
+        # What each phase allocated beyond its start, without what it brought in ahead for the
+        # next: the next step's prefetches leave that much free.
+        self._last_growth = {
+            k: max(0, v["compute_peak_allocated_bytes"] - v.get("prefetched_bytes", 0) - v["start_allocated_bytes"])
+            for k, v in res.phases.items()
+        }
         return res
 
     def _train(
