@@ -63,15 +63,28 @@ def main() -> int:
     for name in ("write_back", "prefetch", "switch", "prepare", "_check_unchanged", "cancel_prefetch"):
         setattr(OffloadStore, name, timed(name, getattr(OffloadStore, name)))
     import tidal.state.store as store_mod  # noqa: PLC0415
+    from tidal.state.backends import ResizeBackend  # noqa: PLC0415
+    from tidal.timeshare.timeshare import Timeshare  # noqa: PLC0415
+    from tidal.transfer.engine import TransferEngine  # noqa: PLC0415
 
     store_mod.digest_many = timed("digest_many", store_mod.digest_many)
+    store_mod.snapshot = timed("snapshot", store_mod.snapshot)
+    for cls, names in (
+        (OffloadStore, ("_queue_arrivals", "forget_unreferenced", "_reserve_device_block", "_move", "_claim")),
+        (TransferEngine, ("copy_in", "copy_out", "plan", "begin_in", "begin_out")),
+        (ResizeBackend, ("restore", "reserve", "release", "settle")),
+        (Timeshare, ("_live", "_choose_evictions", "resident_keys", "_incoming", "_outgoing", "_transition")),
+    ):
+        for name in names:
+            setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))
     tr = _trainer(s, timeshare=True)
     for i in range(args.steps):
         TIMES.clear()
         t0 = time.perf_counter()
         tr.step()
-        print(f"step {i}: {time.perf_counter() - t0:.3f} s; host ms per verb: "
-              + ", ".join(f"{k} {1e3 * sum(v):.1f} ({len(v)})" for k, v in TIMES.items()))
+        print(f"step {i}: {time.perf_counter() - t0:.3f} s; host ms per call (calls):")
+        for k, v in sorted(TIMES.items(), key=lambda kv: -sum(kv[1])):
+            print(f"    {k:<36} {1e3 * sum(v):8.2f} ms ({len(v)})")
     for r in tr.ts.records:
         print(
             f"{r.index:>3} {r.kind:<12} out={','.join(r.roles_out) or '-':<22} in={r.role_in or '-':<12} "

@@ -41,6 +41,7 @@ from tidal_recipes.grpo.phases import RoleTurns
 from tidal_recipes.grpo.rollout import logits_kwargs, sample_answers
 from tidal_recipes.grpo.tasks import DIGIT0, TASK_VOCAB, DigitTask
 from tidal.state import storage_key, unique_storage_bytes
+from tidal.state.digest import digest_many
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.vmm import Region
@@ -306,6 +307,10 @@ class GRPOTrainer:
                 # Never written (a LoRA policy's base is the trained module's: not declared so).
                 self.ts.add_role("reference", model=self.reference if not self.lora else policy, frozen=not self.lora)
         self.turns = RoleTurns(self.ops, self.timeline, self.ts, lease)
+        if cfg.prefetch:
+            # The digest kernel that write-backs use is compiled on its first call (about 1-2 s
+            # on a GPU): here, at start-up, not in the middle of the first prefetching step.
+            digest_many([torch.zeros(8, dtype=torch.uint8, device=self.device)])
         self.step_index = 0
         self._last_growth: dict[str, int] = {}  # what each phase allocated in the last step (see _then)
         self._gen_device = torch.Generator(device=self.device).manual_seed(cfg.seed)
