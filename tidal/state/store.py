@@ -618,7 +618,7 @@ class OffloadStore:
             seconds=seconds,
             release_seconds=0.0,
             driver_free_before=before.driver_free_bytes,
-            driver_free_after=snapshot(self.ops).driver_free_bytes if take else before.driver_free_bytes,
+            driver_free_after=before.driver_free_bytes,  # not read again: nothing was released
             segments=segments,
             alloc_seconds=alloc_seconds,
             queued=True,
@@ -628,7 +628,9 @@ class OffloadStore:
     def _queue_arrivals(self, take: list[StateEntry]) -> tuple[int, float]:
         """Allocate ``take`` and queue their H2D copies (see :meth:`prefetch`)."""
         engine, ops = self.engine, self.ops
-        segs = engine.plan(self._items(take))
+        # Everything up to a bucket goes through the staging buffer: the host time to queue the
+        # copies is what a prefetch costs the phase it runs in.
+        segs = engine.plan(self._items(take), bucket_below=self.config.bucket_bytes)
         ops.point("prefetch_planned")
         engine.begin_in()
         alloc_seconds = 0.0
@@ -745,7 +747,7 @@ class OffloadStore:
             engine, ops = self.engine, self.ops
             storages = [e.storage for e in todo]
             try:
-                segs = engine.plan(self._items(todo))
+                segs = engine.plan(self._items(todo), bucket_below=self.config.bucket_bytes)  # as prefetch()
                 engine.begin_out()
                 with ops.on_stream(engine.d2h_stream):
                     pre = digest_many(storages)

@@ -137,10 +137,17 @@ class TransferEngine:
         self.bytes_in = 0
 
     # ---- planning ---------------------------------------------------------------------------
-    def plan(self, items: Sequence[CopyItem]) -> list[Segment]:
+    def plan(self, items: Sequence[CopyItem], *, bucket_below: int | None = None) -> list[Segment]:
         """Group items into segments, keeping their order. Consecutive small items whose
-        host slots are adjacent in one chunk share a bucket of at most ``bucket_bytes``."""
+        host slots are adjacent in one chunk share a bucket of at most ``bucket_bytes``.
+
+        ``bucket_below``: items smaller than this count as small (default
+        ``small_tensor_bytes``). Up to ``bucket_bytes`` it trades device copies (the gather or
+        scatter through the staging buffer, at device bandwidth) for fewer PCIe copies to
+        queue: for copies queued behind compute, where the host's time to queue them is what
+        the caller waits for."""
         cfg = self.config
+        small = cfg.small_tensor_bytes if bucket_below is None else min(bucket_below, cfg.bucket_bytes)
         # The bucket's D2H copy writes the whole host span [start, end), gaps included, so a
         # slot may join only if the gap before it is the previous slot's own alignment padding.
         # A wider gap can hold another storage's slot (offloaded earlier, its only copy) that
@@ -150,7 +157,7 @@ class TransferEngine:
         open_bucket: Segment | None = None
         for item in items:
             s = item.slot
-            if item.nbytes >= cfg.small_tensor_bytes or not self.ops.is_accelerator:
+            if item.nbytes >= small or not self.ops.is_accelerator:
                 open_bucket = None
                 segments.append(Segment([item], False, s.chunk, s.offset, s.offset + s.nbytes))
                 continue
