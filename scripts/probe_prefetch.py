@@ -53,9 +53,7 @@ def main() -> int:
             self.engine.wait("write_back_done", wb.done)
             pre, post = wb.pre.tolist(), wb.post.tolist()
             bad = sum(a != b for a, b in zip(pre, post))
-            slot = sum(
-                self._slots.get(e.key) is None or self._slots[e.key][1]() is not e.storage for e in wb.entries
-            )
+            slot = sum(self._slots.get(e.key) is None or self._slots[e.key][1]() is not e.storage for e in wb.entries)
             print(f"  write-back settled: {len(pre)} storages, {bad} changed during the copy, {slot} slot mismatches")
         return settle(self)
 
