@@ -65,8 +65,14 @@ def main() -> int:
 
     gpu = torch.cuda.get_device_name()
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    commit = commit.stdout.strip() or "?"
+    # TIDAL_COMMIT: where the tree ran without its git history (a copy on a lent GPU machine).
+    commit = (
+        os.environ.get("TIDAL_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+        or "?"
+    )
     print(f"{gpu} | {versions} | commit {commit}")
     table = []
     for opt in args.optimizer:
