@@ -39,18 +39,30 @@ def main() -> None:
     print("is_pinned: registered", reg.is_pinned(), "| pin_memory", pinned.is_pinned())
     for name, src in (("registered (cudaHostRegister)", reg), ("pin_memory", pinned), ("pageable", pageable)):
         timed(f"one copy, {name}", lambda: dst.copy_(src, non_blocking=True), s)
-    timed("64 copies of 16 MiB, registered", lambda: [dst[i << 24 : (i + 1) << 24].copy_(reg[i << 24 : (i + 1) << 24], non_blocking=True) for i in range(64)], s)
+    timed(
+        "64 copies of 16 MiB, registered",
+        lambda: [
+            dst[i << 24 : (i + 1) << 24].copy_(reg[i << 24 : (i + 1) << 24], non_blocking=True) for i in range(64)
+        ],
+        s,
+    )
     # busy compute stream: does the copy's queueing wait for it?
     torch.cuda._sleep(int(2e8))
     t0 = time.perf_counter()
     with torch.cuda.stream(s):
         dst.copy_(reg, non_blocking=True)
-    print(f"{'one copy, registered, compute stream busy (no wait)':<58} host {1e3 * (time.perf_counter() - t0):7.2f} ms")
+    print(
+        f"{'one copy, registered, compute stream busy (no wait)':<58} host {1e3 * (time.perf_counter() - t0):7.2f} ms"
+    )
     torch.cuda.synchronize()
     arena = HostArena(ops, pin=True)
     slots = arena.reserve([GiB // 64] * 64, owner="probe")
     views = [arena.view(sl) for sl in slots]
-    timed("64 copies from arena slots", lambda: [dst[i << 24 : (i + 1) << 24].copy_(v, non_blocking=True) for i, v in enumerate(views)], s)
+    timed(
+        "64 copies from arena slots",
+        lambda: [dst[i << 24 : (i + 1) << 24].copy_(v, non_blocking=True) for i, v in enumerate(views)],
+        s,
+    )
     print("arena view is_pinned:", views[0].is_pinned())
 
 

@@ -47,7 +47,9 @@ def main() -> None:
         with ts.use("b"):
             t3 = time.perf_counter()
         torch.cuda.synchronize()
-        print(f"prefetch host {1e3 * (t1 - t0):.2f} ms (copies done {1e3 * (t2 - t0):.2f} ms); claim {1e3 * (t3 - t2):.2f} ms")
+        print(
+            f"prefetch host {1e3 * (t1 - t0):.2f} ms (copies done {1e3 * (t2 - t0):.2f} ms); claim {1e3 * (t3 - t2):.2f} ms"
+        )
         with ts.use("a"):
             pass
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)

@@ -121,3 +121,10 @@ def test_rollout_graph_refused_before_any_work(tmp_path, capsys, monkeypatch):
         tidal_recipes.cli.demo.DemoSettings(
             preset="nano", device="cuda", steps=1, rollout_graph=True, roles="processes"
         )
+
+
+def test_prefetch_with_remote_roles_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tidal_recipes.cli.demo, "build_policy", _no_work)
+    out = tmp_path / "demo"
+    assert main(["demo", "--device", "cpu", "--prefetch", "--roles", "processes", "--out", str(out)]) == EXIT_USAGE
+    assert "--prefetch brings the next role in within this process" in capsys.readouterr().err
