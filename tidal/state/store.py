@@ -628,38 +628,31 @@ class OffloadStore:
     def _queue_arrivals(self, take: list[StateEntry]) -> tuple[int, float]:
         """Allocate ``take`` and queue their H2D copies (see :meth:`prefetch`)."""
         engine, ops = self.engine, self.ops
-        # Everything up to a bucket goes through the staging buffer: the host time to queue the
-        # copies is what a prefetch costs the phase it runs in.
-        segs = engine.plan(self._items(take), bucket_below=self.config.bucket_bytes)
-        ops.point("prefetch_planned")
-        engine.begin_in()
-        alloc_seconds = 0.0
-        reserved_until, reserve_target = 0, 64 << 20
-        events: list = []
-        for i, seg in enumerate(segs):
-            ta = time.perf_counter()
-            if i >= reserved_until:
-                # Everything taken fits at once: one block per growing run of segments.
-                reserved_until = self._reserve_device_block(segs, i, reserve_target)
-                reserve_target = min(2 * reserve_target, 2 << 30)
-            for item in seg.items:
-                # Allocated while tracked (an exception now frees it again in recover()), then
-                # marked: its memory holds none of its bytes until a switch claims it.
-                self.backend.restore(item.storage, item.nbytes)
-                mark_arriving(item.storage, True)
-                self._arriving[item.tag.key] = _Arrival(item.tag, next(self._arrival_order))
+        t0 = time.perf_counter()
+        # Everything taken fits at once: its memory in one block where the backend can.
+        self.backend.reserve([(e.storage, e.nbytes) for e in take])
+        for e in take:
+            # Allocated while tracked (an exception now frees it again in recover()), then
+            # marked: its memory holds none of its bytes until a switch claims it.
+            self.backend.restore(e.storage, e.nbytes)
+            mark_arriving(e.storage, True)
+            self._arriving[e.key] = _Arrival(e, next(self._arrival_order))
             ops.point("prefetch_allocated")
-            alloc_seconds += time.perf_counter() - ta
-            event = engine.copy_in(seg)
-            events.append(event)
-            for item in seg.items:
-                self._arriving[item.tag.key].event = event
+        alloc_seconds = time.perf_counter() - t0
+        engine.begin_in()
+        # Direct copies, one driver call where the driver batches them: the host's time to
+        # queue them is what a prefetch costs the phase it runs in.
+        items = self._items(take)
+        event = engine.queue_direct(items, to_device=True)
+        for e in take:
+            self._arriving[e.key].event = event
         verify = self.config.verify
         if verify != "off":
-            for seg, (done, values) in zip(segs, self._digest_segments(segs, events, verify)):
-                for j, item in enumerate(seg.items):
-                    self._arriving[item.tag.key].digest = (done, values, j)
-        return len(segs), alloc_seconds
+            seg = Segment(items, False, 0, 0, 0)
+            ((done, values),) = self._digest_segments([seg], [event], verify)
+            for j, e in enumerate(take):
+                self._arriving[e.key].digest = (done, values, j)
+        return 1, alloc_seconds
 
     def _claim(self, claimed: Sequence[StateEntry], frozen: set[int], what: str) -> None:
         """Count prefetched storages as resident: the current stream waits for their copies."""
@@ -747,18 +740,16 @@ class OffloadStore:
             engine, ops = self.engine, self.ops
             storages = [e.storage for e in todo]
             try:
-                segs = engine.plan(self._items(todo), bucket_below=self.config.bucket_bytes)  # as prefetch()
                 engine.begin_out()
                 with ops.on_stream(engine.d2h_stream):
                     pre = digest_many(storages)
-                for seg in segs:
-                    engine.copy_out(seg)
+                engine.queue_direct(self._items(todo), to_device=False)  # as prefetch() does
                 with ops.on_stream(engine.d2h_stream):
                     post = digest_many(storages)
                     done = ops.new_event()
                     if done is not None:
                         done.record(engine.d2h_stream)
-                segments = len(segs)
+                segments = 1
             except BaseException:
                 engine.drain()  # no copy still writes a slot that nothing records as written
                 raise

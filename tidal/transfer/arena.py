@@ -221,6 +221,10 @@ class HostArena:
         """The slot as a uint8 host tensor (no copy)."""
         return self._chunks[slot.chunk][slot.offset : slot.offset + slot.nbytes]
 
+    def address(self, slot: HostSlot) -> int:
+        """The host address of the slot's first byte (for copies queued by address)."""
+        return self._chunks[slot.chunk].data_ptr() + slot.offset
+
     def slot_tensor(self, slot: HostSlot, *, release_when_dead: bool = False) -> torch.Tensor:
         """The slot as a uint8 host tensor with a storage of its own: exactly the slot's
         bytes (no copy). Unlike :meth:`view`, whose storage is the whole chunk, it can be

@@ -24,6 +24,7 @@ import torch
 
 from tidal.device import DeviceOps
 from tidal.transfer.arena import HostArena, HostSlot, _align_up
+from tidal.transfer.batch import batch_copier
 
 __all__ = ["TransferConfig", "TransferEngine", "CopyItem", "Segment", "byte_view"]
 
@@ -133,21 +134,15 @@ class TransferEngine:
         self.d2h_stream, self.h2d_stream = streams if streams is not None else (ops.new_stream(), ops.new_stream())
         self._staging_out: torch.Tensor | None = None
         self._staging_in: torch.Tensor | None = None
+        self._batch: Any = False  # the device's BatchCopier, None without one; False: not looked up yet
         self.bytes_out = 0
         self.bytes_in = 0
 
     # ---- planning ---------------------------------------------------------------------------
-    def plan(self, items: Sequence[CopyItem], *, bucket_below: int | None = None) -> list[Segment]:
+    def plan(self, items: Sequence[CopyItem]) -> list[Segment]:
         """Group items into segments, keeping their order. Consecutive small items whose
-        host slots are adjacent in one chunk share a bucket of at most ``bucket_bytes``.
-
-        ``bucket_below``: items smaller than this count as small (default
-        ``small_tensor_bytes``). Up to ``bucket_bytes`` it trades device copies (the gather or
-        scatter through the staging buffer, at device bandwidth) for fewer PCIe copies to
-        queue: for copies queued behind compute, where the host's time to queue them is what
-        the caller waits for."""
+        host slots are adjacent in one chunk share a bucket of at most ``bucket_bytes``."""
         cfg = self.config
-        small = cfg.small_tensor_bytes if bucket_below is None else min(bucket_below, cfg.bucket_bytes)
         # The bucket's D2H copy writes the whole host span [start, end), gaps included, so a
         # slot may join only if the gap before it is the previous slot's own alignment padding.
         # A wider gap can hold another storage's slot (offloaded earlier, its only copy) that
@@ -157,7 +152,7 @@ class TransferEngine:
         open_bucket: Segment | None = None
         for item in items:
             s = item.slot
-            if item.nbytes >= small or not self.ops.is_accelerator:
+            if item.nbytes >= cfg.small_tensor_bytes or not self.ops.is_accelerator:
                 open_bucket = None
                 segments.append(Segment([item], False, s.chunk, s.offset, s.offset + s.nbytes))
                 continue
@@ -220,6 +215,47 @@ class TransferEngine:
             self.bytes_in += seg.nbytes
             self.ops.point("h2d_queued")  # queued, its event not yet recorded
             return self._record(self.h2d_stream)
+
+    # ---- queued behind compute ---------------------------------------------------------------
+    def queue_direct(self, items: Sequence[CopyItem], *, to_device: bool) -> Any:
+        """Queue one direct copy per item (no staging buffer, no gather or scatter) on the copy
+        stream of the direction, after whatever the caller ordered that stream behind
+        (:meth:`begin_in` / :meth:`begin_out`); returns the event marking them all done.
+
+        For copies queued behind compute (a prefetch, a write-back), where the host's time to
+        queue them is what the phase waits for: on a CUDA driver that batches copies all of
+        them go in one driver call (:mod:`tidal.transfer.batch`), from pinned host memory; else
+        one ``copy_`` each, as :meth:`copy_in` / :meth:`copy_out` would."""
+        stream = self.h2d_stream if to_device else self.d2h_stream
+        with self.ops.on_stream(stream):
+            copier = self._batch_copier()
+            if copier is not None and items:
+                device_ptrs = [it.storage.data_ptr() for it in items]
+                host_ptrs = [self.arena.address(it.slot) for it in items]
+                sizes = [it.nbytes for it in items]
+                if to_device:
+                    copier.copy(device_ptrs, host_ptrs, sizes, stream.cuda_stream, to_device=True)
+                else:
+                    copier.copy(host_ptrs, device_ptrs, sizes, stream.cuda_stream, to_device=False)
+            else:
+                for it in items:
+                    if to_device:
+                        byte_view(it.storage).copy_(self.arena.view(it.slot), non_blocking=True)
+                    else:
+                        self.arena.view(it.slot).copy_(byte_view(it.storage), non_blocking=True)
+            nbytes = sum(it.nbytes for it in items)
+            if to_device:
+                self.bytes_in += nbytes
+                self.ops.point("h2d_queued")
+            else:
+                self.bytes_out += nbytes
+                self.ops.point("d2h_queued")
+            return self._record(stream)
+
+    def _batch_copier(self) -> Any:
+        if self._batch is False:
+            self._batch = batch_copier(self.ops.device) if self.ops.is_accelerator and self.arena.pinned else None
+        return self._batch
 
     def publish(self, event: Any) -> None:
         """Make the compute stream wait for an H2D event (no host blocking)."""
