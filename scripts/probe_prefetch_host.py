@@ -32,26 +32,27 @@ def main() -> None:
         with ts.use("a"):
             pass
     for i in range(4):
-        torch.cuda.synchronize()
         prof = cProfile.Profile() if i == 3 else None
-        t0 = time.perf_counter()
-        if prof:
-            prof.enable()
         with ts.use("a"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if prof:
+                prof.enable()
             ts.prefetch("b")
             t1 = time.perf_counter()
-        if prof:
-            prof.disable()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
+            if prof:
+                prof.disable()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
         with ts.use("b"):
             t3 = time.perf_counter()
         torch.cuda.synchronize()
+        rec = ts.records[-1]
         print(
-            f"prefetch host {1e3 * (t1 - t0):.2f} ms (copies done {1e3 * (t2 - t0):.2f} ms); claim {1e3 * (t3 - t2):.2f} ms"
+            f"prefetch host {1e3 * (t1 - t0):.2f} ms (its copies done after {1e3 * (t2 - t0):.2f} ms); "
+            f"the switch that claims it {1e3 * (t3 - t2):.2f} ms: copied out {rec.bytes_out}, skipped "
+            f"{rec.bytes_skipped}, in {rec.bytes_in}, arrived ahead {rec.bytes_prefetched}"
         )
-        with ts.use("a"):
-            pass
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
