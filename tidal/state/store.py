@@ -584,7 +584,8 @@ class OffloadStore:
         self._check_open()
         if self._in_flight:
             self.recover()
-        self._settle_write_backs()
+        # No settling of write-backs here: a prefetch touches no resident storage's host slot
+        # (and waiting for their copies would cost the host the whole D2H).
         self.forget_unreferenced()
         todo = {e.key: self._offloaded[e.key] for e in entries if e.key in self._offloaded}
         todo = [e for k, e in todo.items() if k not in self._arriving]

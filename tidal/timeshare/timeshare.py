@@ -460,13 +460,13 @@ class Timeshare:
         in_entries, inc = self._incoming(role)
         self._cancel_prefetch(keep={e.key for e in in_entries})
         t0 = time.perf_counter()
+        inn = self.store.prefetch(in_entries, leave_free_bytes=leave, limit_bytes=limit_bytes)
         out = None
         if write_back:
             for r in evict:
                 r.before_copy()  # the write-back waits for the current stream: it waits for the sources' own work
             out_entries = self._outgoing(evict, self.resident_keys(exclude=evict) | {e.key for e in inc})[0]
             out = self.store.write_back(out_entries) if out_entries else None
-        inn = self.store.prefetch(in_entries, leave_free_bytes=leave, limit_bytes=limit_bytes)
         if not (inn.bytes_in or (out is not None and out.bytes_out)):
             return None
         move = dataclasses.replace(
