@@ -40,12 +40,18 @@ def main() -> int:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--optimizer", default="cpu_adam")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--no-prefetch", action="store_true", help="the same loop without prefetch, for comparison")
+    ap.add_argument("--no-write-back", action="store_true", help="prefetch the next role, write nothing back")
     args = ap.parse_args()
     base = defaults_for("cuda" if torch.cuda.is_available() else "cpu")
     base.update(optimizer=args.optimizer, steps=args.steps)
     if args.preset:
         base["preset"] = args.preset
-    s = DemoSettings(**base, prefetch=True, baseline_steps=0)
+    s = DemoSettings(**base, prefetch=not args.no_prefetch, baseline_steps=0)
+    if args.no_write_back:
+        from tidal.timeshare.timeshare import Timeshare as _TS  # noqa: PLC0415
+
+        _TS.prefetch = functools.partialmethod(_TS.prefetch, write_back=False)
     settle = OffloadStore._settle_write_backs
 
     def settle_logged(self):
@@ -79,8 +85,12 @@ def main() -> int:
     for i in range(args.steps):
         TIMES.clear()
         t0 = time.perf_counter()
-        tr.step()
-        print(f"step {i}: {time.perf_counter() - t0:.3f} s; host ms per call (calls):")
+        res = tr.step()
+        phases = ", ".join(
+            f"{k} {v['seconds']:.3f} s (transitions {1e3 * v['transition_seconds']:.1f} ms)"
+            for k, v in res.phases.items()
+        )
+        print(f"step {i}: {time.perf_counter() - t0:.3f} s; {phases}; host ms per call (calls):")
         for k, v in sorted(TIMES.items(), key=lambda kv: -sum(kv[1])):
             print(f"    {k:<36} {1e3 * sum(v):8.2f} ms ({len(v)})")
     for r in tr.ts.records:
