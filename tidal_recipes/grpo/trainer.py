@@ -356,8 +356,11 @@ class GRPOTrainer:
         free on an accelerator what the phase allocated in the last step (nothing in the first)."""
         if not self.config.prefetch:
             return {}
+        # The training phase prefetches nothing: the rollout role holds the same weights.
         after = {"rollout": "reference" if self.local_reference else "actor_train", "reference": "actor_train"}
-        then = after.get(phase, "rollout")
+        then = after.get(phase)
+        if then is None:
+            return {}
         if not self.ops.is_accelerator:
             return {"then": then}
         if phase not in self._last_growth:
