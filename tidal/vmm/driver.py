@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import threading
 from typing import Protocol
 
 import torch
+
+from tidal.transfer.batch import libcuda
 
 __all__ = ["CudaDriver", "VmmDriver", "VmmUnavailableError", "cuda_driver"]
 
@@ -223,15 +224,10 @@ class CudaDriver:
         )
 
 
-@functools.lru_cache(maxsize=None)
 def _libcuda() -> ctypes.CDLL:
-    for name in ("libcuda.so.1", ctypes.util.find_library("cuda")):
-        if not name:
-            continue
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
+    lib = libcuda()
+    if lib is not None:
+        return lib
     raise VmmUnavailableError(
         "the CUDA driver library (libcuda.so.1) could not be loaded; address-stable regions need an NVIDIA "
         "driver. The resize backend works without it"
