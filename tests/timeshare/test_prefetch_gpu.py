@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import tidal
+from tests.activations.models import tiny_qwen2
 from tests.policies import SkipWaits
 from tidal.device import use_sync_policy
 
@@ -132,21 +133,12 @@ def test_unchanged_written_back_role_goes_out_without_a_copy_and_memory_comes_ba
 
 
 def test_training_with_prefetch_matches_training_without():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen2Config(
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        tie_word_embeddings=True,
-    )
+    pytest.importorskip("transformers")
+    shape = dict(hidden=256, intermediate=704, vocab=4096, device="cuda", attn="sdpa")
 
     def run(prefetch: bool):
-        torch.manual_seed(0)
-        actor = transformers.Qwen2ForCausalLM(cfg).cuda()
-        ref = transformers.Qwen2ForCausalLM(cfg).cuda().eval()
+        actor = tiny_qwen2(4, seed=0, **shape)
+        ref = tiny_qwen2(4, seed=1, **shape).eval()
         opt = torch.optim.AdamW(actor.parameters(), lr=1e-3, fused=True)
         ts = tidal.Timeshare("cuda")
         ts.add_role("actor", model=actor, optimizer=opt)

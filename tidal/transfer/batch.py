@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["BatchCopier", "batch_copier", "libcuda"]
+__all__ = ["BatchCopier", "PrimaryContext", "batch_copier", "libcuda"]
 
 # cuda.h: CUmemcpySrcAccessOrder, CUmemLocationType, CUmemcpyFlags
 _SRC_ACCESS_ORDER_STREAM = 1  # the source is read in stream order (it may change until then)
@@ -59,6 +59,50 @@ def libcuda() -> ctypes.CDLL | None:
     return None
 
 
+class PrimaryContext:
+    """Calls into the driver library on one device's primary context (the one torch uses).
+
+    Args:
+        lib: the driver library.
+        device_index: the device.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, device_index: int) -> None:
+        self.lib = lib
+        self.device_index = device_index
+        self._local = threading.local()
+        self._context: ctypes.c_void_p | None = None
+
+    def retain(self, cu_device: int) -> None:
+        """Take a reference on the device's primary context (``cu_device``: its ``CUdevice``)."""
+        ctx = ctypes.c_void_p()
+        self.check("cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), cu_device))
+        self._context = ctx
+
+    def make_current(self) -> None:
+        """Driver calls act on the calling thread's current context: make the primary context
+        current on a thread that may never have touched CUDA (autograd's), once per thread."""
+        if getattr(self._local, "ready", False):
+            return
+        assert self._context is not None, "retain() first"
+        ctx = ctypes.c_void_p()
+        self.check("cuCtxGetCurrent", self.lib.cuCtxGetCurrent(ctypes.byref(ctx)))
+        if ctx.value != self._context.value:
+            self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self._context))
+        self._local.ready = True
+
+    def check(self, call: str, err: int) -> None:
+        """Raise ``RuntimeError`` naming ``call`` and the driver's error unless ``err`` is 0."""
+        if err == 0:
+            return
+        name = ctypes.c_char_p()
+        self.lib.cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(
+            f"{call} failed on cuda:{self.device_index} with "
+            f"{name.value.decode() if name.value else 'CUDA error'} ({err})"
+        )
+
+
 class BatchCopier:
     """Queues copies between device memory and pinned host memory of one CUDA device, many per
     driver call, on a given stream. The caller orders them with events as for any copy on that
@@ -72,7 +116,6 @@ class BatchCopier:
     """
 
     def __init__(self, lib: ctypes.CDLL, fn, *, with_fail_index: bool, device_index: int) -> None:
-        self._lib = lib
         self._fn = fn
         self._with_fail_index = with_fail_index
         self.device_index = device_index
@@ -86,12 +129,10 @@ class BatchCopier:
             a.flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE
             self._attrs[to_device] = a
         self._zero = ctypes.c_size_t(0)
-        self._local = threading.local()
-        ctx = ctypes.c_void_p()
+        self._ctx = PrimaryContext(lib, device_index)
         dev = ctypes.c_int()
-        self._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), device_index))
-        self._check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-        self._context = ctx
+        self._ctx.check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), device_index))
+        self._ctx.retain(dev)
 
     def copy(
         self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int, *, to_device: bool
@@ -102,7 +143,7 @@ class BatchCopier:
         n = len(sizes)
         if n == 0:
             return
-        self._current()
+        self._ctx.make_current()
         u64 = ctypes.c_uint64 * n
         args = [
             u64(*dsts),
@@ -116,28 +157,7 @@ class BatchCopier:
         if self._with_fail_index:
             args.append(ctypes.byref(ctypes.c_size_t(0)))
         args.append(ctypes.c_void_p(stream))
-        self._check("cuMemcpyBatchAsync", self._fn(*args))
-
-    def _current(self) -> None:
-        # Driver calls act on the calling thread's current context: make the primary context
-        # torch uses current on a thread that may never have touched CUDA (once per thread).
-        if getattr(self._local, "ready", False):
-            return
-        ctx = ctypes.c_void_p()
-        self._check("cuCtxGetCurrent", self._lib.cuCtxGetCurrent(ctypes.byref(ctx)))
-        if ctx.value != self._context.value:
-            self._check("cuCtxSetCurrent", self._lib.cuCtxSetCurrent(self._context))
-        self._local.ready = True
-
-    def _check(self, call: str, err: int) -> None:
-        if err == 0:
-            return
-        name = ctypes.c_char_p()
-        self._lib.cuGetErrorName(err, ctypes.byref(name))
-        raise RuntimeError(
-            f"{call} failed on cuda:{self.device_index} with "
-            f"{name.value.decode() if name.value else 'CUDA error'} ({err})"
-        )
+        self._ctx.check("cuMemcpyBatchAsync", self._fn(*args))
 
 
 _COPIERS: dict[int, BatchCopier | None] = {}

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from tidal.transfer.batch import libcuda
+from tidal.transfer.batch import PrimaryContext, libcuda
 
 __all__ = ["CudaDriver", "VmmDriver", "VmmUnavailableError", "cuda_driver"]
 
@@ -112,6 +112,9 @@ class CudaDriver:
 
     def __init__(self, lib: ctypes.CDLL, device_index: int) -> None:
         self._lib = lib
+        self._primary = PrimaryContext(lib, device_index)
+        self._check = self._primary.check
+        self._current = self._primary.make_current
         self.device_index = device_index
         self.torch_device = torch.device("cuda", device_index)
         dev = ctypes.c_int()
@@ -127,8 +130,7 @@ class CudaDriver:
                 f"cuda:{device_index} does not support virtual memory management "
                 f"(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0); use the resize backend"
             )
-        self._context = ctypes.c_void_p()
-        self._check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), dev))
+        self._primary.retain(dev)
         self._prop = _AllocationProp()
         self._prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
         self._prop.requestedHandleTypes = _CU_MEM_HANDLE_TYPE_NONE
@@ -146,7 +148,6 @@ class CudaDriver:
             ),
         )
         self.granularity = int(gran.value)
-        self._local = threading.local()
 
     # ---- VmmDriver ------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> int:
@@ -199,29 +200,6 @@ class CudaDriver:
 
     def driver_free_bytes(self) -> int:
         return int(torch.cuda.mem_get_info(self.device_index)[0])
-
-    # ---- internals --------------------------------------------------------------------------
-    def _current(self) -> None:
-        # Driver calls act on the calling thread's current context; an allocation can come
-        # from a thread that never touched CUDA (autograd's), so make the device's primary
-        # context current there once.
-        if getattr(self._local, "ready", False):
-            return
-        ctx = ctypes.c_void_p()
-        self._check("cuCtxGetCurrent", self._lib.cuCtxGetCurrent(ctypes.byref(ctx)))
-        if ctx.value != self._context.value:
-            self._check("cuCtxSetCurrent", self._lib.cuCtxSetCurrent(self._context))
-        self._local.ready = True
-
-    def _check(self, call: str, err: int) -> None:
-        if err == 0:
-            return
-        name = ctypes.c_char_p()
-        self._lib.cuGetErrorName(err, ctypes.byref(name))
-        raise RuntimeError(
-            f"{call} failed on cuda:{self.device_index} with "
-            f"{name.value.decode() if name.value else 'CUDA error'} ({err})"
-        )
 
 
 def _libcuda() -> ctypes.CDLL:
