@@ -560,8 +560,9 @@ class OffloadStore:
 
         In the order given (give them in the order their next user reads them), as many as fit
         in the device memory that is free (driver-free plus allocator-cached, less
-        ``leave_free_bytes`` and one staging bucket, at most ``limit_bytes``) are allocated and
-        their H2D copies queued; it stops at the first that does not fit. They stay tracked as
+        ``leave_free_bytes``, at most ``limit_bytes``) are allocated and their H2D copies queued
+        (direct copies, one driver call for all where the driver batches copies: see
+        :meth:`TransferEngine.queue_direct`); it stops at the first that does not fit. They stay tracked as
         offloaded until a :meth:`switch` (or :meth:`reload`) brings them in: their memory holds
         none of their bytes yet (:func:`~tidal.state.backends.holds_memory` is False), so every
         reader of the state (``state_dict``, checkpoints, strict access) sees their host copy,
@@ -570,8 +571,7 @@ class OffloadStore:
         or :meth:`cancel_prefetch`; :meth:`host_view` of one (the caller may write the host
         copy) cancels that storage's.
 
-        Memory cost: the device memory of the storages it brings in, from the call on; one
-        staging bucket while queueing.
+        Memory cost: the device memory of the storages it brings in, from the call on.
 
         Atomic per storage under any exception (``KeyboardInterrupt`` included): the store
         waits for the copies queued, releases every storage a prefetch allocated (their host
@@ -590,7 +590,7 @@ class OffloadStore:
         todo = {e.key: self._offloaded[e.key] for e in entries if e.key in self._offloaded}
         todo = [e for k, e in todo.items() if k not in self._arriving]
         before = snapshot(self.ops)
-        room = before.driver_free_bytes + before.cached_free_bytes - leave_free_bytes - self.staging_bytes(1)
+        room = before.driver_free_bytes + before.cached_free_bytes - leave_free_bytes
         if limit_bytes is not None:
             room = min(room, limit_bytes)
         take: list[StateEntry] = []
@@ -722,8 +722,8 @@ class OffloadStore:
         host copy is valid (frozen) are skipped. The next verb of the store reads the digests
         (waiting for the copy if it has not finished).
 
-        Memory cost: one staging bucket on the device while queueing; the storages' own host
-        slots (reserved here if missing: pinned once). Returns what it queued (``bytes_out``;
+        Memory cost: nothing on the device (direct copies, as :meth:`prefetch`); the storages'
+        own host slots (reserved here if missing: pinned once). Returns what it queued (``bytes_out``;
         ``seconds`` is the host time spent queueing, ``queued`` is set)."""
         self._check_open()
         if self._in_flight:
