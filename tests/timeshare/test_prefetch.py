@@ -15,7 +15,8 @@ from torch import nn
 
 from tests.faults import SmallLM, assert_consistent, same, snapshot, sweep, tensors_of
 from tests.transfer.fakes import FakeAccelOps
-from tidal import Timeshare, TimeshareConfig
+from tidal import Timeshare, TimeshareConfig, TransferConfig
+from tidal.errors import StateCorruptionError
 from tidal.state.backends import holds_memory
 from tidal.transfer import TransferContext
 
@@ -313,3 +314,21 @@ def test_fault_at_every_point_of_a_prefetch_and_what_follows_loses_nothing(act):
     assert {"prefetch_allocated", "prefetch_claimed" if act is _prefetch_then_use else "prefetch_cancelled"} <= set(
         points
     )
+
+
+def test_verify_checks_the_bytes_a_prefetch_brought_in():
+    """With verify on, the claim compares the arrived bytes with the digest taken at offload: a
+    corrupted host copy is refused and its storage stays out (its bytes never used)."""
+    ts, actor, ref, _ = _setup(transfer=TransferConfig(verify="full"))
+    want = _values(ref)
+    with ts.use("actor"):
+        ts.prefetch("ref")
+    with ts.use("ref"):
+        assert _equal(ref, want)  # clean bytes pass the check
+    with ts.use("actor"):
+        weight = ref[0].weight.untyped_storage()
+        ts.store.arena.view(ts.store._slots[weight._cdata][0])[0] ^= 0xFF  # the host copy goes bad
+        ts.prefetch("ref")
+    with pytest.raises(StateCorruptionError, match="0.weight"):
+        ts.load("ref")
+    assert not holds_memory(weight) and ts.store.is_offloaded(weight._cdata)

@@ -667,7 +667,9 @@ class OffloadStore:
                 # The digests of the bytes that arrived must be done before they are read.
                 self.engine.wait("prefetch_digested", done)
             checked = [a for a in arrivals if a.digest is not None]
-            got = [int(a.digest[1][a.digest[2]]) for a in checked]
+            values = {id(a.digest[1]): a.digest[1] for a in checked}
+            read = {k: v.tolist() for k, v in values.items()}  # one read per prefetch's digests
+            got = [read[id(a.digest[1])][a.digest[2]] for a in checked]
             self._verify([a.entry for a in checked], got, self.config.verify, what)
         for e in claimed:
             mark_arriving(e.storage, False)  # its bytes are its own once the stream waited
@@ -754,8 +756,6 @@ class OffloadStore:
             except BaseException:
                 engine.drain()  # no copy still writes a slot that nothing records as written
                 raise
-            finally:
-                self.engine.release_staging()
             # Holds the storages until settled: no block may be reused while the copy reads it.
             self._writing.append(_WriteBack(todo, done, pre, post))
             ops.point("write_back_queued")
