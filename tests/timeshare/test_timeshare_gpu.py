@@ -115,8 +115,9 @@ def test_race_offload_waits_for_compute_stream():
     assert not run(frozenset({"d2h_after_compute"})), "the race test must detect a missing D2H wait"
 
 
-def test_race_reload_waits_for_compute_stream():
-    """A reloaded storage may reuse a block that a queued kernel still writes."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_race_reload_waits_for_compute_stream(prefetch):
+    """A reloaded (or prefetched) storage may reuse a block that a queued kernel still writes."""
 
     def run(skip: frozenset) -> bool:
         model = Blob(big_mib=512, n_big=1, n_small=0).cuda()
@@ -130,8 +131,12 @@ def test_race_reload_waits_for_compute_stream():
             junk.fill_(float("nan"))  # queued behind the sleep
             del junk  # its block goes back to the cache, the fill still pending
             with use_sync_policy(SkipWaits(skip)) as policy:
-                ts.load("a")
+                if prefetch:
+                    ts.prefetch("a")  # the copy queued here, claimed by load() below
+                else:
+                    ts.load("a")
             assert set(policy.skipped) == skip
+            ts.load("a")
             torch.cuda.synchronize()
             return bool((model.big[0] == 3.0).all())
 
