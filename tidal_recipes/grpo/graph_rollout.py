@@ -116,36 +116,24 @@ class GraphDecoder:
         assert answers.shape == (batch, new_tokens)
         return answers
 
-    def _init_cache(self, prompts: torch.Tensor, new_tokens: int) -> Any:
-        """A static cache for ``prompts``' batch with its tensors allocated now, in the pool
-        current at the call. The cache allocates them at its first forward: a one-token forward
-        of the decoder alone (no head, no logits), whose few activations are all that lands in
-        that pool besides the cache."""
+    def _capture(self, prompts: torch.Tensor, new_tokens: int) -> None:
         from transformers import StaticCache
 
-        cache = StaticCache(config=self.model.config, max_cache_len=prompts.shape[1] + new_tokens)
-        self.model.get_decoder()(
-            input_ids=prompts[:, :1], past_key_values=cache, cache_position=self._pos_prefill[:1], use_cache=True
-        )
-        return cache
-
-    def _capture(self, prompts: torch.Tensor, new_tokens: int) -> None:
         batch, plen = prompts.shape
         device = prompts.device
         self._pos_prefill = torch.arange(plen, device=device)  # outside the region: kept as is
         with self.region.allocate(KV_TAG, policy="discard"):
             self._ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
             self._pos = torch.zeros(1, dtype=torch.long, device=device)
-            self._cache = self._init_cache(prompts, new_tokens)
-        # The prefill's activations outside the tag: the tag holds the cache alone, so no more
-        # than the cache is mapped again at every rollout.
-        self.model(
-            input_ids=prompts,
-            past_key_values=self._cache,
-            cache_position=self._pos_prefill,
-            use_cache=True,
-            **logits_kwargs(self.model, 1),
-        )
+            self._cache = StaticCache(config=self.model.config, max_cache_len=plen + new_tokens)
+            # The cache allocates its tensors at the first forward (for this batch), here in the tag.
+            self.model(
+                input_ids=prompts,
+                past_key_values=self._cache,
+                cache_position=self._pos_prefill,
+                use_cache=True,
+                **logits_kwargs(self.model, 1),
+            )
         self._ids.copy_(prompts[:, -1:])
         self._pos.fill_(plen)
         side = torch.cuda.Stream(device)

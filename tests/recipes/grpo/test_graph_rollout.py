@@ -42,8 +42,8 @@ class _EagerDecoder(GraphDecoder):
         self._pos_prefill = torch.arange(plen)
         self._ids = torch.zeros(batch, 1, dtype=torch.long)
         self._pos = torch.zeros(1, dtype=torch.long)
-        self._cache = self._init_cache(prompts, new_tokens)  # what the capture does, in the kv tag
-        self.model(input_ids=prompts, past_key_values=self._cache, cache_position=self._pos_prefill)
+        self._cache = transformers.StaticCache(config=self.model.config, max_cache_len=plen + new_tokens)
+        self.model(input_ids=prompts, past_key_values=self._cache, cache_position=self._pos_prefill)  # lazy init
         self._logits = torch.empty(batch, 1, self.model.config.vocab_size)
 
         self.fed = []  # (position, token ids) given to each replay

@@ -68,9 +68,6 @@ def test_graph_decoder_samples_like_the_eager_loop_and_gives_its_memory_back():
         # 256 MiB of the baseline (the region's 66 MiB scratch guard, the graph itself).
         assert free >= free_before - 256 * MiB, (seed, free_before, free)
         assert region.tags["kv"].allocated_bytes >= 512 * MiB  # what went back is well over the slack
-        # and the kv tag holds the cache, not the first prefill's activations
-        cache = sum(t.untyped_storage().nbytes() for layer in dec._cache.layers for t in (layer.keys, layer.values))
-        assert region.tags["kv"].allocated_bytes <= cache + 32 * MiB, (region.tags["kv"].allocated_bytes, cache)
         want = _eager_static(model, prompts, 12, torch.Generator(device="cuda").manual_seed(seed))
         assert torch.equal(got, want), seed
         del want
