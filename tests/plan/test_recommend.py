@@ -56,3 +56,39 @@ def test_lora_is_the_last_resort():
 def test_bad_arguments():
     with pytest.raises(ValueError):
         recommend(PlanConfig(shape="qwen2-0.5b"), gpu_mem_bytes=0)
+
+
+def test_host_memory_is_planned_and_a_plan_that_does_not_fit_the_host_is_refused():
+    """Full-parameter 7B with CPU Adam on one 80 GB GPU: every component of its host memory is
+    counted, and on a 128 GiB machine the plan is refused naming the bytes (the levers that
+    fit the GPU but not the host are not chosen)."""
+    config = PlanConfig(**SEVEN_B, optimizer="cpu_adam", grad_ckpt=True)
+    plan = build_plan(config)
+    t = config.shape.param_count()
+    assert plan.host["CPU Adam fp32 master weights"] == 4 * t
+    assert plan.host["CPU Adam moments (fp32 exp_avg, exp_avg_sq)"] == 8 * t
+    assert plan.host["CPU Adam fp32 gradients"] == 4 * t
+    assert plan.host["CPU Adam gradient staging (trainable dtype)"] == 2 * t  # bf16
+    assert (
+        plan.host["reference weights (timeshare host copy)"]
+        == plan.host["actor weights (timeshare host copy)"]
+        == 2 * t
+    )
+    assert plan.host_bytes == sum(plan.host.values()) == 22 * t  # 156 GiB for 7.6B
+    assert plan.node_host_bytes == plan.host_bytes  # one GPU
+    small = recommend(config, gpu_mem_bytes=80 * GIB, allow_lora=False, host_mem_bytes=128 * GIB)
+    assert not small.fits and small.plan.device_peak_bytes <= small.usable_bytes  # the GPU is not the limit
+    assert small.host_miss_bytes == small.plan.node_host_bytes - small.host_usable_bytes > 0
+    assert (
+        "Nothing fits the host" in small.summary()[0]
+        and f"{small.host_miss_bytes / GIB:.2f} GiB over" in small.summary()[0]
+    )
+    big = recommend(config, gpu_mem_bytes=80 * GIB, allow_lora=False, host_mem_bytes=512 * GIB)
+    assert big.fits and big.plan.node_host_bytes <= big.host_usable_bytes and big.host_miss_bytes == 0
+    unchecked = recommend(config, gpu_mem_bytes=80 * GIB, allow_lora=False)
+    assert unchecked.fits and unchecked.host_usable_bytes is None and "not checked" in unchecked.summary()[1]
+    # Data parallel on one machine: every process holds its own host state.
+    two = build_plan(config.replace(dp=2))
+    assert two.node_host_bytes == 2 * two.host_bytes
+    with pytest.raises(ValueError, match="host_mem_bytes"):
+        recommend(config, gpu_mem_bytes=80 * GIB, host_mem_bytes=0)

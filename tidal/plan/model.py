@@ -294,7 +294,9 @@ class Plan:
     """The result of :func:`build_plan`. ``phases`` follows ``config.timeshare``;
     ``timeshared`` / ``all_resident`` hold both modes for comparison. ``streamed``: bytes per
     step that cross PCIe overlapped with compute (CPU Adam gradients/weights, activation
-    offload), with their time at the one-way rate."""
+    offload), with their time at the one-way rate. ``host``: the host memory the plan holds for
+    one GPU's process, by component (pinned: timeshare host copies, offloaded optimizer
+    states, CPU Adam's buffers, offloaded activations)."""
 
     config: PlanConfig
     bandwidth: Bandwidth
@@ -302,8 +304,18 @@ class Plan:
     all_resident: dict[str, Phase]
     transitions: list[Transition]
     streamed: dict[str, int]
-    host_bytes: int
+    host: dict[str, int]
     assumptions: list[str]
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held for one GPU's state (the sum of :attr:`host`)."""
+        return sum(self.host.values())
+
+    @property
+    def node_host_bytes(self) -> int:
+        """Host memory the plan holds on a machine running all ``dp`` GPUs' processes."""
+        return self.host_bytes * self.config.dp
 
     @property
     def phases(self) -> dict[str, Phase]:
@@ -353,6 +365,8 @@ class Plan:
             "transition_seconds": self.transition_seconds,
             "streamed": dict(self.streamed),
             "host_bytes": self.host_bytes,
+            "host": dict(self.host),
+            "node_host_bytes": self.node_host_bytes,
             "assumptions": list(self.assumptions),
         }
 
@@ -465,11 +479,7 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
     if c.act_offload and train_t.get("saved activations") and c.shape.layers > 2:
         per = train_t["saved activations"] // min(2, c.shape.layers)
         streamed["activation offload D2H+H2D"] = 2 * per * (c.shape.layers - 2) * c.micro_batches
-    host = st["optim"] if c.optimizer == "adamw_offload" else 0
-    if c.timeshare:  # every role's state that leaves the GPU at some switch (grads are dropped)
-        host = st["reference"] + (0 if c.lora_rank else actor_params) + st["optim"] + st["rollout_copy"]
-    if c.optimizer == "cpu_adam":
-        host += st["trainable"] * 16 + st["trainable"] * act.dtype_bytes(c.param_dtype)
+    host = host_components(c, st, actor_params, streamed)
     return Plan(
         config=c,
         bandwidth=bw,
@@ -477,9 +487,32 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         all_resident=phases(all_res),
         transitions=transitions,
         streamed=streamed,
-        host_bytes=host,
+        host=host,
         assumptions=assumptions(c, bw),
     )
+
+
+def host_components(c: PlanConfig, st: dict[str, int], actor_params: int, streamed: dict[str, int]) -> dict[str, int]:
+    """Host memory one GPU's process holds for the plan, by component (all of it pinned)."""
+    host: dict[str, int] = {}
+    if c.timeshare:  # every role's state that leaves the GPU at some switch (grads are dropped)
+        host["reference weights (timeshare host copy)"] = st["reference"]
+        host["actor weights (timeshare host copy)"] = 0 if c.lora_rank else actor_params
+        host["optimizer states (timeshare host copy)"] = st["optim"]
+        host["rollout weights copy (timeshare host copy)"] = st["rollout_copy"]
+    elif c.optimizer == "adamw_offload":
+        host["optimizer states (offloaded)"] = st["optim"]
+    if c.optimizer == "cpu_adam":
+        t = st["trainable"]
+        host["CPU Adam fp32 master weights"] = 4 * t
+        host["CPU Adam moments (fp32 exp_avg, exp_avg_sq)"] = 8 * t
+        host["CPU Adam fp32 gradients"] = 4 * t
+        host["CPU Adam gradient staging (trainable dtype)"] = t * st["le"]
+    offloaded = streamed.get("activation offload D2H+H2D", 0)
+    if offloaded:
+        # One micro-batch's offloaded layers wait on the host for its backward.
+        host["activation offload (one micro-batch's offloaded layers)"] = offloaded // (2 * c.micro_batches)
+    return {k: v for k, v in host.items() if v}
 
 
 def predict_phases(shape: Any, **config: Any) -> dict[str, int]:

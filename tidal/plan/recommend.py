@@ -59,8 +59,11 @@ class Recommendation:
 
     ``levers``: levers to turn on (cheapest first), with ``reasons[lever]`` saying what it
     does and what the peak would be without it. ``plan``: the plan with them. ``fits``:
-    ``plan.device_peak_bytes <= usable_bytes``; when False, ``plan`` is the lowest-peak plan
-    found and ``miss_bytes`` says by how much it exceeds ``usable_bytes``.
+    ``plan.device_peak_bytes <= usable_bytes`` and, when the host was checked
+    (``host_usable_bytes`` not None), ``plan.node_host_bytes <= host_usable_bytes``. When
+    False, ``plan`` is the best plan found: of those that fit the GPU the one holding the least
+    host memory (``host_miss_bytes`` says by how much it exceeds the host), else the lowest
+    peak (``miss_bytes`` says by how much it exceeds ``usable_bytes``).
     """
 
     fits: bool
@@ -71,16 +74,33 @@ class Recommendation:
     usable_bytes: int
     miss_bytes: int
     baseline_device_peak_bytes: int
+    host_usable_bytes: int | None = None
+    host_miss_bytes: int = 0
 
     def summary(self) -> list[str]:
         """Readable lines: what to enable and why, or by how much nothing fits."""
         use, peak = self.usable_bytes / GIB, self.plan.device_peak_bytes / GIB
+        host = self.plan.node_host_bytes / GIB
+        procs = f" for {self.plan.config.dp} GPUs' processes" if self.plan.config.dp > 1 else ""
+        host_line = (
+            f"Host memory: {host:.2f} GiB pinned{procs} of {self.host_usable_bytes / GIB:.2f} GiB usable."
+            if self.host_usable_bytes is not None
+            else f"Host memory: {host:.2f} GiB pinned{procs} (not checked: no host memory given)."
+        )
         if self.fits and not self.levers:
-            return [f"Fits as configured: {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable."]
+            return [f"Fits as configured: {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable.", host_line]
         if self.fits:
             lines = [
                 f"Enable: {', '.join(self.levers)} -> {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable "
-                f"(as configured: {self.baseline_device_peak_bytes / GIB:.2f} GiB)."
+                f"(as configured: {self.baseline_device_peak_bytes / GIB:.2f} GiB).",
+                host_line,
+            ]
+        elif self.host_miss_bytes:
+            lines = [
+                f"Nothing fits the host: the plan that fits the GPU with the least host memory "
+                f"({', '.join(self.levers) or 'as configured'}, {peak:.2f} GiB peak) holds {host:.2f} GiB pinned{procs}, "
+                f"{self.host_miss_bytes / GIB:.2f} GiB over the {self.host_usable_bytes / GIB:.2f} GiB usable. Use a "
+                "machine with more RAM or more machines, train LoRA adapters, or lower the model size."
             ]
         else:
             lines = [
@@ -102,6 +122,9 @@ class Recommendation:
             "device_peak_bytes": self.plan.device_peak_bytes,
             "peak_phase": self.plan.peak_phase,
             "baseline_device_peak_bytes": self.baseline_device_peak_bytes,
+            "host_bytes": self.plan.node_host_bytes,
+            "host_usable_bytes": self.host_usable_bytes,
+            "host_miss_bytes": self.host_miss_bytes,
             "config": self.plan.config.to_dict(),
         }
 
@@ -153,18 +176,28 @@ def recommend(
     reserve_fraction: float = 0.05,
     bandwidth: Bandwidth | None = None,
     allow_lora: bool = True,
+    host_mem_bytes: int | None = None,
+    host_reserve_fraction: float = 0.1,
 ) -> Recommendation:
     """The cheapest set of levers on top of ``config`` whose driver-level peak (allocated +
-    CUDA context) fits ``gpu_mem_bytes * (1 - reserve_fraction)`` on each of ``gpus`` GPUs.
+    CUDA context) fits ``gpu_mem_bytes * (1 - reserve_fraction)`` on each of ``gpus`` GPUs and,
+    given ``host_mem_bytes`` (the machine's RAM the job may use, e.g.
+    ``tidal.memory.host_memory().available_bytes``), whose host memory for all ``gpus``
+    processes (``Plan.node_host_bytes``) fits ``host_mem_bytes * (1 - host_reserve_fraction)``.
 
     ``reserve_fraction`` (default 5%) is kept free for allocator fragmentation and caching,
-    which the model does not predict. ``config.dp`` is set to ``gpus`` (data parallel over
-    all of them). Returns a :class:`Recommendation`.
+    which the model does not predict; ``host_reserve_fraction`` (default 10%) for what the
+    model does not count on the host (the processes themselves, Python, data, the model as
+    loaded before it moves to the GPU). ``config.dp`` is set to ``gpus`` (data parallel over
+    all of them, on one machine). Returns a :class:`Recommendation`.
     """
     if gpu_mem_bytes <= 0 or gpus < 1 or not 0 <= reserve_fraction < 1:
         raise ValueError("gpu_mem_bytes must be > 0, gpus >= 1, 0 <= reserve_fraction < 1")
+    if host_mem_bytes is not None and (host_mem_bytes <= 0 or not 0 <= host_reserve_fraction < 1):
+        raise ValueError("host_mem_bytes must be > 0 (or None) and 0 <= host_reserve_fraction < 1")
     base = config.replace(dp=gpus)
     usable = int(gpu_mem_bytes * (1 - reserve_fraction))
+    host_usable = None if host_mem_bytes is None else int(host_mem_bytes * (1 - host_reserve_fraction))
     baseline = build_plan(base, bandwidth=bandwidth)
     fams = _choices(base, gpus)
     if not allow_lora:
@@ -174,9 +207,15 @@ def recommend(
         levers = tuple(x for part in combo for x in part)
         plan = build_plan(_apply(base, levers, gpus), bandwidth=bandwidth)
         scored.append((sum(LEVER_COSTS[x] for x in levers), plan.device_peak_bytes, levers, plan))
-    fitting = [x for x in scored if x[1] <= usable]
+    on_gpu = [x for x in scored if x[1] <= usable]
+    fitting = [x for x in on_gpu if host_usable is None or x[3].node_host_bytes <= host_usable]
     fits = bool(fitting)
-    cost, peak, levers, plan = min(fitting or scored, key=lambda x: (x[0], x[1]) if fits else (x[1], x[0]))
+    if fits:
+        cost, peak, levers, plan = min(fitting, key=lambda x: (x[0], x[1]))
+    elif on_gpu:  # the host is the limit: the plan holding the least of it
+        cost, peak, levers, plan = min(on_gpu, key=lambda x: (x[3].node_host_bytes, x[0]))
+    else:
+        cost, peak, levers, plan = min(scored, key=lambda x: (x[1], x[0]))
     by_levers = {x[2]: x[1] for x in scored}
     reasons = {}
     for lever in levers:
@@ -193,4 +232,6 @@ def recommend(
         usable_bytes=usable,
         miss_bytes=max(0, peak - usable),
         baseline_device_peak_bytes=baseline.device_peak_bytes,
+        host_usable_bytes=host_usable,
+        host_miss_bytes=max(0, plan.node_host_bytes - host_usable) if host_usable is not None and not fits else 0,
     )

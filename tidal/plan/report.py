@@ -77,7 +77,10 @@ def format_plan(plan: Plan, recommendation=None) -> str:
         lines += ["", "streamed per step (overlapped with compute):"]
         for k, v in plan.streamed.items():
             lines.append(f"  {k}: {gib(v)} GiB, {v / (plan.bandwidth.d2h_gbps * 1e9) * 1e3:.1f} ms at the one-way rate")
-    lines.append(f"host memory held for the GPU state: {gib(plan.host_bytes)} GiB")
+    lines.append(f"host memory held for the GPU state: {gib(plan.host_bytes)} GiB (pinned), of it:")
+    lines += [f"  {k}: {gib(v)} GiB" for k, v in plan.host.items()]
+    if plan.config.dp > 1:
+        lines.append(f"  on a machine running all {plan.config.dp} GPUs' processes: {gib(plan.node_host_bytes)} GiB")
     if recommendation is not None:
         r = recommendation
         lines += [

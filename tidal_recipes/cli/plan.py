@@ -55,6 +55,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help="memory of one GPU in GiB; with it, a recommendation is made (80 GB H100: 79.2)",
     )
+    p.add_argument(
+        "--host-mem-gib",
+        type=positive_float,
+        default=None,
+        help="host RAM the job may use, in GiB, for the recommendation's host check (default: what this "
+        "machine has available now, memory cgroup included)",
+    )
     p.add_argument("--gpus", type=positive_int, default=1, help="GPUs (data-parallel degree; default 1)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
     p.add_argument("--prompts", type=positive_int, default=8, help="prompts per step, all GPUs (default 8)")
@@ -160,6 +167,7 @@ def _bandwidth(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Build the plan (and the recommendation) for ``args``; print it. Returns the exit code."""
     from tidal_recipes.cli.args import output_problem  # noqa: PLC0415
+    from tidal.memory import host_memory  # noqa: PLC0415
     from tidal.plan import GIB, PlanConfig, build_plan, format_plan, load_shape, recommend  # noqa: PLC0415
 
     problem = output_problem(args.json) if args.json not in (None, "-") else None
@@ -202,7 +210,16 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(config, bandwidth=bw)
     rec = None
     if args.gpu_mem_gib is not None:
-        rec = recommend(config, gpu_mem_bytes=int(args.gpu_mem_gib * GIB), gpus=args.gpus, bandwidth=bw)
+        if args.host_mem_gib is not None:
+            host = int(args.host_mem_gib * GIB)
+        else:
+            try:
+                host = host_memory().available_bytes  # this machine's, now (a cgroup's limit included)
+            except OSError:
+                host = None  # no /proc/meminfo: the host is not checked (the summary says so)
+        rec = recommend(
+            config, gpu_mem_bytes=int(args.gpu_mem_gib * GIB), gpus=args.gpus, bandwidth=bw, host_mem_bytes=host
+        )
     if args.json is None:
         print(format_plan(plan, rec), flush=True)
         return EXIT_OK

@@ -145,3 +145,21 @@ def test_trainer_flags(capsys):
     ) == (True, 10, "own", 256 << 20, True)
     code, _, err = _run(["--preset", "qwen2-0.5b", "--completion-logits"], capsys)
     assert code == 2 and "logprob_span" in err
+
+
+def test_host_memory_is_itemised_and_checked(capsys, monkeypatch):
+    args = ["--preset", "qwen2-7b", "--optimizer", "cpu_adam", "--grad-ckpt", "--gpu-mem-gib", "79.2"]
+    code, out, _ = _run([*args, "--host-mem-gib", "1000"], capsys)
+    assert code == 0
+    assert "CPU Adam moments (fp32 exp_avg, exp_avg_sq): 56.74 GiB" in out
+    assert "Host memory: 156.04 GiB pinned of 900.00 GiB usable." in out  # 10% kept back
+    # Without --host-mem-gib the machine's available memory (a cgroup's limit included) is used.
+    import tidal.memory  # noqa: PLC0415
+
+    fake = tidal.memory.HostMemory(total_bytes=64 << 30, available_bytes=60 << 30, cgroup_limit_bytes=64 << 30)
+    monkeypatch.setattr(tidal.memory, "host_memory", lambda: fake)
+    code, out, _ = _run(args, capsys)
+    assert code == 0 and "of 54.00 GiB usable" in out and "156.04 GiB" in out
+    data = json.loads(_run([*args, "--host-mem-gib", "100", "--json"], capsys)[1])
+    assert data["plan"]["host"]["CPU Adam fp32 gradients"] == 4 * 7615616512
+    assert data["recommendation"]["host_usable_bytes"] == 90 << 30

@@ -1,0 +1,44 @@
+"""tidal.memory.host_memory: the machine's RAM bounded by a memory cgroup's limit (v2 or v1),
+read from files (fakes of /proc/meminfo and /sys/fs/cgroup here)."""
+
+from tidal.memory import host_memory
+
+GiB = 1 << 30
+
+
+def _meminfo(tmp_path, total_gib: int, available_gib: int):
+    p = tmp_path / "meminfo"
+    p.write_text(
+        f"MemTotal:       {total_gib * GiB // 1024} kB\nMemFree: 1 kB\nMemAvailable:   {available_gib * GiB // 1024} kB\n"
+    )
+    return str(p)
+
+
+def test_without_a_cgroup_limit_the_kernel_totals_count(tmp_path):
+    cg = tmp_path / "cg"
+    (cg / "memory").mkdir(parents=True)
+    (cg / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))  # v1: no limit
+    (cg / "memory" / "memory.usage_in_bytes").write_text(str(3 * GiB))
+    h = host_memory(meminfo=_meminfo(tmp_path, 128, 100), cgroup_root=str(cg))
+    assert (h.total_bytes, h.available_bytes, h.cgroup_limit_bytes) == (128 * GiB, 100 * GiB, None)
+    assert host_memory(meminfo=_meminfo(tmp_path, 64, 60), cgroup_root=str(tmp_path / "none")).total_bytes == 64 * GiB
+
+
+def test_a_cgroup_v2_limit_bounds_total_and_available(tmp_path):
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.max").write_text(str(32 * GiB))
+    (cg / "memory.current").write_text(str(30 * GiB))
+    h = host_memory(meminfo=_meminfo(tmp_path, 128, 100), cgroup_root=str(cg))
+    assert (h.total_bytes, h.available_bytes, h.cgroup_limit_bytes) == (32 * GiB, 2 * GiB, 32 * GiB)
+    (cg / "memory.max").write_text("max")  # v2 without a limit
+    assert host_memory(meminfo=_meminfo(tmp_path, 128, 100), cgroup_root=str(cg)).available_bytes == 100 * GiB
+
+
+def test_a_cgroup_v1_limit_bounds_them_too(tmp_path):
+    cg = tmp_path / "cg"
+    (cg / "memory").mkdir(parents=True)
+    (cg / "memory" / "memory.limit_in_bytes").write_text(str(16 * GiB))
+    (cg / "memory" / "memory.usage_in_bytes").write_text(str(4 * GiB))
+    h = host_memory(meminfo=_meminfo(tmp_path, 128, 100), cgroup_root=str(cg))
+    assert (h.total_bytes, h.available_bytes) == (16 * GiB, 12 * GiB)
