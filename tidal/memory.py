@@ -12,7 +12,7 @@ import dataclasses
 import os
 import time
 
-from tidal.device import DeviceOps
+from tidal.device import DeviceOps, HostMemory, host_memory
 
 __all__ = ["HostMemory", "MemorySnapshot", "host_memory", "host_rss_bytes", "nvml_used_bytes", "snapshot"]
 
@@ -78,55 +78,3 @@ def host_rss_bytes() -> int:
         import resource  # noqa: PLC0415
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class HostMemory:
-    """This machine's RAM as a process here can use it: the kernel's totals (``/proc/meminfo``)
-    bounded by the memory cgroup's limit (a container's), where there is one.
-
-    Attributes:
-        total_bytes: ``MemTotal``, or the cgroup's limit if lower.
-        available_bytes: ``MemAvailable``, or what the cgroup's limit leaves above its current
-            usage if lower: what a new allocation can still get.
-        cgroup_limit_bytes: the cgroup's limit (None: no limit, or no memory cgroup found).
-    """
-
-    total_bytes: int
-    available_bytes: int
-    cgroup_limit_bytes: int | None
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # "max" (v2): no limit
-
-
-def host_memory(*, meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> HostMemory:
-    """Read :class:`HostMemory` (Linux; cgroup v2 ``memory.max``/``memory.current`` at
-    ``cgroup_root``, else v1 ``memory/memory.limit_in_bytes``/``memory.usage_in_bytes``). A v1
-    limit near 2**63 means none. Raises ``OSError`` if ``meminfo`` cannot be read."""
-    fields: dict[str, int] = {}
-    with open(meminfo) as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                fields[name] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
-    total = fields["MemTotal"]
-    available = fields.get("MemAvailable", fields.get("MemFree", total))
-    limit = _read_int(os.path.join(cgroup_root, "memory.max"))
-    usage = _read_int(os.path.join(cgroup_root, "memory.current"))
-    if limit is None:
-        limit = _read_int(os.path.join(cgroup_root, "memory", "memory.limit_in_bytes"))
-        usage = _read_int(os.path.join(cgroup_root, "memory", "memory.usage_in_bytes"))
-        if limit is not None and limit >= 1 << 60:  # v1 reports "no limit" as a huge number
-            limit = None
-    if limit is not None:
-        total = min(total, limit)
-        available = min(available, max(0, limit - (usage or 0)))
-    return HostMemory(total_bytes=total, available_bytes=available, cgroup_limit_bytes=limit)
