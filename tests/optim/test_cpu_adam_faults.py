@@ -30,10 +30,10 @@ def _same(a, b, keys) -> bool:
     return all(torch.equal(a[k], b[k]) for k in keys)
 
 
-def _make(in_backward: bool):
+def _make(in_backward: bool, state_dtype: torch.dtype = torch.float32):
     torch.manual_seed(0)
     model = SmallLM()
-    opt = tidal.CPUAdam(model.parameters(), lr=1e-2)
+    opt = tidal.CPUAdam(model.parameters(), lr=1e-2, state_dtype=state_dtype)
     ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(1))
     small_loss(model, ids).backward()
     opt.step()
@@ -42,8 +42,12 @@ def _make(in_backward: bool):
     return {"model": model, "opt": opt, "ids": ids, "before": _state(model, opt)}
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_backward", [False, True])
-def test_fault_at_every_point_of_a_cpu_adam_step_tears_no_parameter(in_backward):
+def test_fault_at_every_point_of_a_cpu_adam_step_tears_no_parameter(in_backward, state_dtype, monkeypatch):
+    # bf16 moments update slice by slice: 64-element slices make the larger parameters span
+    # several, so a fault can land between two slices of one parameter.
+    monkeypatch.setattr(tidal.optim.cpu_adam, "_SLICE_ELEMS", 64)
     clean: dict = {}
 
     def act(s):
@@ -74,5 +78,7 @@ def test_fault_at_every_point_of_a_cpu_adam_step_tears_no_parameter(in_backward)
         small_loss(model, s["ids"]).backward()  # and the optimizer works on
         opt.step()
 
-    points = sweep(lambda: _make(in_backward), act, check)
+    points = sweep(lambda: _make(in_backward, state_dtype), act, check)
     assert len(points) >= 4, points
+    if state_dtype == torch.bfloat16:
+        assert "cpu_adam_slice" in points

@@ -92,3 +92,15 @@ def test_host_memory_is_planned_and_a_plan_that_does_not_fit_the_host_is_refused
     assert two.node_host_bytes == 2 * two.host_bytes
     with pytest.raises(ValueError, match="host_mem_bytes"):
         recommend(config, gpu_mem_bytes=80 * GIB, host_mem_bytes=0)
+
+
+def test_cpu_adam_bf16_moments_halve_their_host_memory():
+    fp32 = build_plan(PlanConfig(**SEVEN_B, optimizer="cpu_adam"))
+    bf16 = build_plan(PlanConfig(**SEVEN_B, optimizer="cpu_adam", optim_state_dtype="bf16"))
+    t = fp32.config.shape.param_count()
+    assert fp32.host["CPU Adam moments (fp32 exp_avg, exp_avg_sq)"] == 8 * t
+    assert bf16.host["CPU Adam moments (bf16 exp_avg, exp_avg_sq)"] == 4 * t
+    assert fp32.host_bytes - bf16.host_bytes == 4 * t
+    assert any("bf16 on the host" in a for a in bf16.assumptions)
+    with pytest.raises(ValueError, match="CPUAdam keeps its moments in fp32 or bf16"):
+        PlanConfig(**SEVEN_B, optimizer="cpu_adam", optim_state_dtype="fp16")

@@ -60,12 +60,14 @@ __all__ = ["CPUAdam"]
 _STOP = object()
 _CHUNK_BYTES = 64 << 20  # fp32 master bytes per update chunk: one H2D copy overlaps the next chunk's math
 _BATCH_BYTES = 512 << 20  # fp32 bytes of gradients the worker takes into one in-backward update
+_SLICE_ELEMS = 4 << 20  # elements per update slice with low-precision moments (32 MiB of fp32 temporaries)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _HostParam:
     """Host-side buffers of one parameter."""
 
-    __slots__ = ("grad", "staging", "seen", "has_grad", "updated", "landed", "staging_free")
+    __slots__ = ("grad", "staging", "seen", "has_grad", "updated", "landed", "staging_free", "done_elems")
 
     def __init__(self, grad: torch.Tensor, staging: torch.Tensor) -> None:
         self.grad = grad  # fp32 accumulated gradient (pinned: the first micro-batch lands here)
@@ -74,11 +76,13 @@ class _HostParam:
         self.has_grad = False  # the worker has it in `grad`
         self.updated = False  # the host master holds this step's update
         self.landed = False  # the update's copy into the parameter is queued
+        self.done_elems = 0  # low-precision moments: elements of this step's update applied so far
         self.staging_free = threading.Event()
         self.staging_free.set()
 
     def reset(self) -> None:
         self.seen = self.has_grad = self.updated = self.landed = False
+        self.done_elems = 0
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -91,6 +95,13 @@ class CPUAdam(torch.optim.Optimizer):
         max_inflight_bytes: device bytes of gradients (and their fp32 casts) whose copy to
             the host may be pending at once during backward; beyond it the backward waits for
             the oldest copy. Bounds the optimizer's transient device memory.
+        state_dtype: the dtype of the moments (``exp_avg``, ``exp_avg_sq``) on the host:
+            ``torch.float32`` (default: AdamW exactly) or ``torch.bfloat16``, which halves
+            their host memory (8 to 4 bytes per parameter; the fp32 master weights stay) for
+            when host RAM is the limit. The update then runs in fp32 on slices of
+            ``_SLICE_ELEMS`` elements (upcast, fused AdamW, rounded back to nearest), about
+            half the host throughput of the fp32 path; its effect on training is measured in
+            benchmarks/RESULTS.md (``benchmarks/bench_cpu_adam_precision.py``).
     """
 
     # Read by the timeshare (duck-typed, no import): this optimizer's state is on the host
@@ -109,6 +120,7 @@ class CPUAdam(torch.optim.Optimizer):
         maximize: bool = False,
         overlap: bool = True,
         max_inflight_bytes: int = 512 << 20,
+        state_dtype: torch.dtype = torch.float32,
         context: TransferContext | None = None,
     ) -> None:
         if not 0.0 <= lr:
@@ -122,6 +134,14 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if max_inflight_bytes < 0:
             raise ValueError(f"max_inflight_bytes must be >= 0, got {max_inflight_bytes}")
+        if not isinstance(state_dtype, torch.dtype):
+            raise TypeError(f"state_dtype must be a torch.dtype, got {type(state_dtype).__name__}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"state_dtype must be one of {[str(d) for d in STATE_DTYPES]}, got {state_dtype}; torch.float32 is "
+                f"AdamW exactly, torch.bfloat16 halves the moments' host memory"
+            )
+        self.state_dtype = state_dtype
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         self._host: dict[torch.Tensor, _HostParam] = {}
         self._group_of: dict[torch.Tensor, dict] = {}
@@ -196,10 +216,10 @@ class CPUAdam(torch.optim.Optimizer):
             st = self.state[p]
             st["step"] = torch.tensor(0.0)
             st["master"] = master
-            st["exp_avg"] = torch.zeros_like(master)
-            st["exp_avg_sq"] = torch.zeros_like(master)
+            st["exp_avg"] = torch.zeros_like(master, dtype=self.state_dtype)
+            st["exp_avg_sq"] = torch.zeros_like(master, dtype=self.state_dtype)
             if group["amsgrad"]:
-                st["max_exp_avg_sq"] = torch.zeros_like(master)
+                st["max_exp_avg_sq"] = torch.zeros_like(master, dtype=self.state_dtype)
             self._host[p] = _HostParam(grad, staging)
             self._group_of[p] = group
             if self._overlap:
@@ -515,6 +535,10 @@ class CPUAdam(torch.optim.Optimizer):
     def _adam(self, params: list[torch.Tensor]) -> None:
         """Fused AdamW on the host masters of ``params`` (one call per param group). All or
         nothing: the step counters go back if the update raises."""
+        if self.state_dtype != torch.float32:
+            for p in params:
+                self._adam_sliced(p)
+            return
         groups: dict[int, list[torch.Tensor]] = {}
         for p in params:
             groups.setdefault(id(self._group_of[p]), []).append(p)
@@ -545,6 +569,59 @@ class CPUAdam(torch.optim.Optimizer):
                 raise
             for p in ps:
                 self._host[p].updated = True
+
+    def _adam_sliced(self, p: torch.Tensor) -> None:
+        """AdamW on one parameter whose moments are stored in a lower precision: per slice,
+        upcast the moments, fused AdamW in fp32 (the master in place), round them back to
+        nearest. All or nothing per parameter: an exception before the first slice undoes the
+        step count; one after it finishes the remaining slices before it goes on (the update
+        rolls forward, so the parameter is never half-stepped). Should a second exception stop
+        that, ``done_elems`` keeps the progress and the next ``step()`` or ``zero_grad()``
+        finishes it."""
+        st, hp = self.state[p], self._host[p]
+        if hp.done_elems == 0:
+            self._ops.point("cpu_adam_update")
+            st["step"].add_(1)
+        try:
+            self._update_slices(p)
+        except BaseException:
+            if hp.done_elems == 0:
+                st["step"].sub_(1)  # nothing of this update applied
+                raise
+            self._update_slices(p, points=False)  # roll forward: the rest of this parameter
+            raise
+        finally:
+            if hp.done_elems == st["master"].numel():
+                hp.updated = True
+
+    def _update_slices(self, p: torch.Tensor, *, points: bool = True) -> None:
+        """The slices of ``p``'s update from ``done_elems`` on (see :meth:`_adam_sliced`)."""
+        g, st, hp = self._group_of[p], self.state[p], self._host[p]
+        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if g["amsgrad"] else [])
+        master, grad = st["master"].view(-1), hp.grad.view(-1)
+        moments = [st[n].view(-1) for n in names]
+        for a in range(hp.done_elems, master.numel(), _SLICE_ELEMS):
+            b = min(a + _SLICE_ELEMS, master.numel())
+            wide = [m[a:b].float() for m in moments]
+            torch._fused_adamw_(
+                [master[a:b]],
+                [grad[a:b]],
+                [wide[0]],
+                [wide[1]],
+                wide[2:],
+                [st["step"]],
+                lr=float(g["lr"]),
+                beta1=g["betas"][0],
+                beta2=g["betas"][1],
+                weight_decay=g["weight_decay"],
+                eps=g["eps"],
+                amsgrad=g["amsgrad"],
+                maximize=g["maximize"],
+            )
+            torch._foreach_copy_([m[a:b] for m in moments], wide)  # rounded to nearest
+            hp.done_elems = b
+            if points:
+                self._ops.point("cpu_adam_slice")
 
     def _land(self, params: list[torch.Tensor], *, after: Any) -> None:
         """Queue the new weights of updated ``params`` into the parameters (fp32 over PCIe,
@@ -597,6 +674,12 @@ class CPUAdam(torch.optim.Optimizer):
             # now: the parameters must always match the masters the next update starts from.
             if self._ops is not None:
                 self._pending = []
+                # An update that an exception stopped part-way through a parameter (low-precision
+                # moments, updated slice by slice) is finished first: a master half old, half new
+                # would be kept for good once its gradient is gone.
+                for p, hp in self._host.items():
+                    if hp.done_elems and not hp.updated:
+                        self._adam_sliced(p)
                 self._land([p for p, hp in self._host.items() if hp.updated and not hp.landed], after=None)
                 self._publish()
             # Gradients are discarded either way, so a worker error is forgotten with them.

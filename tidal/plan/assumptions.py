@@ -20,6 +20,8 @@ def assumptions(c, bw) -> list[str]:
     s = c.shape
     grad = c.grad_dtype or (c.lora_dtype if c.lora_rank else c.param_dtype)
     state = c.optim_state_dtype or (c.lora_dtype if c.lora_rank else c.param_dtype)
+    if c.optimizer == "cpu_adam":
+        state = f"{c.optim_state_dtype or 'fp32'} on the host (CPU Adam's moments; its master weights fp32)"
     out = [
         f"Model: {s.name} ({s.family}), {s.param_count() / 1e9:.3f} B parameters, {s.layers} layers, "
         f"hidden {s.hidden}, MLP {s.intermediate}, {s.heads} heads / {s.kv_heads} KV heads of {s.head_dim}, "

@@ -63,7 +63,9 @@ class PlanConfig:
     activation dtype: no autocast); ``grad_dtype`` and ``optim_state_dtype`` default to the
     param dtype (what ``torch.optim.AdamW`` allocates: ``zeros_like(param)``); set
     ``optim_state_dtype="fp32"`` and ``master_weights=True`` for mixed-precision AdamW with
-    fp32 master weights. ``kv_dtype`` defaults to the param dtype.
+    fp32 master weights. With ``optimizer="cpu_adam"`` it is the dtype of CPU Adam's moments on
+    the host (``CPUAdam(state_dtype=...)``): ``"fp32"`` (default) or ``"bf16"``.
+    ``kv_dtype`` defaults to the param dtype.
 
     Optimizer: ``"adamw"`` (states on the GPU; ``adamw_foreach``: torch's foreach step makes
     one state-sized temporary, the fused one none), ``"adamw_offload"`` (states on the host
@@ -165,6 +167,11 @@ class PlanConfig:
                 act.dtype_bytes(getattr(self, name))
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.optimizer == "cpu_adam" and self.optim_state_dtype not in (None, "fp32", "bf16"):
+            raise ValueError(
+                f"optim_state_dtype={self.optim_state_dtype!r} with optimizer='cpu_adam': CPUAdam keeps its moments "
+                f"in fp32 or bf16 (its state_dtype); use one of those"
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
         if self.attn not in act.ATTN_IMPLEMENTATIONS:
@@ -505,7 +512,8 @@ def host_components(c: PlanConfig, st: dict[str, int], actor_params: int, stream
     if c.optimizer == "cpu_adam":
         t = st["trainable"]
         host["CPU Adam fp32 master weights"] = 4 * t
-        host["CPU Adam moments (fp32 exp_avg, exp_avg_sq)"] = 8 * t
+        moments = c.optim_state_dtype or "fp32"  # CPUAdam(state_dtype=...)
+        host[f"CPU Adam moments ({moments} exp_avg, exp_avg_sq)"] = 2 * t * act.dtype_bytes(moments)
         host["CPU Adam fp32 gradients"] = 4 * t
         host["CPU Adam gradient staging (trainable dtype)"] = t * st["le"]
     offloaded = streamed.get("activation offload D2H+H2D", 0)

@@ -88,7 +88,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--optim-state-dtype",
         choices=_DTYPES,
         default=None,
-        help="AdamW state dtype (default: the param dtype, as torch.optim.AdamW allocates)",
+        help="AdamW state dtype (default: the param dtype, as torch.optim.AdamW allocates); with "
+        "--optimizer cpu_adam, CPU Adam's moments on the host: fp32 (default) or bf16",
     )
     p.add_argument("--master-weights", action="store_true", help="fp32 master weights next to the optimizer states")
     p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attention implementation (default sdpa)")
