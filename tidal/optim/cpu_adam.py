@@ -29,7 +29,8 @@ device as they are produced; while their copies are in flight the device holds e
 its fp32 cast, at most ``max_inflight_bytes`` of them (plus the one just produced): past that
 the backward waits for the oldest copy, so a backward faster than PCIe cannot pile every
 gradient up on the device. Host 16 bytes (fp32 master and gradient, pinned; exp_avg, exp_avg_sq; +4 with
-amsgrad) plus the parameter's own size in pinned staging for gradient accumulation.
+amsgrad) plus the parameter's own size in pinned staging for gradient accumulation; 12 bytes
+(+2) with ``state_dtype=torch.bfloat16`` (moments in bf16), plus fp32 scratch for one update slice.
 
 The CPU does only the fused update (memory-bound: ~28 bytes per parameter): dtype casts run
 on the device, and fp32 crosses PCIe, which has headroom next to the host's update.
@@ -600,9 +601,10 @@ class CPUAdam(torch.optim.Optimizer):
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if g["amsgrad"] else [])
         master, grad = st["master"].view(-1), hp.grad.view(-1)
         moments = [st[n].view(-1) for n in names]
+        scratch = self._scratch_fp32(len(moments))
         for a in range(hp.done_elems, master.numel(), _SLICE_ELEMS):
             b = min(a + _SLICE_ELEMS, master.numel())
-            wide = [m[a:b].float() for m in moments]
+            wide = [buf[: b - a].copy_(m[a:b]) for buf, m in zip(scratch, moments)]
             torch._fused_adamw_(
                 [master[a:b]],
                 [grad[a:b]],
@@ -622,6 +624,15 @@ class CPUAdam(torch.optim.Optimizer):
             hp.done_elems = b
             if points:
                 self._ops.point("cpu_adam_slice")
+
+    def _scratch_fp32(self, n: int) -> list[torch.Tensor]:
+        """``n`` fp32 host buffers of ``_SLICE_ELEMS`` for the low-precision moments' update,
+        made once (fresh memory each slice would pay its page faults every step). Memory:
+        4 bytes x ``_SLICE_ELEMS`` each; the worker thread and ``step()`` never update at once."""
+        bufs = getattr(self, "_scratch", None)
+        if bufs is None or len(bufs) < n or bufs[0].numel() != _SLICE_ELEMS:
+            bufs = self._scratch = [torch.empty(_SLICE_ELEMS, dtype=torch.float32) for _ in range(n)]
+        return bufs[:n]
 
     def _land(self, params: list[torch.Tensor], *, after: Any) -> None:
         """Queue the new weights of updated ``params`` into the parameters (fp32 over PCIe,
