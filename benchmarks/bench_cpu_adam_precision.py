@@ -91,7 +91,7 @@ def train(kind: str, steps: int, lr: float) -> tuple[list[float], float, list[to
         opt.step()
         step_s.append(time.perf_counter() - t0)
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     model.eval()
     ge = torch.Generator().manual_seed(99)
     with torch.no_grad():
