@@ -550,20 +550,14 @@ class CPUAdam(torch.optim.Optimizer):
             self._ops.point("cpu_adam_update")
             torch._foreach_add_(steps, 1)
             try:
-                torch._fused_adamw_(
+                _fused_adamw(
+                    g,
                     [s["master"] for s in sts],
                     [self._host[p].grad for p in ps],
                     [s["exp_avg"] for s in sts],
                     [s["exp_avg_sq"] for s in sts],
                     [s["max_exp_avg_sq"] for s in sts] if g["amsgrad"] else [],
                     steps,
-                    lr=float(g["lr"]),
-                    beta1=g["betas"][0],
-                    beta2=g["betas"][1],
-                    weight_decay=g["weight_decay"],
-                    eps=g["eps"],
-                    amsgrad=g["amsgrad"],
-                    maximize=g["maximize"],
                 )
             except BaseException:
                 torch._foreach_sub_(steps, 1)
@@ -605,21 +599,7 @@ class CPUAdam(torch.optim.Optimizer):
         for a in range(hp.done_elems, master.numel(), _SLICE_ELEMS):
             b = min(a + _SLICE_ELEMS, master.numel())
             wide = [buf[: b - a].copy_(m[a:b]) for buf, m in zip(scratch, moments)]
-            torch._fused_adamw_(
-                [master[a:b]],
-                [grad[a:b]],
-                [wide[0]],
-                [wide[1]],
-                wide[2:],
-                [st["step"]],
-                lr=float(g["lr"]),
-                beta1=g["betas"][0],
-                beta2=g["betas"][1],
-                weight_decay=g["weight_decay"],
-                eps=g["eps"],
-                amsgrad=g["amsgrad"],
-                maximize=g["maximize"],
-            )
+            _fused_adamw(g, [master[a:b]], [grad[a:b]], [wide[0]], [wide[1]], wide[2:], [st["step"]])
             torch._foreach_copy_([m[a:b] for m in moments], wide)  # rounded to nearest
             hp.done_elems = b
             if points:
@@ -743,6 +723,25 @@ class CPUAdam(torch.optim.Optimizer):
                     v.copy_(saved[k])
         for g, sg in zip(self.param_groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
+
+
+def _fused_adamw(group: dict, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) -> None:
+    """torch's fused AdamW kernel with ``group``'s hyperparameters (tensors updated in place)."""
+    torch._fused_adamw_(
+        masters,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        steps,
+        lr=float(group["lr"]),
+        beta1=group["betas"][0],
+        beta2=group["betas"][1],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        amsgrad=group["amsgrad"],
+        maximize=group["maximize"],
+    )
 
 
 def _release_host(arena: HostArena, slots: list[HostSlot], owner: str) -> None:
