@@ -1,8 +1,8 @@
 """Checkpoint and sharded-role benchmark on 2 GPUs: tidal's save/load vs plain DCP, and the
 per-rank timeshare transitions of an FSDP2 stage-3 role.
 
-    python benchmarks/bench_checkpoint.py [--preset qwen2-0.5b] [--dir /tmp] [--cycles 3]
-        [--results PATH] [--json PATH] [--budget-s 150]
+    python benchmarks/bench_checkpoint.py [--preset qwen2-0.5b] [--dir /tmp] [--cycles 8]
+        [--repeats 3] [--world 2] [--results PATH] [--json PATH] [--budget-s 150]
 
 Two processes, one GPU each, NCCL. Each builds the same Qwen2-shape causal LM from a config
 (random fp32 weights, transformers' ``Qwen2ForCausalLM``), shards it with
@@ -12,9 +12,12 @@ fp32 params and both Adam moments, half of each on each rank.
 
 Measured, in this order (every figure is the slowest rank's, barriers around each case):
 
+* the line rate on each rank with the other ranks copying at the same time (1 GiB, pinned).
 * transitions: ``ts.offload`` / ``ts.load`` of the role (params + moments) ``--cycles`` times;
   GB/s per rank = the role's bytes on that rank / the copy time tidal records (both ranks move
-  at once, so they share the host's memory bandwidth).
+  at once, so they share the host's memory bandwidth), beside that line rate; the driver's
+  used memory after each offload, and any collection by Python's cyclic GC inside a
+  transition (its milliseconds count in the transition's).
 * save, role resident: ``tidal.checkpoint.save`` (DCP through a gloo group, atomic commit).
 * save, plain: ``get_state_dict`` + ``torch.distributed.checkpoint.save`` of the GPU state
   dict (default ``FileSystemWriter``: one thread, 10 MB copy-ahead, fsync), default group.
@@ -22,7 +25,9 @@ Measured, in this order (every figure is the slowest rank's, barriers around eac
   DCP cannot save an offloaded role without reloading it first).
 * load, role offloaded (into the host copies), load resident (into the GPU tensors), and the
   plain ``dcp.load`` + ``set_state_dict``; the page cache is dropped before each load when
-  the process may (root), and every load is checked bit for bit against the saved state.
+  the process may (root), and every load is checked bit for bit against the saved state
+  (kept on the host: a device copy would share allocator segments with the role).
+  Each save and load runs ``--repeats`` times: the median, with the range as its noise.
 
 GB/s = bytes of the checkpoint's files (both ranks) / seconds; peak extra = the largest
 ``torch.cuda.max_memory_allocated`` growth over the case on any rank. Checkpoints go to a
@@ -36,11 +41,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import shutil
 import sys
 import tempfile
+import statistics
 import time
 
 import torch
@@ -93,6 +100,40 @@ class Case:
         return {"seconds": seconds, "peak_extra": peak}
 
 
+class _GCLog:
+    """Seconds the interpreter's cyclic garbage collector ran, by generation, between
+    ``start`` and ``stop`` (a collection inside a transition counts in its seconds)."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.spans: list | None = None
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if self.spans is None:
+            return
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            self.spans.append((info["generation"], time.perf_counter() - self.t0))
+
+    def start(self) -> None:
+        self.spans = []
+
+    def stop(self) -> list:
+        spans, self.spans = self.spans, None
+        return spans
+
+
+def _driver_used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _tensors(model, opt) -> dict[str, torch.Tensor]:
     from tests.distributed.test_fsdp import state_tensors  # params, grads, moments by name
 
@@ -125,7 +166,11 @@ def _run(rank: int, world: int, args, root: str) -> dict:
     opt.step()
     opt.zero_grad(set_to_none=True)
     del ids
-    reference = {k: v.clone() for k, v in _tensors(model, opt).items()}
+    # The state to compare against lives on the host: clones kept on the device would share
+    # caching-allocator segments with the role's storages (a reload fills their free space),
+    # so later offloads could not give those segments back to the driver (the 73 MiB per rank
+    # that earlier runs of this benchmark left; scripts/probe_fsdp_release.py shows it).
+    reference = {k: _local(v).to("cpu", copy=True) for k, v in _tensors(model, opt).items()}
 
     def zero_state() -> None:
         with torch.no_grad():
@@ -135,7 +180,7 @@ def _run(rank: int, world: int, args, root: str) -> dict:
 
     def check(what: str) -> None:
         now = _tensors(model, opt)
-        bad = [k for k in reference if not torch.equal(now[k], reference[k])]
+        bad = [k for k in reference if not torch.equal(_local(now[k]).cpu(), reference[k])]
         out["cases"][what]["exact"] = not bad
         if bad:
             out["cases"][what]["note"] = f"differs: {bad[:3]}"
@@ -151,14 +196,28 @@ def _run(rank: int, world: int, args, root: str) -> dict:
         return box[0]
 
     case = Case(cuda)
+    if cuda:
+        # The line rate on this rank with the other rank copying at the same time (the
+        # transitions below run that way too), so each transition's GB/s has its ratio.
+        from tidal.device import DeviceOps
+        from tidal_recipes.cli.bench import measure_line_rate
+
+        dist.barrier()
+        out["line"] = measure_line_rate(DeviceOps(device), 1 << 30)
     ts = tidal.Timeshare(device)
     ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
     out["role_bytes"] = ts.role_bytes("actor")
+    gc_log = _GCLog()
     for cycle in range(args.cycles):
         dist.barrier()
+        gc_log.start()
         rec_out = ts.offload("actor")
+        gc_out = gc_log.stop()
+        used_out = _driver_used() if cuda else 0
         dist.barrier()
+        gc_log.start()
         rec_in = ts.load("actor")
+        gc_in = gc_log.stop()
         out["transitions"].append(
             {
                 "offload_gbps": rec_out.gbps,
@@ -167,6 +226,9 @@ def _run(rank: int, world: int, args, root: str) -> dict:
                 "reload_s": rec_in.seconds,
                 "release_s": rec_out.release_seconds,
                 "unreleased": rec_out.unreleased_bytes,
+                "driver_used_offloaded": used_out,
+                "gc_out": gc_out,
+                "gc_in": gc_in,
             }
         )
     state = TrainState(model, opt, timeshare=ts)
@@ -182,9 +244,20 @@ def _run(rank: int, world: int, args, root: str) -> dict:
         dcp.load(sd, checkpoint_id=os.path.join(pdir, "step-1"))
         set_state_dict(model, [opt], model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
-    def record(name: str, fn, path: str | None = None, **extra) -> None:
+    def record(name: str, fn, path: str | None = None, before=None, **extra) -> None:
+        # ``--repeats`` timed runs (``before`` runs untimed ahead of each: resets, cache drops);
+        # the row gives the median with the range as the noise.
+        runs = []
         try:
-            r = case(fn)
+            for _ in range(args.repeats):
+                if before is not None:
+                    before()
+                runs.append(case(fn))
+            r = {
+                "seconds": statistics.median(x["seconds"] for x in runs),
+                "seconds_all": [x["seconds"] for x in runs],
+                "peak_extra": max(x["peak_extra"] for x in runs),
+            }
         except Exception as e:  # reported in the row; the other cases still run
             r = {"error": f"{type(e).__name__}: {e}"[:300]}
         r.update(extra)
@@ -199,49 +272,73 @@ def _run(rank: int, world: int, args, root: str) -> dict:
     tiny = torch.nn.Linear(4, 4, device=device)
     save(os.path.join(root, "warm-tidal"), TrainState(tiny, rng=False), step=0)
     dcp.save({"w": tiny.state_dict()}, checkpoint_id=os.path.join(root, "warm-plain"))
-    # Plain DCP is timed first now (the earlier run timed tidal's resident save first).
+
+    def fresh(path: str):
+        # Before each repeat: the previous repeat's files go (untimed), so the disk holds one
+        # checkpoint per case and every save writes new files.
+        def before() -> None:
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            dist.barrier()
+
+        return before
+
+    # Plain DCP is timed first (an earlier run timed tidal's resident save first).
     if go("save plain"):
-        record("save plain", plain_save, os.path.join(pdir, "step-1"))
+        record("save plain", plain_save, os.path.join(pdir, "step-1"), before=fresh(pdir))
     if go("save resident"):
-        record("save resident", lambda: save(tdir, state, step=1), os.path.join(tdir, "step-1"))
+        record(
+            "save resident",
+            lambda: save(os.path.join(tdir, "resident"), state, step=1),
+            os.path.join(tdir, "resident", "step-1"),
+            before=fresh(os.path.join(tdir, "resident")),
+        )
     if go("save offloaded"):
         ts.offload("actor")
         record(
             "save offloaded",
-            lambda: save(tdir, state, step=2),
-            os.path.join(tdir, "step-2"),
-            resident_after=ts.is_resident("actor"),
+            lambda: save(os.path.join(tdir, "offloaded"), state, step=2),
+            os.path.join(tdir, "offloaded", "step-2"),
+            before=fresh(os.path.join(tdir, "offloaded")),
         )
+        out["cases"]["save offloaded"]["resident_after"] = ts.is_resident("actor")
 
-    cold = False
+    def cold_start(offloaded: bool):
+        # Before each load: the state zeroed (so a load that reads nothing is caught), the
+        # role where the case wants it, and the page cache dropped so the load reads the disk.
+        def before() -> None:
+            ts.load("actor")
+            zero_state()
+            if offloaded:
+                ts.offload("actor")
+            out["cold"] = _drop_caches() if rank == 0 else False
+            dist.barrier()
+
+        return before
+
     if go("load offloaded") and saved("save offloaded"):
-        ts.load("actor")
-        zero_state()
-        ts.offload("actor")
-        cold = _drop_caches() if rank == 0 else False
         record(
             "load offloaded",
-            lambda: load(os.path.join(tdir, "step-2"), state),
-            os.path.join(tdir, "step-2"),
-            cold_cache=cold,
+            lambda: load(os.path.join(tdir, "offloaded", "step-2"), state),
+            os.path.join(tdir, "offloaded", "step-2"),
+            before=cold_start(offloaded=True),
         )
+        out["cases"]["load offloaded"]["cold_cache"] = out.get("cold")
         ts.load("actor")
         check("load offloaded")
     ts.load("actor")
     if go("load resident") and saved("save resident"):
-        zero_state()
-        cold = _drop_caches() if rank == 0 else False
         record(
             "load resident",
-            lambda: load(os.path.join(tdir, "step-1"), state),
-            os.path.join(tdir, "step-1"),
-            cold_cache=cold,
+            lambda: load(os.path.join(tdir, "resident", "step-1"), state),
+            os.path.join(tdir, "resident", "step-1"),
+            before=cold_start(offloaded=False),
         )
+        out["cases"]["load resident"]["cold_cache"] = out.get("cold")
         check("load resident")
     if go("load plain") and saved("save plain"):
-        zero_state()
-        cold = _drop_caches() if rank == 0 else False
-        record("load plain", plain_load, os.path.join(pdir, "step-1"), cold_cache=cold)
+        record("load plain", plain_load, os.path.join(pdir, "step-1"), before=cold_start(offloaded=False))
+        out["cases"]["load plain"]["cold_cache"] = out.get("cold")
         check("load plain")
     ts.close()
     out["seconds"] = time.monotonic() - t_start
@@ -282,7 +379,10 @@ def _combine(ranks: list[dict], world: int) -> dict:
             if found:
                 c[key] = found[0]
         if "seconds" in rs[0]:
-            c["seconds"] = max(r.get("seconds", 0.0) for r in rs)
+            # Per repeat the slowest rank; the median repeat, its range the noise.
+            per = [max(r["seconds_all"][i] for r in rs) for i in range(len(rs[0]["seconds_all"]))]
+            c["seconds_all"] = per
+            c["seconds"] = statistics.median(per)
             c["peak_extra"] = max(r.get("peak_extra", 0) for r in rs)
             c["bytes"] = rs[0].get("files_bytes", 0)
             c["gbps"] = c["bytes"] / c["seconds"] / 1e9 if c["seconds"] > 0 else 0.0
@@ -317,15 +417,24 @@ def _rows(ranks: list[dict], cases: dict, v: dict, args, world: int) -> list[str
     role_gb = max(r["role_bytes"] for r in ranks) / 1e9
     rows = []
     tr = [r["transitions"] for r in ranks]
-    for kind in ("offload", "reload"):
-        per_rank = [[t[f"{kind}_gbps"] for t in ts] for ts in tr]
-        cold = min(p[0] for p in per_rank)
-        warm = [min(p[i] for p in per_rank) for i in range(1, len(per_rank[0]))]
-        warm_txt = f"warm {min(warm):.1f}-{max(warm):.1f}" if warm else "no warm cycles"
+    lines = [r.get("line") for r in ranks]
+    for kind, line_key in (("offload", "d2h_gbps"), ("reload", "h2d_gbps")):
+        # Per cycle the slowest rank (both move at once); cold = the first cycle.
+        per_cycle = [min(ts[i][f"{kind}_gbps"] for ts in tr) for i in range(len(tr[0]))]
+        cold, warm = per_cycle[0], per_cycle[1:]
+        line = min(ln[line_key] for ln in lines) if all(lines) else None
+        ratio = (lambda g: f" = {g / line:.2f}x") if line else (lambda g: "")
+        warm_txt = (
+            f"warm median {statistics.median(warm):.1f}{ratio(statistics.median(warm))} "
+            f"(range {min(warm):.1f}-{max(warm):.1f}, {len(warm)} cycles)"
+            if warm
+            else "no warm cycles"
+        )
+        line_txt = f"line rate {line:.1f} GB/s per rank, both ranks copying" if line else "no line rate (CPU)"
         rows.append(
             f"{lead} transition {kind} (per rank) | {role_gb:.2f}/rank | "
-            f"{max(t[0][f'{kind}_s'] for t in tr):.3f} | {cold:.1f} (cold), {warm_txt} | - | - | "
-            f"both ranks at once; slowest rank |"
+            f"{max(t[0][f'{kind}_s'] for t in tr):.3f} | {cold:.1f}{ratio(cold)} (cold), {warm_txt} | - | - | "
+            f"{line_txt}; slowest rank |"
         )
     for name, c in cases.items():
         if "seconds" not in c:
@@ -336,8 +445,9 @@ def _rows(ranks: list[dict], cases: dict, v: dict, args, world: int) -> list[str
             notes.append("page cache dropped" if c["cold_cache"] else "page cache NOT dropped (warm read)")
         if name.startswith("load"):
             notes.append("bit-exact" if c["exact"] else "NOT EXACT")
+        spread = f" ({min(c['seconds_all']):.2f}-{max(c['seconds_all']):.2f}, {len(c['seconds_all'])} runs)"
         rows.append(
-            f"{lead} {name} | {c['bytes'] / 1e9:.2f} | {c['seconds']:.2f} | {c['per_rank_gbps']:.2f} | "
+            f"{lead} {name} | {c['bytes'] / 1e9:.2f} | {c['seconds']:.2f}{spread} | {c['per_rank_gbps']:.2f} | "
             f"{c['gbps']:.2f} | {c['peak_extra'] / MiB:.1f} | {'; '.join(notes)} |"
         )
     return rows
@@ -377,12 +487,14 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="qwen2-0.5b")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="local disk for the checkpoints")
-    p.add_argument("--cycles", type=int, default=3)
+    p.add_argument("--world", type=int, default=2, help="processes (one GPU each); 1 runs the same code on one GPU")
+    p.add_argument("--cycles", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each save and load case (median, range)")
     p.add_argument("--budget-s", type=float, default=150.0, help="skip the cases left once this is spent")
     p.add_argument("--results", default=None, help="append rows to this markdown file")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    world = 2
+    world = args.world
     if args.device == "cuda" and torch.cuda.device_count() < world:
         print(f"needs {world} GPUs, found {torch.cuda.device_count()}")
         return 3
@@ -412,13 +524,27 @@ def main(argv=None) -> int:
         for i, t in enumerate(r["transitions"]):
             print(
                 f"  rank {r['rank']} cycle {i}: offload {t['offload_gbps']:.1f} GB/s ({t['offload_s']:.3f} s, "
-                f"release {t['release_s']:.3f} s, unreleased {t['unreleased'] / MiB:.0f} MiB), "
+                f"release {t['release_s']:.3f} s, unreleased {t['unreleased'] / MiB:.0f} MiB, driver used "
+                f"{t['driver_used_offloaded'] / MiB:.0f} MiB once out), "
                 f"reload {t['reload_gbps']:.1f} GB/s ({t['reload_s']:.3f} s)"
+                + "".join(
+                    f"; gen-{g} GC {sec * 1e3:.0f} ms in the {w}"
+                    for w, spans in (("offload", t["gc_out"]), ("reload", t["gc_in"]))
+                    for g, sec in spans
+                    if g == 2 or sec > 0.005
+                )
+            )
+        if r.get("line"):
+            ln = r["line"]
+            print(
+                f"  rank {r['rank']} line rate (both ranks copying): D2H {ln['d2h_gbps']:.1f}, "
+                f"H2D {ln['h2d_gbps']:.1f}, both ways {ln['bidir_gbps']:.1f} GB/s"
             )
     for name, c in cases.items():
         if "seconds" in c:
             print(
-                f"  {name:<15} {c['bytes'] / 1e9:6.2f} GB {c['seconds']:7.2f} s {c['gbps']:6.2f} GB/s total "
+                f"  {name:<15} {c['bytes'] / 1e9:6.2f} GB {c['seconds']:7.2f} s (runs "
+                f"{', '.join(f'{x:.2f}' for x in c['seconds_all'])}) {c['gbps']:6.2f} GB/s total "
                 f"({c['per_rank_gbps']:.2f}/rank), peak extra {c['peak_extra'] / MiB:8.1f} MiB"
                 f"{'' if c['exact'] else ', NOT EXACT'}{', ' + c['error'] if 'error' in c else ''}"
             )

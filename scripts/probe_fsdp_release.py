@@ -60,6 +60,14 @@ def _report(rank: int, label: str) -> None:
         )
 
 
+def _state(model, opt) -> list[torch.Tensor]:
+    """The role's local tensors: parameter shards and optimizer state."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    for st in opt.state.values():
+        local += [v.to_local() if hasattr(v, "to_local") else v for v in st.values() if torch.is_tensor(v)]
+    return [t for t in local if t.is_cuda]
+
+
 def _run(rank: int, world: int, store: str, preset: str, cycles: int) -> None:
     torch.cuda.set_device(rank)
     os.environ.update(NO_MULTICAST)  # kept off on the lent machines (shared NVLink fabric)
@@ -89,23 +97,29 @@ def _run(rank: int, world: int, store: str, preset: str, cycles: int) -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     _report(rank, "after one train step")
-    for coalesce in (True, False):
+    # The third variant keeps a device clone of every state tensor alive beside the role (as
+    # bench_checkpoint once did for its bit-exact check): the clones' segments have free space
+    # that a reload fills with role storages, which no later offload can hand to the driver.
+    for coalesce, neighbours in ((True, False), (False, False), (True, True)):
+        kept = [t.detach().clone() for t in _state(model, opt)] if neighbours else []
         ts = tidal.Timeshare(
             device, config=tidal.TimeshareConfig(transfer=tidal.TransferConfig(coalesce_allocations=coalesce))
         )
         ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        label = f"coalesce={coalesce} neighbours={len(kept)}"
         for cycle in range(cycles):
             dist.barrier()
             out = ts.offload("actor")
             _report(
                 rank,
-                f"coalesce={coalesce} cycle {cycle} after offload (unreleased "
+                f"{label} cycle {cycle} after offload (unreleased "
                 f"{out.unreleased_bytes / MiB:.0f} MiB of {out.bytes_out / MiB:.0f} MiB out)",
             )
             dist.barrier()
             ts.load("actor")
-            _report(rank, f"coalesce={coalesce} cycle {cycle} after reload")
+            _report(rank, f"{label} cycle {cycle} after reload")
         ts.close()
+        del kept
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     dist.barrier()
