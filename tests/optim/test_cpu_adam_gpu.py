@@ -218,3 +218,49 @@ def test_inflight_gradients_are_bounded(bound_mib):
     else:
         assert extra <= limit + 2 * per_grad + 8 * MiB, extra  # bound + the newest + activation grads
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_device_accumulation_is_bit_exact_with_copying_at_step(in_backward):
+    """bf16 parameters, 4 micro-batches per step, the first 3 in accumulate() and no host
+    staging: the same as overlap=False, which copies autograd's p.grad sums in step(); one
+    gradient per parameter stays on the device until the last backward sends it."""
+    a, b = _mlp().bfloat16(), _mlp().bfloat16()
+    opt_a = tidal.CPUAdam(a.parameters(), lr=1e-3, weight_decay=0.1, host_accumulation=False)
+    opt_b = tidal.CPUAdam(b.parameters(), lr=1e-3, weight_decay=0.1, overlap=False)
+    for step in range(3):
+        for k in range(4):
+            x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(10 * step + k))
+            x = x.bfloat16()
+            loss = a(x).float().pow(2).mean()
+            if k < 3:
+                with opt_a.accumulate():
+                    loss.backward()
+                assert all(p.grad is not None for p in a.parameters())
+            elif in_backward:
+                with opt_a.step_in_backward():
+                    loss.backward()
+            else:
+                loss.backward()
+            b(x).float().pow(2).mean().backward()
+        assert all(p.grad is None for p in a.parameters())  # the last backward sent the sums
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt_a.state[pa][k], opt_b.state[pb][k]), k
+
+
+def test_host_accumulation_false_pins_less_host_memory():
+    """The staging (the parameters' bytes) is not pinned at all."""
+    held = {}
+    for flag in (True, False):
+        model = _mlp().bfloat16()
+        opt = tidal.CPUAdam(model.parameters(), lr=1e-3, host_accumulation=flag)
+        held[flag] = opt._arena.owner_bytes(opt._owner)
+        opt.close()
+    param_bytes = sum(p.numel() * p.element_size() for p in _mlp().bfloat16().parameters())
+    assert param_bytes <= held[True] - held[False] < param_bytes + 4096 * 8

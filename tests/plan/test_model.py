@@ -113,7 +113,7 @@ def test_optimizer_choices():
     s = preset("qwen2-1.5b")
     gpu = build_plan(PlanConfig(shape=s)).timeshared
     off = build_plan(PlanConfig(shape=s, optimizer="adamw_offload")).timeshared
-    cpu = build_plan(PlanConfig(shape=s, optimizer="cpu_adam"))
+    cpu = build_plan(PlanConfig(shape=s, optimizer="cpu_adam", cpu_adam_grad_accumulation="host"))
     assert "optimizer states" not in off["train"].resident
     assert off["optimizer_step"].resident["optimizer states"] == gpu["optimizer_step"].resident["optimizer states"]
     for ph in cpu.timeshared.values():
@@ -122,11 +122,48 @@ def test_optimizer_choices():
     # Tied embedding: its gradient (bf16 + fp32 cast) leaves last, next to at most 512 MiB of
     # earlier copies still pending (CPUAdam(max_inflight_bytes=512 MiB)).
     short = (
-        build_plan(PlanConfig(shape=s, optimizer="cpu_adam", grad_ckpt=True, micro_batch=1, prompt_len=16, gen_len=16))
+        build_plan(
+            PlanConfig(
+                shape=s,
+                optimizer="cpu_adam",
+                grad_ckpt=True,
+                micro_batch=1,
+                prompt_len=16,
+                gen_len=16,
+                cpu_adam_grad_accumulation="host",
+            )
+        )
         .timeshared["train"]
         .transient
     )
     assert short == {"cpu adam grads in flight (incl. the largest)": (512 << 20) + s.largest_param() * (2 + 4)}
+
+
+def test_cpu_adam_gradient_accumulation_on_the_device_or_the_host():
+    """Summed on the device: the train phase holds every gradient (as AdamW does), only the
+    fp32 sums cross, and the host has no staging; summed on the host: the reverse."""
+    s = preset("qwen2-1.5b")
+    kw = dict(shape=s, optimizer="cpu_adam", prompts=8, group=8, micro_batch=16, grad_ckpt=True)
+    dev = build_plan(PlanConfig(**kw))  # the default: "device"
+    host = build_plan(PlanConfig(**kw, cpu_adam_grad_accumulation="host"))
+    n, mb = s.param_count(), 4
+    assert PlanConfig(**kw).micro_batches == mb
+    assert dev.timeshared["train"].resident["grads"] == n * 2
+    assert "grads" not in host.timeshared["train"].resident
+    assert dev.streamed["cpu adam grads D2H"] == n * 4
+    assert host.streamed["cpu adam grads D2H"] == n * (4 + 2 * (mb - 1))
+    assert host.host["CPU Adam gradient staging (trainable dtype)"] == n * 2
+    assert "CPU Adam gradient staging (trainable dtype)" not in dev.host
+    assert host.host_bytes - dev.host_bytes == n * 2
+    assert dev.timeshared["train"].peak_bytes > host.timeshared["train"].peak_bytes
+    # One micro-batch: nothing to sum, both the same on the device.
+    one = dict(kw, micro_batch=64)
+    assert (
+        build_plan(PlanConfig(**one)).timeshared["train"]
+        == build_plan(PlanConfig(**one, cpu_adam_grad_accumulation="host")).timeshared["train"]
+    )
+    with pytest.raises(ValueError, match="cpu_adam_grad_accumulation must be"):
+        PlanConfig(shape=s, cpu_adam_grad_accumulation="gpu")
 
 
 def test_timeshare_beats_all_resident_and_modes_agree():

@@ -62,7 +62,7 @@ def test_host_memory_is_planned_and_a_plan_that_does_not_fit_the_host_is_refused
     """Full-parameter 7B with CPU Adam on one 80 GB GPU: every component of its host memory is
     counted, and on a 128 GiB machine the plan is refused naming the bytes (the levers that
     fit the GPU but not the host are not chosen)."""
-    config = PlanConfig(**SEVEN_B, optimizer="cpu_adam", grad_ckpt=True)
+    config = PlanConfig(**SEVEN_B, optimizer="cpu_adam", grad_ckpt=True, cpu_adam_grad_accumulation="host")
     plan = build_plan(config)
     t = config.shape.param_count()
     assert plan.host["CPU Adam fp32 master weights"] == 4 * t
@@ -92,6 +92,12 @@ def test_host_memory_is_planned_and_a_plan_that_does_not_fit_the_host_is_refused
     assert two.node_host_bytes == 2 * two.host_bytes
     with pytest.raises(ValueError, match="host_mem_bytes"):
         recommend(config, gpu_mem_bytes=80 * GIB, host_mem_bytes=0)
+    # Gradients summed on the device (no host staging) and bf16 moments: 16 bytes per
+    # parameter on the host, and the 7B plan fits the 128 GiB machine.
+    lean = config.replace(cpu_adam_grad_accumulation="device", optim_state_dtype="bf16")
+    assert build_plan(lean).host_bytes == 16 * t
+    fit = recommend(lean, gpu_mem_bytes=80 * GIB, allow_lora=False, host_mem_bytes=128 * GIB)
+    assert fit.fits and fit.plan.node_host_bytes <= fit.host_usable_bytes
 
 
 def test_cpu_adam_bf16_moments_halve_their_host_memory():

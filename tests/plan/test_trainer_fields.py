@@ -94,7 +94,7 @@ def test_cpu_adam_inflight_bound():
     n = S.param_count()
     emb = V * H
     per = 2 + 4  # bf16 gradient + its fp32 cast
-    demo = dict(optimizer="cpu_adam", completion_logits=True, action_vocab=10)
+    demo = dict(optimizer="cpu_adam", completion_logits=True, action_vocab=10, cpu_adam_grad_accumulation="host")
     train = _phase("train", **demo)
     # Demo: 16 micro-batches of 1152 tokens without checkpointing; the logits-backward moment
     # carries every saved activation, the logits' and the head's gradient, and up to 512 MiB

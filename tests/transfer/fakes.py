@@ -51,6 +51,9 @@ class FakeEvent:
     def synchronize(self) -> None:
         self.log.append(("sync", self.id))
 
+    def query(self) -> bool:
+        return True  # copies are synchronous: done once recorded
+
 
 class FakeAccelOps(DeviceOps):
     """An "accelerator" whose memory is host memory. ``free_bytes`` is what

@@ -7,6 +7,13 @@ buffer. ``step()`` runs torch's fused CPU AdamW kernel over the fp32 master weig
 copies the new weights back on the H2D stream, chunk by chunk, so the CPU update of one chunk
 overlaps the copy of the previous one.
 
+Gradient accumulation over micro-batches runs where memory allows. ``with opt.accumulate():
+loss.backward()`` (like DDP's ``no_sync``) keeps the gradients on the device, summed by
+autograd in ``p.grad`` as without this optimizer; the next backward outside the block sends
+the sums, one copy per parameter per step. Micro-batches whose backward runs outside it are
+summed on the host instead (fp32), which needs a pinned staging buffer of the parameter's size
+(``host_accumulation=True``, the default).
+
 With ``with opt.step_in_backward(): loss.backward()`` the host update of each parameter
 starts as soon as its gradient is on the host, while backward continues (the biggest overlap).
 The new weights are copied into the parameters only once the backward has been queued in
@@ -28,9 +35,12 @@ Memory per parameter: device 0 bytes of optimizer state or gradient. Gradients l
 device as they are produced; while their copies are in flight the device holds each one and
 its fp32 cast, at most ``max_inflight_bytes`` of them (plus the one just produced): past that
 the backward waits for the oldest copy, so a backward faster than PCIe cannot pile every
-gradient up on the device. Host 16 bytes (fp32 master and gradient, pinned; exp_avg, exp_avg_sq; +4 with
-amsgrad) plus the parameter's own size in pinned staging for gradient accumulation; 12 bytes
-(+2) with ``state_dtype=torch.bfloat16`` (moments in bf16), plus fp32 scratch for one update slice.
+gradient up on the device. Inside ``accumulate()`` the device holds every gradient (the
+parameter's size, as plain PyTorch does) until the backward that sends them. Host 16 bytes
+(fp32 master and gradient, pinned; exp_avg, exp_avg_sq; +4 with amsgrad) plus, with
+``host_accumulation=True``, the parameter's own size in pinned staging for host-side
+accumulation; 12 bytes (+2) with ``state_dtype=torch.bfloat16`` (moments in bf16), plus fp32
+scratch for one update slice.
 
 The CPU does only the fused update (memory-bound: ~28 bytes per parameter): dtype casts run
 on the device, and fp32 crosses PCIe, which has headroom next to the host's update.
@@ -47,6 +57,7 @@ import functools
 import queue
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -70,9 +81,10 @@ class _HostParam:
 
     __slots__ = ("grad", "staging", "seen", "has_grad", "updated", "landed", "staging_free", "done_elems")
 
-    def __init__(self, grad: torch.Tensor, staging: torch.Tensor) -> None:
+    def __init__(self, grad: torch.Tensor, staging: torch.Tensor | None) -> None:
         self.grad = grad  # fp32 accumulated gradient (pinned: the first micro-batch lands here)
-        self.staging = staging  # pinned, param dtype: later micro-batches land here, then add
+        # pinned, param dtype: later micro-batches land here, then add (None: host_accumulation off)
+        self.staging = staging
         self.seen = False  # a gradient copy was queued since the last step (set by the hook)
         self.has_grad = False  # the worker has it in `grad`
         self.updated = False  # the host master holds this step's update
@@ -103,6 +115,12 @@ class CPUAdam(torch.optim.Optimizer):
             ``_SLICE_ELEMS`` elements (upcast, fused AdamW, rounded back to nearest), about
             half the host throughput of the fp32 path; its effect on training is measured in
             benchmarks/RESULTS.md (``benchmarks/bench_cpu_adam_precision.py``).
+        host_accumulation: reserve a pinned staging buffer of each parameter's size (its
+            dtype) so that micro-batches whose backward runs outside :meth:`accumulate` are
+            summed on the host. ``False`` saves that host memory (2 bytes per bf16 parameter)
+            for a training loop that accumulates on the device (every micro-batch but the last
+            inside ``accumulate()``, or one micro-batch per step); a second gradient reaching
+            the host in one step is then still added, but synchronously (slow), with a warning.
     """
 
     # Read by the timeshare (duck-typed, no import): this optimizer's state is on the host
@@ -122,6 +140,7 @@ class CPUAdam(torch.optim.Optimizer):
         overlap: bool = True,
         max_inflight_bytes: int = 512 << 20,
         state_dtype: torch.dtype = torch.float32,
+        host_accumulation: bool = True,
         context: TransferContext | None = None,
     ) -> None:
         if not 0.0 <= lr:
@@ -142,7 +161,12 @@ class CPUAdam(torch.optim.Optimizer):
                 f"state_dtype must be one of {[str(d) for d in STATE_DTYPES]}, got {state_dtype}; torch.float32 is "
                 f"AdamW exactly, torch.bfloat16 halves the moments' host memory"
             )
+        if not isinstance(host_accumulation, bool):
+            raise TypeError(f"host_accumulation must be a bool, got {type(host_accumulation).__name__}")
         self.state_dtype = state_dtype
+        self.host_accumulation = host_accumulation
+        self._accumulating = False  # inside accumulate(): gradients stay on the device
+        self._warned_sync_add = False
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         self._host: dict[torch.Tensor, _HostParam] = {}
         self._group_of: dict[torch.Tensor, dict] = {}
@@ -204,8 +228,9 @@ class CPUAdam(torch.optim.Optimizer):
         # tensor uses it (a state_dict may outlive the optimizer). Then the fp32 gradients and
         # param-dtype staging.
         master_slots = self._arena.reserve([p.numel() * 4 for p in params], owner=self._owner)
+        per_param = 2 if self.host_accumulation else 1
         staged = self._arena.reserve(
-            [n for p in params for n in (p.numel() * 4, p.numel() * p.element_size())], owner=self._owner
+            [n for p in params for n in (p.numel() * 4, p.numel() * p.element_size())[:per_param]], owner=self._owner
         )
         self._slots.extend(staged)
         slots = iter(staged)
@@ -213,7 +238,7 @@ class CPUAdam(torch.optim.Optimizer):
             master = self._arena.slot_tensor(mslot, release_when_dead=True).view(torch.float32).view(p.shape)
             master.copy_(p.detach())
             grad = self._arena.view(next(slots)).view(torch.float32).view(p.shape)
-            staging = self._arena.view(next(slots)).view(p.dtype).view(p.shape)
+            staging = self._arena.view(next(slots)).view(p.dtype).view(p.shape) if self.host_accumulation else None
             st = self.state[p]
             st["step"] = torch.tensor(0.0)
             st["master"] = master
@@ -231,6 +256,8 @@ class CPUAdam(torch.optim.Optimizer):
     # ---- gradients ------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
         """Runs in backward right after ``p.grad`` is complete for this backward."""
+        if self._accumulating:
+            return  # inside accumulate(): autograd keeps summing into p.grad on the device
         hp = self._host[p]
         grad = p.grad
         if grad is None:  # another hook consumed it
@@ -255,6 +282,13 @@ class CPUAdam(torch.optim.Optimizer):
             if in_step:
                 self._adam([p])
                 self._pending.append(p)  # its weights change when the backward is over
+            return
+        if not first and hp.staging is None:
+            # No host staging: bring this gradient over synchronously and let the worker add
+            # it after the copies queued before it (it takes the queue in order).
+            self._warn_sync_add()
+            self._start_worker()
+            self._queue.put((p, None, grad.to("cpu", torch.float32), in_step))
             return
         if not first:
             hp.staging_free.wait()  # the worker still reads the previous micro-batch's copy
@@ -337,11 +371,14 @@ class CPUAdam(torch.optim.Optimizer):
             try:
                 if trace is not None:
                     trace.append(("dequeued", time.perf_counter(), p.numel()))
-                # The bytes must be on the host before we read them.
-                self._ops.wait_host("grad_host_read_after_d2h", copied)
+                if copied is None:  # `first` is a host tensor copied synchronously: add it
+                    self._accumulate(hp, first, False)
+                else:
+                    # The bytes must be on the host before we read them.
+                    self._ops.wait_host("grad_host_read_after_d2h", copied)
+                    self._accumulate(hp, None if first else hp.staging, first)
                 if trace is not None:
                     trace.append(("on_host", time.perf_counter(), p.numel()))
-                self._accumulate(hp, None if first else hp.staging, first)
                 if in_step:
                     ready.append(p)
             except BaseException as e:  # surfaced by the next drain
@@ -385,8 +422,21 @@ class CPUAdam(torch.optim.Optimizer):
             err, self._worker_error = self._worker_error, None
             raise RuntimeError("CPUAdam's gradient worker failed; the step was not taken") from err
 
+    def _warn_sync_add(self) -> None:
+        if not self._warned_sync_add:
+            self._warned_sync_add = True
+            warnings.warn(
+                "CPUAdam(host_accumulation=False) got a second gradient of a parameter in one step; "
+                "with no host staging it is copied and added synchronously (slow). Run every "
+                "micro-batch's backward but the last inside `with optimizer.accumulate():` to sum "
+                "them on the device, or build CPUAdam(host_accumulation=True)",
+                stacklevel=4,
+            )
+
     def _collect_device_grads(self) -> None:
-        """overlap=False: copy every ``p.grad`` to the host now (cast to fp32 on the device)."""
+        """Copy every ``p.grad`` still on the device to the host now (cast to fp32 on the
+        device): all of them with ``overlap=False``; with it, those summed inside
+        :meth:`accumulate` that no later backward sent."""
         pending = []
         if self._ops.is_accelerator:
             # Gradients were written by kernels queued on the compute stream.
@@ -399,6 +449,12 @@ class CPUAdam(torch.optim.Optimizer):
                 p.grad = None
                 continue
             first = not hp.has_grad
+            if not first and hp.staging is None:
+                self._warn_sync_add()
+                with self._ops.on_stream(self._d2h):
+                    hp.grad.add_(p.grad.to("cpu", torch.float32))  # synchronous on the D2H stream
+                p.grad = None
+                continue
             with self._ops.on_stream(self._d2h):
                 src = p.grad.float() if first and p.grad.dtype != torch.float32 else p.grad
                 (hp.grad if first else hp.staging).copy_(src, non_blocking=True)
@@ -414,6 +470,8 @@ class CPUAdam(torch.optim.Optimizer):
     def grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The fp32 host gradient of ``p`` accumulated so far (None if it has none)."""
         self._drain()
+        if self._ops is not None:
+            self._collect_device_grads()
         hp = self._host.get(p)
         return hp.grad if hp is not None and hp.has_grad else None
 
@@ -432,8 +490,7 @@ class CPUAdam(torch.optim.Optimizer):
         if self._ops is None:
             return torch.tensor(0.0)
         self._drain()
-        if not self._overlap:
-            self._collect_device_grads()
+        self._collect_device_grads()  # overlap=False, or sums left on the device by accumulate()
         grads = [hp.grad for hp in self._host.values() if hp.has_grad]
         if not grads:
             return torch.tensor(0.0)
@@ -445,12 +502,43 @@ class CPUAdam(torch.optim.Optimizer):
 
     # ---- the update --------------------------------------------------------------------------
     @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Within the block, gradients stay on the device: autograd sums every backward's into
+        ``p.grad`` (in the parameter's dtype, as without this optimizer) and nothing is copied.
+        The next backward outside the block (or ``step()``, ``clip_grad_norm_()``, ``grad()``)
+        sends the sums to the host, one copy per parameter. Use it around every micro-batch's
+        backward but the last, like DDP's ``no_sync``.
+
+        Memory: the device holds one gradient per parameter from the first backward in the
+        block until the copy after the last; with ``host_accumulation=False`` this is the way
+        to accumulate without host staging. Raises ``ValueError`` inside ``step_in_backward()``
+        or another ``accumulate()``."""
+        if self._in_backward_step:
+            raise ValueError(
+                "accumulate() inside step_in_backward(): the parameters update as their gradients "
+                "arrive there, so none can stay behind. Use accumulate() for the earlier "
+                "micro-batches and step_in_backward() for the last one"
+            )
+        if self._accumulating:
+            raise ValueError("accumulate() is already active; blocks do not nest")
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    @contextlib.contextmanager
     def step_in_backward(self) -> Iterator[None]:
         """Within the block, each parameter is updated as soon as its gradient reaches the
         host, overlapping backward. Use it around the last micro-batch's backward only; call
         ``step()`` after it as usual (it completes and publishes the updates)."""
         if not self._overlap:
             raise ValueError("step_in_backward() needs CPUAdam(overlap=True)")
+        if self._accumulating:
+            raise ValueError(
+                "step_in_backward() inside accumulate(): its gradients would stay on the device. Run "
+                "the last micro-batch's backward outside accumulate(), in step_in_backward()"
+            )
         self._check_grads()
         self._drain()
         self._wait_previous_h2d()
@@ -507,8 +595,7 @@ class CPUAdam(torch.optim.Optimizer):
             return loss
         self._check_grads()
         self._drain()
-        if not self._overlap:
-            self._collect_device_grads()
+        self._collect_device_grads()  # overlap=False, or sums left on the device by accumulate()
         self._wait_previous_h2d()
         try:
             todo = [p for p, hp in self._host.items() if hp.has_grad and not hp.updated]

@@ -72,7 +72,12 @@ class PlanConfig:
     except during ``optimizer_step``), ``"cpu_adam"`` (:class:`tidal.CPUAdam`: no optimizer
     bytes and no gradients kept on the GPU; each gradient is cast to fp32 on the GPU and copied
     to the host as it is produced, at most ``cpu_adam_inflight_bytes`` of copies pending, as
-    ``CPUAdam(max_inflight_bytes=...)``, default 512 MiB). ``step_in_train``: ``step()`` runs
+    ``CPUAdam(max_inflight_bytes=...)``, default 512 MiB). ``cpu_adam_grad_accumulation``: where
+    CPU Adam sums the micro-batches' gradients: ``"device"`` (every micro-batch but the last in
+    ``CPUAdam.accumulate()``: one gradient per parameter stays on the GPU through training, one
+    fp32 copy per step crosses PCIe, no host staging) or ``"host"`` (each micro-batch's
+    gradient crosses as it is produced and is summed on the host, in a pinned staging buffer of
+    the parameters' size: ``CPUAdam(host_accumulation=True)``). ``step_in_train``: ``step()`` runs
     inside the measured train phase (tidal's GRPO trainer), so the train peak is the larger of
     the forward/backward and the optimizer step (``optimizer_step`` is still reported alone).
     ``optim_stream_chunk_bytes`` (``adamw_offload`` only): the states come in a chunk of
@@ -128,6 +133,7 @@ class PlanConfig:
     optimizer: str = "adamw"
     adamw_foreach: bool = True
     cpu_adam_inflight_bytes: int = 512 * MIB
+    cpu_adam_grad_accumulation: str = "device"
     optim_stream_chunk_bytes: int | None = None
     step_in_train: bool = False
     zero_stage: int = 0
@@ -171,6 +177,10 @@ class PlanConfig:
             raise ValueError(
                 f"optim_state_dtype={self.optim_state_dtype!r} with optimizer='cpu_adam': CPUAdam keeps its moments "
                 f"in fp32 or bf16 (its state_dtype); use one of those"
+            )
+        if self.cpu_adam_grad_accumulation not in ("device", "host"):
+            raise ValueError(
+                f"cpu_adam_grad_accumulation must be 'device' or 'host', got {self.cpu_adam_grad_accumulation!r}"
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0-3, got {self.zero_stage}")
@@ -480,8 +490,10 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
 
     streamed: dict[str, int] = {}
     if c.optimizer == "cpu_adam":
-        # the first micro-batch's gradients cross cast to fp32, later ones as they are
-        streamed["cpu adam grads D2H"] = st["trainable"] * (4 + st["ge"] * (c.micro_batches - 1))
+        # the first micro-batch's gradients cross cast to fp32, later ones as they are; summed
+        # on the device, only the sums cross (cast to fp32)
+        later = 0 if c.cpu_adam_grad_accumulation == "device" else st["ge"] * (c.micro_batches - 1)
+        streamed["cpu adam grads D2H"] = st["trainable"] * (4 + later)
         streamed["cpu adam weights H2D (fp32)"] = st["trainable"] * 4
     if c.act_offload and train_t.get("saved activations") and c.shape.layers > 2:
         per = train_t["saved activations"] // min(2, c.shape.layers)
@@ -515,7 +527,8 @@ def host_components(c: PlanConfig, st: dict[str, int], actor_params: int, stream
         moments = c.optim_state_dtype or "fp32"  # CPUAdam(state_dtype=...)
         host[f"CPU Adam moments ({moments} exp_avg, exp_avg_sq)"] = 2 * t * act.dtype_bytes(moments)
         host["CPU Adam fp32 gradients"] = 4 * t
-        host["CPU Adam gradient staging (trainable dtype)"] = t * st["le"]
+        if c.cpu_adam_grad_accumulation == "host":  # CPUAdam(host_accumulation=True)
+            host["CPU Adam gradient staging (trainable dtype)"] = t * st["le"]
     offloaded = streamed.get("activation offload D2H+H2D", 0)
     if offloaded:
         # One micro-batch's offloaded layers wait on the host for its backward.

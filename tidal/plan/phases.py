@@ -248,8 +248,18 @@ def train_transient(c: "PlanConfig", st: dict[str, int]) -> tuple[dict[str, int]
         at_layer = {**at_layer_base, **bucket}
         a, b = sum(at_logits.values()) + first_grads, sum(at_layer.values()) + grads
         return (at_logits, first_grads) if a >= b else (at_layer, grads)
-    # CPU Adam: no gradient stays; the copies in flight are the transient (see _cpu_adam_inflight).
     fl = _cpu_adam_inflight(c, st)
+    if c.cpu_adam_grad_accumulation == "device" and c.micro_batches > 1:
+        # Summed on the device (CPUAdam.accumulate()): from the 2nd micro-batch on every gradient
+        # exists, as with AdamW; in the last backward each leaves with its fp32 cast, at most the
+        # in-flight bound of casts at once (the gradients themselves are counted in full).
+        every = _div(st["trainable"] * st["ge"], 1)
+        casts = min(st["trainable"] * 4, c.cpu_adam_inflight_bytes + _largest_trainable(c) * 4)
+        at_logits = {"saved activations": saved, "model-level saved": extra, "logits + log-softmax": logits}
+        at_layer = {**at_layer_base, "cpu adam fp32 casts in flight (last micro-batch)": casts}
+        a, b = sum(at_logits.values()), sum(at_layer.values())
+        return (at_logits, every) if a >= b else (at_layer, every)
+    # CPU Adam: no gradient stays; the copies in flight are the transient (see _cpu_adam_inflight).
     tied = s.tied_embeddings and not c.lora_rank
     # A tied LM head's gradient waits in autograd's input buffer for the embedding's, through
     # the whole backward; it leaves (with its fp32 cast) at the end, when the activations are gone.
@@ -273,6 +283,13 @@ def train_transient(c: "PlanConfig", st: dict[str, int]) -> tuple[dict[str, int]
             }
         )
     return max(moments, key=lambda d: sum(d.values())), 0
+
+
+def _largest_trainable(c: "PlanConfig") -> int:
+    s = c.shape
+    if c.lora_rank:
+        return max(c.lora_rank * max(a, b) for a, b in s.linear_shapes().values())
+    return s.largest_param()
 
 
 def cpu_adam_step_transient(c: "PlanConfig") -> dict[str, int]:

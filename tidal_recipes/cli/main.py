@@ -160,6 +160,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", choices=("adamw", "cpu_adam"), default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument(
+        "--grad-accumulation",
+        choices=("device", "host"),
+        default="device",
+        help="with cpu_adam: sum micro-batch gradients on the GPU, one copy per step (default), or on the "
+        "host as each is produced (no gradient stays on the GPU)",
+    )
+    p.add_argument(
         "--grad-ckpt",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -243,6 +250,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             rollout_graph=args.rollout_graph,
             prefetch=args.prefetch,
+            grad_accumulation=args.grad_accumulation,
             baseline_steps=args.baseline_steps,
             seed=args.seed,
             switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,

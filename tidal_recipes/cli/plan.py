@@ -126,6 +126,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--cpu-adam-inflight-mib", type=nonneg_int, default=512, help="CPUAdam(max_inflight_bytes) in MiB (default 512)"
     )
     p.add_argument(
+        "--cpu-adam-grad-accumulation",
+        choices=("device", "host"),
+        default="device",
+        help="with cpu_adam, sum micro-batch gradients on the GPU (default: one copy per step, no host "
+        "staging) or on the host (no gradient stays on the GPU)",
+    )
+    p.add_argument(
         "--step-in-train",
         action="store_true",
         help="the optimizer step runs inside the train phase (its peak counts there)",
@@ -184,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             optim_state_dtype=args.optim_state_dtype,
             master_weights=args.master_weights,
             optimizer=args.optimizer,
+            cpu_adam_grad_accumulation=args.cpu_adam_grad_accumulation,
             zero_stage=args.zero_stage,
             dp=args.gpus,
             lora_rank=args.lora_rank,

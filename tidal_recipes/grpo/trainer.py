@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import gc
 import time
+import warnings
 import weakref
 
 import torch
@@ -68,6 +69,12 @@ class GRPOConfig:
         optimizer: ``"adamw"`` (torch's; with the timeshare its state stays on the host and
             comes in a chunk at a time during ``step()``) or ``"cpu_adam"`` (tidal.CPUAdam: state
             and update on the host, overlapped with backward).
+        grad_accumulation: with ``"cpu_adam"``, where the micro-batches' gradients are summed:
+            ``"device"`` (every micro-batch but the last in ``CPUAdam.accumulate()``: one
+            gradient per parameter on the GPU through training, one copy per step, no pinned
+            staging on the host) or ``"host"`` (each micro-batch's gradient leaves as it is
+            produced and is summed on the host: no gradient stays on the GPU, a staging buffer
+            of the parameters' size is pinned). Ignored, with a warning, by ``"adamw"``.
         grad_ckpt: gradient checkpointing in training (non-reentrant); rollout keeps its cache.
         temperature: sampling temperature of the rollout.
         loss: clip, KL and entropy coefficients. ``kl_coef=0`` skips the reference role.
@@ -97,6 +104,7 @@ class GRPOConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     optimizer: str = "adamw"
+    grad_accumulation: str = "device"
     grad_ckpt: bool = False
     temperature: float = 1.0
     rollout_graph: bool = False
@@ -112,6 +120,14 @@ class GRPOConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.grad_accumulation not in ("device", "host"):
+            raise ValueError(f"grad_accumulation must be 'device' or 'host', got {self.grad_accumulation!r}")
+        if self.grad_accumulation == "host" and self.optimizer != "cpu_adam":
+            warnings.warn(
+                f"grad_accumulation='host' is ignored with optimizer={self.optimizer!r}: only cpu_adam sums "
+                f"gradients on the host",
+                stacklevel=3,
+            )
         if self.batch_size % self.mini_batches:
             raise ValueError(
                 f"prompts_per_step * group_size = {self.batch_size} does not split into "
@@ -279,7 +295,9 @@ class GRPOTrainer:
             set_checkpointing(policy, True)
         params = [p for p in policy.parameters() if p.requires_grad]
         if cfg.optimizer == "cpu_adam":
-            self.optimizer = CPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            self.optimizer = CPUAdam(
+                params, lr=cfg.lr, weight_decay=cfg.weight_decay, host_accumulation=cfg.grad_accumulation == "host"
+            )
         else:
             fused = self.ops.is_accelerator
             self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
@@ -466,6 +484,7 @@ class GRPOTrainer:
         totals: dict[str, float] = {}
         norms: list[float] = []
         count = 0
+        on_device = isinstance(self.optimizer, CPUAdam) and cfg.grad_accumulation == "device"
         for m0 in range(0, cfg.batch_size, mini):
             for i in range(m0, m0 + mini, cfg.micro_batch):
                 j = min(i + cfg.micro_batch, m0 + mini)
@@ -477,7 +496,13 @@ class GRPOTrainer:
                 loss, st = grpo_loss(
                     logp, old, adv[i:j], cfg.loss, ref_logp=ref_logp[i:j] if ref_logp is not None else None, entropy=ent
                 )
-                (loss * ((j - i) / mini)).backward()
+                scaled = loss * ((j - i) / mini)
+                if on_device and j < m0 + mini:
+                    with self.optimizer.accumulate():  # summed in p.grad; the last backward sends the sums
+                        scaled.backward()
+                else:
+                    scaled.backward()
+                del scaled
                 del logp, ent, loss
                 self.timeline.sample()
                 for k, v in st.items():

@@ -68,6 +68,30 @@ def test_prefetch_does_not_change_training_and_moves_less(kw):
         GRPOConfig(prefetch=True, timeshare=False)
 
 
+def test_cpu_adam_gradients_summed_on_the_device_equal_summed_on_the_host(monkeypatch):
+    """3 micro-batches per step (6, 6, 4 sequences), fp32: autograd's sums in p.grad sent once
+    per step equal the host's fp32 sums of each micro-batch's copy, bit for bit; the device
+    mode builds CPUAdam without host staging and runs all but the last backward of each step
+    in accumulate()."""
+    from tidal import CPUAdam
+
+    entered = []
+    accumulate = CPUAdam.accumulate
+    monkeypatch.setattr(CPUAdam, "accumulate", lambda self: (entered.append(1), accumulate(self))[1])
+    a, ra = run(3, optimizer="cpu_adam", grad_accumulation="device")
+    assert len(entered) == 3 * 2
+    monkeypatch.setattr(CPUAdam, "accumulate", accumulate)
+    b, rb = run(3, optimizer="cpu_adam", grad_accumulation="host")
+    assert a.optimizer.host_accumulation is False and b.optimizer.host_accumulation is True
+    assert [r.stats for r in ra] == [r.stats for r in rb]
+    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
+        assert torch.equal(pa, pb), n
+    with pytest.warns(UserWarning, match="grad_accumulation='host' is ignored"):
+        GRPOConfig(grad_accumulation="host")
+    with pytest.raises(ValueError, match="grad_accumulation must be"):
+        GRPOConfig(optimizer="cpu_adam", grad_accumulation="gpu")
+
+
 def test_roles_take_turns_on_the_device():
     """During the reference phase the policy's weights are off the device (storage size 0),
     during training the reference's are, and the policy's weights exist once (rollout and
