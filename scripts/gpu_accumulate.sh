@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU pass for CPU Adam's device-side gradient accumulation (issue 17) and the single-GPU
+# look at the transition stall bench_checkpoint showed (issue 18); logs go to $OUT.
+#   bash scripts/gpu_accumulate.sh [tests] [demo] [ckpt]   (default: all three)
+# TIDAL_COMMIT names the commit in the logs (the device copy's git log may be stale).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
+  echo "commit ${TIDAL_COMMIT:-unknown}"
+} 2>&1 | tee "$OUT/env.txt"
+status=0
+for part in ${*:-tests demo ckpt}; do
+  t0=$(date +%s)
+  case $part in
+    tests) timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu ${TESTS:-tests/optim} --durations=5 \
+             -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 || status=1
+           tail -12 "$OUT/gpu_tests.log" ;;
+    demo) for acc in host device; do
+            timeout ${DEMO_TIMEOUT:-170} python3 -m tidal_recipes demo --steps ${STEPS:-5} --baseline-steps 2 \
+              --grad-accumulation $acc --out "$OUT/demo-$acc" > "$OUT/demo_$acc.log" 2>&1 || status=1
+            echo "== demo, gradients summed on the $acc"; grep -vE "GRPO:|Warning|warn|forward_call" "$OUT/demo_$acc.log" | tail -14
+          done ;;
+    ckpt) timeout 120 python3 benchmarks/bench_checkpoint.py --world 1 --cycles 12 --budget-s 0 > "$OUT/ckpt1.log" 2>&1 || status=1
+          grep -E "cycle|line rate|^\| .*transition" "$OUT/ckpt1.log" ;;
+  esac
+  echo "$part: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/timing.txt"
+done
+exit $status
