@@ -102,6 +102,9 @@ def assumptions(c, bw) -> list[str]:
             else "."
         )
         if c.optimizer != "cpu_adam"
+        else "Gradients summed over the micro-batches on the GPU (CPUAdam.accumulate()), as AdamW's, then sent "
+        "once (CPU Adam, below)."
+        if c.cpu_adam_grad_accumulation == "device" and c.micro_batches > 1
         else "Gradients never stay on the GPU (CPU Adam, below).",
     ]
     if c.grad_ckpt:
@@ -127,15 +130,25 @@ def assumptions(c, bw) -> list[str]:
             "state over the size, the embedding's alone)."
         )
     else:
-        out.append(
-            "CPU Adam (tidal.CPUAdam): no optimizer state or gradient kept on the GPU; each gradient is cast to "
-            "fp32 on the GPU and copied to the host as backward produces it; gradient + cast of copies not yet "
-            f"done stay on the GPU up to max_inflight_bytes = {_mib(c.cpu_adam_inflight_bytes)} (+ the newest "
-            "one; later micro-batches copy the gradient without a cast), and that many may still wait when the "
-            "next micro-batch's backward starts. A tied LM head's gradient waits in autograd's buffer for the "
-            "embedding's until the end of backward. step() returns the fp32 masters one parameter at a time "
-            "(cast on the GPU)."
-        )
+        if c.cpu_adam_grad_accumulation == "device" and c.micro_batches > 1:
+            out.append(
+                "CPU Adam (tidal.CPUAdam, host_accumulation=False): no optimizer state on the GPU; every micro-batch "
+                "but the last runs its backward in accumulate(), so autograd sums the gradients in p.grad on the "
+                "GPU; in the last backward each sum is cast to fp32 and copied to the host as it is produced, at "
+                f"most max_inflight_bytes = {_mib(c.cpu_adam_inflight_bytes)} of casts pending (+ the newest), "
+                "and freed once copied; no pinned staging on the host. step() returns the fp32 masters one "
+                "parameter at a time (cast on the GPU)."
+            )
+        else:
+            out.append(
+                "CPU Adam (tidal.CPUAdam): no optimizer state or gradient kept on the GPU; each gradient is cast "
+                "to fp32 on the GPU and copied to the host as backward produces it; gradient + cast of copies not "
+                f"yet done stay on the GPU up to max_inflight_bytes = {_mib(c.cpu_adam_inflight_bytes)} (+ the "
+                "newest one; later micro-batches copy the gradient without a cast, into pinned staging on the "
+                "host), and that many may still wait when the next micro-batch's backward starts. A tied LM "
+                "head's gradient waits in autograd's buffer for the embedding's until the end of backward. "
+                "step() returns the fp32 masters one parameter at a time (cast on the GPU)."
+            )
     if c.zero_stage and c.dp > 1:
         parts = {
             1: "optimizer states",

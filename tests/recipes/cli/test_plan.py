@@ -148,11 +148,17 @@ def test_trainer_flags(capsys):
 
 
 def test_host_memory_is_itemised_and_checked(capsys, monkeypatch):
-    args = ["--preset", "qwen2-7b", "--optimizer", "cpu_adam", "--grad-ckpt", "--gpu-mem-gib", "79.2"]
+    base = ["--preset", "qwen2-7b", "--optimizer", "cpu_adam", "--grad-ckpt", "--gpu-mem-gib", "79.2"]
+    args = [*base, "--cpu-adam-grad-accumulation", "host"]
     code, out, _ = _run([*args, "--host-mem-gib", "1000"], capsys)
     assert code == 0
     assert "CPU Adam moments (fp32 exp_avg, exp_avg_sq): 56.74 GiB" in out
+    assert "CPU Adam gradient staging (trainable dtype): 14.19 GiB" in out
     assert "Host memory: 156.04 GiB pinned of 900.00 GiB usable." in out  # 10% kept back
+    # Summed on the device (the default): no staging on the host.
+    code, out, _ = _run([*base, "--host-mem-gib", "1000"], capsys)
+    assert code == 0 and "gradient staging" not in out
+    assert "Host memory: 141.85 GiB pinned of 900.00 GiB usable." in out
     # Without --host-mem-gib the machine's available memory (a cgroup's limit included) is used.
     import tidal.memory  # noqa: PLC0415
 
