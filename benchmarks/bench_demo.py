@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tidal_recipes.cli.demo import DemoSettings, defaults_for, run_demo  # noqa: E402
 from tidal.plan import predict_phases  # noqa: E402
+from tidal_recipes.cli.demo_plan import plan_kwargs  # noqa: E402
 
 CONFIGS = {
     # name: overrides of the GPU defaults of tidal demo
@@ -59,39 +60,9 @@ _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def prediction(s: DemoSettings) -> dict[str, int]:
-    """The planner's per-phase peak for exactly what the demo runs (tidal_recipes.grpo.GRPOTrainer):
-    prompts of digits+2 tokens with no padding mask; its own sampling loop over the 10 digit
-    ids; reference and train forwards computing logits of the answer (+1) positions only and
-    log-probs over the 10 digit ids; a timeshared step whose optimizer step runs inside the
-    train phase (AdamW: fused, its state streamed in a chunk at a time during step(); CPUAdam: gradients
-    stream out during backward, at most its default 512 MiB of copies pending)."""
-    return predict_phases(
-        s.preset,
-        param_dtype=_DTYPES[s.dtype],
-        optimizer="cpu_adam" if s.optimizer == "cpu_adam" else "adamw_offload",
-        adamw_foreach=False,  # the trainer uses the fused AdamW on a GPU
-        prompts=s.prompts,
-        group=s.group,
-        prompt_len=s.digits + 2,
-        gen_len=s.digits,
-        micro_batch=s.micro_batch,
-        padding_mask=False,
-        logprob_span="completion",
-        grad_ckpt=s.grad_ckpt,
-        timeshare=True,
-        lora_rank=s.lora_rank,
-        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-        completion_logits=True,
-        action_vocab=10,
-        keep_logits=False,  # logits_to_keep=answer+1, 10 digit ids
-        sampling="own",
-        sampling_fp32_buffers=3,  # the digit slice in fp32, / temperature, softmax
-        repeat_kv_in_decode=False,
-        step_in_train=True,
-        # AdamW: the timeshare streams its state in during step() (optimizer_residency="stream",
-        # TimeshareConfig.optimizer_chunk_bytes' default)
-        optim_stream_chunk_bytes=256 << 20 if s.optimizer != "cpu_adam" else None,
-    )
+    """The planner's per-phase peak for exactly what the demo runs (see
+    :func:`tidal_recipes.cli.demo_plan.plan_kwargs`)."""
+    return predict_phases(s.preset, **plan_kwargs(s))
 
 
 def main() -> int:

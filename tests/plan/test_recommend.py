@@ -110,3 +110,18 @@ def test_cpu_adam_bf16_moments_halve_their_host_memory():
     assert any("bf16 on the host" in a for a in bf16.assumptions)
     with pytest.raises(ValueError, match="CPUAdam keeps its moments in fp32 or bf16"):
         PlanConfig(**SEVEN_B, optimizer="cpu_adam", optim_state_dtype="fp16")
+
+
+def test_bf16_moments_is_chosen_when_the_host_is_the_limit_and_excluded_levers_are_not():
+    """7B full-parameter with CPU Adam summing gradients on the GPU: fp32 moments hold 142 GiB
+    of host memory, over a 128 GiB machine's 115 usable; bf16 moments bring it to 113 GiB, so
+    that is the lever chosen, with its reason. Excluded, nothing fits the host."""
+    config = PlanConfig(**SEVEN_B, optimizer="cpu_adam", grad_ckpt=True)
+    r = recommend(config, gpu_mem_bytes=80 * GIB, allow_lora=False, host_mem_bytes=128 * GIB)
+    assert r.fits and r.levers == ["bf16_moments"]
+    assert r.plan.config.optim_state_dtype == "bf16" and r.plan.host_bytes == 16 * config.shape.param_count()
+    assert "moments kept in bf16" in r.reasons["bf16_moments"]
+    no = recommend(config, gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB, exclude=("lora", "bf16_moments"))
+    assert not no.fits and no.host_miss_bytes > 0 and "bf16_moments" not in no.levers
+    with pytest.raises(ValueError, match="unknown levers \\['fp8'\\]"):
+        recommend(config, gpu_mem_bytes=80 * GIB, exclude=("fp8",))

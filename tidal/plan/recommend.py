@@ -6,16 +6,21 @@ Levers, in order of what they cost (time, or a change of what is trained):
 2. ``optimizer_offload``: AdamW states on the host except during the step;
 3. ``grad_ckpt``: gradient checkpointing (one extra forward per layer in backward);
 4. ``cpu_adam``: the optimizer runs on the host, gradients stream out during backward;
-5. ``act_offload``: saved activations stream to the host and back;
-6. ``zero1`` / ``zero2`` / ``zero3``: shard across the GPUs (needs ``gpus > 1``; more
+5. ``bf16_moments``: the optimizer's moments in bf16 (CPU Adam: 4 instead of 8 host bytes per
+   parameter; its fp32 masters stay; rounding measured in benchmarks/RESULTS.md);
+6. ``host_grads``: CPU Adam sums the micro-batches' gradients on the host (no gradient stays
+   on the GPU; a copy per micro-batch and pinned staging of the parameters' size);
+7. ``act_offload``: saved activations stream to the host and back;
+8. ``zero1`` / ``zero2`` / ``zero3``: shard across the GPUs (needs ``gpus > 1``; more
    communication per stage);
-7. ``lora``: train adapters instead of the full model (a *suggestion*: it changes what is
+9. ``lora``: train adapters instead of the full model (a *suggestion*: it changes what is
    trained).
 
 Costs are powers of two in that order, so the chosen set is the one whose most expensive
 lever is the cheapest, and every lever in it is needed (dropping any would give a cheaper set
 that, by construction, does not fit). Levers the configuration already has cost nothing.
-The whole space (at most 2 * 3 * 2 * 2 * 4 * 2 = 192 plans) is evaluated.
+The whole space (at most 2 * 3 * 2 * 2 * 2 * 2 * 4 * 2 = 768 plans) is evaluated; ``exclude``
+leaves levers out (a trainer that cannot apply them).
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ LEVER_COSTS = {
     "optimizer_offload": 2,
     "grad_ckpt": 4,
     "cpu_adam": 8,
-    "act_offload": 16,
-    "zero1": 32,
-    "zero2": 64,
-    "zero3": 128,
+    "bf16_moments": 16,
+    "host_grads": 32,
+    "act_offload": 64,
+    "zero1": 128,
+    "zero2": 256,
+    "zero3": 512,
     "lora": 1024,
 }
 LORA_SUGGESTED_RANK = 16
@@ -44,6 +51,8 @@ _WHY = {
     "optimizer_offload": "AdamW states wait on the host outside the optimizer step",
     "grad_ckpt": "layers keep only their input; backward recomputes one layer at a time",
     "cpu_adam": "no optimizer state or gradient stays on the GPU",
+    "bf16_moments": "the optimizer's moments kept in bf16 (half their bytes; fp32 masters stay)",
+    "host_grads": "CPU Adam sums the micro-batches' gradients on the host: none stays on the GPU",
     "act_offload": "at most two layers' activations stay on the GPU",
     "zero1": "optimizer states sharded across the GPUs",
     "zero2": "optimizer states and gradients sharded across the GPUs",
@@ -138,6 +147,11 @@ def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int) -> PlanConfig:
             ch["optimizer"] = "adamw_offload"
         elif lever == "cpu_adam":
             ch["optimizer"] = "cpu_adam"
+            ch["optim_stream_chunk_bytes"] = None  # an AdamW-offload setting: CPU Adam streams nothing
+        elif lever == "bf16_moments":
+            ch["optim_state_dtype"] = "bf16"
+        elif lever == "host_grads":
+            ch["cpu_adam_grad_accumulation"] = "host"
         elif lever in ("grad_ckpt", "act_offload"):
             ch[lever] = True
         elif lever.startswith("zero"):
@@ -158,6 +172,10 @@ def _choices(base: PlanConfig, gpus: int) -> list[list[tuple[str, ...]]]:
     if base.optimizer != "cpu_adam":
         optim.append(("cpu_adam",))
     fams.append(optim)
+    if base.optim_state_dtype != "bf16":
+        fams.append([(), ("bf16_moments",)])
+    if base.cpu_adam_grad_accumulation == "device":  # changes something only with CPU Adam
+        fams.append([(), ("host_grads",)])
     for flag in ("grad_ckpt", "act_offload"):
         if not getattr(base, flag):
             fams.append([(), (flag,)])
@@ -178,6 +196,7 @@ def recommend(
     allow_lora: bool = True,
     host_mem_bytes: int | None = None,
     host_reserve_fraction: float = 0.1,
+    exclude: tuple[str, ...] = (),
 ) -> Recommendation:
     """The cheapest set of levers on top of ``config`` whose driver-level peak (allocated +
     CUDA context) fits ``gpu_mem_bytes * (1 - reserve_fraction)`` on each of ``gpus`` GPUs and,
@@ -189,8 +208,13 @@ def recommend(
     which the model does not predict; ``host_reserve_fraction`` (default 10%) for what the
     model does not count on the host (the processes themselves, Python, data, the model as
     loaded before it moves to the GPU). ``config.dp`` is set to ``gpus`` (data parallel over
-    all of them, on one machine). Returns a :class:`Recommendation`.
+    all of them, on one machine). ``exclude``: levers never to choose (names of
+    :data:`LEVER_COSTS`; ``allow_lora=False`` is ``exclude=("lora",)``). Returns a
+    :class:`Recommendation`. Raises ``ValueError`` on an unknown lever name.
     """
+    unknown = sorted(set(exclude) - set(LEVER_COSTS))
+    if unknown:
+        raise ValueError(f"exclude names unknown levers {unknown}; the levers are {sorted(LEVER_COSTS)}")
     if gpu_mem_bytes <= 0 or gpus < 1 or not 0 <= reserve_fraction < 1:
         raise ValueError("gpu_mem_bytes must be > 0, gpus >= 1, 0 <= reserve_fraction < 1")
     if host_mem_bytes is not None and (host_mem_bytes <= 0 or not 0 <= host_reserve_fraction < 1):
@@ -200,8 +224,8 @@ def recommend(
     host_usable = None if host_mem_bytes is None else int(host_mem_bytes * (1 - host_reserve_fraction))
     baseline = build_plan(base, bandwidth=bandwidth)
     fams = _choices(base, gpus)
-    if not allow_lora:
-        fams = [f for f in fams if ("lora",) not in f]
+    banned = set(exclude) | (set() if allow_lora else {"lora"})
+    fams = [[opt for opt in f if not banned & set(opt)] for f in fams]
     scored = []
     for combo in itertools.product(*fams):
         levers = tuple(x for part in combo for x in part)

@@ -43,6 +43,7 @@ class DemoSettings:
     lr: float = 1e-3
     optimizer: str = "adamw"
     grad_accumulation: str = "device"
+    optim_state_dtype: str = "fp32"
     dtype: str = "float32"
     grad_ckpt: bool = False
     rollout_graph: bool = False
@@ -153,6 +154,7 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
         lr=s.lr,
         optimizer=s.optimizer,
         grad_accumulation=s.grad_accumulation if s.optimizer == "cpu_adam" else "device",
+        cpu_adam_state_dtype=s.optim_state_dtype if s.optimizer == "cpu_adam" else "fp32",
         grad_ckpt=s.grad_ckpt,
         rollout_graph=s.rollout_graph,
         loss=LossConfig(kl_coef=s.kl_coef),
@@ -288,7 +290,12 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     log(
         f"tidal demo: GRPO on '{s.task}' ({s.digits} digits), {s.preset} ({n_params / 1e6:.1f}M params, "
         f"{s.dtype}), {s.prompts} prompts x {s.group} samples, optimizer {s.optimizer}"
-        + (f" (micro-batch gradients summed on the {s.grad_accumulation})" if s.optimizer == "cpu_adam" else "")
+        + (
+            f" ({s.optim_state_dtype} moments, micro-batch gradients summed on the {s.grad_accumulation})"
+            if s.optimizer == "cpu_adam"
+            else ""
+        )
+        + (", gradient checkpointing" if s.grad_ckpt else "")
         + (f", LoRA r={s.lora_rank}" if s.lora_rank else "")
         + f", on {s.device}"
     )

@@ -160,9 +160,15 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", choices=("adamw", "cpu_adam"), default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument(
+        "--optim-state-dtype",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="with cpu_adam, its moments' dtype on the host (bf16: half their memory; fp32 masters stay)",
+    )
+    p.add_argument(
         "--grad-accumulation",
         choices=("device", "host"),
-        default="device",
+        default=None,
         help="with cpu_adam: sum micro-batch gradients on the GPU, one copy per step (default), or on the "
         "host as each is produced (no gradient stays on the GPU)",
     )
@@ -250,7 +256,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             rollout_graph=args.rollout_graph,
             prefetch=args.prefetch,
-            grad_accumulation=args.grad_accumulation,
+            grad_accumulation=args.grad_accumulation or "device",
+            optim_state_dtype=args.optim_state_dtype or "fp32",
             baseline_steps=args.baseline_steps,
             seed=args.seed,
             switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
@@ -260,6 +267,21 @@ def _run_demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tidal demo: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if settings.roles == "local" and DeviceOps(settings.device).is_accelerator:
+        # The levers the user left open come from the planner, for this GPU and this host.
+        fixed = tuple(
+            name
+            for name, value in (
+                ("optimizer", args.optimizer),
+                ("grad_ckpt", args.grad_ckpt),
+                ("optim_state_dtype", args.optim_state_dtype),
+                ("grad_accumulation", args.grad_accumulation),
+            )
+            if value is not None
+        )
+        settings = _plan_levers(settings, fixed)
+        if settings is None:
+            return EXIT_USAGE
     if settings.roles != "local":
         from tidal_recipes.cli.demo_remote import run_remote_demo as run_demo  # noqa: PLC0415
     try:
@@ -268,6 +290,42 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"tidal demo: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OUTPUT if summary.get("unwritten") else EXIT_OK
+
+
+def _plan_levers(settings, fixed: tuple[str, ...]):
+    """The demo settings with the planner's levers for this machine, after printing what it
+    chose and why; None (after an error) if nothing fits."""
+    from tidal.device import DeviceOps  # noqa: PLC0415
+    from tidal.memory import host_memory  # noqa: PLC0415
+    from tidal_recipes.cli.demo_plan import choose_levers  # noqa: PLC0415
+
+    _free, total = DeviceOps(settings.device).driver_free_bytes()
+    chosen, rec = choose_levers(
+        settings, fixed=fixed, gpu_mem_bytes=total, host_mem_bytes=host_memory().available_bytes
+    )
+    lines = rec.summary()
+    if not rec.fits:
+        print("tidal demo: error: the planner finds no way to fit this step on this machine:", file=sys.stderr)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)
+        print(
+            "Set the levers yourself (--optimizer, --grad-ckpt, --optim-state-dtype) to run anyway, or lower "
+            "--prompts, --group or --micro-batch. Nothing was run",
+            file=sys.stderr,
+        )
+        return None
+    mine = f" (set by you: {', '.join(fixed)})" if fixed else ""
+    print(f"tidal demo: levers from the planner for this GPU ({total / 2**30:.1f} GiB) and host{mine}:", flush=True)
+    for line in lines:
+        print(f"  {line}", flush=True)
+    print(
+        f"  -> optimizer {chosen.optimizer}"
+        + (f" ({chosen.optim_state_dtype} moments)" if chosen.optimizer == "cpu_adam" else "")
+        + (f", gradients summed on the {chosen.grad_accumulation}" if chosen.optimizer == "cpu_adam" else "")
+        + f", gradient checkpointing {'on' if chosen.grad_ckpt else 'off'}",
+        flush=True,
+    )
+    return chosen
 
 
 def _outputs_unwritable(command: str, paths: list[tuple[str, str | None]], *, folder: bool = False) -> bool:

@@ -92,6 +92,14 @@ def test_cpu_adam_gradients_summed_on_the_device_equal_summed_on_the_host(monkey
         GRPOConfig(optimizer="cpu_adam", grad_accumulation="gpu")
 
 
+def test_cpu_adam_bf16_moments_from_the_config():
+    tr, _ = run(1, optimizer="cpu_adam", cpu_adam_state_dtype="bf16")
+    assert tr.optimizer.state_dtype == torch.bfloat16
+    assert all(st["exp_avg"].dtype == torch.bfloat16 for st in tr.optimizer.state.values())
+    with pytest.warns(UserWarning, match="cpu_adam_state_dtype='bf16' is ignored"):
+        GRPOConfig(cpu_adam_state_dtype="bf16")
+
+
 def test_roles_take_turns_on_the_device():
     """During the reference phase the policy's weights are off the device (storage size 0),
     during training the reference's are, and the policy's weights exist once (rollout and

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The demo with its levers from the planner on this GPU and host (issue 17): the 0.5B default,
+# then Qwen2-7B full-parameter. Logs to $OUT; host peak RSS from /usr/bin/time where it exists.
+#   bash scripts/gpu_demo_plan.sh [small] [7b]   (default: both)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+  echo "commit ${TIDAL_COMMIT:-unknown}"; free -g | head -2
+} 2>&1 | tee "$OUT/env.txt"
+timed() { if [ -x /usr/bin/time ]; then /usr/bin/time -v "$@"; else "$@"; fi; }
+status=0
+for part in ${*:-small 7b}; do
+  t0=$(date +%s)
+  case $part in
+    small) timeout ${SMALL_TIMEOUT:-150} bash -c "$(declare -f timed); timed python3 -m tidal_recipes demo --steps ${STEPS:-5} \
+             --baseline-steps 2 --out $OUT/demo-small" > "$OUT/demo_small.log" 2>&1 || status=1
+           grep -vE "GRPO:|Warning|warn|forward_call" "$OUT/demo_small.log" | grep -vE "^\s+(Command|User|System|Percent|Elapsed|Average|Major|Minor|Volun|Invol|Swaps|File|Socket|Signals|Page|Exit)" | tail -24 ;;
+    7b) timeout ${BIG_TIMEOUT:-300} bash -c "$(declare -f timed); timed python3 -m tidal_recipes demo --preset qwen2-7b \
+          --steps ${BIG_STEPS:-4} --baseline-steps 1 --out $OUT/demo-7b" > "$OUT/demo_7b.log" 2>&1 || status=1
+        grep -vE "GRPO:|Warning|warn|forward_call" "$OUT/demo_7b.log" | grep -vE "^\s+(Command|User|System|Percent|Elapsed|Average|Major|Minor|Volun|Invol|Swaps|File|Socket|Signals|Page|Exit)" | tail -26 ;;
+  esac
+  echo "$part: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/timing.txt"
+done
+exit $status

@@ -1,0 +1,65 @@
+"""The demo's levers from the planner: what it chooses for a GPU and a host, what the user set
+stays, and the demo's plan configuration matches its trainer's settings."""
+
+import dataclasses
+
+import pytest
+
+from tidal.plan import GIB, build_plan
+from tidal_recipes.cli.demo import DemoSettings, defaults_for
+from tidal_recipes.cli.demo_plan import choose_levers, plan_config
+
+
+def _gpu_demo(**kw) -> DemoSettings:
+    d = defaults_for("cuda")
+    d["device"] = "cpu"  # the settings only: nothing runs
+    return DemoSettings(**{**d, **kw})
+
+
+def test_a_model_whose_optimizer_state_fits_gets_adamw_and_no_checkpointing():
+    """The 0.5B demo on an 80 GB GPU: everything fits as configured, so no lever (CPU Adam and
+    checkpointing, the old hard-coded default, would only slow it down)."""
+    s, rec = choose_levers(_gpu_demo(), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB)
+    assert rec.fits and rec.levers == []
+    assert (s.optimizer, s.grad_ckpt, s.optim_state_dtype) == ("adamw", False, "fp32")
+    assert "Fits as configured" in rec.summary()[0]
+
+
+def test_a_small_gpu_gets_the_cheapest_levers_that_fit_and_they_are_needed():
+    s, rec = choose_levers(_gpu_demo(), gpu_mem_bytes=4 * GIB, host_mem_bytes=128 * GIB)
+    assert rec.fits and rec.levers
+    assert rec.plan.device_peak_bytes <= rec.usable_bytes
+    assert s.optimizer == ("cpu_adam" if "cpu_adam" in rec.levers else "adamw")
+    assert s.grad_ckpt == ("grad_ckpt" in rec.levers)
+    # The plan of the settings it returns is the plan it chose.
+    assert build_plan(plan_config(s)).device_peak_bytes == rec.plan.device_peak_bytes
+    # What the user set stays, and the planner works around it.
+    s2, rec2 = choose_levers(
+        _gpu_demo(optimizer="adamw"), fixed=("optimizer",), gpu_mem_bytes=4 * GIB, host_mem_bytes=128 * GIB
+    )
+    assert s2.optimizer == "adamw" and "cpu_adam" not in rec2.levers
+
+
+def test_seven_b_levers_follow_the_gpu_and_the_host():
+    """Qwen2-7B, the demo's short sequences: on an 80 GB GPU AdamW with its (bf16) state
+    streamed by the timeshare fits as configured; on a 32 GiB GPU only CPU Adam with gradients
+    summed on the host fits the GPU, and with bf16 moments it holds 127.7 GiB of host memory:
+    over a 128 GiB machine's 115 usable (refused), under a 256 GiB one's."""
+    s, rec = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB)
+    assert rec.fits and rec.levers == [] and s.optimizer == "adamw"
+    _, small = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=32 * GIB, host_mem_bytes=128 * GIB)
+    assert not small.fits and small.host_miss_bytes > 0
+    assert small.plan.device_peak_bytes <= small.usable_bytes
+    s2, big = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=32 * GIB, host_mem_bytes=256 * GIB)
+    assert big.fits and big.levers == ["cpu_adam", "host_grads"]
+    assert (s2.optimizer, s2.grad_accumulation, s2.optim_state_dtype) == ("cpu_adam", "host", "fp32")
+
+
+def test_plan_config_follows_the_settings():
+    s = _gpu_demo(optimizer="cpu_adam", optim_state_dtype="bf16", grad_accumulation="host")
+    c = plan_config(s)
+    assert (c.optimizer, c.optim_state_dtype, c.cpu_adam_grad_accumulation) == ("cpu_adam", "bf16", "host")
+    a = plan_config(dataclasses.replace(s, optimizer="adamw"))
+    assert a.optimizer == "adamw_offload" and a.optim_state_dtype is None and a.optim_stream_chunk_bytes == 256 << 20
+    with pytest.raises(ValueError, match="unknown settings"):
+        choose_levers(s, fixed=("lr",), gpu_mem_bytes=80 * GIB, host_mem_bytes=None)
