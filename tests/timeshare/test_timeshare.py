@@ -421,3 +421,30 @@ def _one_scalar() -> nn.Module:
     m = nn.Module()
     m.p = nn.Parameter(torch.zeros(2))  # 8 bytes < min_offload_bytes
     return m
+
+
+def test_unreleased_memory_is_warned_once_per_kind_and_recorded_every_time():
+    """A fake accelerator whose driver never gets memory back: the first offload warns, the
+    later ones of the same kind do not (a loop would repeat it every step), and every record
+    still carries its unreleased bytes."""
+    import warnings
+
+    from tidal.transfer.context import TransferContext
+    from tests.transfer.fakes import FakeAccelOps
+
+    ctx = TransferContext(FakeAccelOps())
+    ts = tidal.Timeshare(
+        "cpu", context=ctx, config=tidal.TimeshareConfig(min_offload_bytes=0, release_tolerance_bytes=0)
+    )
+    model = nn.Linear(64, 64)
+    ts.add_role("actor", model=model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ts.offload("actor")
+            ts.load("actor")
+    msgs = [str(w.message) for w in seen if "less than expected" in str(w.message)]
+    assert len(msgs) == 1 and "(offload)" in msgs[0] and "Later offload transitions are not warned" in msgs[0]
+    offloads = [r for r in ts.records if r.kind == "offload"]
+    assert len(offloads) == 3 and all(r.unreleased_bytes > 0 for r in offloads)
+    ts.close()

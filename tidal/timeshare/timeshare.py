@@ -181,6 +181,7 @@ class Timeshare:
         )
         self._roles: dict[str, Role] = {}
         self.records: list[TransitionRecord] = []
+        self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory
         self._clock = 0
         self.closed = False
         # Set before a transition changes anything and cleared once the roles' flags agree with
@@ -865,13 +866,17 @@ class Timeshare:
             note=note,
         )
         self.records.append(rec)
-        if rec.unreleased_bytes > self.config.release_tolerance_bytes:
+        if rec.unreleased_bytes > self.config.release_tolerance_bytes and kind not in self._warned_unreleased:
+            # Once per kind of transition: a loop repeats the same cause every step; the records
+            # (and report()) keep every transition's figure.
+            self._warned_unreleased.add(kind)
             warnings.warn(
                 f"transition {rec.index} ({kind}) freed {format_bytes(move.bytes_out)} but the driver "
                 f"got back {format_bytes(rec.unreleased_bytes)} less than expected: caching-allocator "
                 f"segments are shared with tensors outside the roles (activations, caches) and "
                 f"cannot be released. Free those tensors before switching, or set "
-                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. Later {kind} transitions are not "
+                f"warned about; each record's unreleased_bytes has its figure",
                 stacklevel=3,
             )
         return rec
