@@ -1,13 +1,14 @@
 """TRL's GRPOTrainer alone against TRL with tidal (TidalGRPOTrainer), side by side on one GPU.
 
-    python benchmarks/bench_trl.py [--preset qwen2-1.5b] [--steps 4] [--variants trl,step,stream]
+    python benchmarks/bench_trl.py [--preset qwen2-1.5b] [--steps 4] [--variants trl,step,stream,stream+prefetch]
         [--results PATH] [--json PATH]
 
 A Qwen2-shape model built from a config (random bf16 weights, saved to a local folder so
 TRL can load the policy and build its reference from it, as it does from a hub id), a
 character-level tokenizer, prompts and a reward in Python. Each variant runs in its own
 process (so one's allocator cache cannot flatter the next): ``trl`` is ``GRPOTrainer``;
-``step`` / ``stream`` / ``role`` are ``TidalGRPOTrainer`` with that optimizer residency.
+``step`` / ``stream`` / ``role`` are ``TidalGRPOTrainer`` with that optimizer residency, and a
+``+prefetch`` suffix (``stream+prefetch``) adds ``TidalConfig(prefetch=True)``.
 Measured after the first step (warm-up): peak allocated device memory
 (``torch.cuda.max_memory_allocated``), median step wall time (device-synchronised, from
 ``on_step_begin`` to ``on_step_end``), and for tidal the transitions' share of the step time.
@@ -120,7 +121,11 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     if variant == "trl":
         trainer = GRPOTrainer(**common)
     else:
-        trainer = TidalGRPOTrainer(**common, tidal=TidalConfig(optimizer_residency=variant))
+        residency, _, extra = variant.partition("+")
+        if extra not in ("", "prefetch"):
+            raise ValueError(f"unknown variant {variant!r}: a residency, optionally with '+prefetch'")
+        tidal_cfg = TidalConfig(optimizer_residency=residency, prefetch=extra == "prefetch")
+        trainer = TidalGRPOTrainer(**common, tidal=tidal_cfg)
     t0 = time.perf_counter()
     error = None
     try:
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen2-1.5b", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--variants", default="trl,step,stream")
+    p.add_argument("--variants", default="trl,step,stream,stream+prefetch")
     p.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (completions per step)")
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--completion", type=int, default=32, help="max_completion_length")

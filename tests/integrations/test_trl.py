@@ -106,6 +106,22 @@ def test_grpo_with_tidal_is_bit_identical_to_trl_alone(tiny, tmp_path):
     assert ours.timeshare.is_resident("policy") and not ours.timeshare.is_resident("reference")
 
 
+def test_prefetch_is_bit_identical_and_the_switches_find_the_roles_arrived(tiny, tmp_path):
+    """TidalConfig(prefetch=True): generation brings the reference in ahead and writes the
+    policy back, reference scoring brings the policy back; TRL's results do not change, and
+    the switches claim what arrived (the reference's reload copies nothing of it again)."""
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal", tidal_config=TidalConfig(prefetch=True))
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    recs = ours.timeshare.records
+    prefetches = [r for r in recs if r.kind == "prefetch"]
+    assert {r.role_in for r in prefetches} == {"reference", "policy"} and all(r.bytes_in > 0 for r in prefetches)
+    to_ref = [r for r in recs if r.kind == "switch" and r.role_in == "reference"]
+    assert len(to_ref) == 3 and all(r.bytes_prefetched > 0 and r.bytes_in == 0 for r in to_ref)
+
+
 def test_transitions_reach_the_trainers_log(tiny, tmp_path):
     ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal", max_steps=2)
     logged = [h for h in ours.state.log_history if "loss" in h]

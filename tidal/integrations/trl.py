@@ -74,6 +74,13 @@ class TidalConfig:
             (:func:`tidal.offload_activations` over ``activation_layers``, a dotted path to the
             policy's transformer blocks; ``"auto"``: ``model.layers`` and the usual names).
             Saved tensors under ``activation_min_offload_bytes`` stay on the device.
+        prefetch: the next role comes in behind the current phase's compute
+            (:meth:`tidal.Timeshare.prefetch`): generation starts bringing the reference in
+            (and writes the policy's state back to the host, so the switch releases it without
+            a copy if nothing wrote it), reference scoring starts bringing the policy back. On
+            an accelerator each phase leaves free what it allocated the last time it ran (plus
+            10% and 256 MiB), so the first generation and scoring prefetch nothing; it trades
+            peak memory for time. Needs ``beta > 0`` (a reference); otherwise ignored.
     """
 
     optimizer_residency: OptimizerResidency = "step"
@@ -81,6 +88,7 @@ class TidalConfig:
     activation_offload: bool = False
     activation_layers: str = "auto"
     activation_min_offload_bytes: int = 1 << 20
+    prefetch: bool = False
 
 
 class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
@@ -115,6 +123,11 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
         self._tidal_peaks: dict[str, int] = {}  # phase -> peak allocated bytes since the last log
         self._tidal_phase: str | None = None  # the outermost phase the device's peak is attributed to
         self._tidal_depth = 0
+        # prefetch: what each phase allocated the last time it ran (its start, and what it
+        # brought in ahead for the next phase, not counted), so a prefetch leaves it free
+        self._tidal_growth: dict[str, int] = {}
+        self._tidal_phase_start = 0
+        self._tidal_phase_prefetched = 0
 
     # ---- roles --------------------------------------------------------------------------------
     def _policy_ready(self) -> bool:
@@ -145,12 +158,29 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
         with self._turn("policy").named("generate"):
+            self._prefetch("generate", "reference")
             return super()._generate(prompts)
 
     def _get_per_token_logps_and_entropies(self, model, *args: Any, **kwargs: Any):
         role = "reference" if self.ref_model is not None and model is self.ref_model else "policy"
         with self._turn(role):
+            if role == "reference":
+                self._prefetch("reference", "policy")
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+    def _prefetch(self, phase: str, then: str) -> None:
+        """With ``TidalConfig(prefetch=True)``: start bringing ``then`` in behind ``phase``."""
+        ts = self.timeshare
+        if not self.tidal_config.prefetch or then not in ts.roles or "reference" not in ts.roles:
+            return
+        leave = None
+        if ts.device.type != "cpu":
+            if phase not in self._tidal_growth:
+                return  # its needs are not known yet: measured this time, used the next
+            leave = int(1.1 * self._tidal_growth[phase]) + (256 << 20)
+        rec = ts.prefetch(then, leave_free_bytes=leave)
+        if rec is not None:
+            self._tidal_phase_prefetched += rec.bytes_in
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         cfg = self.tidal_config
@@ -174,8 +204,12 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
         if self._tidal_phase is not None:
             peak = torch.cuda.max_memory_allocated(device)
             self._tidal_peaks[self._tidal_phase] = max(self._tidal_peaks.get(self._tidal_phase, 0), peak)
+            grown = peak - self._tidal_phase_start - self._tidal_phase_prefetched
+            self._tidal_growth[self._tidal_phase] = max(0, grown)
         torch.cuda.reset_peak_memory_stats(device)
         self._tidal_phase = phase
+        self._tidal_phase_start = torch.cuda.memory_allocated(device)
+        self._tidal_phase_prefetched = 0
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         self._mark_phase(self._tidal_phase)  # close the running phase's reading
