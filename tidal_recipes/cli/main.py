@@ -3,7 +3,7 @@
 Usage::
 
     tidal demo  [--device cpu|cuda|cuda:N] [--preset ...] [--steps N] [--optimizer adamw|cpu_adam] ...
-    tidal bench [--preset tiny|qwen2-0.5b|qwen2-1.5b|qwen2-7b] [--device cpu|cuda|cuda:N]
+    tidal bench [--preset tiny|qwen2-0.5b|qwen2-1.5b|qwen2-7b|llama3-8b] [--device cpu|cuda|cuda:N]
                 [--warm-iters N] [--results PATH] [--json PATH]
     tidal plan  [--preset qwen2-1.5b | --config config.json] [--gpu-mem-gib G] [--gpus N] ...
 
@@ -30,7 +30,14 @@ from tidal_recipes.cli.args import device_arg, nonneg_int, output_problem, posit
 __all__ = ["build_parser", "main"]
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SKIPPED, EXIT_OUTPUT = 0, 1, 2, 3, 4
-_PRESETS = ("nano", "tiny", "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b")  # mirrors tidal_recipes.cli.models.PRESETS
+_PRESETS = (
+    "nano",
+    "tiny",
+    "qwen2-0.5b",
+    "qwen2-1.5b",
+    "qwen2-7b",
+    "llama3-8b",
+)  # mirrors tidal_recipes.cli.models.PRESETS
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

@@ -29,7 +29,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """The shape of a Qwen2 model (the public configs of the released checkpoints)."""
+    """The shape of a Qwen2 or Llama model (the public configs of the released checkpoints).
+    ``family``: ``"qwen2"`` (biases on q, k, v) or ``"llama"`` (no attention biases)."""
 
     hidden: int
     layers: int
@@ -38,11 +39,13 @@ class Preset:
     intermediate: int
     vocab: int
     tied: bool
+    family: str = "qwen2"
 
     def param_count(self) -> int:
         """Parameters of the model, counted from the shapes (tied embeddings once)."""
         h, kv_dim = self.hidden, self.kv_heads * (self.hidden // self.heads)
-        attn = (h * h + h) + 2 * (h * kv_dim + kv_dim) + h * h  # q, k, v with bias; o without
+        bias = self.family == "qwen2"
+        attn = (h * h + h * bias) + 2 * (h * kv_dim + kv_dim * bias) + h * h  # q, k, v (+bias); o
         mlp = 3 * h * self.intermediate
         per_layer = attn + mlp + 2 * h  # two RMSNorm weights
         embed = self.vocab * h
@@ -63,6 +66,9 @@ PRESETS: dict[str, Preset] = {
     "qwen2-0.5b": Preset(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True),
     "qwen2-1.5b": Preset(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True),
     "qwen2-7b": Preset(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064, tied=False),
+    "llama3-8b": Preset(
+        hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, tied=False, family="llama"
+    ),
 }
 
 
@@ -78,9 +84,10 @@ class _Attention(nn.Module):
     def __init__(self, p: Preset) -> None:
         super().__init__()
         kv_dim = p.kv_heads * (p.hidden // p.heads)
-        self.q_proj = nn.Linear(p.hidden, p.hidden, bias=True)
-        self.k_proj = nn.Linear(p.hidden, kv_dim, bias=True)
-        self.v_proj = nn.Linear(p.hidden, kv_dim, bias=True)
+        bias = p.family == "qwen2"
+        self.q_proj = nn.Linear(p.hidden, p.hidden, bias=bias)
+        self.k_proj = nn.Linear(p.hidden, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(p.hidden, kv_dim, bias=bias)
         self.o_proj = nn.Linear(p.hidden, p.hidden, bias=False)
 
 
@@ -125,20 +132,21 @@ class PlainQwen2Shape(nn.Module):
 def build_model(
     preset: str, *, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
 ) -> tuple[nn.Module, str]:
-    """A Qwen2-shape causal LM of ``preset`` with random weights, allocated on ``device``.
+    """A causal LM of ``preset``'s shape with random weights, allocated on ``device``
+    (``"meta"`` builds it without memory).
 
     Returns ``(model, description)``; the description names the implementation used
-    (transformers' ``Qwen2ForCausalLM`` or the plain-torch fallback when transformers is not
-    importable), so callers can print it.
+    (transformers' ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``, or the plain-torch fallback
+    with the same parameters when transformers is not importable), so callers can print it.
     """
     p = _preset(preset)
     torch.manual_seed(seed)
     try:
-        from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: PLC0415 (optional)
+        from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa: PLC0415 (optional)
     except ImportError:
         AutoModelForCausalLM = None  # noqa: N806
     if AutoModelForCausalLM is not None:
-        config = Qwen2Config(
+        config = (LlamaConfig if p.family == "llama" else Qwen2Config)(
             hidden_size=p.hidden,
             num_hidden_layers=p.layers,
             num_attention_heads=p.heads,
@@ -160,7 +168,7 @@ def build_model(
                 model = PlainQwen2Shape(p)
         finally:
             torch.set_default_dtype(old)
-        desc = "plain torch Qwen2-shape module (transformers is not importable)"
+        desc = f"plain torch {p.family}-shape module (transformers is not importable)"
     model.train()
     return model, desc
 
