@@ -1,6 +1,9 @@
 """tidal.memory.host_memory: the machine's RAM bounded by a memory cgroup's limit (v2 or v1),
 read from files (fakes of /proc/meminfo and /sys/fs/cgroup here)."""
 
+import pytest
+import torch
+
 from tidal.memory import host_memory
 
 GiB = 1 << 30
@@ -42,3 +45,21 @@ def test_a_cgroup_v1_limit_bounds_them_too(tmp_path):
     (cg / "memory" / "memory.usage_in_bytes").write_text(str(4 * GiB))
     h = host_memory(meminfo=_meminfo(tmp_path, 128, 100), cgroup_root=str(cg))
     assert (h.total_bytes, h.available_bytes) == (16 * GiB, 12 * GiB)
+
+
+def test_host_peak_rss_resets_and_counts_what_was_touched():
+    """The peak covers a buffer touched and freed after the reset, and a new reset drops it."""
+    import sys
+
+    from tidal.memory import host_peak_rss_bytes, reset_host_peak_rss
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-phase peaks need /proc/self/clear_refs (Linux)")
+    assert reset_host_peak_rss()
+    base = host_peak_rss_bytes()
+    buf = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB, every page written
+    del buf
+    grown = host_peak_rss_bytes()
+    assert grown - base >= 200 << 20
+    assert reset_host_peak_rss()
+    assert host_peak_rss_bytes() < grown - (200 << 20)

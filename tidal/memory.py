@@ -14,7 +14,16 @@ import time
 
 from tidal.device import DeviceOps, HostMemory, host_memory
 
-__all__ = ["HostMemory", "MemorySnapshot", "host_memory", "host_rss_bytes", "nvml_used_bytes", "snapshot"]
+__all__ = [
+    "HostMemory",
+    "MemorySnapshot",
+    "host_memory",
+    "host_peak_rss_bytes",
+    "host_rss_bytes",
+    "nvml_used_bytes",
+    "reset_host_peak_rss",
+    "snapshot",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +76,34 @@ def snapshot(ops: DeviceOps, *, with_nvml: bool = False) -> MemorySnapshot:
         reserved_bytes=ops.reserved_bytes(),
         nvml_used_bytes=nvml_used_bytes(ops) if with_nvml else None,
     )
+
+
+def reset_host_peak_rss() -> bool:
+    """Start a new peak for :func:`host_peak_rss_bytes` (Linux: writes ``5`` to
+    ``/proc/self/clear_refs``, which resets the process's ``VmHWM`` to its current RSS).
+    False where that is not possible: the peak then covers the process's whole life."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def host_peak_rss_bytes() -> int:
+    """The process's peak resident set size since it started or since the last
+    :func:`reset_host_peak_rss` (Linux ``VmHWM``; elsewhere the lifetime peak from
+    ``getrusage``). Pinned host memory is resident, so it counts."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource  # noqa: PLC0415
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def host_rss_bytes() -> int:

@@ -199,12 +199,17 @@ def run_steps(step: Callable[[], object], steps: int, log: Callable[[str], None]
 
 def log_phase_table(rows: dict[str, dict], *, on_gpu: bool, mem_name: str, log: Callable[[str], None]) -> None:
     """The per-phase table of :func:`_phase_rows`."""
-    log(f"{'phase':<10} {'s/step':>8} {mem_name:>11} {'peak used':>10} {'moved/step':>11} {'transit s':>9} {'GB/s':>6}")
+    log(
+        f"{'phase':<10} {'s/step':>8} {mem_name:>11} {'peak used':>10} {'moved/step':>11} {'transit s':>9} "
+        f"{'GB/s':>6} {'host RSS':>10}"
+    )
     for name, v in rows.items():
         used = format_bytes(v["peak_driver_used_bytes"]) if on_gpu else "-"
+        rss = v.get("host_peak_rss_bytes")
         log(
             f"{name:<10} {v['seconds']:>8.3f} {format_bytes(v['peak_allocated_bytes']):>11} {used:>10} "
-            f"{format_bytes(int(v['moved_bytes'])):>11} {v['transition_seconds']:>9.4f} {v['transition_gbps']:>6.1f}"
+            f"{format_bytes(int(v['moved_bytes'])):>11} {v['transition_seconds']:>9.4f} {v['transition_gbps']:>6.1f} "
+            f"{format_bytes(rss) if rss else '-':>10}"
         )
 
 
@@ -273,6 +278,11 @@ def _phase_rows(results: list) -> dict[str, dict]:
             "written_back_bytes": statistics.fmean(p.get("written_back_bytes", 0) for p in ph),
             "transition_seconds": trans,
             "transition_gbps": gbps(moved, trans),
+            # every step's; None where the process cannot reset its peak per phase
+            "host_peak_rss_bytes": max(
+                (r.phases[name].get("host_peak_rss_bytes") or 0 for r in results if name in r.phases), default=0
+            )
+            or None,
         }
     return rows
 
@@ -389,6 +399,10 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     rollout_tps = s.prompts * s.group * s.digits / rows["rollout"]["seconds"]
     how = f"decode step in a CUDA graph, captured {captures} time(s)" if captures is not None else "eager decode"
     log(f"rollout: {rollout_tps:,.0f} sampled tokens/s ({how}; steps after the first)")
+    # Training runs forward and backward over every token of every sequence (prompt + answer),
+    # and the optimizer step, inside the train phase.
+    train_tps = s.prompts * s.group * (2 * s.digits + 2) / rows["train"]["seconds"]
+    log(f"training: {train_tps:,.0f} tokens/s (prompt + answer tokens through forward, backward and the step)")
     log(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     png = os.path.join(s.out_dir, "timeline.png")
     summary = {
@@ -408,6 +422,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         "reward_last": last,
         "rollout_left_allocated_bytes": rollout_left,
         "rollout_tokens_per_second": rollout_tps,
+        "train_tokens_per_second": train_tps,
         "rollout_graph_captures": captures,
         "rollout_graph_region_bytes": graph_mem[0] if captures is not None else None,
         "rollout_graph_mapped_after_bytes": graph_mem[1] if captures is not None else None,

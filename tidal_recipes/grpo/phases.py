@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from tidal.device import DeviceOps
 from tidal.distributed.lease import GPULease, timeshare_callbacks
+from tidal.memory import host_peak_rss_bytes, reset_host_peak_rss
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare
 
@@ -110,6 +111,7 @@ class RoleTurns:
         free device memory to this phase; ``"prefetched_bytes"`` in the figures, which the
         peaks include, and ``"start_allocated_bytes"``, what was allocated before it.)"""
         start = len(self.ts.records) if self.ts is not None else 0
+        host_peak_reset = reset_host_peak_rss()
         t0 = time.perf_counter()
         with self.timeline.phase(name, step=step) as span, self.turn(role) as turn:
             # Separate the switch's peak from the phase's own, for the planner's calibration.
@@ -148,6 +150,9 @@ class RoleTurns:
             "prefetched_bytes": sum(r.bytes_in for r in recs if r.kind == "prefetch"),
             "written_back_bytes": sum(r.bytes_out for r in recs if r.kind == "prefetch"),
             "transition_seconds": turn.load_s + in_step_s + turn.release_s,
+            # the process's peak resident host memory during the phase (pinned copies included);
+            # None where the peak cannot be reset per phase
+            "host_peak_rss_bytes": host_peak_rss_bytes() if host_peak_reset else None,
         }
         if self.lease is not None:
             into[name]["lease_waited_s"] = turn.waited_s

@@ -39,6 +39,8 @@ def test_timeshare_does_not_change_training(kw):
     assert [r.stats for r in ra] == [r.stats for r in rb]
     for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
         assert torch.equal(pa, pb), n
+    # every phase reports the process's peak resident host memory (Linux resets it per phase)
+    assert all(ph["host_peak_rss_bytes"] > 0 for r in ra for ph in r.phases.values())
     # the timeshare really moved state: the reference and optimizer state went out and came back
     moved = sum(ph["moved_bytes"] for r in ra for ph in r.phases.values())
     assert moved > 0
