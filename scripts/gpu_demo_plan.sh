@@ -2,7 +2,7 @@
 # The demo with its levers from the planner on this GPU and host (issue 17): the 0.5B default,
 # then Qwen2-7B and Llama-3-8B full-parameter (the planner puts the 8B all-resident loop over
 # 80 GB). Logs to $OUT; host peak RSS from /usr/bin/time where it exists.
-#   bash scripts/gpu_demo_plan.sh [small] [7b] [8b]   (default: small 7b)
+#   bash scripts/gpu_demo_plan.sh [small] [7b] [7b-prefetch] [8b]   (default: small 7b)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
@@ -24,6 +24,9 @@ for part in ${*:-small 7b}; do
     7b) timeout ${BIG_TIMEOUT:-300} bash -c "$(declare -f timed); timed python3 -m tidal_recipes demo --preset qwen2-7b \
           --steps ${BIG_STEPS:-4} --baseline-steps 1 --out $OUT/demo-7b" > "$OUT/demo_7b.log" 2>&1 || status=1
         grep -vE "GRPO:|Warning|warn|forward_call" "$OUT/demo_7b.log" | grep -vE "^\s+(Command|User|System|Percent|Elapsed|Average|Major|Minor|Volun|Invol|Swaps|File|Socket|Signals|Page|Exit)" | tail -26 ;;
+    7b-prefetch) timeout ${BIG_TIMEOUT:-300} bash -c "$(declare -f timed); timed python3 -m tidal_recipes demo --preset qwen2-7b \
+          --prefetch --steps ${BIG_STEPS:-6} --baseline-steps 0 --out $OUT/demo-7b-prefetch" > "$OUT/demo_7b_prefetch.log" 2>&1 || status=1
+        grep -vE "GRPO:|Warning|warn|forward_call" "$OUT/demo_7b_prefetch.log" | grep -vE "^\s+(Command|User|System|Percent|Elapsed|Average|Major|Minor|Volun|Invol|Swaps|File|Socket|Signals|Page|Exit)" | tail -20 ;;
     8b) timeout ${BIG_TIMEOUT:-300} bash -c "$(declare -f timed); timed python3 -m tidal_recipes demo --preset llama3-8b \
           --steps ${BIG_STEPS:-6} --baseline-steps 1 --out $OUT/demo-8b" > "$OUT/demo_8b.log" 2>&1 || status=1
         grep -vE "GRPO:|Warning|warn|forward_call" "$OUT/demo_8b.log" | grep -vE "^\s+(Command|User|System|Percent|Elapsed|Average|Major|Minor|Volun|Invol|Swaps|File|Socket|Signals|Page|Exit)" | tail -26 ;;
