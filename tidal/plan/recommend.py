@@ -138,13 +138,14 @@ class Recommendation:
         }
 
 
-def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int) -> PlanConfig:
+def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int, offload_chunk_bytes: int | None = None) -> PlanConfig:
     ch: dict = {}
     for lever in levers:
         if lever == "timeshare":
             ch["timeshare"] = True
         elif lever == "optimizer_offload":
             ch["optimizer"] = "adamw_offload"
+            ch["optim_stream_chunk_bytes"] = offload_chunk_bytes
         elif lever == "cpu_adam":
             ch["optimizer"] = "cpu_adam"
             ch["optim_stream_chunk_bytes"] = None  # an AdamW-offload setting: CPU Adam streams nothing
@@ -197,6 +198,7 @@ def recommend(
     host_mem_bytes: int | None = None,
     host_reserve_fraction: float = 0.1,
     exclude: tuple[str, ...] = (),
+    offload_chunk_bytes: int | None = None,
 ) -> Recommendation:
     """The cheapest set of levers on top of ``config`` whose driver-level peak (allocated +
     CUDA context) fits ``gpu_mem_bytes * (1 - reserve_fraction)`` on each of ``gpus`` GPUs and,
@@ -209,7 +211,10 @@ def recommend(
     model does not count on the host (the processes themselves, Python, data, the model as
     loaded before it moves to the GPU). ``config.dp`` is set to ``gpus`` (data parallel over
     all of them, on one machine). ``exclude``: levers never to choose (names of
-    :data:`LEVER_COSTS`; ``allow_lora=False`` is ``exclude=("lora",)``). Returns a
+    :data:`LEVER_COSTS`; ``allow_lora=False`` is ``exclude=("lora",)``). ``offload_chunk_bytes``:
+    the ``optimizer_offload`` lever streams the state in chunks of this size during ``step()``
+    (the timeshare's ``optimizer_residency="stream"``); None: all of it at once (``"step"``).
+    Returns a
     :class:`Recommendation`. Raises ``ValueError`` on an unknown lever name.
     """
     unknown = sorted(set(exclude) - set(LEVER_COSTS))
@@ -229,7 +234,7 @@ def recommend(
     scored = []
     for combo in itertools.product(*fams):
         levers = tuple(x for part in combo for x in part)
-        plan = build_plan(_apply(base, levers, gpus), bandwidth=bandwidth)
+        plan = build_plan(_apply(base, levers, gpus, offload_chunk_bytes), bandwidth=bandwidth)
         scored.append((sum(LEVER_COSTS[x] for x in levers), plan.device_peak_bytes, levers, plan))
     on_gpu = [x for x in scored if x[1] <= usable]
     fitting = [x for x in on_gpu if host_usable is None or x[3].node_host_bytes <= host_usable]

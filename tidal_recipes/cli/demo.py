@@ -44,6 +44,7 @@ class DemoSettings:
     optimizer: str = "adamw"
     grad_accumulation: str = "device"
     optim_state_dtype: str = "fp32"
+    optimizer_residency: str = "stream"
     dtype: str = "float32"
     grad_ckpt: bool = False
     rollout_graph: bool = False
@@ -155,6 +156,7 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
         optimizer=s.optimizer,
         grad_accumulation=s.grad_accumulation if s.optimizer == "cpu_adam" else "device",
         cpu_adam_state_dtype=s.optim_state_dtype if s.optimizer == "cpu_adam" else "fp32",
+        optimizer_residency=s.optimizer_residency,
         grad_ckpt=s.grad_ckpt,
         rollout_graph=s.rollout_graph,
         loss=LossConfig(kl_coef=s.kl_coef),
@@ -303,7 +305,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         + (
             f" ({s.optim_state_dtype} moments, micro-batch gradients summed on the {s.grad_accumulation})"
             if s.optimizer == "cpu_adam"
-            else ""
+            else f" (state residency {s.optimizer_residency})"
         )
         + (", gradient checkpointing" if s.grad_ckpt else "")
         + (f", LoRA r={s.lora_rank}" if s.lora_rank else "")

@@ -1,10 +1,11 @@
 """The demo's plan: :mod:`tidal.plan`'s configuration for exactly what ``tidal demo`` runs, and
 the memory levers the planner chooses for the machine it runs on.
 
-The demo applies four levers (the others need what its trainer does not do: activation
-offload, ZeRO over several GPUs, LoRA as a default): the optimizer (``adamw``, whose state the
-timeshare streams in during ``step()``, or ``cpu_adam``), gradient checkpointing, CPU Adam's
-moments in bf16, and CPU Adam summing gradients on the host. Levers the user set on the command line stay as set; the planner
+The demo applies five levers (the others need what its trainer does not do: activation
+offload, ZeRO over several GPUs, LoRA as a default): AdamW's state on the host between steps,
+streamed in during ``step()`` (``optimizer_offload``; without it the state moves with the
+training role), CPU Adam instead, gradient checkpointing, CPU Adam's moments in bf16, and CPU
+Adam summing gradients on the host. Levers the user set on the command line stay as set; the planner
 chooses the others, cheapest first, so that the step fits the GPU and the host.
 """
 
@@ -19,12 +20,14 @@ __all__ = ["LEVER_SETTINGS", "choose_levers", "plan_config", "plan_kwargs"]
 
 # The demo setting each lever turns, and the planner levers the demo never applies.
 LEVER_SETTINGS = {
+    "optimizer_offload": "optimizer_residency",
     "cpu_adam": "optimizer",
     "grad_ckpt": "grad_ckpt",
     "bf16_moments": "optim_state_dtype",
     "host_grads": "grad_accumulation",
 }
-NOT_IN_DEMO = ("optimizer_offload", "act_offload", "zero1", "zero2", "zero3", "lora")
+NOT_IN_DEMO = ("act_offload", "zero1", "zero2", "zero3", "lora")
+STREAM_CHUNK_BYTES = 256 << 20  # TimeshareConfig.optimizer_chunk_bytes' default
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -34,12 +37,14 @@ def plan_kwargs(s: Any) -> dict:
     padding mask; its own sampling loop over the 10 digit ids; reference and train forwards
     computing logits of the answer (+1) positions only and log-probs over the 10 digit ids; a
     timeshared step whose optimizer step runs inside the train phase (AdamW: fused, its state
-    streamed in a chunk at a time during ``step()``; CPU Adam: gradients summed where
+    where ``s.optimizer_residency`` says: with the training role, or on the host and brought in
+    for ``step()``, whole or a chunk at a time; CPU Adam: gradients summed where
     ``s.grad_accumulation`` says, at most its default 512 MiB of copies pending)."""
     cpu_adam = s.optimizer == "cpu_adam"
+    on_host = not cpu_adam and s.optimizer_residency != "role"
     return dict(
         param_dtype=_DTYPES[s.dtype],
-        optimizer="cpu_adam" if cpu_adam else "adamw_offload",
+        optimizer="cpu_adam" if cpu_adam else "adamw_offload" if on_host else "adamw",
         optim_state_dtype=("bf16" if s.optim_state_dtype == "bf16" else None) if cpu_adam else None,
         cpu_adam_grad_accumulation=s.grad_accumulation,
         adamw_foreach=False,  # the trainer uses the fused AdamW on a GPU
@@ -61,9 +66,9 @@ def plan_kwargs(s: Any) -> dict:
         sampling_fp32_buffers=3,  # the digit slice in fp32, / temperature, softmax
         repeat_kv_in_decode=False,
         step_in_train=True,
-        # AdamW: the timeshare streams its state in during step() (optimizer_residency="stream",
+        # AdamW on the host: all of it in for step() ("step") or a chunk at a time ("stream",
         # TimeshareConfig.optimizer_chunk_bytes' default)
-        optim_stream_chunk_bytes=None if cpu_adam else 256 << 20,
+        optim_stream_chunk_bytes=STREAM_CHUNK_BYTES if on_host and s.optimizer_residency == "stream" else None,
     )
 
 
@@ -76,9 +81,10 @@ def choose_levers(
 ) -> tuple[Any, Recommendation]:
     """The settings ``s`` with the planner's levers applied, and its recommendation.
 
-    ``fixed``: the settings the user chose (``"optimizer"``, ``"grad_ckpt"``,
-    ``"optim_state_dtype"``, ``"grad_accumulation"``), kept as they are in ``s``; the others
-    start off (AdamW, no checkpointing, fp32 moments, gradients summed on the GPU) and the planner turns on the cheapest set that fits
+    ``fixed``: the settings the user chose (``"optimizer"``, ``"optimizer_residency"``,
+    ``"grad_ckpt"``, ``"optim_state_dtype"``, ``"grad_accumulation"``), kept as they are in
+    ``s``; the others start off (AdamW with its state moving with the training role, no
+    checkpointing, fp32 moments, gradients summed on the GPU) and the planner turns on the cheapest set that fits
     ``gpu_mem_bytes`` and ``host_mem_bytes`` (None: the host is not checked). When nothing
     fits, ``recommendation.fits`` is False and the settings are the planner's best attempt.
     Raises ``ValueError`` for an unknown name in ``fixed``."""
@@ -87,11 +93,24 @@ def choose_levers(
         raise ValueError(
             f"fixed names unknown settings {unknown}; the demo's levers set {sorted(LEVER_SETTINGS.values())}"
         )
-    start = {"optimizer": "adamw", "grad_ckpt": False, "optim_state_dtype": "fp32", "grad_accumulation": "device"}
+    start = {
+        "optimizer": "adamw",
+        "optimizer_residency": "role",
+        "grad_ckpt": False,
+        "optim_state_dtype": "fp32",
+        "grad_accumulation": "device",
+    }
     base = dataclasses.replace(s, **{k: v for k, v in start.items() if k not in fixed})
     exclude = NOT_IN_DEMO + tuple(lever for lever, setting in LEVER_SETTINGS.items() if setting in fixed)
-    rec = recommend(plan_config(base), gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes, exclude=exclude)
+    rec = recommend(
+        plan_config(base),
+        gpu_mem_bytes=gpu_mem_bytes,
+        host_mem_bytes=host_mem_bytes,
+        exclude=exclude,
+        offload_chunk_bytes=STREAM_CHUNK_BYTES,
+    )
     chosen = dict(
+        optimizer_residency="stream" if "optimizer_offload" in rec.levers else base.optimizer_residency,
         optimizer="cpu_adam" if "cpu_adam" in rec.levers else base.optimizer,
         grad_ckpt=True if "grad_ckpt" in rec.levers else base.grad_ckpt,
         optim_state_dtype="bf16" if "bf16_moments" in rec.levers else base.optim_state_dtype,

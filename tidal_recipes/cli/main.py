@@ -167,6 +167,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", choices=("adamw", "cpu_adam"), default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument(
+        "--optimizer-residency",
+        choices=("role", "step", "stream"),
+        default=None,
+        help="with adamw, where its state lives between steps: with the training role, or on the host and "
+        "brought in for step() whole (step) or a chunk at a time (stream)",
+    )
+    p.add_argument(
         "--optim-state-dtype",
         choices=("fp32", "bf16"),
         default=None,
@@ -265,6 +272,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             prefetch=args.prefetch,
             grad_accumulation=args.grad_accumulation or "device",
             optim_state_dtype=args.optim_state_dtype or "fp32",
+            optimizer_residency=args.optimizer_residency or "stream",
             baseline_steps=args.baseline_steps,
             seed=args.seed,
             switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
@@ -280,6 +288,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             name
             for name, value in (
                 ("optimizer", args.optimizer),
+                ("optimizer_residency", args.optimizer_residency),
                 ("grad_ckpt", args.grad_ckpt),
                 ("optim_state_dtype", args.optim_state_dtype),
                 ("grad_accumulation", args.grad_accumulation),
@@ -327,7 +336,11 @@ def _plan_levers(settings, fixed: tuple[str, ...]):
         print(f"  {line}", flush=True)
     print(
         f"  -> optimizer {chosen.optimizer}"
-        + (f" ({chosen.optim_state_dtype} moments)" if chosen.optimizer == "cpu_adam" else "")
+        + (
+            f" ({chosen.optim_state_dtype} moments)"
+            if chosen.optimizer == "cpu_adam"
+            else f" (state residency {chosen.optimizer_residency})"
+        )
         + (f", gradients summed on the {chosen.grad_accumulation}" if chosen.optimizer == "cpu_adam" else "")
         + f", gradient checkpointing {'on' if chosen.grad_ckpt else 'off'}",
         flush=True,

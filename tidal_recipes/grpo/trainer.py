@@ -69,6 +69,13 @@ class GRPOConfig:
         optimizer: ``"adamw"`` (torch's; with the timeshare its state stays on the host and
             comes in a chunk at a time during ``step()``) or ``"cpu_adam"`` (tidal.CPUAdam: state
             and update on the host, overlapped with backward).
+        optimizer_residency: with the timeshare and ``"adamw"``, where the optimizer state lives
+            between steps (:class:`tidal.Timeshare` roles): ``"stream"`` (default: on the host,
+            brought in a chunk at a time during ``step()``: the step's peak holds weights +
+            gradients + one chunk), ``"step"`` (on the host, all of it in for ``step()``) or
+            ``"role"`` (moves with the training role: resident from the training phase's switch
+            until the next phase's, which a prefetch can hide). CPU Adam's state is on the host
+            whatever this says.
         grad_accumulation: with ``"cpu_adam"``, where the micro-batches' gradients are summed:
             ``"device"`` (every micro-batch but the last in ``CPUAdam.accumulate()``: one
             gradient per parameter on the GPU through training, one copy per step, no pinned
@@ -108,6 +115,7 @@ class GRPOConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     optimizer: str = "adamw"
+    optimizer_residency: str = "stream"
     grad_accumulation: str = "device"
     cpu_adam_state_dtype: str = "fp32"
     grad_ckpt: bool = False
@@ -125,6 +133,10 @@ class GRPOConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.optimizer_residency not in ("stream", "step", "role"):
+            raise ValueError(
+                f"optimizer_residency must be 'stream', 'step' or 'role', got {self.optimizer_residency!r}"
+            )
         if self.grad_accumulation not in ("device", "host"):
             raise ValueError(f"grad_accumulation must be 'device' or 'host', got {self.grad_accumulation!r}")
         if self.grad_accumulation == "host" and self.optimizer != "cpu_adam":
@@ -327,10 +339,13 @@ class GRPOTrainer:
         if cfg.timeshare:
             self.ts = Timeshare(self.device, config=cfg.timeshare_config)
             # grads="drop": they are zeroed after every step, so a switch never has any to move.
-            # AdamW's state comes in a chunk at a time during step(), so the step's peak holds
-            # weights + grads + one chunk, not the whole state.
+            # With "stream" AdamW's state comes in a chunk at a time during step(), so the step's
+            # peak holds weights + grads + one chunk, not the whole state.
             roles = [
-                ("actor_train", dict(optimizer=self.optimizer, grads="drop", optimizer_residency="stream")),
+                (
+                    "actor_train",
+                    dict(optimizer=self.optimizer, grads="drop", optimizer_residency=cfg.optimizer_residency),
+                ),
                 ("rollout", dict(region=self.region.tag(WEIGHTS_TAG) if self.region is not None else None)),
             ]
             if self.region is not None:

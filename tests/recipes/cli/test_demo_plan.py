@@ -21,7 +21,7 @@ def test_a_model_whose_optimizer_state_fits_gets_adamw_and_no_checkpointing():
     checkpointing, the old hard-coded default, would only slow it down)."""
     s, rec = choose_levers(_gpu_demo(), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB)
     assert rec.fits and rec.levers == []
-    assert (s.optimizer, s.grad_ckpt, s.optim_state_dtype) == ("adamw", False, "fp32")
+    assert (s.optimizer, s.optimizer_residency, s.grad_ckpt, s.optim_state_dtype) == ("adamw", "role", False, "fp32")
     assert "Fits as configured" in rec.summary()[0]
 
 
@@ -41,12 +41,16 @@ def test_a_small_gpu_gets_the_cheapest_levers_that_fit_and_they_are_needed():
 
 
 def test_seven_b_levers_follow_the_gpu_and_the_host():
-    """Qwen2-7B, the demo's short sequences: on an 80 GB GPU AdamW with its (bf16) state
-    streamed by the timeshare fits as configured; on a 32 GiB GPU only CPU Adam with gradients
-    summed on the host fits the GPU, and with bf16 moments it holds 127.7 GiB of host memory:
-    over a 128 GiB machine's 115 usable (refused), under a 256 GiB one's."""
+    """Qwen2-7B, the demo's short sequences: on an 80 GB GPU AdamW with its (bf16) state moving
+    with the training role fits as configured; on a 48 GiB GPU its state must stay on the host
+    and stream in during step(); on a 32 GiB GPU only CPU Adam with gradients summed on the
+    host fits the GPU, and with bf16 moments it holds 127.7 GiB of host memory: over a 128 GiB
+    machine's 115 usable (refused), under a 256 GiB one's."""
     s, rec = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB)
-    assert rec.fits and rec.levers == [] and s.optimizer == "adamw"
+    assert rec.fits and rec.levers == [] and (s.optimizer, s.optimizer_residency) == ("adamw", "role")
+    s, rec = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=48 * GIB, host_mem_bytes=128 * GIB)
+    assert rec.fits and rec.levers == ["optimizer_offload"] and s.optimizer_residency == "stream"
+    assert rec.plan.config.optim_stream_chunk_bytes == 256 << 20  # what the trainer's stream residency does
     _, small = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=32 * GIB, host_mem_bytes=128 * GIB)
     assert not small.fits and small.host_miss_bytes > 0
     assert small.plan.device_peak_bytes <= small.usable_bytes
@@ -61,5 +65,9 @@ def test_plan_config_follows_the_settings():
     assert (c.optimizer, c.optim_state_dtype, c.cpu_adam_grad_accumulation) == ("cpu_adam", "bf16", "host")
     a = plan_config(dataclasses.replace(s, optimizer="adamw"))
     assert a.optimizer == "adamw_offload" and a.optim_state_dtype is None and a.optim_stream_chunk_bytes == 256 << 20
+    r = plan_config(dataclasses.replace(s, optimizer="adamw", optimizer_residency="role"))
+    assert r.optimizer == "adamw" and r.optim_stream_chunk_bytes is None
+    st = plan_config(dataclasses.replace(s, optimizer="adamw", optimizer_residency="step"))
+    assert st.optimizer == "adamw_offload" and st.optim_stream_chunk_bytes is None
     with pytest.raises(ValueError, match="unknown settings"):
         choose_levers(s, fixed=("lr",), gpu_mem_bytes=80 * GIB, host_mem_bytes=None)

@@ -94,6 +94,21 @@ def test_cpu_adam_gradients_summed_on_the_device_equal_summed_on_the_host(monkey
         GRPOConfig(optimizer="cpu_adam", grad_accumulation="gpu")
 
 
+@pytest.mark.parametrize("residency", ["step", "role"])
+def test_optimizer_residency_does_not_change_training(residency):
+    """AdamW's state streamed in during step() (the default), all in for step(), or moving with
+    the training role: the same run bit for bit; only the role residency moves it at switches."""
+    a, ra = run(3, optimizer_residency=residency)
+    b, rb = run(3)
+    assert [r.stats for r in ra] == [r.stats for r in rb]
+    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
+        assert torch.equal(pa, pb), n
+    optim_moves = [rec for rec in a.ts.records if rec.kind.startswith("optim")]
+    assert (optim_moves == []) == (residency == "role")
+    with pytest.raises(ValueError, match="optimizer_residency must be"):
+        GRPOConfig(optimizer_residency="gpu")
+
+
 def test_cpu_adam_bf16_moments_from_the_config():
     tr, _ = run(1, optimizer="cpu_adam", cpu_adam_state_dtype="bf16")
     assert tr.optimizer.state_dtype == torch.bfloat16
