@@ -6,9 +6,11 @@ Imports only the standard library (no torch, no CUDA): a plan is arithmetic on s
 * :class:`PlanConfig` -> :func:`build_plan` -> :class:`Plan` (per-phase breakdown, peaks with
   and without timeshare, transition times, assumptions);
 * :func:`predict_phases`: the calibration hook (predicted peak allocated bytes per phase);
-* :func:`recommend`: the cheapest set of memory levers that fits a GPU.
+* :func:`recommend`: the cheapest set of memory levers that fits a GPU;
+* :func:`step_flops`: a step's matmul FLOPs by phase (its compute floor at a measured rate).
 """
 
+from tidal.plan.flops import step_flops
 from tidal.plan.model import (
     GIB,
     MIB,
@@ -47,4 +49,5 @@ __all__ = [
     "predict_phases",
     "preset",
     "recommend",
+    "step_flops",
 ]

@@ -251,6 +251,24 @@ def _free_device(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _flop(n: float) -> str:
+    return f"{n / 1e12:.1f} TFLOP" if n >= 1e12 else f"{n / 1e9:.1f} GFLOP"
+
+
+def _compute_floor(s: DemoSettings, model_config) -> dict:
+    """The step's matmul FLOPs (the planner's count for this model and batch) over the matmul
+    rate measured on this device now (see :mod:`tidal_recipes.cli.floor`)."""
+    from tidal.plan import ModelShape, PlanConfig, step_flops  # noqa: PLC0415
+    from tidal_recipes.cli.demo_plan import plan_kwargs  # noqa: PLC0415
+    from tidal_recipes.cli.floor import matmul_rate  # noqa: PLC0415
+
+    shape = ModelShape.from_hf_config(model_config, name=s.preset)
+    flops = step_flops(PlanConfig(shape=shape, **plan_kwargs(s)))["total"]
+    n = 8192 if s.device != "cpu" else 1024
+    rate = matmul_rate(s.device, getattr(torch, s.dtype), n=n)
+    return {"flops": flops, "rate": rate, "n": n, "seconds": flops / rate}
+
+
 def _phase_rows(results: list) -> dict[str, dict]:
     """Per phase over the steps after the first (whose transitions include start-up): mean
     seconds, max peaks, mean bytes moved and transition seconds."""
@@ -298,6 +316,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     os.makedirs(s.out_dir, exist_ok=True)
     torch.manual_seed(s.seed)
     trainer = _trainer(s, timeshare=True)
+    trainer_config = trainer.policy.config  # the model's shape, for the compute floor
     n_params = sum(p.numel() for p in trainer.policy.parameters())
     log(
         f"tidal demo: GRPO on '{s.task}' ({s.digits} digits), {s.preset} ({n_params / 1e6:.1f}M params, "
@@ -405,6 +424,13 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     # and the optimizer step, inside the train phase.
     train_tps = s.prompts * s.group * (2 * s.digits + 2) / rows["train"]["seconds"]
     log(f"training: {train_tps:,.0f} tokens/s (prompt + answer tokens through forward, backward and the step)")
+    floor = _compute_floor(s, trainer_config)
+    log(
+        f"compute floor: {floor['seconds']:.3f} s a step ({_flop(floor['flops'])} of matmuls at "
+        f"{floor['rate'] / 1e12:.1f} TFLOP/s, a {floor['n']}^3 {s.dtype} matmul measured here); the step is "
+        f"{step_s / floor['seconds']:.1f}x it"
+        + "".join(f", all resident ({which}) {sec / floor['seconds']:.1f}x" for which, sec in baseline_step_s.items())
+    )
     log(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     png = os.path.join(s.out_dir, "timeline.png")
     summary = {
@@ -425,6 +451,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         "rollout_left_allocated_bytes": rollout_left,
         "rollout_tokens_per_second": rollout_tps,
         "train_tokens_per_second": train_tps,
+        "compute_floor": floor,
         "rollout_graph_captures": captures,
         "rollout_graph_region_bytes": graph_mem[0] if captures is not None else None,
         "rollout_graph_mapped_after_bytes": graph_mem[1] if captures is not None else None,

@@ -28,6 +28,11 @@ def test_demo_reward_rises_and_writes_its_files(tmp_path, capsys):
     # the timeshare held less role state on the device than all roles at once
     assert summary["peak_timeshare_bytes"] < summary["peak_all_resident_bytes"]
     assert {x["type"] for x in lines} >= {"sample", "phase", "mark", "step", "summary"}
+    # the compute floor: the planner's matmul count over a rate measured in the run
+    floor = summary["compute_floor"]
+    assert floor["flops"] > 0 and floor["rate"] > 0 and floor["seconds"] == floor["flops"] / floor["rate"]
+    assert "compute floor:" in text and summary["train_tokens_per_second"] > 0
+    assert all(ph["host_peak_rss_bytes"] for ph in summary["phases"].values())
     png = out / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
 
