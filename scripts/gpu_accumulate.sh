@@ -4,15 +4,7 @@
 #   bash scripts/gpu_accumulate.sh [tests] [demo] [ckpt]   (default: all three)
 # TIDAL_COMMIT names the commit in the logs (the device copy's git log may be stale).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
-  echo "commit ${TIDAL_COMMIT:-unknown}"
-} 2>&1 | tee "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 status=0
 for part in ${*:-tests demo ckpt}; do
   t0=$(date +%s)

@@ -4,15 +4,8 @@
 # 80 GB). Logs to $OUT; host peak RSS from /usr/bin/time where it exists.
 #   bash scripts/gpu_demo_plan.sh [small] [7b] [7b-prefetch] [8b]   (default: small 7b)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
-  echo "commit ${TIDAL_COMMIT:-unknown}"; free -g | head -2
-} 2>&1 | tee "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
+free -g | head -2 | tee -a "$OUT/env.txt"
 timed() { if [ -x /usr/bin/time ]; then /usr/bin/time -v "$@"; else "$@"; fi; }
 status=0
 for part in ${*:-small 7b}; do

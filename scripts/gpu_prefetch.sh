@@ -2,16 +2,8 @@
 # One GPU pass of the prefetch work (issue 16, item 2); logs and result rows go to $OUT.
 #   bash scripts/gpu_prefetch.sh [tests] [bench] [demo]   (default: tests bench)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 parts=${*:-tests bench}
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
-  git log --oneline -1 2>/dev/null
-} 2>&1 | tee "$OUT/env.txt"
 status=0
 for part in $parts; do
   t0=$(date +%s)

@@ -2,14 +2,7 @@
 # Issue 12's GPU pass on a lent single-GPU machine; logs go to $OUT.
 #   bash scripts/gpu_reliability.sh tests|bench
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 status=0
 case ${1:-tests} in
   tests)

@@ -4,14 +4,7 @@
 # context), with "before" runs of an earlier commit beside them when .before/ holds one.
 #   bash scripts/gpu_seams.sh [tests] [bench] [overhead] [act] [adam]   (default: all)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 parts=${*:-tests bench overhead act adam}
 status=0
 for part in $parts; do

@@ -4,14 +4,7 @@
 #   bash scripts/gpu_suite.sh [quick]
 # quick: tests only; default: tests, then the benchmarks.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+source "$(dirname "$0")/gpu_env.sh"
 status=0
 python3 -m pytest -q -m gpu tests --durations=5 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 python3 -m pytest -q -m "not gpu" tests 2>&1 | tail -3 | tee "$OUT/cpu_tests.log" || status=1

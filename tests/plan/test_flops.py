@@ -2,20 +2,10 @@
 
 import pytest
 
-from tidal.plan import ModelShape, PlanConfig, step_flops
+from tests.plan.test_model import TOY
+from tidal.plan import PlanConfig, step_flops
 
-# hidden 64, 2 layers, 4 heads of 16 (2 KV heads), MLP 128, vocab 100
-SHAPE = ModelShape(
-    name="toy",
-    layers=2,
-    hidden=64,
-    intermediate=128,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    vocab=100,
-    tied_embeddings=False,
-)
+SHAPE = TOY  # hidden 64, 2 layers, 4 heads of 16 (2 KV heads), MLP 128, vocab 100, untied
 LINEAR = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate, up, down
 HEAD = 2 * 64 * 100
 
