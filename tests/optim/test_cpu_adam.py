@@ -67,17 +67,23 @@ def _train(
     clip: float | None = None,
     norm_type: float = 2.0,
     in_backward: bool = False,
+    device_accum: bool = False,
     sched=None,
     record_lr: list | None = None,
 ) -> list[torch.Tensor]:
-    """``len(batches) // accum`` steps; each step accumulates ``accum`` micro-batches.
-    Returns the total grad norms that clipping reported."""
+    """``len(batches) // accum`` steps; each step accumulates ``accum`` micro-batches (with
+    ``device_accum``, all but the last inside ``opt.accumulate()``). Returns the total grad
+    norms that clipping reported."""
     norms = []
     cpu_adam = isinstance(opt, tidal.CPUAdam)
     for s in range(len(batches) // accum):
         for k in range(accum):
             loss = _loss(model, batches[s * accum + k])
-            if in_backward and k == accum - 1:
+            last = k == accum - 1
+            if device_accum and not last:
+                with opt.accumulate():
+                    loss.backward()
+            elif in_backward and last:
                 with opt.step_in_backward():
                     loss.backward()
             else:

@@ -12,7 +12,7 @@ import torch
 
 import tidal
 from tidal.transfer.context import TransferContext
-from tests.optim.test_cpu_adam import _assert_matches_adamw, _assert_same_cpu_adam, _batches, _loss, _mlp
+from tests.optim.test_cpu_adam import _assert_matches_adamw, _assert_same_cpu_adam, _batches, _loss, _mlp, _train
 from tests.transfer.fakes import FakeAccelOps
 
 PATHS = ["cpu", "fake_accel"]
@@ -21,23 +21,6 @@ PATHS = ["cpu", "fake_accel"]
 def _opt(model, path: str, **kw) -> tidal.CPUAdam:
     ctx = TransferContext(FakeAccelOps()) if path == "fake_accel" else None
     return tidal.CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.1, context=ctx, **kw)
-
-
-def _train(model, opt, batches, *, accum: int, device_accum: bool, in_backward: bool = False) -> None:
-    for s in range(len(batches) // accum):
-        for k in range(accum):
-            loss = _loss(model, batches[s * accum + k])
-            last = k == accum - 1
-            if device_accum and not last:
-                with opt.accumulate():
-                    loss.backward()
-            elif in_backward and last:
-                with opt.step_in_backward():
-                    loss.backward()
-            else:
-                loss.backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _d2h_copies(opt: tidal.CPUAdam) -> int:
@@ -58,11 +41,7 @@ def test_device_accumulation_matches_adamw(path, host_accumulation, in_backward)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no synchronous-add warning: nothing is added on the host
         _train(model, opt, batches, accum=4, device_accum=True, in_backward=in_backward)
-    for s in range(3):
-        for k in range(4):
-            _loss(ref, batches[4 * s + k]).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _train(ref, ref_opt, batches, accum=4)
     _assert_matches_adamw(model, opt, ref, ref_opt)
     assert opt.state[model.fc1.weight]["step"].item() == 3
 
@@ -155,11 +134,7 @@ def test_host_accumulation_false_still_adds_a_second_gradient_with_a_warning(pat
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         _train(model, opt, batches, accum=4, device_accum=False)
-    for s in range(2):
-        for k in range(4):
-            _loss(ref, batches[4 * s + k]).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _train(ref, ref_opt, batches, accum=4)
     _assert_matches_adamw(model, opt, ref, ref_opt)
     msgs = [str(w.message) for w in seen if "host_accumulation=False" in str(w.message)]
     if path == "fake_accel":
