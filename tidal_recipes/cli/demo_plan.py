@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tidal.plan import PlanConfig, Recommendation, recommend
+from tidal.plan import PlanConfig, Recommendation, build_plan, recommend
 
 __all__ = ["LEVER_SETTINGS", "choose_levers", "plan_config", "plan_kwargs"]
 
@@ -82,17 +82,19 @@ def choose_levers(
     """The settings ``s`` with the planner's levers applied, and its recommendation.
 
     ``fixed``: the settings the user chose (``"optimizer"``, ``"optimizer_residency"``,
-    ``"grad_ckpt"``, ``"optim_state_dtype"``, ``"grad_accumulation"``), kept as they are in
-    ``s``; the others start off (AdamW with its state moving with the training role, no
-    checkpointing, fp32 moments, gradients summed on the GPU) and the planner turns on the cheapest set that fits
-    ``gpu_mem_bytes`` and ``host_mem_bytes`` (None: the host is not checked). When nothing
-    fits, ``recommendation.fits`` is False and the settings are the planner's best attempt.
-    Raises ``ValueError`` for an unknown name in ``fixed``."""
-    unknown = sorted(set(fixed) - set(LEVER_SETTINGS.values()))
+    ``"grad_ckpt"``, ``"optim_state_dtype"``, ``"grad_accumulation"``, ``"micro_batch"``),
+    kept as they are in ``s``; the others start off (AdamW with its state moving with the
+    training role, no checkpointing, fp32 moments, gradients summed on the GPU) and the
+    planner turns on the cheapest set that fits ``gpu_mem_bytes`` and ``host_mem_bytes``
+    (None: the host is not checked), at ``s.micro_batch``. Then, unless fixed, the
+    micro-batch grows (halving down from the whole batch) to the largest that still fits
+    with those levers: fewer, larger forwards and backwards, the same result up to
+    summation order. When nothing fits, ``recommendation.fits`` is False and the settings
+    are the planner's best attempt. Raises ``ValueError`` for an unknown name in ``fixed``."""
+    allowed = sorted(set(LEVER_SETTINGS.values()) | {"micro_batch"})
+    unknown = sorted(set(fixed) - set(allowed))
     if unknown:
-        raise ValueError(
-            f"fixed names unknown settings {unknown}; the demo's levers set {sorted(LEVER_SETTINGS.values())}"
-        )
+        raise ValueError(f"fixed names unknown settings {unknown}; the demo's planned settings are {allowed}")
     start = {
         "optimizer": "adamw",
         "optimizer_residency": "role",
@@ -116,4 +118,20 @@ def choose_levers(
         optim_state_dtype="bf16" if "bf16_moments" in rec.levers else base.optim_state_dtype,
         grad_accumulation="host" if "host_grads" in rec.levers else base.grad_accumulation,
     )
-    return dataclasses.replace(base, **chosen), rec
+    settings = dataclasses.replace(base, **chosen)
+    if rec.fits and "micro_batch" not in fixed:
+        settings = dataclasses.replace(settings, micro_batch=_largest_micro_batch(settings, rec))
+    return settings, rec
+
+
+def _largest_micro_batch(s: Any, rec: Recommendation) -> int:
+    """The largest micro-batch, halving down from the whole batch to ``s.micro_batch``, whose
+    plan with the same settings fits what ``rec`` had usable (GPU and host)."""
+    mb = s.prompts * s.group
+    while mb > s.micro_batch:
+        plan = build_plan(plan_config(dataclasses.replace(s, micro_batch=mb)))
+        host_ok = rec.host_usable_bytes is None or plan.node_host_bytes <= rec.host_usable_bytes
+        if plan.device_peak_bytes <= rec.usable_bytes and host_ok:
+            return mb
+        mb //= 2
+    return s.micro_batch

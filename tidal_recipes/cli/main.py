@@ -292,6 +292,7 @@ def _run_demo(args: argparse.Namespace) -> int:
                 ("grad_ckpt", args.grad_ckpt),
                 ("optim_state_dtype", args.optim_state_dtype),
                 ("grad_accumulation", args.grad_accumulation),
+                ("micro_batch", args.micro_batch),
             )
             if value is not None
         )
@@ -313,7 +314,11 @@ def _plan_levers(settings, fixed: tuple[str, ...]):
     chose and why; None (after an error) if nothing fits."""
     from tidal.device import DeviceOps  # noqa: PLC0415
     from tidal.memory import host_memory  # noqa: PLC0415
-    from tidal_recipes.cli.demo_plan import choose_levers  # noqa: PLC0415
+    from tidal.plan import build_plan  # noqa: PLC0415
+    from tidal_recipes.cli.demo_plan import choose_levers, plan_config  # noqa: PLC0415
+
+    def plan_peak(settings) -> int:
+        return build_plan(plan_config(settings)).device_peak_bytes
 
     _free, total = DeviceOps(settings.device).driver_free_bytes()
     chosen, rec = choose_levers(
@@ -342,7 +347,12 @@ def _plan_levers(settings, fixed: tuple[str, ...]):
             else f" (state residency {chosen.optimizer_residency})"
         )
         + (f", gradients summed on the {chosen.grad_accumulation}" if chosen.optimizer == "cpu_adam" else "")
-        + f", gradient checkpointing {'on' if chosen.grad_ckpt else 'off'}",
+        + f", gradient checkpointing {'on' if chosen.grad_ckpt else 'off'}, micro-batch {chosen.micro_batch}"
+        + (
+            f" (the largest that fits with these: {plan_peak(chosen) / 2**30:.2f} GiB peak with context)"
+            if "micro_batch" not in fixed
+            else ""
+        ),
         flush=True,
     )
     return chosen

@@ -23,6 +23,19 @@ def test_a_model_whose_optimizer_state_fits_gets_adamw_and_no_checkpointing():
     assert rec.fits and rec.levers == []
     assert (s.optimizer, s.optimizer_residency, s.grad_ckpt, s.optim_state_dtype) == ("adamw", "role", False, "fp32")
     assert "Fits as configured" in rec.summary()[0]
+    # The micro-batch grows to the largest that fits with those settings: here the whole batch
+    # of 1024 sequences in one forward and backward (its plan fits the GPU), unless the user set it.
+    assert s.micro_batch == 1024 and build_plan(plan_config(s)).device_peak_bytes <= rec.usable_bytes
+    mine, _ = choose_levers(
+        _gpu_demo(micro_batch=32), fixed=("micro_batch",), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB
+    )
+    assert mine.micro_batch == 32
+    # On a GPU too small for the whole batch, the largest halving that fits.
+    small, rec_small = choose_levers(_gpu_demo(), gpu_mem_bytes=16 * GIB, host_mem_bytes=128 * GIB)
+    assert 64 < small.micro_batch < 1024
+    assert build_plan(plan_config(small)).device_peak_bytes <= rec_small.usable_bytes
+    bigger = dataclasses.replace(small, micro_batch=2 * small.micro_batch)
+    assert build_plan(plan_config(bigger)).device_peak_bytes > rec_small.usable_bytes
 
 
 def test_a_small_gpu_gets_the_cheapest_levers_that_fit_and_they_are_needed():
