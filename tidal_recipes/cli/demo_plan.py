@@ -1,11 +1,11 @@
 """The demo's plan: :mod:`tidal.plan`'s configuration for exactly what ``tidal demo`` runs, and
 the memory levers the planner chooses for the machine it runs on.
 
-The demo applies five levers (the others need what its trainer does not do: activation
-offload, ZeRO over several GPUs, LoRA as a default): AdamW's state on the host between steps,
-streamed in during ``step()`` (``optimizer_offload``; without it the state moves with the
-training role), CPU Adam instead, gradient checkpointing, CPU Adam's moments in bf16, and CPU
-Adam summing gradients on the host. Levers the user set on the command line stay as set; the planner
+The demo applies four levers on top of AdamW with its state on the host, streamed in during
+``step()`` (the others need what its trainer does not do: activation offload, ZeRO over
+several GPUs, LoRA as a default): CPU Adam instead, gradient checkpointing, CPU Adam's moments
+in bf16, and CPU Adam summing gradients on the host; then the largest micro-batch that fits.
+``--optimizer-residency role`` (the state moving with the training role) is the user's choice. Levers the user set on the command line stay as set; the planner
 chooses the others, cheapest first, so that the step fits the GPU and the host.
 """
 
@@ -83,8 +83,9 @@ def choose_levers(
 
     ``fixed``: the settings the user chose (``"optimizer"``, ``"optimizer_residency"``,
     ``"grad_ckpt"``, ``"optim_state_dtype"``, ``"grad_accumulation"``, ``"micro_batch"``),
-    kept as they are in ``s``; the others start off (AdamW with its state moving with the
-    training role, no checkpointing, fp32 moments, gradients summed on the GPU) and the
+    kept as they are in ``s``; the others start off (AdamW with its state on the host and
+    streamed in during ``step()``, no checkpointing, fp32 moments, gradients summed on the
+    GPU) and the
     planner turns on the cheapest set that fits ``gpu_mem_bytes`` and ``host_mem_bytes``
     (None: the host is not checked), at ``s.micro_batch``. Then, unless fixed, the
     micro-batch grows (halving down from the whole batch) to the largest that still fits
@@ -95,9 +96,12 @@ def choose_levers(
     unknown = sorted(set(fixed) - set(allowed))
     if unknown:
         raise ValueError(f"fixed names unknown settings {unknown}; the demo's planned settings are {allowed}")
+    # AdamW's state starts on the host, streamed in during step(): measured at 1.05x the
+    # all-resident step at 0.5B (benchmarks/RESULTS.md); "role" moves the same bytes at the
+    # switches instead, unmeasured as a default, so only when the user asks for it.
     start = {
         "optimizer": "adamw",
-        "optimizer_residency": "role",
+        "optimizer_residency": "stream",
         "grad_ckpt": False,
         "optim_state_dtype": "fp32",
         "grad_accumulation": "device",

@@ -21,7 +21,7 @@ def test_a_model_whose_optimizer_state_fits_gets_adamw_and_no_checkpointing():
     checkpointing, the old hard-coded default, would only slow it down)."""
     s, rec = choose_levers(_gpu_demo(), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB)
     assert rec.fits and rec.levers == []
-    assert (s.optimizer, s.optimizer_residency, s.grad_ckpt, s.optim_state_dtype) == ("adamw", "role", False, "fp32")
+    assert (s.optimizer, s.optimizer_residency, s.grad_ckpt, s.optim_state_dtype) == ("adamw", "stream", False, "fp32")
     assert "Fits as configured" in rec.summary()[0]
     # The micro-batch grows to the largest that fits with those settings: here the whole batch
     # of 1024 sequences in one forward and backward (its plan fits the GPU), unless the user set it.
@@ -54,16 +54,19 @@ def test_a_small_gpu_gets_the_cheapest_levers_that_fit_and_they_are_needed():
 
 
 def test_seven_b_levers_follow_the_gpu_and_the_host():
-    """Qwen2-7B, the demo's short sequences: on an 80 GB GPU AdamW with its (bf16) state moving
-    with the training role fits as configured; on a 48 GiB GPU its state must stay on the host
-    and stream in during step(); on a 32 GiB GPU only CPU Adam with gradients summed on the
-    host fits the GPU, and with bf16 moments it holds 127.7 GiB of host memory: over a 128 GiB
-    machine's 115 usable (refused), under a 256 GiB one's."""
+    """Qwen2-7B, the demo's short sequences: on an 80 GB GPU AdamW with its (bf16) state
+    streamed in during step() fits as configured, with a micro-batch of 256; with the state
+    moving with the training role (the user's choice) it still fits, at 128; on a 32 GiB GPU
+    only CPU Adam with gradients summed on the host fits the GPU, and with bf16 moments it
+    holds 127.7 GiB of host memory: over a 128 GiB machine's 115 usable (refused), under a
+    256 GiB one's."""
     s, rec = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB)
-    assert rec.fits and rec.levers == [] and (s.optimizer, s.optimizer_residency) == ("adamw", "role")
-    s, rec = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=48 * GIB, host_mem_bytes=128 * GIB)
-    assert rec.fits and rec.levers == ["optimizer_offload"] and s.optimizer_residency == "stream"
+    assert rec.fits and rec.levers == [] and (s.optimizer, s.optimizer_residency) == ("adamw", "stream")
     assert rec.plan.config.optim_stream_chunk_bytes == 256 << 20  # what the trainer's stream residency does
+    assert s.micro_batch == 256
+    role = _gpu_demo(preset="qwen2-7b", optimizer_residency="role")
+    s, rec = choose_levers(role, fixed=("optimizer_residency",), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB)
+    assert rec.fits and s.optimizer_residency == "role" and s.micro_batch == 128
     _, small = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=32 * GIB, host_mem_bytes=128 * GIB)
     assert not small.fits and small.host_miss_bytes > 0
     assert small.plan.device_peak_bytes <= small.usable_bytes
