@@ -173,3 +173,68 @@ def _interrupted_rank0_worker(rank: int, world_size: int) -> None:
 
 def test_an_interrupt_on_rank0_during_a_commit_reaches_every_rank():
     run_distributed(_interrupted_rank0_worker)
+
+
+def _shared_verify_worker(rank: int, world_size: int, directory: str) -> None:
+    """Each rank hashes its own share of the files before a load (not rank 0 all of them);
+    a corruption found by either rank is the same error on both; an interrupt while one rank
+    hashes reaches every rank, and the group still works after it."""
+    from tidal.checkpoint import atomic
+
+    model, ref, opt, sched, ts = _setup(7, "cpu")
+    state = TrainState(model, opt, scheduler=sched, timeshare=ts)
+    _train(model, ref, opt, sched, ts, range(2), rank)
+    save(directory, state, step=2)
+    step_dir = Path(directory) / "step-2"
+    manifest = atomic.Manifest.from_json((step_dir / atomic.MANIFEST).read_text())
+    shares = [atomic._share(manifest.file_bytes, r, world_size) for r in range(world_size)]
+    assert sorted(shares[0] + shares[1]) == sorted(manifest.file_bytes) and not set(shares[0]) & set(shares[1])
+
+    hashed: list[str] = []
+    real = atomic.file_checksums
+
+    def recording(path, names):
+        names = list(names)
+        hashed.extend(names)
+        return real(path, names)
+
+    atomic.file_checksums = recording
+    try:
+        assert load(step_dir, state) == 2
+        assert sorted(hashed) == sorted(shares[rank]), (rank, hashed, shares[rank])
+
+        # A byte flipped in a file of each rank's share in turn: both ranks raise the same error.
+        for owner in range(world_size):
+            victim = max(shares[owner], key=lambda n: manifest.file_bytes[n])
+            if rank == 0:
+                with open(step_dir / victim, "r+b") as f:
+                    f.seek(manifest.file_bytes[victim] // 2)
+                    byte = f.read(1)
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([byte[0] ^ 0x01]))
+            torch.distributed.barrier()
+            with pytest.raises(CheckpointError, match=f"corrupted: file {victim} has crc32"):
+                load(step_dir, state)
+            if rank == 0:  # undo it
+                with open(step_dir / victim, "r+b") as f:
+                    f.seek(manifest.file_bytes[victim] // 2)
+                    f.write(byte)
+            torch.distributed.barrier()
+
+        # Ctrl-C on rank 1 while it hashes: KeyboardInterrupt on both ranks, no rank left waiting.
+        def interrupted(path, names):
+            raise KeyboardInterrupt("Ctrl-C on rank 1 while hashing")
+
+        if rank == 1:
+            atomic.file_checksums = interrupted
+        with pytest.raises(KeyboardInterrupt, match="Ctrl-C on rank 1"):
+            load(step_dir, state)
+    finally:
+        atomic.file_checksums = real
+    torch.distributed.barrier()
+    assert load(step_dir, state) == 2
+    ts.close()
+
+
+def test_every_rank_verifies_its_share_of_the_files_before_a_load(tmp_path):
+    run_distributed(_shared_verify_worker, str(tmp_path / "ckpt"))

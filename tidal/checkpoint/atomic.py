@@ -23,9 +23,12 @@ the pointer update leaves ``latest`` on the previous checkpoint. Either way ``la
 complete checkpoint. The directory must be one that every rank sees (a shared file system),
 as DCP itself requires, and only one job may save into it at a time.
 
-Verification (:func:`validate`, rank 0, before DCP reads anything): every file the manifest
-lists exists with its size, then every file's CRC-32 is recomputed and compared, then the
-``.metadata`` ranges are checked against the shard files. CRC-32 (``zlib.crc32``, the
+Verification (before DCP reads anything): every rank recomputes the CRC-32 of its share of
+the files the manifest lists (:func:`checksum_findings`; shares balanced by size, so the
+checkpoint is read and hashed by all ranks at once), then rank 0 (:func:`validate`) checks
+that every file exists with its size, takes the gathered checksum findings, and checks the
+``.metadata`` ranges against the shard files. Outside a process group :func:`validate`
+hashes every file itself. CRC-32 (``zlib.crc32``, the
 standard whole-file CRC that ``zlib.crc32(open(f, "rb").read())`` gives) detects damage, not
 tampering: any error burst up to 32 bits, and other damage but for a 2**-32 chance. It is the
 fastest content checksum of the standard library where measured (files in the page cache, one
@@ -64,6 +67,7 @@ __all__ = [
     "file_checksums",
     "latest_path",
     "validate",
+    "checksum_findings",
     "on_rank0",
 ]
 
@@ -309,9 +313,52 @@ def commit(directory: Path, step: int, world_size: int, *, keep_last: int | None
     return final
 
 
-def _problem(path: Path) -> tuple[str | None, bool]:
+def _mismatch(name: str, actual: str, recorded: str) -> str:
+    return f"file {name} has {CHECKSUM} {actual}, {recorded} was recorded when it was written"
+
+
+def _share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
+    """The files ``rank`` of ``world`` hashes: largest first, each to the rank with the fewest
+    bytes so far (ties to the lowest rank), so every rank computes the same split."""
+    load = [0] * world
+    mine = []
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += sizes[name]
+        if r == rank:
+            mine.append(name)
+    return mine
+
+
+def checksum_findings(path: Path, rank: int, world: int) -> list[str]:
+    """Recompute the CRC-32 of this rank's share of the files ``path``'s manifest lists and
+    return one line per file that differs from the recorded one (empty: its share is intact).
+
+    Every rank of a load runs it on its share at once (so the bytes are read and hashed by
+    all of them, not by rank 0 alone); :func:`validate` then takes the gathered findings
+    instead of hashing again. What is not about contents (no manifest, a missing or truncated
+    file, no checksums recorded) is left to :func:`validate`, which reports it."""
+    try:
+        manifest = Manifest.from_json((path / MANIFEST).read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if manifest.checksums is None or manifest.checksum_algorithm != CHECKSUM:
+        return []
+    sizes = manifest.file_bytes
+    names = [
+        n
+        for n in _share(sizes, rank, world)
+        if n in manifest.checksums and (path / n).is_file() and (path / n).stat().st_size == sizes[n]
+    ]
+    actual = file_checksums(path, names)
+    return [_mismatch(n, actual[n], manifest.checksums[n]) for n in sorted(names) if actual[n] != manifest.checksums[n]]
+
+
+def _problem(path: Path, findings: list[str] | None = None) -> tuple[str | None, bool]:
     """What makes ``path`` unloadable (None if it is complete), and whether its contents were
-    verified by checksum (False for a manifest written before checksums were recorded)."""
+    verified by checksum (False for a manifest written before checksums were recorded).
+    ``findings``: the checksum mismatches already found by :func:`checksum_findings` over
+    every share of the files (None: hash them all here)."""
     if not path.is_dir():
         return "the directory does not exist", False
     if not (path / MANIFEST).is_file():
@@ -340,14 +387,15 @@ def _problem(path: Path) -> tuple[str | None, bool]:
         unsummed = sorted(set(files) - set(manifest.checksums))
         if unsummed:
             return f"{MANIFEST} is inconsistent: it records no checksum for {', '.join(unsummed)}", True
-        actual_sums = file_checksums(path, files)
-        bad = [name for name in sorted(files) if actual_sums[name] != manifest.checksums[name]]
-        if bad:
-            which = "; ".join(
-                f"file {name} has {CHECKSUM} {actual_sums[name]}, {manifest.checksums[name]} was "
-                f"recorded when it was written"
-                for name in bad
-            )
+        if findings is None:
+            actual_sums = file_checksums(path, files)
+            findings = [
+                _mismatch(name, actual_sums[name], manifest.checksums[name])
+                for name in sorted(files)
+                if actual_sums[name] != manifest.checksums[name]
+            ]
+        if findings:
+            which = "; ".join(sorted(findings))
             return (
                 f"it is corrupted: {which} (bytes changed after the save: overwritten in place, a "
                 f"disk or file-system error, or an incomplete copy)"
@@ -370,12 +418,13 @@ def _problem(path: Path) -> tuple[str | None, bool]:
     return None, verified
 
 
-def validate(path: Path) -> None:
+def validate(path: Path, *, findings: list[str] | None = None) -> None:
     """Raise :class:`CheckpointError` naming what is wrong with ``path`` (missing, truncated or
     corrupted files: every file's size and checksum is checked) and the newest earlier
     checkpoint that is complete. Warns if ``path`` has no checksums to verify (written before
-    tidal recorded them). Reads every byte of the checkpoint (see the module docstring)."""
-    problem, verified = _problem(path)
+    tidal recorded them). Reads every byte of the checkpoint (see the module docstring), unless
+    ``findings`` gives what :func:`checksum_findings` found over every share of the files."""
+    problem, verified = _problem(path, findings)
     if problem is None:
         if not verified:
             warnings.warn(

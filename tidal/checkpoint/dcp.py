@@ -119,7 +119,9 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
 
     Raises :class:`~tidal.checkpoint.CheckpointError` (a ``ValueError``) on every rank if the
     checkpoint is partial or corrupted, naming what is wrong and the previous complete one:
-    before DCP reads anything, rank 0 checks every file's size and CRC-32 against the manifest.
+    before DCP reads anything, every file's CRC-32 is checked against the manifest (each rank
+    hashes a share of the files, balanced by size), and rank 0 checks their sizes and the
+    metadata.
     A checkpoint saved before checksums were recorded loads after the size checks, with a
     warning that it is not verified.
     The model and optimizers must have the same structure as when saved; the world size may
@@ -128,12 +130,14 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
     _check_state(state)
     path = Path(path)
 
+    group = atomic.coordination_group()
+    findings = _gather_checksum_findings(path, group)
+
     def check() -> bool:
-        atomic.validate(path)
+        atomic.validate(path, findings=findings)
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         return sorted(keys)
 
-    group = atomic.coordination_group()
     keys = atomic.on_rank0(check, group=group)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     has_rng = f"{_APP}.rng/rank{rank}" in keys
@@ -156,6 +160,26 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
     finally:
         state.load_rng = True
     return state.step
+
+
+def _gather_checksum_findings(path: Path, group) -> list[str] | None:
+    """Every rank hashes its share of the checkpoint's files (:func:`atomic.checksum_findings`)
+    and gets every rank's findings. None outside a process group (``validate`` then hashes
+    all of them itself). An exception on any rank (an interrupt included) is raised on every
+    rank after the gather, so no rank waits in a collective another has left."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    try:
+        mine = ("ok", atomic.checksum_findings(path, rank, world))
+    except BaseException as e:  # re-raised on every rank below
+        mine = ("error", e)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    for kind, value in gathered:
+        if kind == "error":
+            raise value
+    return [line for _, lines in gathered for line in lines]
 
 
 def load_latest(directory: str | os.PathLike, state: TrainState, *, allow_missing: bool = False) -> int | None:
