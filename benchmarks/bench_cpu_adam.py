@@ -217,6 +217,24 @@ def _hyper(args) -> dict:
     return {"lr": args.lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
+def bench_tidal_bf16_moments(src: HostTensors, args) -> dict:
+    """CPUAdam(state_dtype=torch.bfloat16).step() over the same params and gradients: the
+    sliced fp32 update with moments rounded to bf16 (the option a 7B host plan needs)."""
+    params = src.fresh_params()
+    opt = tidal.CPUAdam(params, state_dtype=torch.bfloat16, **_hyper(args))
+    hosts = [opt._host[p] for p in params]
+    for hp, g in zip(hosts, src.grads):
+        hp.grad.copy_(g)
+
+    def give_grads() -> None:
+        for hp in hosts:
+            hp.has_grad = True
+
+    out = {"seconds": _median_times(opt.step, args.throughput_warmup, args.throughput_steps, before=give_grads)}
+    out["finite"] = all(bool(torch.isfinite(opt.state[p]["master"]).all()) for p in params)
+    return out
+
+
 def bench_tidal(src: HostTensors, args) -> tuple[dict, dict]:
     """CPUAdam.step() over CPU params, and the update kernel alone on its buffers."""
     params = src.fresh_params()
@@ -326,17 +344,19 @@ def run_throughput(args) -> dict:
     }
     log("    tidal CPUAdam.step() and its kernel ...")
     res["tidal_step"], res["tidal_kernel"] = bench_tidal(src, args)
+    log("    tidal CPUAdam.step(), bf16 moments ...")
+    res["tidal_step_bf16"] = bench_tidal_bf16_moments(src, args)
     log("    torch AdamW(fused=True) ...")
     res["torch_fused"] = bench_torch_fused(src, args)
     log("    DeepSpeedCPUAdam ...")
     res["deepspeed"] = bench_deepspeed(src, args)
-    for k in ("tidal_step", "tidal_kernel", "torch_fused", "deepspeed"):
+    for k in ("tidal_step", "tidal_step_bf16", "tidal_kernel", "torch_fused", "deepspeed"):
         d = res[k]
         if "seconds" in d:
             d["median_s"] = statistics.median(d["seconds"])
             d["gparams_s"] = n / d["median_s"] / 1e9
     fused = res["torch_fused"]["gparams_s"]
-    for k in ("tidal_step", "tidal_kernel", "deepspeed"):
+    for k in ("tidal_step", "tidal_step_bf16", "tidal_kernel", "deepspeed"):
         if "gparams_s" in res[k]:
             res[k]["vs_fused"] = res[k]["gparams_s"] / fused
     del src
@@ -480,6 +500,7 @@ def format_report(r: dict) -> str:
         L.append(f"    {'':<52}{'median s':>10}{'G params/s':>12}{'x torch fused':>15}")
         rows = [
             ("tidal CPUAdam.step()", t["tidal_step"]),
+            ("tidal CPUAdam.step(), bf16 moments", t["tidal_step_bf16"]),
             ("tidal update kernel (torch._fused_adamw_ call)", t["tidal_kernel"]),
             ("torch AdamW(fused=True).step()", t["torch_fused"]),
             (
@@ -499,6 +520,14 @@ def format_report(r: dict) -> str:
             f"    tidal/torch fused = {t['tidal_step']['vs_fused']:.3f}; CPUAdam construction (master copies, "
             f"state allocation) {t['tidal_step']['setup_s']:.2f} s, once"
         )
+        big = r.get("args", {}).get("extrapolate_params")
+        if big:
+            L.append(
+                f"    at these rates a step of {big / 1e9:.2f} G params takes "
+                f"{big / 1e9 / t['tidal_step']['gparams_s']:.1f} s (fp32 moments) and "
+                f"{big / 1e9 / t['tidal_step_bf16']['gparams_s']:.1f} s (bf16 moments) on the host, if the rate "
+                f"holds at that size (memory-bound: it should)"
+            )
     L.append("")
     tr = r.get("train")
     if tr is None or "not_run" in tr:
@@ -649,6 +678,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--throughput-params", type=float, default=1.5e9, help="params in the host step (default 1.5e9)")
     ap.add_argument("--throughput-steps", type=int, default=5, help="timed host steps (median)")
+    ap.add_argument(
+        "--extrapolate-params",
+        type=float,
+        default=7.6e9,
+        help="also say how long a host step of this many params takes at the measured rates (default 7.6e9)",
+    )
     ap.add_argument("--throughput-warmup", type=int, default=1, help="untimed host steps first")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--batch", type=int, default=8)
@@ -685,6 +720,7 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": str(device),
         "env": environment(device if cuda else None),
+        "args": {"extrapolate_params": args.extrapolate_params},
     }
     r["throughput"] = None if args.skip_throughput else run_throughput(args)
     if args.skip_train:
