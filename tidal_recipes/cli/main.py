@@ -299,6 +299,18 @@ def _run_demo(args: argparse.Namespace) -> int:
         settings = _plan_levers(settings, fixed)
         if settings is None:
             return EXIT_USAGE
+    ignored = (
+        [("--grad-accumulation", args.grad_accumulation), ("--optim-state-dtype", args.optim_state_dtype)]
+        if settings.optimizer != "cpu_adam"
+        else [("--optimizer-residency", args.optimizer_residency)]
+    )
+    for flag, value in ignored:
+        if value is not None:
+            print(
+                f"tidal demo: warning: {flag} {value} is ignored with optimizer {settings.optimizer} "
+                f"({'it is about CPU Adam' if settings.optimizer != 'cpu_adam' else 'CPU Adam keeps its state on the host'})",
+                file=sys.stderr,
+            )
     if settings.roles != "local":
         from tidal_recipes.cli.demo_remote import run_remote_demo as run_demo  # noqa: PLC0415
     try:

@@ -128,3 +128,17 @@ def test_prefetch_with_remote_roles_refused_before_any_work(tmp_path, capsys, mo
     out = tmp_path / "demo"
     assert main(["demo", "--device", "cpu", "--prefetch", "--roles", "processes", "--out", str(out)]) == EXIT_USAGE
     assert "--prefetch brings the next role in within this process" in capsys.readouterr().err
+
+
+def test_demo_says_which_options_its_optimizer_ignores(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = str(tmp_path / "demo")
+    args = ["demo", "--device", "cpu", "--steps", "1", "--baseline-steps", "0", "--out", out]
+    assert main([*args, "--optimizer", "adamw", "--grad-accumulation", "host", "--optim-state-dtype", "bf16"]) == 0
+    err = capsys.readouterr().err
+    assert "--grad-accumulation host is ignored with optimizer adamw" in err
+    assert "--optim-state-dtype bf16 is ignored with optimizer adamw" in err
+    assert main([*args, "--optimizer", "cpu_adam", "--optimizer-residency", "role"]) == 0
+    assert "--optimizer-residency role is ignored with optimizer cpu_adam" in capsys.readouterr().err
+    assert main([*args, "--optimizer", "cpu_adam", "--grad-accumulation", "host"]) == 0
+    assert "ignored" not in capsys.readouterr().err
