@@ -56,7 +56,6 @@ CONFIGS = {
     "cal-0.5b-long": {"preset": "qwen2-0.5b", "digits": 32, "prompts": 32, "group": 8, "micro_batch": 32},
 }
 PHASES = ("rollout", "reference", "train")
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def prediction(s: DemoSettings) -> dict[str, int]:
