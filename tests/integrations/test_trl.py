@@ -122,6 +122,18 @@ def test_prefetch_is_bit_identical_and_the_switches_find_the_roles_arrived(tiny,
     assert len(to_ref) == 3 and all(r.bytes_prefetched > 0 and r.bytes_in == 0 for r in to_ref)
 
 
+def test_prefetch_without_a_reference_is_ignored_with_a_warning(tiny, tmp_path):
+    with pytest.warns(UserWarning, match=r"prefetch=True\) is ignored: with beta=0"):
+        trainer = TidalGRPOTrainer(
+            model=tiny,
+            reward_funcs=reward_sevens,
+            args=_args(tmp_path / "tidal", beta=0.0),
+            train_dataset=_data(),
+            tidal=TidalConfig(prefetch=True),
+        )
+    assert "reference" not in trainer.timeshare.roles
+
+
 def test_transitions_reach_the_trainers_log(tiny, tmp_path):
     ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal", max_steps=2)
     logged = [h for h in ours.state.log_history if "loss" in h]

@@ -47,6 +47,7 @@ offload), more than one process, and ``torch_compile=True``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -119,6 +120,12 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
             frozen = not getattr(self.args, "sync_ref_model", False)
             self.timeshare.add_role("reference", model=self.ref_model, grads="drop", frozen=frozen)
             self.timeshare.offload("reference")  # the policy computes first (generation)
+        elif self.tidal_config.prefetch:
+            warnings.warn(
+                "TidalConfig(prefetch=True) is ignored: with beta=0 TRL builds no reference model, so the "
+                "policy is the only role and nothing takes turns with it",
+                stacklevel=2,
+            )
         self._tidal_logged = 0  # transitions already reported in a log line
         self._tidal_peaks: dict[str, int] = {}  # phase -> peak allocated bytes since the last log
         self._tidal_phase: str | None = None  # the outermost phase the device's peak is attributed to
