@@ -87,3 +87,26 @@ def test_plan_config_follows_the_settings():
     assert st.optimizer == "adamw_offload" and st.optim_stream_chunk_bytes is None
     with pytest.raises(ValueError, match="unknown settings"):
         choose_levers(s, fixed=("lr",), gpu_mem_bytes=80 * GIB, host_mem_bytes=None)
+
+
+def test_the_cli_prints_the_levers_and_why_or_refuses_before_any_work(capsys, monkeypatch):
+    """tidal demo's planning step (run on a GPU; here with the device's and the host's sizes
+    faked): it prints the planner's lines and what it applies; when nothing fits it says why
+    on stderr and returns None (the demo then exits before building anything)."""
+    import tidal.device
+    import tidal.memory
+    from tidal_recipes.cli.main import _plan_levers
+
+    total = [80 * GIB]
+    monkeypatch.setattr(tidal.device.DeviceOps, "driver_free_bytes", lambda self: (total[0], total[0]))
+    host = tidal.memory.HostMemory(total_bytes=128 * GIB, available_bytes=125 * GIB, cgroup_limit_bytes=None)
+    monkeypatch.setattr(tidal.memory, "host_memory", lambda: host)
+    chosen = _plan_levers(_gpu_demo(), ())
+    out = capsys.readouterr().out
+    assert chosen.optimizer == "adamw" and chosen.micro_batch == 1024
+    assert "levers from the planner for this GPU (80.0 GiB)" in out and "Fits as configured" in out
+    assert "-> optimizer adamw (state residency stream), gradient checkpointing off, micro-batch 1024" in out
+    total[0] = 2 * GIB
+    assert _plan_levers(_gpu_demo(preset="qwen2-7b"), ()) is None
+    err = capsys.readouterr().err
+    assert "finds no way to fit" in err and "Nothing was run" in err
