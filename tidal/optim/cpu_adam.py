@@ -442,12 +442,13 @@ class CPUAdam(torch.optim.Optimizer):
         device): all of them with ``overlap=False``; with it, those summed inside
         :meth:`accumulate` that no later backward sent."""
         pending = []
+        with_grad = [(p, hp) for p, hp in self._host.items() if p.grad is not None]
+        if not with_grad:
+            return  # the usual case with overlap=True: every gradient left during backward
         if self._ops.is_accelerator:
             # Gradients were written by kernels queued on the compute stream.
             self._ops.wait_stream("grads_d2h_after_compute", self._d2h, self._ops.current_stream())
-        for p, hp in self._host.items():
-            if p.grad is None:
-                continue
+        for p, hp in with_grad:
             if not self._ops.is_accelerator:
                 self._accumulate(hp, p.grad, not hp.has_grad)
                 p.grad = None
