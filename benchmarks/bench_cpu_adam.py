@@ -15,7 +15,7 @@ Everything runs in one process, in this order, and every figure printed is measu
    - tidal ``CPUAdam.step()`` over those CPU params, its host gradients set directly
      (``opt._host[p].grad`` filled once, ``has_grad = True`` before every step): the whole
      update path, chunking and the copy of the new master weights into the params included;
-   - tidal's update kernel alone: ``torch._fused_adamw_`` (plus the step-count increment)
+   - tidal's update kernel alone: ``torch._fused_adamw_`` through CPUAdam's own helper (plus the step-count increment)
      called on CPUAdam's own host buffers the way ``CPUAdam._update`` calls it;
    - ``torch.optim.AdamW(fused=True).step()`` with ``p.grad`` set (torch's fused CPU kernel);
    - ``DeepSpeedCPUAdam.step()`` (``adamw_mode=True``) when ``deepspeed`` imports and its op
@@ -65,6 +65,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import tidal  # noqa: E402
+from tidal.optim.cpu_adam import _fused_adamw  # noqa: E402
 from tidal_recipes.cli.models import PRESETS, PlainQwen2Shape, build_model  # noqa: E402
 from tidal.device import host_available_bytes  # noqa: E402
 
@@ -257,23 +258,9 @@ def bench_tidal(src: HostTensors, args) -> tuple[dict, dict]:
     masters, grads = [s["master"] for s in sts], [hp.grad for hp in hosts]
     exp_avgs, exp_avg_sqs, steps = [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts], [s["step"] for s in sts]
 
-    def kernel() -> None:  # what CPUAdam._update runs for one group
+    def kernel() -> None:  # what CPUAdam._adam runs for one group, through the same helper
         torch._foreach_add_(steps, 1)
-        torch._fused_adamw_(
-            masters,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            steps,
-            lr=float(g["lr"]),
-            beta1=g["betas"][0],
-            beta2=g["betas"][1],
-            weight_decay=g["weight_decay"],
-            eps=g["eps"],
-            amsgrad=False,
-            maximize=False,
-        )
+        _fused_adamw(g, masters, grads, exp_avgs, exp_avg_sqs, [], steps)
 
     kern = {"seconds": _median_times(kernel, args.throughput_warmup, args.throughput_steps)}
     bad = sum(int(not torch.isfinite(m).all()) for m in masters)
