@@ -32,7 +32,7 @@ class Recording(ResizeBackend):
 
     def settle(self):
         self.calls.append(("settle", 0))
-        super().settle()
+        return super().settle()
 
 
 def test_every_release_and_restore_goes_through_the_backend():

@@ -721,7 +721,7 @@ def test_an_offload_of_frozen_storages_only_still_returns_memory_to_the_driver()
     class Counting(ResizeBackend):
         def settle(self):
             settled.append(True)
-            super().settle()
+            return super().settle()
 
     store = OffloadStore(ops, TransferConfig(), backend=Counting(ops, coalesce=False, release_to_driver=True))
     t = torch.randn(1000)

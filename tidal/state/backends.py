@@ -8,7 +8,8 @@ host, and how it comes back before they return. Protocol::
         def reserve(self, items: Sequence[tuple[UntypedStorage, int]]) -> None: ...  # about to restore these (a hint)
         def restore(self, storage, nbytes: int) -> None: ...     # give the storage its memory back
         def release(self, storage) -> None: ...                   # take its memory away
-        def settle(self) -> None: ...                             # after a release: where the memory goes
+        def settle(self) -> int: ...                              # after a release: where the memory goes;
+                                                                  # returns the bytes given back to the driver
 
 :class:`ResizeBackend` (the default, no native code) resizes the storage itself, as FSDP does:
 tensors, views and optimizer keys stay valid, but a restored storage may get another device
@@ -94,7 +95,11 @@ class ResidencyBackend(Protocol):
 
     def release(self, storage: torch.UntypedStorage) -> None: ...
 
-    def settle(self) -> None: ...
+    def settle(self) -> int:
+        """Put the memory of the storages released since the last settle where it goes;
+        return how many bytes this process gave back to the driver doing so (0 when it keeps
+        them), which a cross-process hand-over passes on to the next holder as credit."""
+        ...
 
 
 class ResizeBackend:
@@ -140,10 +145,14 @@ class ResizeBackend:
     def release(self, storage: torch.UntypedStorage) -> None:
         storage.resize_(0)
 
-    def settle(self) -> None:
-        if self.release_to_driver:
-            # Other processes (an inference engine) only see what the driver sees.
-            self.ops.release_to_driver()
+    def settle(self) -> int:
+        if not self.release_to_driver:
+            return 0
+        before = self.ops.reserved_bytes()
+        # Other processes (an inference engine) only see what the driver sees.
+        self.ops.release_to_driver()
+        # This process's own reading: the driver's free memory also moves with other processes.
+        return max(0, before - self.ops.reserved_bytes())
 
 
 class RegionBackend:
@@ -234,7 +243,8 @@ class RegionBackend:
         del self._released[storage._cdata]
         _IN_PLACE_COUNT[0] -= 1
 
-    def settle(self) -> None:
+    def settle(self) -> int:
+        given = 0
         for tag in list(self._pending):
             released = sorted((e[1], e[2]) for e in self._released.values() if e[0] is tag)
             if not released:
@@ -244,9 +254,11 @@ class RegionBackend:
             # module, a tensor of the caller's) are copied by the region and come back with it.
             other = [(va, n) for va, n in tag._allocated_blocks() if not _inside(released, va, n)]
             if tag.resident:
+                mapped = tag.mapped_bytes
                 tag.region.release([tag.name], keep={tag.name: other} if other else None)
+                given += max(0, mapped - tag.mapped_bytes)
             self._pending.discard(tag)
-        self.fallback.settle()
+        return given + self.fallback.settle()
 
 
 def _inside(ranges: Sequence[tuple[int, int]], va: int, n: int) -> bool:

@@ -33,6 +33,7 @@ from tidal.memory import snapshot
 from tidal.state.backends import ResidencyBackend, ResizeBackend, holds_memory, mark_arriving
 from tidal.state.collect import StateEntry
 from tidal.state.digest import digest, digest_many
+from tidal.state.handover import ReleaseProgress, RoomSource
 from tidal.units import gbps
 from tidal.transfer.arena import HostSlot
 from tidal.transfer.context import TransferContext
@@ -295,16 +296,29 @@ class OffloadStore:
         return [CopyItem(e.storage, self._slots[e.key][0], e.nbytes, e) for e in entries]
 
     # ---- verbs --------------------------------------------------------------------------------
-    def offload(self, entries: Sequence[StateEntry], *, release: bool | None = None) -> MoveResult:
+    def offload(
+        self,
+        entries: Sequence[StateEntry],
+        *,
+        release: bool | None = None,
+        on_released: ReleaseProgress | None = None,
+        release_chunk_bytes: int = 256 << 20,
+    ) -> MoveResult:
         """Copy ``entries`` to host and free their device memory. Already-offloaded entries
         are skipped. Blocks until the copies are done and (unless ``release`` is False) the
-        backend has settled the freed memory (by default: back with the driver)."""
-        return self.switch(entries, [], release=release)
+        backend has settled the freed memory (by default: back with the driver).
+        ``on_released``: give the memory back chunk by chunk and report it (see :meth:`switch`)."""
+        return self.switch(
+            entries, [], release=release, on_released=on_released, release_chunk_bytes=release_chunk_bytes
+        )
 
-    def reload(self, entries: Sequence[StateEntry], *, what: str = "reload") -> MoveResult:
+    def reload(
+        self, entries: Sequence[StateEntry], *, what: str = "reload", room_source: RoomSource | None = None
+    ) -> MoveResult:
         """Bring offloaded ``entries`` back (others are skipped). Raises
-        :class:`InsufficientMemoryError` before moving anything if they cannot fit."""
-        return self.switch([], entries, what=what)
+        :class:`InsufficientMemoryError` before moving anything if they cannot fit, counting
+        what ``room_source`` says is still coming (see :meth:`switch`)."""
+        return self.switch([], entries, what=what, room_source=room_source)
 
     def switch(
         self,
@@ -317,6 +331,9 @@ class OffloadStore:
         release: bool | None = None,
         frozen: Collection[int] = (),
         check_unchanged: Collection[int] = (),
+        on_released: ReleaseProgress | None = None,
+        release_chunk_bytes: int = 256 << 20,
+        room_source: RoomSource | None = None,
     ) -> MoveResult:
         """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy.
 
@@ -358,7 +375,31 @@ class OffloadStore:
         exception land in that handling, the rule still holds: :meth:`recover` (run by the
         next move, or by the caller) finishes it. The caller learns where each storage is from
         :meth:`is_offloaded`.
+
+        Hand-over between processes (:mod:`tidal.state.handover`), the two ends:
+
+        * ``on_released`` (an offload only): the storages go out in chunks of about
+          ``release_chunk_bytes``; each chunk's memory goes back to the driver as soon as its
+          D2H copies have completed (while the next chunk's copies run), and
+          ``on_released(returned_bytes, total_bytes)`` reports the bytes given back so far.
+          Costs one device synchronisation per chunk (the allocator's ``empty_cache``).
+        * ``room_source`` (a reload): when the next storages do not fit in what the driver has
+          free, wait for ``room_source`` (memory another process is still giving back) and read
+          the driver again, instead of failing; the up-front check counts
+          ``room_source.pending_bytes()`` as coming. Should the memory not come after all,
+          :class:`InsufficientMemoryError` is raised mid-move (nothing lost: the storages not
+          yet in stay offloaded).
+
+        Raises ``ValueError`` (before anything moves) for ``on_released`` with incoming
+        entries or with ``release=False``, or a ``release_chunk_bytes`` below 1.
         """
+        if on_released is not None and (in_entries or release is False):
+            raise ValueError(
+                "on_released reports memory given back by an offload: pass no incoming entries "
+                "and leave release on (load the next role after, or in the other process)"
+            )
+        if release_chunk_bytes < 1:
+            raise ValueError(f"release_chunk_bytes must be >= 1, got {release_chunk_bytes}")
         self._check_open()
         if self._in_flight:
             self.recover()
@@ -394,17 +435,18 @@ class OffloadStore:
         skipped = sum(e.nbytes for e in skip)
         freeable = sum(e.nbytes for e in out_todo) + skipped
         before = snapshot(self.ops)
-        room = before.driver_free_bytes + before.cached_free_bytes - headroom_bytes
-        room -= self.staging_bytes(int(bool(out_todo)) + int(bool(in_todo)))
+        staging = self.staging_bytes(int(bool(out_todo)) + int(bool(in_todo)))
+        room = before.driver_free_bytes + before.cached_free_bytes - headroom_bytes - staging
+        coming = room_source.pending_bytes() if room_source is not None and in_todo else 0
         if extra_bytes is not None:
             # What may be loaded beyond what has been freed: then the held bytes never exceed
             # max(out, in) + extra_bytes.
             room = min(room, max(0, need_in - freeable) + extra_bytes)
-        if need_in > room + freeable:
+        if need_in > room + freeable + coming:
             raise InsufficientMemoryError(
                 what,
                 needed_bytes=need_in + self.staging_bytes(1) + headroom_bytes,
-                free_bytes=before.driver_free_bytes + before.cached_free_bytes + freeable,
+                free_bytes=before.driver_free_bytes + before.cached_free_bytes + freeable + coming,
                 hint="Offload another role first, lower the residency budget, or free tensors "
                 "that are not part of any role (activations, caches).",
             )
@@ -421,7 +463,26 @@ class OffloadStore:
                 self._host_valid.discard(e.key)
                 self.ops.point("offload_skipped")
                 self.backend.release(e.storage)
-            segments, alloc_seconds = self._move(out_todo, in_todo, room, coalesce, what, set(frozen), claimed)
+            if on_released is not None:
+                segments, alloc_seconds = self._offload_in_chunks(out_todo, release_chunk_bytes, on_released, freeable)
+            else:
+
+                def room_now() -> int:
+                    # The driver's reading now, this move's own allocations included.
+                    s = snapshot(self.ops)
+                    return s.driver_free_bytes + s.cached_free_bytes - headroom_bytes - staging
+
+                segments, alloc_seconds = self._move(
+                    out_todo,
+                    in_todo,
+                    room,
+                    coalesce,
+                    what,
+                    set(frozen),
+                    claimed,
+                    room_source=room_source if in_todo else None,
+                    room_now=room_now,
+                )
         except BaseException:
             self.recover()
             raise
@@ -460,6 +521,9 @@ class OffloadStore:
         what: str,
         frozen: set[int],
         claimed: Sequence[StateEntry] = (),
+        *,
+        room_source: RoomSource | None = None,
+        room_now: Any = None,
     ) -> tuple[int, float]:
         """The copies of :meth:`switch`, in an order where an exception at any point leaves
         every storage resident or tracked. Returns (segments, seconds spent allocating)."""
@@ -489,7 +553,7 @@ class OffloadStore:
             alloc_seconds = 0.0
             for i, seg in enumerate(in_segs):
                 ta = time.perf_counter()
-                if coalesce and i >= reserved_until:
+                if room_source is None and coalesce and i >= reserved_until:
                     # Reserve memory for the next run of segments while the copies queued so
                     # far are in flight; runs grow so the first copy starts at once.
                     reserved_until = self._reserve_device_block(in_segs, i, reserve_target)
@@ -497,6 +561,28 @@ class OffloadStore:
                 while seg.nbytes > room and freed < len(out_segs):
                     room += self._free_segment(out_segs[freed], out_events[freed], _event(out_digests, freed))
                     freed += 1
+                if room_source is not None:
+                    while seg.nbytes > room:
+                        # Another process gives memory back: the H2D copies queued so far run
+                        # while it goes on giving. Read again even when it has finished (it may
+                        # have done so since the last reading).
+                        more = room_source.wait()
+                        room = room_now()
+                        ops.point("reload_room_arrived")
+                        if not more:
+                            break
+                    if seg.nbytes > room:
+                        raise InsufficientMemoryError(
+                            what,
+                            needed_bytes=sum(sg.nbytes for sg in in_segs[i:]),
+                            free_bytes=max(0, room),
+                            hint="The process handing the memory over gave back less than it announced "
+                            "(memory it could not release, or a third process took it).",
+                        )
+                    if i >= reserved_until:
+                        # One allocation for the run of storages that fits in what has arrived.
+                        reserved_until = self._reserve_device_block(in_segs, i, min(reserve_target, room), within=True)
+                        reserve_target = min(2 * reserve_target, 2 << 30)
                 # The storages stay tracked (offloaded) while they are allocated and written:
                 # an exception before their copy completed frees them again in recover().
                 for item in seg.items:
@@ -541,6 +627,67 @@ class OffloadStore:
             self._came_in(e.key, frozen)
             ops.point("reload_untracked")
         return len(out_segs) + len(in_segs), alloc_seconds
+
+    def _offload_in_chunks(
+        self, out_todo: list[StateEntry], chunk_bytes: int, on_released: ReleaseProgress, total_bytes: int
+    ) -> tuple[int, float]:
+        """The copies of an offload whose memory goes back to the driver chunk by chunk
+        (:meth:`switch` with ``on_released``). The D2H copies of chunk ``g + 1`` are queued
+        before chunk ``g`` is freed and settled: the settle synchronises the device (the
+        allocator's ``empty_cache``), so queueing everything first would hold every chunk's
+        memory until the last copy. Same atomicity as :meth:`_move`: a storage is tracked once
+        its copy has completed, then released."""
+        engine, ops, verify = self.engine, self.ops, self.config.verify
+        segs = engine.plan(self._items(out_todo))
+        ops.point("planned")
+        chunks: list[list[Segment]] = []
+        size = chunk_bytes
+        for seg in segs:
+            if size >= chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(seg)
+            size += seg.nbytes
+        engine.begin_out()
+        queued: list[Segment] = []
+        events: list = []
+        digests: list = []  # per queued segment: (digests done event, digests)
+        freed = 0
+        returned = 0
+
+        def queue(chunk: list[Segment]) -> None:
+            for seg in chunk:
+                events.append(engine.copy_out(seg))
+                queued.append(seg)
+            if verify != "off":
+                # Beside the copies, on the digest stream (see _move).
+                digests.extend(self._digest_segments(chunk, None, verify))
+
+        try:
+            if chunks:
+                queue(chunks[0])
+            for g in range(max(1, len(chunks))):
+                if g + 1 < len(chunks):
+                    queue(chunks[g + 1])  # the copy engine works on it while this chunk's memory goes back
+                while freed < sum(len(c) for c in chunks[: g + 1]):
+                    self._free_segment(queued[freed], events[freed], _event(digests, freed))
+                    freed += 1
+                returned += self.backend.settle()
+                ops.point("offload_chunk_returned")
+                on_released(returned, total_bytes)
+            if digests:  # every segment's digests were waited for before its free
+                values = torch.cat([ds for _, ds in digests]).tolist()
+                for item, d in zip((it for seg in queued for it in seg.items), values):
+                    self._digests[item.tag.key] = d
+        except BaseException:
+            # As in _move: the storages whose copies were queued end up tracked and freed.
+            engine.drain()
+            self._drain_digests()
+            while freed < len(queued):
+                self._free_segment(queued[freed], None)
+                freed += 1
+            raise
+        return len(segs), 0.0
 
     def _came_in(self, key: int, frozen: set[int]) -> None:
         # A frozen storage's host copy stays the truth (and its digest the check), unless it
@@ -870,11 +1017,16 @@ class OffloadStore:
         self._in_flight = False
         return freed
 
-    def _reserve_device_block(self, segs: Sequence[Segment], first: int, target_bytes: int) -> int:
-        """Tell the backend that the storages of ``segs[first:j]`` (about ``target_bytes``)
-        are about to be restored, so it can take their memory in one piece; returns ``j``."""
+    def _reserve_device_block(
+        self, segs: Sequence[Segment], first: int, target_bytes: int, *, within: bool = False
+    ) -> int:
+        """Tell the backend that the storages of ``segs[first:j]`` (about ``target_bytes``;
+        ``within``: at most that, but at least one segment) are about to be restored, so it
+        can take their memory in one piece; returns ``j``."""
         items, total, j = [], 0, first
         while j < len(segs) and total < target_bytes:
+            if within and j > first and total + segs[j].nbytes > target_bytes:
+                break
             items += [(it.storage, it.nbytes) for it in segs[j].items]
             total += segs[j].nbytes
             j += 1
