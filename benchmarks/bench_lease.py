@@ -1,6 +1,6 @@
 """Cross-process lease hand-over vs an in-process switch, on one GPU (issue 7).
 
-    python benchmarks/bench_lease.py [--role-gb 2] [--turns 6] [--results PATH]
+    python benchmarks/bench_lease.py [--role-gb 2] [--turns 6] [--overlap] [--results PATH]
 
 Two roles of equal size (Linear layers with grads and AdamW state, ``optimizer_residency="role"``
 so every byte moves with the role):
@@ -10,7 +10,11 @@ so every byte moves with the role):
   :func:`~tidal.distributed.timeshare_callbacks`. One hand-over is: the holder leaves its turn
   -> its offload is done and confirmed at driver level -> the waiter is granted -> the
   waiter's reload is done. Split into offload / grant / reload (``time.monotonic`` is one
-  clock for every process of the machine).
+  clock for every process of the machine). ``--overlap`` (issue 16): the hand-over overlaps
+  both directions (``timeshare_callbacks(ts, role, lease=lease)``): the holder gives memory
+  back ``--chunk-mb`` at a time and the waiter loads into it while the rest is still copied
+  out; the hand-over then runs from the holder leaving its turn to the next holder entering
+  its own (state loaded, previous release confirmed).
 - **in-process**: both roles in one ``Timeshare``; ``with ts.use(other):`` switches them in one
   overlapped transition (D2H and H2D on separate copy engines), the same bytes each way. Also
   the same two moves one after the other in one process (``offload_all()`` then ``load()``),
@@ -43,6 +47,7 @@ import tidal  # noqa: E402
 from tidal.distributed.lease import GPULease, LeaseServer, timeshare_callbacks  # noqa: E402
 
 SECTION = "## Cross-process lease (issue 7)"
+SECTION_OVERLAP = "## Cross-process hand-over, overlapped (issue 16)"
 WIDTH = 4096
 ROLES = ("A", "B")
 
@@ -62,20 +67,30 @@ def _make_role(ts, name: str, layers: int) -> None:
     ts.add_role(name, model=model, optimizer=opt, optimizer_residency="role")
 
 
-def _worker(role: str, address: str, layers: int, turns: int, hold_s: float, barrier, out_path: str) -> None:
+def _worker(
+    role: str,
+    address: str,
+    layers: int,
+    turns: int,
+    hold_s: float,
+    overlap: bool,
+    chunk_mb: int,
+    barrier,
+    out_path: str,
+) -> None:
     torch.cuda.init()
-    ts = tidal.Timeshare("cuda")
+    ts = tidal.Timeshare("cuda", config=tidal.TimeshareConfig(handover_chunk_bytes=chunk_mb << 20))
     rows = []
     with GPULease(address, holder=f"{role}:{os.getpid()}") as lease:
         barrier.wait(120)
         with lease.hold(role=role, release_fn=ts.offload_all):  # bring the role into being
             _make_role(ts, role, layers)
-        cb = timeshare_callbacks(ts, role)
+        cb = timeshare_callbacks(ts, role, lease=lease if overlap else None)
         for _ in range(turns):
             row: dict = {"role": role}
 
             def acquire_fn() -> None:
-                row["granted"] = time.monotonic()
+                row["load_start"] = time.monotonic()
                 cb["acquire_fn"]()
                 torch.cuda.synchronize()
                 row["loaded"] = time.monotonic()
@@ -87,8 +102,12 @@ def _worker(role: str, address: str, layers: int, turns: int, hold_s: float, bar
                 row["bytes_out"] = conf["bytes_out"]
                 return conf
 
-            with lease.hold(role=role, acquire_fn=acquire_fn, release_fn=release_fn) as grant:
+            with lease.hold(
+                role=role, acquire_fn=acquire_fn, release_fn=release_fn, overlap=cb.get("overlap", False)
+            ) as grant:
+                row["granted"] = time.monotonic()  # the turn: state loaded, previous release done
                 row["ticket"], row["after"] = grant.ticket, (grant.previous or {}).get("ticket")
+                row["overlapped"] = grant.overlapped
                 time.sleep(hold_s)  # the other process is queued by now: a hand-over has a waiter
                 row["leave"] = time.monotonic()
             rows.append(row)
@@ -97,12 +116,17 @@ def _worker(role: str, address: str, layers: int, turns: int, hold_s: float, bar
     barrier.wait(120)  # neither exits (freeing its context) while the other still takes turns
 
 
-def cross_process(layers: int, turns: int, hold_s: float, skip: int) -> dict:
+def cross_process(
+    layers: int, turns: int, hold_s: float, skip: int, overlap: bool = False, chunk_mb: int = 256
+) -> dict:
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(len(ROLES))
     with tempfile.TemporaryDirectory() as d, LeaseServer(ttl_s=60.0) as server:
         procs = [
-            ctx.Process(target=_worker, args=(r, server.address, layers, turns, hold_s, barrier, os.path.join(d, r)))
+            ctx.Process(
+                target=_worker,
+                args=(r, server.address, layers, turns, hold_s, overlap, chunk_mb, barrier, os.path.join(d, r)),
+            )
             for r in ROLES
         ]
         for p in procs:
@@ -127,17 +151,24 @@ def cross_process(layers: int, turns: int, hold_s: float, skip: int) -> dict:
             continue  # not a hand-over between processes (or an untimed turn came between)
         hand.append(
             {
-                "total": nxt["loaded"] - prev["leave"],
+                "total": nxt["granted"] - prev["leave"],
                 "offload": prev["offloaded"] - prev["leave"],
+                # from the holder's release confirmed to the next turn (its grant, and with
+                # overlap whatever of its load was left)
                 "grant": nxt["granted"] - prev["offloaded"],
-                "reload": nxt["loaded"] - nxt["granted"],
+                "reload": nxt["loaded"] - nxt["load_start"],
+                # how long the next holder's load ran while the previous one still released
+                "overlap": max(0.0, prev["offloaded"] - nxt["load_start"]),
+                "overlapped": bool(nxt.get("overlapped")),
                 "bytes": prev["bytes_out"] + nxt["bytes_in"],
             }
         )
     if len(hand) <= skip:
         raise SystemExit(f"only {len(hand)} hand-overs between processes; raise --turns")
     warm = hand[skip:]
-    med = {k: statistics.median(h[k] for h in warm) for k in ("total", "offload", "grant", "reload", "bytes")}
+    keys = ("total", "offload", "grant", "reload", "overlap", "bytes")
+    med = {k: statistics.median(h[k] for h in warm) for k in keys}
+    med["overlapped"] = sum(h["overlapped"] for h in warm)
     return {"role_bytes": got["A"]["role_bytes"], "first": hand[0], "median": med, "count": len(warm)}
 
 
@@ -214,6 +245,38 @@ Command: `python benchmarks/bench_lease.py --results benchmarks/RESULTS.md`.
         )
 
 
+def append_overlap_row(path: str, gpu: str, versions: str, seq: dict, ovl: dict, local: dict, chunk_mb: int) -> None:
+    text = open(path).read() if os.path.exists(path) else ""
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    with open(path, "a") as f:
+        if not heads or heads[-1] != SECTION_OVERLAP:
+            f.write(
+                ("\n" if text and not text.endswith("\n\n") else "")
+                + f"""{SECTION_OVERLAP}
+
+The same two roles and processes as in the issue-7 section, one run: the sequential hand-over
+(all out, confirmed, then all in), the overlapped one (`timeshare_callbacks(ts, role,
+lease=lease)`: the holder gives memory back chunk by chunk, each chunk confirmed by this
+process's allocator reading, and the waiter loads into it), and the in-process switch. A
+hand-over runs from the holder leaving its turn to the next holder entering its own (state
+loaded, previous release confirmed); "overlap" is how long the next load ran while the previous
+holder still released. Medians of the warm hand-overs. Target (issue 16): overlapped <= 1.15x
+the in-process switch.
+Command: `python benchmarks/bench_lease.py --overlap --results benchmarks/RESULTS.md`.
+
+| date | GPU | versions | role state GB | chunk MiB | sequential s | overlapped s (offload / reload / overlap) | overlapped turns | in-process switch s | sequential / switch | overlapped / switch |
+|---|---|---|---|---|---|---|---|---|---|---|
+"""
+            )
+        m, o, sw = seq["median"], ovl["median"], local["switch"]
+        f.write(
+            f"| {datetime.datetime.now():%Y-%m-%d %H:%M} | {gpu} | {versions} | {ovl['role_bytes'] / 1e9:.2f} | "
+            f"{chunk_mb} | {m['total']:.4f} | {o['total']:.4f} ({o['offload']:.4f} / {o['reload']:.4f} / "
+            f"{o['overlap']:.4f}) | {o['overlapped']}/{ovl['count']} | {sw['total']:.4f} | "
+            f"{m['total'] / sw['total']:.2f} | {o['total'] / sw['total']:.2f} |\n"
+        )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role-gb", type=float, default=2.0, help="state bytes of each role (GB, approximate)")
@@ -221,6 +284,12 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", type=int, default=2, help="hand-overs left out of the medians (warm-up)")
     ap.add_argument("--hold-s", type=float, default=0.05, help="how long each turn holds the lease")
     ap.add_argument("--results", default=None, help="append a row to this markdown file")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also the overlapped hand-over (issue 16), side by side with the sequential",
+    )
+    ap.add_argument("--chunk-mb", type=int, default=256, help="with --overlap: memory given back at a time (MiB)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_lease: needs a CUDA device; skipped")
@@ -230,6 +299,9 @@ def main(argv=None) -> int:
     layers = _layers(args.role_gb)
     print(f"{gpu} | {versions} | {layers} layers of {WIDTH}x{WIDTH} per role", flush=True)
     cross = cross_process(layers, args.turns, args.hold_s, args.skip)  # before this process touches CUDA
+    ovl = None
+    if args.overlap:
+        ovl = cross_process(layers, args.turns, args.hold_s, args.skip, overlap=True, chunk_mb=args.chunk_mb)
     local = in_process(layers, args.turns, args.skip)
     m, f0, sw, sq = cross["median"], cross["first"], local["switch"], local["sequential"]
     print(f"role state: {cross['role_bytes'] / 1e9:.3f} GB each (in-process {local['role_bytes'] / 1e9:.3f} GB)")
@@ -252,9 +324,21 @@ def main(argv=None) -> int:
         f"ratio cross-process / in-process switch: {m['total'] / sw['total']:.2f}; "
         f"/ in-process sequential: {m['total'] / sq['total']:.2f}"
     )
+    if ovl is not None:
+        o = ovl["median"]
+        print(
+            f"overlapped hand-over (median of {ovl['count']}, {o['overlapped']} overlapped, chunks of "
+            f"{args.chunk_mb} MiB): {o['total']:.4f} s = offload {o['offload']:.4f}, next load {o['reload']:.4f} "
+            f"of which {o['overlap']:.4f} during the offload; ratio / in-process switch: "
+            f"{o['total'] / sw['total']:.2f} (target <= 1.15), sequential: {m['total'] / sw['total']:.2f}"
+        )
     if args.results:
-        append_row(args.results, gpu, versions, cross, local, layers)
-        print(f"row appended to {args.results} ({SECTION})")
+        if ovl is not None:
+            append_overlap_row(args.results, gpu, versions, cross, ovl, local, args.chunk_mb)
+            print(f"row appended to {args.results} ({SECTION_OVERLAP})")
+        else:
+            append_row(args.results, gpu, versions, cross, local, layers)
+            print(f"row appended to {args.results} ({SECTION})")
     return 0
 
 

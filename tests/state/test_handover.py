@@ -308,3 +308,23 @@ def test_fault_at_every_point_of_a_hand_over_keeps_every_storage_resident_or_tra
     points = sweep(make, act, check)
     want = "offload_chunk_returned" if end == "giver" else "reload_room_arrived"
     assert points.count(want) >= 2, points
+
+
+def test_a_hand_over_load_allocates_in_runs_no_larger_than_a_chunk():
+    """The allocator gives back only whole runs, so a role that will be handed over in chunks
+    must be allocated in runs no larger than a chunk (else its next release returns nothing
+    until the end of a run)."""
+    from tidal.state.handover import NOTHING_COMING
+
+    pool = Pool(1 << 20)
+    store = _store(pool)
+    entries, tensors, clones = _role(1)
+    store.offload(entries)
+    runs = []
+    reserve = store.backend.reserve
+    store.backend.reserve = lambda items: (runs.append(sum(n for _, n in items)), reserve(items))[1]
+    store.reload(entries, room_source=NOTHING_COMING, reserve_max_bytes=4 * KiB)
+    largest_storage = max(e.nbytes for e in entries)
+    assert len(runs) >= 3 and sum(runs) == sum(e.nbytes for e in entries)
+    assert all(r <= max(4 * KiB, largest_storage) for r in runs), runs
+    _assert_state_equal(tensors, clones)

@@ -9,6 +9,8 @@ unchanged, and the next transition and ``close()`` bring back bit-exact state.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -52,7 +54,14 @@ MOVES = {
     "switch_back": ("reference_in", lambda s: s["ts"].load("actor")),
     "use_block": ("actor_in", lambda s: _use(s["ts"], "reference")),
     "offload_all": ("actor_in", lambda s: s["ts"].offload_all()),
+    "offload_all_handing_over": ("actor_in", lambda s: _hand_over(s["ts"])),
 }
+
+
+def _hand_over(ts):
+    """An offload giving memory back in small chunks, as a lease's overlapped hand-over does."""
+    ts.config = dataclasses.replace(ts.config, handover_chunk_bytes=64)
+    ts.offload_all(on_released=lambda returned, total: None)
 
 
 def _use(ts, name):

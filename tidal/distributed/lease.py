@@ -52,6 +52,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from tidal.memory import snapshot
+from tidal.state.handover import NOTHING_COMING, RoomSource
 from tidal.distributed.lease_core import (
     LeaseError,
     LeaseExpiredError,
@@ -110,7 +111,8 @@ class LeaseConfig:
 class LeaseGrant:
     """A turn: who holds it, how long the wait took, and how the previous turn ended
     (``previous["how"]`` is ``"released"``, ``"expired"`` or ``"cancelled"``;
-    ``previous["confirmation"]`` is what the previous holder's ``release_fn`` returned)."""
+    ``previous["confirmation"]`` is what the previous holder's ``release_fn`` returned).
+    ``overlapped``: ``acquire_fn`` ran while the previous holder was still releasing."""
 
     holder: str
     role: str
@@ -118,6 +120,7 @@ class LeaseGrant:
     waited_s: float
     ttl_s: float
     previous: dict | None
+    overlapped: bool = False
 
 
 class _Heartbeat(threading.Thread):
@@ -175,6 +178,16 @@ class GPULease:
         self._grant: LeaseGrant | None = None
         self._release_fn: Callable[[], Any] | None = None
         self._heartbeat: _Heartbeat | None = None
+        self._releasing: LeaseGrant | None = None  # the turn whose release_fn runs now
+        self._room: _HandedOver | None = None  # while an overlapped acquire loads early
+
+    @property
+    def room_source(self) -> "RoomSource | None":
+        """While an overlapped :meth:`acquire` runs its ``acquire_fn`` before the grant (the
+        previous holder still releasing): the memory that holder hands over, as a
+        :class:`~tidal.state.handover.RoomSource` to load against
+        (``ts.load(role, room_source=lease.room_source)``). None otherwise."""
+        return self._room
 
     @property
     def held(self) -> LeaseGrant | None:
@@ -186,10 +199,24 @@ class GPULease:
         return _check(self._backend.call("snapshot"))
 
     def acquire(
-        self, role: str, *, acquire_fn: Callable[[], Any] | None = None, release_fn: Callable[[], Any] | None = None
+        self,
+        role: str,
+        *,
+        acquire_fn: Callable[[], Any] | None = None,
+        release_fn: Callable[[], Any] | None = None,
+        overlap: bool = False,
     ) -> LeaseGrant:
         """Wait for the turn (FIFO), then run ``acquire_fn`` (bring the role's state in).
-        ``release_fn`` is kept for :meth:`release`."""
+        ``release_fn`` is kept for :meth:`release`.
+
+        ``overlap``: run ``acquire_fn`` as soon as this request heads the queue and the
+        holder has started releasing in chunks (:meth:`report_released`), not after its
+        release; ``acquire_fn`` must then load within the memory handed over so far, waiting
+        on :attr:`room_source` for more (:func:`timeshare_callbacks` with ``lease=`` does).
+        Its H2D copies run while the previous holder's D2H copies still do. This returns once
+        ``acquire_fn`` is done and the previous holder's release is complete, so the turn
+        itself never overlaps another. Should ``acquire_fn`` fail before the grant, what it
+        loaded goes back out (``release_fn``) and the request is withdrawn."""
         with self._lock:
             busy = self._grant.role if self._grant else self._pending
             if busy is not None:
@@ -200,13 +227,17 @@ class GPULease:
                 )
             self._pending = role
         try:
-            grant = self._wait_for_turn(role)
-            beat = self.config.heartbeat_interval_s or grant.ttl_s / 4
-            self._heartbeat = _Heartbeat(self._backend, grant.ticket, beat)
+            st = self._wait_for_turn(role, early=overlap)
+            beat = self.config.heartbeat_interval_s or st["ttl_s"] / 4
+            # A loader is kept alive by the beats too: its loading may outlast ttl_s.
+            self._heartbeat = _Heartbeat(self._backend, st["ticket"], beat)
             self._heartbeat.start()
-            self._grant, self._release_fn = grant, release_fn
         finally:
             self._pending = None
+        if st["state"] == "loading":
+            return self._acquire_early(role, st, acquire_fn, release_fn)
+        grant = self._grant_of(role, st)
+        self._grant, self._release_fn = grant, release_fn
         if acquire_fn is not None:
             try:
                 acquire_fn()
@@ -216,6 +247,51 @@ class GPULease:
                     self.release()
                 raise
         return grant
+
+    def _acquire_early(self, role: str, st: dict, acquire_fn, release_fn) -> LeaseGrant:
+        """:meth:`acquire` from ``"loading"``: load on the previous holder's credit, then wait
+        for the grant (its release done)."""
+        ticket = st["ticket"]
+        self._room = _HandedOver(self._backend, st)
+        try:
+            if acquire_fn is not None:
+                acquire_fn()
+            st = self._room._st  # what its waits for memory last heard
+            while st["state"] != "granted":
+                if st["state"] not in ("waiting", "loading"):
+                    raise LeaseExpiredError(f"role {role!r} lost its place in the queue: {st.get('why', st)}")
+                st = _check(self._backend.call("wait", ticket=ticket, timeout_s=st["ttl_s"] / 2, seen_bytes=1 << 62))
+        except BaseException:
+            self._room = None
+            heartbeat, self._heartbeat = self._heartbeat, None
+            try:
+                if release_fn is not None:
+                    release_fn()  # what acquire_fn loaded goes back out before the request is withdrawn
+            finally:
+                heartbeat.stop()
+                with contextlib.suppress(LeaseError):
+                    self._backend.call("cancel", ticket=ticket)
+            raise
+        self._room = None
+        grant = dataclasses.replace(self._grant_of(role, st), overlapped=True)
+        self._grant, self._release_fn = grant, release_fn
+        return grant
+
+    def report_released(self, returned_bytes: int, total_bytes: int) -> None:
+        """From inside ``release_fn``: ``returned_bytes`` of the ``total_bytes`` this release
+        frees are back with the driver. The next waiter, if it asked for ``overlap``, starts
+        loading into them. Raises :class:`LeaseUsageError` outside a ``release_fn``."""
+        grant = self._releasing
+        if grant is None:
+            raise LeaseUsageError(
+                "report_released() outside a release: call it from the release_fn that "
+                "lease.release() (or the end of lease.hold()) runs"
+            )
+        _check(
+            self._backend.call(
+                "progress", ticket=grant.ticket, returned_bytes=int(returned_bytes), total_bytes=int(total_bytes)
+            )
+        )
 
     def release(self) -> Any:
         """End the turn: run ``release_fn`` (offload, confirm), then tell the arbiter, which
@@ -228,15 +304,18 @@ class GPULease:
                 f"(acquire first, or use `with lease.hold(role=...)`)"
             )
         self._grant = self._heartbeat = self._release_fn = None
+        self._releasing = grant
         try:
             confirmation = _jsonable(release_fn()) if release_fn is not None else None
         except BaseException as e:
+            self._releasing = None
             heartbeat.stop()
             raise LeaseError(
                 f"release_fn of role {grant.role!r} failed, so the turn was NOT handed over (the "
                 f"role's state may still be on the GPU). The arbiter stops hearing from this "
                 f"holder and passes the turn on after its ttl_s, as for a crashed holder"
             ) from e
+        self._releasing = None
         heartbeat.stop()  # beats continued while release_fn ran (an offload may outlast ttl_s)
         try:
             _check(self._backend.call("release", ticket=grant.ticket, confirmation=confirmation))
@@ -246,11 +325,17 @@ class GPULease:
 
     @contextlib.contextmanager
     def hold(
-        self, role: str, *, acquire_fn: Callable[[], Any] | None = None, release_fn: Callable[[], Any] | None = None
+        self,
+        role: str,
+        *,
+        acquire_fn: Callable[[], Any] | None = None,
+        release_fn: Callable[[], Any] | None = None,
+        overlap: bool = False,
     ) -> Iterator[LeaseGrant]:
         """``with lease.hold(role="rollout", ...)``: a turn for the block. ``release_fn`` runs
-        when the block ends (also on an exception), before the next holder is granted."""
-        grant = self.acquire(role, acquire_fn=acquire_fn, release_fn=release_fn)
+        when the block ends (also on an exception), before the next holder is granted.
+        ``overlap``: see :meth:`acquire`."""
+        grant = self.acquire(role, acquire_fn=acquire_fn, release_fn=release_fn, overlap=overlap)
         try:
             yield grant
         finally:
@@ -276,10 +361,12 @@ class GPULease:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _wait_for_turn(self, role: str) -> LeaseGrant:
+    def _wait_for_turn(self, role: str, *, early: bool = False) -> dict:
+        """Request the turn and wait until it is granted (or, ``early``, loading); returns
+        the arbiter's status."""
         timeout = self.config.acquire_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
-        st = _check(self._backend.call("request", holder=self.holder, role=role))
+        st = _check(self._backend.call("request", holder=self.holder, role=role, early=early))
         ticket = st["ticket"]
         try:
             while st["state"] == "waiting":
@@ -300,25 +387,65 @@ class GPULease:
             with contextlib.suppress(LeaseError):
                 self._backend.call("cancel", ticket=ticket)
             raise
-        if st["state"] != "granted":
+        if st["state"] not in ("granted", "loading"):
             raise LeaseExpiredError(f"role {role!r} lost its place in the queue: {st.get('why', st)}")
+        return st
+
+    def _grant_of(self, role: str, st: dict) -> LeaseGrant:
         return LeaseGrant(
             holder=self.holder,
             role=role,
-            ticket=ticket,
+            ticket=st["ticket"],
             waited_s=st["waited_s"],
             ttl_s=st["ttl_s"],
             previous=st.get("previous"),
         )
 
 
-def timeshare_callbacks(ts, role: str) -> dict:
+class _HandedOver:
+    """The memory a releasing holder hands over, as the arbiter reports it: a
+    :class:`~tidal.state.handover.RoomSource` for an early loader."""
+
+    def __init__(self, backend, st: dict) -> None:
+        self._backend, self._st = backend, st
+
+    def _credit(self) -> tuple[int, int]:
+        c = self._st.get("credit") or {}
+        return c.get("returned_bytes", 0), c.get("total_bytes", 0)
+
+    def pending_bytes(self) -> int:
+        if self._st["state"] != "loading":
+            return 0  # granted: the previous holder's release is complete
+        returned, total = self._credit()
+        return max(0, total - returned)
+
+    def wait(self) -> bool:
+        if self._st["state"] != "loading":
+            return False
+        seen = self._credit()[0]
+        st = self._st
+        while st["state"] == "loading" and st["credit"]["returned_bytes"] <= seen:
+            # The arbiter answers on new credit or the grant (or after ttl_s / 2: ask again).
+            st = _check(self._backend.call("wait", ticket=st["ticket"], timeout_s=st["ttl_s"] / 2, seen_bytes=seen))
+        if st["state"] not in ("loading", "granted"):
+            raise LeaseExpiredError(f"lost the place in the queue while loading: {st.get('why', st)}")
+        self._st = st
+        return True
+
+
+def timeshare_callbacks(ts, role: str, *, lease: GPULease | None = None) -> dict:
     """``acquire_fn`` / ``release_fn`` that make ``role`` of a :class:`~tidal.Timeshare` take
-    its turns: ``lease.hold(role="rollout", **timeshare_callbacks(ts, "rollout"))``.
+    its turns: ``lease.hold(role="rollout", **timeshare_callbacks(ts, "rollout", lease=lease))``.
 
     The release offloads every resident role of ``ts`` (returning freed memory to the driver)
     and confirms with a driver-level reading, sent to the next holder:
     ``{"bytes_out", "driver_free_bytes", "driver_total_bytes", "allocated_bytes"}``.
+
+    With ``lease``, hand-overs overlap (the dict carries ``overlap=True`` for :meth:`GPULease.hold`):
+    the release gives memory back ``TimeshareConfig.handover_chunk_bytes`` at a time and
+    reports each chunk to the arbiter (:meth:`GPULease.report_released`); the next holder, if
+    it overlaps too, loads into that memory while the rest is still being copied out. Without
+    ``lease`` a hand-over is sequential: all out, then all in.
     """
     ts.role(role)  # raises for an unknown role, now rather than at the first turn
     if not ts.config.release_to_driver:
@@ -329,10 +456,12 @@ def timeshare_callbacks(ts, role: str) -> dict:
         )
 
     def acquire_fn() -> None:
-        ts.load(role)
+        # With a lease, always through a room source (NOTHING_COMING when granted outright), so
+        # the role is allocated in runs its next chunked release gives back one by one.
+        ts.load(role, room_source=(lease.room_source or NOTHING_COMING) if lease is not None else None)
 
     def release_fn() -> dict:
-        record = ts.offload_all()
+        record = ts.offload_all(on_released=lease.report_released if lease is not None else None)
         snap = snapshot(ts.ops)
         return {
             "bytes_out": record.bytes_out if record else 0,
@@ -341,4 +470,5 @@ def timeshare_callbacks(ts, role: str) -> dict:
             "allocated_bytes": snap.allocated_bytes,
         }
 
-    return {"acquire_fn": acquire_fn, "release_fn": release_fn}
+    out = {"acquire_fn": acquire_fn, "release_fn": release_fn}
+    return out if lease is None else {**out, "overlap": True}

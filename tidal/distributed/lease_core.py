@@ -44,6 +44,10 @@ class _Ticket:
     deadline: float
     requested_at: float
     granted_at: float | None = None
+    early: bool = False  # may load while the holder before it still releases (overlapped hand-over)
+    # While this holder releases in chunks: the bytes given back so far, and in all (progress()).
+    returned_bytes: int | None = None
+    total_bytes: int = 0
 
 
 class LeaseTable:
@@ -68,7 +72,11 @@ class LeaseTable:
         self.history: collections.deque[dict] = collections.deque(maxlen=history_len)
 
     # ---- operations (each returns a JSON-able dict) -------------------------------------------
-    def request(self, *, holder: str, role: str) -> dict:
+    def request(self, *, holder: str, role: str, early: bool = False) -> dict:
+        """Queue for the lease. ``early``: this requester can load within memory handed over
+        chunk by chunk, so once it heads the queue and the holder is releasing (reporting
+        :meth:`progress`), its status is ``"loading"`` with the holder's credit, before the
+        grant. The grant itself still waits for the holder's release."""
         self.sweep()
         if not holder or not role:
             raise LeaseUsageError(f"holder and role must be non-empty strings, got {holder!r}, {role!r}")
@@ -81,7 +89,7 @@ class LeaseTable:
                 f"time: release the first before asking again (or give each process its own holder name)"
             )
         now = self._clock()
-        t = _Ticket(self._next_ticket, holder, role, now + self.ttl_s, now)
+        t = _Ticket(self._next_ticket, holder, role, now + self.ttl_s, now, early=bool(early))
         self._next_ticket += 1
         self._queue.append(t)
         self._by_holder[holder] = t
@@ -103,7 +111,35 @@ class LeaseTable:
             out["waited_s"] = t.granted_at - t.requested_at
         else:
             out["position"] = self._queue.index(t)
+            h = self._holder
+            if out["position"] == 0 and t.early and h is not None and h.returned_bytes is not None:
+                out["state"] = "loading"
+                out["credit"] = {"returned_bytes": h.returned_bytes, "total_bytes": h.total_bytes}
         return out
+
+    def progress(self, *, ticket: int, returned_bytes: int, total_bytes: int) -> dict:
+        """The holder is releasing: it has given ``returned_bytes`` of ``total_bytes`` back to
+        the driver so far. The early requester at the head of the queue may load within that
+        (its status turns ``"loading"``). Counts as a heartbeat."""
+        self.sweep()
+        for name, v in (("returned_bytes", returned_bytes), ("total_bytes", total_bytes)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise LeaseUsageError(f"{name} must be an int >= 0, got {v!r}")
+        t = self._find(ticket)
+        if t is None:
+            raise LeaseExpiredError(f"ticket {ticket} {self._expired[ticket]}")
+        if t is not self._holder:
+            raise LeaseUsageError(
+                f"progress without holding: ticket {ticket} (holder {t.holder!r}, role {t.role!r}) is "
+                f"waiting at position {self._queue.index(t)}; only the holder reports its release"
+            )
+        if t.returned_bytes is None:
+            self.history.append(
+                {"event": "releasing", "ticket": ticket, "holder": t.holder, "role": t.role, "time": self._clock()}
+            )
+        t.returned_bytes, t.total_bytes = max(returned_bytes, t.returned_bytes or 0), total_bytes
+        t.deadline = self._clock() + self.ttl_s
+        return self.status(ticket=ticket)
 
     def touch(self, *, ticket: int) -> dict:
         """Heartbeat (holder) or keep-alive (waiter): push the deadline ``ttl_s`` ahead."""
@@ -235,7 +271,15 @@ class LeaseTable:
         return None if t is None else {"ticket": t.ticket, "holder": t.holder, "role": t.role}
 
 
-_OPS = ("request", "status", "touch", "release", "cancel", "snapshot")
+_OPS = ("request", "status", "touch", "progress", "release", "cancel", "snapshot")
+
+
+def _unchanged(st: dict, seen_bytes: int | None) -> bool:
+    """A wait goes on while the status is what its caller saw: still waiting, or (for a
+    caller already loading, ``seen_bytes`` given) still loading with no new credit."""
+    if st.get("state") == "waiting":
+        return True
+    return seen_bytes is not None and st.get("state") == "loading" and st["credit"]["returned_bytes"] <= seen_bytes
 
 
 def _dispatch(table: LeaseTable, op: str, kwargs: dict) -> dict:

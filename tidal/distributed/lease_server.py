@@ -17,7 +17,7 @@ import socketserver
 import threading
 import time
 
-from tidal.distributed.lease_core import LeaseError, LeaseTable, _dispatch, _reply
+from tidal.distributed.lease_core import LeaseError, LeaseTable, _dispatch, _reply, _unchanged
 
 __all__ = ["LeaseServer", "start_lease_actor"]
 
@@ -103,12 +103,12 @@ class LeaseServer:
                 return out
             return _reply(lambda: self._wait(**kwargs))
 
-    def _wait(self, *, ticket: int, timeout_s: float) -> dict:
+    def _wait(self, *, ticket: int, timeout_s: float, seen_bytes: int | None = None) -> dict:
         # Called with the condition held. Capped at ttl/2 so a blocked waiter never outlives
         # its own keep-alive; every wake sweeps, which is what expires a silent holder.
         end = time.monotonic() + min(float(timeout_s), self.table.ttl_s / 2)
         st = self.table.touch(ticket=ticket)
-        while st["state"] == "waiting" and (left := end - time.monotonic()) > 0:
+        while _unchanged(st, seen_bytes) and (left := end - time.monotonic()) > 0:
             nd = self.table.next_deadline()
             self._cond.wait(left if nd is None else max(0.0, min(left, nd - time.monotonic()) + 1e-3))
             self.table.sweep()
@@ -181,10 +181,10 @@ def _lease_actor_class():
                     self._cond.notify_all()
                     return out
 
-            async def _wait(self, *, ticket: int, timeout_s: float) -> dict:
+            async def _wait(self, *, ticket: int, timeout_s: float, seen_bytes: int | None = None) -> dict:
                 end = time.monotonic() + min(float(timeout_s), self.table.ttl_s / 2)
                 st = _reply(lambda: self.table.touch(ticket=ticket))
-                while st.get("state") == "waiting" and (left := end - time.monotonic()) > 0:
+                while _unchanged(st, seen_bytes) and (left := end - time.monotonic()) > 0:
                     nd = self.table.next_deadline()
                     wait_s = left if nd is None else max(0.0, min(left, nd - time.monotonic()) + 1e-3)
                     with contextlib.suppress(asyncio.TimeoutError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-__all__ = ["ReleaseProgress", "RoomSource"]
+__all__ = ["NOTHING_COMING", "ReleaseProgress", "RoomSource"]
 
 #: ``progress(returned_bytes, total_bytes)``: after each chunk of an offload, the bytes this
 #: process has given back to the driver so far, and the bytes the whole offload frees.
@@ -33,3 +33,17 @@ class RoomSource(Protocol):
         """Block until more memory was given back, or the giver has finished. Returns False,
         without blocking, once nothing more will come."""
         ...
+
+
+class _NothingComing:
+    """A room source for a load that hands memory over but has nobody to wait for (the
+    lease was granted outright): loads as usual, in hand-over-sized runs."""
+
+    def pending_bytes(self) -> int:
+        return 0
+
+    def wait(self) -> bool:
+        return False
+
+
+NOTHING_COMING: RoomSource = _NothingComing()

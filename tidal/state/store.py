@@ -313,12 +313,17 @@ class OffloadStore:
         )
 
     def reload(
-        self, entries: Sequence[StateEntry], *, what: str = "reload", room_source: RoomSource | None = None
+        self,
+        entries: Sequence[StateEntry],
+        *,
+        what: str = "reload",
+        room_source: RoomSource | None = None,
+        reserve_max_bytes: int | None = None,
     ) -> MoveResult:
         """Bring offloaded ``entries`` back (others are skipped). Raises
         :class:`InsufficientMemoryError` before moving anything if they cannot fit, counting
         what ``room_source`` says is still coming (see :meth:`switch`)."""
-        return self.switch([], entries, what=what, room_source=room_source)
+        return self.switch([], entries, what=what, room_source=room_source, reserve_max_bytes=reserve_max_bytes)
 
     def switch(
         self,
@@ -334,6 +339,7 @@ class OffloadStore:
         on_released: ReleaseProgress | None = None,
         release_chunk_bytes: int = 256 << 20,
         room_source: RoomSource | None = None,
+        reserve_max_bytes: int | None = None,
     ) -> MoveResult:
         """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy.
 
@@ -388,7 +394,9 @@ class OffloadStore:
           the driver again, instead of failing; the up-front check counts
           ``room_source.pending_bytes()`` as coming. Should the memory not come after all,
           :class:`InsufficientMemoryError` is raised mid-move (nothing lost: the storages not
-          yet in stay offloaded).
+          yet in stay offloaded). The storages are allocated in runs of at most what has
+          arrived and at most ``reserve_max_bytes``, so that their next chunked offload can
+          give memory back run by run (the allocator returns only whole runs).
 
         Raises ``ValueError`` (before anything moves) for ``on_released`` with incoming
         entries or with ``release=False``, or a ``release_chunk_bytes`` below 1.
@@ -482,6 +490,7 @@ class OffloadStore:
                     claimed,
                     room_source=room_source if in_todo else None,
                     room_now=room_now,
+                    reserve_max_bytes=reserve_max_bytes,
                 )
         except BaseException:
             self.recover()
@@ -524,6 +533,7 @@ class OffloadStore:
         *,
         room_source: RoomSource | None = None,
         room_now: Any = None,
+        reserve_max_bytes: int | None = None,
     ) -> tuple[int, float]:
         """The copies of :meth:`switch`, in an order where an exception at any point leaves
         every storage resident or tracked. Returns (segments, seconds spent allocating)."""
@@ -581,7 +591,8 @@ class OffloadStore:
                         )
                     if i >= reserved_until:
                         # One allocation for the run of storages that fits in what has arrived.
-                        reserved_until = self._reserve_device_block(in_segs, i, min(reserve_target, room), within=True)
+                        cap = min(reserve_target, room, reserve_max_bytes or room)
+                        reserved_until = self._reserve_device_block(in_segs, i, cap, within=True)
                         reserve_target = min(2 * reserve_target, 2 << 30)
                 # The storages stay tracked (offloaded) while they are allocated and written:
                 # an exception before their copy completed frees them again in recover().

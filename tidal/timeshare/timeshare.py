@@ -27,6 +27,7 @@ from tidal.units import format_bytes
 from tidal.state.backends import RegionBackend, ResizeBackend
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
 from tidal.state.foreign import install_optimizer_hooks, moved_out
+from tidal.state.handover import ReleaseProgress, RoomSource
 from tidal.state.sources import ModuleSource, StateSource
 from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.role import OptimizerResidency, Role
@@ -96,6 +97,10 @@ class TimeshareConfig:
             and activations reuse them, and a reload skips the driver's remapping (measured on
             an H200: reload 0.98 instead of 0.94-0.95 of the PCIe line rate). Use ``False``
             only when every role that takes turns lives in this process.
+        handover_chunk_bytes: an offload that hands memory over to another process
+            (``offload_all(on_released=...)``, a lease's overlapped hand-over) gives it back
+            to the driver this many bytes at a time; smaller chunks let the next holder start
+            sooner but cost one device synchronisation each.
         transfer: how bytes move (buckets, pinning).
     """
 
@@ -107,6 +112,7 @@ class TimeshareConfig:
     verify_storage_sets: bool = False
     release_tolerance_bytes: int = 256 << 20
     release_to_driver: bool = True
+    handover_chunk_bytes: int = 256 << 20
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
@@ -114,6 +120,8 @@ class TimeshareConfig:
             raise ValueError(f"budget_bytes must be >= 0 or None, got {self.budget_bytes}")
         if self.switch_extra_bytes is not None and self.switch_extra_bytes < 0:
             raise ValueError(f"switch_extra_bytes must be >= 0 or None, got {self.switch_extra_bytes}")
+        if self.handover_chunk_bytes <= 0:
+            raise ValueError(f"handover_chunk_bytes must be > 0, got {self.handover_chunk_bytes}")
         if self.optimizer_chunk_bytes <= 0:
             raise ValueError(f"optimizer_chunk_bytes must be > 0, got {self.optimizer_chunk_bytes}")
         for name in ("headroom_bytes", "min_offload_bytes", "release_tolerance_bytes"):
@@ -384,10 +392,14 @@ class Timeshare:
                     self._restore_groups(role, opt)
                 self._settle_optimizer(role)
 
-    def load(self, name: str) -> TransitionRecord | None:
+    def load(self, name: str, *, room_source: RoomSource | None = None) -> TransitionRecord | None:
         """Make ``name`` resident now; evicts the least recently used roles the budget cannot
         keep, overlapping their offload with this reload. Returns the transition, or None if
-        nothing had to move."""
+        nothing had to move.
+
+        ``room_source``: memory another process is still handing over
+        (:attr:`tidal.distributed.GPULease.room_source`); where the role does not fit in what
+        the driver has free, the load waits for it instead of raising."""
         self._check_open()
         self._check_not_in_backward("load")
         self._recover_if_interrupted()
@@ -396,7 +408,7 @@ class Timeshare:
         if role.resident and not evict:
             role.touched(self._tick())
             return None
-        return self._transition(evict, None if role.resident else role)
+        return self._transition(evict, None if role.resident else role, room_source=room_source)
 
     def prefetch(
         self,
@@ -490,15 +502,25 @@ class Timeshare:
         self._check_evictable(role, reason=f"offload({name!r})")
         return self._transition([role], None)
 
-    def offload_all(self) -> TransitionRecord | None:
-        """Offload every resident role that is not in use."""
+    def offload_all(self, *, on_released: ReleaseProgress | None = None) -> TransitionRecord | None:
+        """Offload every resident role that is not in use.
+
+        ``on_released(returned_bytes, total_bytes)``: hand the memory over as it comes free,
+        ``config.handover_chunk_bytes`` at a time, each chunk back with the driver before it
+        is reported (:meth:`tidal.distributed.GPULease.report_released` passes it to the next
+        holder). Without it the memory goes back once, at the end."""
         self._check_open()
         self._check_not_in_backward("offload_all")
         self._recover_if_interrupted()
         out = [r for r in self._roles.values() if r.resident]
         for r in out:
             self._check_evictable(r, reason="offload_all()")
-        return self._transition(out, None) if out else None
+        if on_released is not None and not self.config.release_to_driver:
+            raise ValueError(
+                "offload_all(on_released=...) hands memory to another process, but this Timeshare "
+                "keeps freed memory in torch's cache (TimeshareConfig(release_to_driver=False))"
+            )
+        return self._transition(out, None, on_released=on_released) if out else None
 
     def report(self) -> str:
         """A table of roles and every transition: bytes, seconds, GB/s, driver free memory."""
@@ -708,7 +730,13 @@ class Timeshare:
         return evict
 
     def _transition(
-        self, evict: list[Role], incoming: Role | None, *, recovering: bool = False
+        self,
+        evict: list[Role],
+        incoming: Role | None,
+        *,
+        recovering: bool = False,
+        on_released: ReleaseProgress | None = None,
+        room_source: RoomSource | None = None,
     ) -> TransitionRecord | None:
         for r in [*evict, *([incoming] if incoming is not None else [])]:
             r.before_copy()  # the copies wait for the current stream: it waits for the sources' own work
@@ -736,6 +764,11 @@ class Timeshare:
                 extra_bytes=self.config.switch_extra_bytes,
                 frozen=frozen,
                 check_unchanged=check,
+                on_released=on_released,
+                release_chunk_bytes=self.config.handover_chunk_bytes,
+                room_source=room_source,
+                # Runs no larger than a hand-over chunk: the next chunked offload returns them one by one.
+                reserve_max_bytes=self.config.handover_chunk_bytes if room_source is not None else None,
             )
 
         move = self._guarded(

@@ -1,0 +1,253 @@
+"""Issue 16, item 3: overlapped hand-overs through the lease. The holder reports memory given
+back chunk by chunk (``progress``); the waiter at the head of the queue that asked for
+``overlap`` loads into it before its grant; the grant itself still waits for the release."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import tidal
+from tests.distributed.test_lease import FakeClock, _wait_until
+from tidal.distributed.lease import (
+    GPULease,
+    LeaseServer,
+    LeaseTable,
+    LeaseUsageError,
+    timeshare_callbacks,
+)
+
+
+@pytest.fixture
+def server():
+    with LeaseServer(ttl_s=2.0) as s:
+        yield s
+
+
+# ---- the state machine ------------------------------------------------------------------------
+def test_table_an_early_head_of_queue_loads_on_the_holders_credit_and_is_granted_at_release():
+    clock = FakeClock()
+    table = LeaseTable(ttl_s=5.0, clock=clock)
+    a = table.request(holder="a", role="train")["ticket"]
+    b = table.request(holder="b", role="rollout", early=True)["ticket"]
+    c = table.request(holder="c", role="reference", early=True)["ticket"]
+    assert table.status(ticket=b)["state"] == "waiting"  # the holder has not started releasing
+    st = table.progress(ticket=a, returned_bytes=100, total_bytes=400)
+    assert st["state"] == "granted"
+    sb = table.status(ticket=b)
+    assert sb["state"] == "loading" and sb["credit"] == {"returned_bytes": 100, "total_bytes": 400}
+    assert table.status(ticket=c)["state"] == "waiting"  # only the head of the queue loads early
+    table.progress(ticket=a, returned_bytes=300, total_bytes=400)
+    assert table.status(ticket=b)["credit"]["returned_bytes"] == 300
+    clock.now = 4.0
+    table.progress(ticket=a, returned_bytes=400, total_bytes=400)  # a heartbeat too
+    table.touch(ticket=b)
+    table.touch(ticket=c)
+    clock.now = 8.0
+    assert table.status(ticket=a)["state"] == "granted"  # not expired: its progress was heard at 4.0
+    table.touch(ticket=b)
+    table.touch(ticket=c)
+    table.release(ticket=a, confirmation={"bytes_out": 400})
+    sb = table.status(ticket=b)
+    assert sb["state"] == "granted" and sb["previous"]["confirmation"] == {"bytes_out": 400}
+    assert "credit" not in sb
+    assert table.status(ticket=c)["state"] == "waiting"  # b has not started releasing
+    events = [h["event"] for h in table.history]
+    assert events.count("releasing") == 1
+
+
+def test_table_a_waiter_that_did_not_ask_to_overlap_waits_for_the_release():
+    table = LeaseTable(ttl_s=5.0, clock=FakeClock())
+    a = table.request(holder="a", role="train")["ticket"]
+    b = table.request(holder="b", role="rollout")["ticket"]
+    table.progress(ticket=a, returned_bytes=100, total_bytes=400)
+    assert table.status(ticket=b)["state"] == "waiting"
+    table.release(ticket=a)
+    assert table.status(ticket=b)["state"] == "granted"
+
+
+def test_table_progress_misuse_is_an_error():
+    table = LeaseTable(ttl_s=5.0, clock=FakeClock())
+    a = table.request(holder="a", role="train")["ticket"]
+    b = table.request(holder="b", role="rollout", early=True)["ticket"]
+    with pytest.raises(LeaseUsageError, match="progress without holding"):
+        table.progress(ticket=b, returned_bytes=1, total_bytes=2)
+    for bad in (-1, 1.5, "3", True):
+        with pytest.raises(LeaseUsageError, match="returned_bytes must be an int"):
+            table.progress(ticket=a, returned_bytes=bad, total_bytes=2)
+    assert table.status(ticket=b)["state"] == "waiting"  # nothing was recorded
+
+
+def test_table_a_loader_that_withdraws_lets_the_next_early_waiter_load():
+    table = LeaseTable(ttl_s=5.0, clock=FakeClock())
+    a = table.request(holder="a", role="train")["ticket"]
+    b = table.request(holder="b", role="rollout", early=True)["ticket"]
+    c = table.request(holder="c", role="reference", early=True)["ticket"]
+    table.progress(ticket=a, returned_bytes=10, total_bytes=40)
+    assert table.status(ticket=b)["state"] == "loading"
+    table.cancel(ticket=b)
+    assert table.status(ticket=c)["state"] == "loading"
+
+
+# ---- the client, over TCP ----------------------------------------------------------------------
+def test_an_overlapped_acquire_loads_while_the_holder_releases_and_returns_after_its_release(server):
+    steps = 4
+    seen: list[tuple[int, int]] = []  # (credit returned, chunk the holder was at) per room wait
+    at_chunk = [0]
+    loaded_early = threading.Event()
+    times: dict[str, float] = {}
+
+    def release_fn():
+        for k in range(1, steps + 1):
+            at_chunk[0] = k
+            holder.report_released(100 * k, 100 * steps)
+            if k == 1:
+                assert loaded_early.wait(10), "the waiter did not load on the first chunk"
+        times["released"] = time.monotonic()
+        return {"bytes_out": 100 * steps}
+
+    holder = GPULease(server.address, holder="holder")
+    holder.acquire("train", release_fn=release_fn)
+    waiter = GPULease(server.address, holder="waiter")
+    out: dict = {}
+
+    def acquire_fn():
+        room = waiter.room_source
+        assert room is not None and room.pending_bytes() == 300  # 100 of 400 came with the first report
+        loaded_early.set()
+        while room.wait():
+            seen.append((100 * steps - room.pending_bytes(), at_chunk[0]))
+        assert room.pending_bytes() == 0
+
+    def take():
+        grant = waiter.acquire("rollout", acquire_fn=acquire_fn, overlap=True)
+        times["granted"] = time.monotonic()
+        out["grant"] = grant
+        assert waiter.room_source is None
+
+    t = threading.Thread(target=take)
+    t.start()
+    _wait_until(lambda: len(holder.snapshot()["waiting"]) == 1)
+    assert holder.release() == {"bytes_out": 400}
+    t.join(10)
+    assert not t.is_alive()
+    assert out["grant"].previous["confirmation"] == {"bytes_out": 400} and out["grant"].overlapped
+    assert times["granted"] >= times["released"]
+    assert loaded_early.is_set()
+    assert [h["event"] for h in holder.snapshot()["history"]].count("releasing") == 1
+    waiter.close()
+    holder.close()
+
+
+def test_an_overlapped_acquire_that_fails_while_loading_unloads_and_withdraws(server):
+    holder = GPULease(server.address, holder="holder")
+    reported = threading.Event()
+    proceed = threading.Event()
+
+    def holder_release():
+        holder.report_released(1, 2)
+        reported.set()
+        proceed.wait(10)
+        return None
+
+    holder.acquire("train", release_fn=holder_release)
+    unloaded: list[str] = []
+    errors: list[BaseException] = []
+
+    def take():
+        with GPULease(server.address, holder="failing") as lease:
+            try:
+                lease.acquire(
+                    "rollout",
+                    acquire_fn=lambda: (_ for _ in ()).throw(KeyboardInterrupt()),
+                    release_fn=lambda: unloaded.append("out"),
+                    overlap=True,
+                )
+            except KeyboardInterrupt as e:
+                errors.append(e)
+
+    t = threading.Thread(target=take)
+    t.start()
+    _wait_until(lambda: len(holder.snapshot()["waiting"]) == 1)
+    rel = threading.Thread(target=holder.release)
+    rel.start()
+    t.join(10)
+    assert errors and unloaded == ["out"]
+    assert holder.snapshot()["waiting"] == []  # withdrawn
+    proceed.set()
+    rel.join(10)
+    third = GPULease(server.address, holder="third")
+    with third.hold(role="reference") as grant:
+        assert grant.previous["holder"] == "holder"
+    third.close()
+    holder.close()
+
+
+def test_report_released_outside_a_release_is_an_error(server):
+    lease = GPULease(server.address, holder="h")
+    with pytest.raises(LeaseUsageError, match="outside a release"):
+        lease.report_released(1, 2)
+    with lease.hold(role="train"):
+        with pytest.raises(LeaseUsageError, match="outside a release"):
+            lease.report_released(1, 2)
+    lease.close()
+
+
+def _role(seed: int, width: int = 64, layers: int = 4):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_timeshare_callbacks_with_the_lease_hand_over_in_chunks_and_lose_nothing(server):
+    """Two timeshares (CPU), each role taking turns through the lease with overlapped
+    hand-overs: the holder's release reports every chunk, and every byte comes back."""
+    cfg = tidal.TimeshareConfig(handover_chunk_bytes=16 << 10, min_offload_bytes=1)
+    roles = {}
+    for name, seed in (("A", 1), ("B", 2)):
+        model, opt = _role(seed)
+        ts = tidal.Timeshare("cpu", config=cfg)
+        ts.add_role(name, model=model, optimizer=opt, optimizer_residency="role")
+        state = [t.detach().clone() for t in model.parameters()]
+        state += [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        ts.offload(name)  # read before: a moved-out tensor's bytes are not there to read
+        roles[name] = (ts, model, opt, state)
+    leases = {n: GPULease(server.address, holder=n) for n in roles}
+    reports: dict[str, list] = {n: [] for n in roles}
+    grants: list = []
+    for n in roles:
+        report = leases[n].report_released
+        leases[n].report_released = lambda r, t, n=n, report=report: (reports[n].append((r, t)), report(r, t))[1]
+
+    def turns(n: str, k: int):
+        ts, model, opt, state = roles[n]
+        cb = timeshare_callbacks(ts, n, lease=leases[n])
+        assert cb["overlap"] is True
+        for _ in range(k):
+            with leases[n].hold(role=n, **cb) as grant:
+                grants.append(grant)
+                got = [t.detach().clone() for t in model.parameters()]
+                got += [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+                assert all(torch.equal(a, b) for a, b in zip(state, got))
+                time.sleep(0.01)
+
+    threads = [threading.Thread(target=turns, args=(n, 3)) for n in roles]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(grants) == 6
+    assert any(g.overlapped for g in grants), "no hand-over overlapped although the other role was queued"
+    for n in roles:
+        assert len(reports[n]) >= 3 * 4, reports[n]  # ~70 KiB of state in 16 KiB chunks, 3 turns
+        totals = {t for _, t in reports[n]}
+        assert len(totals) == 1 and totals.pop() >= roles[n][0].role_bytes(n)
+        assert not roles[n][0].is_resident(n)
+        leases[n].close()
+        roles[n][0].close()
