@@ -8,7 +8,10 @@ TRL can load the policy and build its reference from it, as it does from a hub i
 character-level tokenizer, prompts and a reward in Python. Each variant runs in its own
 process (so one's allocator cache cannot flatter the next): ``trl`` is ``GRPOTrainer``;
 ``step`` / ``stream`` / ``role`` are ``TidalGRPOTrainer`` with that optimizer residency, and a
-``+prefetch`` suffix (``stream+prefetch``) adds ``TidalConfig(prefetch=True)``.
+``+prefetch`` suffix (``stream+prefetch``) adds ``TidalConfig(prefetch=True)``, a
+``+budget=<GiB>`` suffix sets the timeshare's ``budget_bytes`` (``stream+prefetch+budget=14``:
+room for the policy's weights and the reference together keeps the policy resident while the
+reference scores).
 Measured after the first step (warm-up): peak allocated device memory
 (``torch.cuda.max_memory_allocated``), median step wall time (device-synchronised, from
 ``on_step_begin`` to ``on_step_end``), and for tidal the transitions' share of the step time.
@@ -78,6 +81,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from tidal import TimeshareConfig
     from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer
 
     times: list[float] = []
@@ -121,10 +125,18 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     if variant == "trl":
         trainer = GRPOTrainer(**common)
     else:
-        residency, _, extra = variant.partition("+")
-        if extra not in ("", "prefetch"):
-            raise ValueError(f"unknown variant {variant!r}: a residency, optionally with '+prefetch'")
-        tidal_cfg = TidalConfig(optimizer_residency=residency, prefetch=extra == "prefetch")
+        residency, *extras = variant.split("+")
+        budget = [e for e in extras if e.startswith("budget=")]
+        if any(e != "prefetch" and not e.startswith("budget=") for e in extras) or len(budget) > 1:
+            raise ValueError(
+                f"unknown variant {variant!r}: a residency, optionally with '+prefetch' and '+budget=<GiB>'"
+            )
+        ts_cfg = TimeshareConfig()
+        if budget:
+            # State bytes that may stay resident at once: room for the policy's weights and the
+            # reference together keeps the policy in while the reference scores.
+            ts_cfg = TimeshareConfig(budget_bytes=int(float(budget[0].split("=")[1]) * 2**30))
+        tidal_cfg = TidalConfig(optimizer_residency=residency, prefetch="prefetch" in extras, timeshare=ts_cfg)
         trainer = TidalGRPOTrainer(**common, tidal=tidal_cfg)
     t0 = time.perf_counter()
     error = None
