@@ -122,6 +122,29 @@ def test_prefetch_is_bit_identical_and_the_switches_find_the_roles_arrived(tiny,
     assert len(to_ref) == 3 and all(r.bytes_prefetched > 0 and r.bytes_in == 0 for r in to_ref)
 
 
+def test_a_budget_for_both_keeps_the_policy_in_while_the_reference_scores(tiny, tmp_path):
+    """TimeshareConfig(budget_bytes=...) with room for the policy (weights and gradients) and
+    the reference: the reference comes in beside the policy instead of switching it out, and
+    TRL's results do not change. The policy's AdamW moments, on the host between steps (step
+    residency), do not count against the budget (they did: the policy was switched out)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    cfg = TidalConfig(timeshare=tidal.TimeshareConfig(budget_bytes=3 * weights + (64 << 10)))
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal", tidal_config=cfg)
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    recs = ours.timeshare.records
+    # The policy's weights never leave (its optimizer state goes to the host around each step).
+    assert not any("policy" in r.roles_out and r.kind in ("switch", "offload") for r in recs), [
+        (r.kind, r.roles_out, r.role_in) for r in recs
+    ]
+    # The reference came in once, beside the policy, and stayed: no bytes move for it after.
+    assert sum(r.role_in == "reference" for r in recs) == 1 and ours.timeshare.is_resident("reference")
+
+
 def test_prefetch_without_a_reference_is_ignored_with_a_warning(tiny, tmp_path):
     with pytest.warns(UserWarning, match=r"prefetch=True\) is ignored: with beta=0"):
         trainer = TidalGRPOTrainer(

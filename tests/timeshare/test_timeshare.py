@@ -202,6 +202,29 @@ def test_budget_keeps_roles_resident_and_evicts_least_recently_used():
             ts.load("big")
 
 
+@pytest.mark.parametrize("residency", ["step", "stream"])
+def test_optimizer_state_kept_on_the_host_does_not_count_against_the_budget(residency):
+    """A budget with room for an actor's weights and a reference beside it: the actor's Adam
+    moments, on the host between steps, must not push the actor out when the reference comes
+    in (they were counted as resident and did)."""
+    model, opt = make_trained()
+    ref = TinyLM()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = weights + sum(p.numel() * p.element_size() for p in ref.parameters()) + 1024
+    with tidal.Timeshare("cpu", config=tidal.TimeshareConfig(budget_bytes=budget)) as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency=residency)
+        ts.add_role("reference", model=ref)
+        opt.zero_grad(set_to_none=True)
+        ts.offload_all()
+        ts.load("actor")  # its weights; the moments stay on the host, where the residency keeps them
+        assert not ts.role("actor").optim_unsettled
+        assert ts.role_bytes("actor") > budget - weights  # with its moments it would not fit
+        before = len(ts.records)
+        with ts.use("reference"):
+            assert sorted(ts.resident_roles) == ["actor", "reference"]
+        assert [(r.kind, r.roles_out, r.role_in) for r in ts.records[before:]] == [("reload", (), "reference")]
+
+
 # ---- misuse: a clear error and no state lost ------------------------------------------------
 def test_unknown_role():
     with tidal.Timeshare("cpu") as ts:

@@ -76,7 +76,8 @@ class TimeshareConfig:
     Attributes:
         budget_bytes: state bytes that may stay resident at once. ``None``: only the role
             being used is resident (every switch moves the others out), the usual setting for
-            colocated RL roles.
+            colocated RL roles. Optimizer state that ``"step"`` or ``"stream"`` residency keeps
+            on the host between steps does not count.
         headroom_bytes: device memory a reload must leave free (for activations, KV cache).
         switch_extra_bytes: caps how much a switch overlaps: while roles move out and in,
             their state never takes more than the larger side plus this many bytes (plus one
@@ -676,6 +677,14 @@ class Timeshare:
     def _entries(self, role: Role) -> dict[int, StateEntry]:
         return {e.key: e for e in self._live(role)}
 
+    def _device_entries(self, role: Role) -> dict[int, StateEntry]:
+        """What ``role`` holds on the device while resident: its module state, and its
+        optimizer state where the residency keeps it with the role (or a step left it there).
+        Optimizer state kept on the host between steps ("step", "stream") does not count
+        against the budget."""
+        optim = policy_for(role.optimizer_residency).moves_with_role or role.optim_unsettled
+        return {e.key: e for e in self._live(role, optim=optim)}
+
     def resident_keys(self, *, exclude: Sequence[Role] = ()) -> set[int]:
         """Keys of the storages resident roles (but those in ``exclude``) hold on the device:
         what a move must not take out. For optimizer residency strategies."""
@@ -695,14 +704,14 @@ class Timeshare:
                 if not ignore_use:
                     self._check_evictable(r, reason=f"use({role.name!r})")
             return others
-        incoming = self._entries(role)
+        incoming = self._device_entries(role)
         incoming_bytes = sum(e.nbytes for e in incoming.values())
         if incoming_bytes > budget:
             raise ValueError(
                 f"role {role.name!r} holds {format_bytes(incoming_bytes)} of state, more than "
                 f"budget_bytes={budget} ({format_bytes(budget)}); raise the budget or shrink the role"
             )
-        entries = {r.name: self._entries(r) for r in others}
+        entries = {r.name: self._device_entries(r) for r in others}
         staying = sorted(others, key=lambda r: r.last_used)
 
         def resident_bytes(roles: list[Role]) -> int:
