@@ -153,9 +153,9 @@ def cross_process(
             {
                 "total": nxt["granted"] - prev["leave"],
                 "offload": prev["offloaded"] - prev["leave"],
-                # from the holder's release confirmed to the next turn (its grant, and with
-                # overlap whatever of its load was left)
-                "grant": nxt["granted"] - prev["offloaded"],
+                # from the holder's release confirmed to the next load's start (the arbiter's
+                # round trip; with overlap the load started before: 0)
+                "grant": max(0.0, nxt["load_start"] - prev["offloaded"]),
                 "reload": nxt["loaded"] - nxt["load_start"],
                 # how long the next holder's load ran while the previous one still released
                 "overlap": max(0.0, prev["offloaded"] - nxt["load_start"]),

@@ -251,3 +251,92 @@ def test_timeshare_callbacks_with_the_lease_hand_over_in_chunks_and_lose_nothing
         assert not roles[n][0].is_resident(n)
         leases[n].close()
         roles[n][0].close()
+
+
+def test_a_failed_early_load_raises_the_callers_error_and_loses_nothing(server):
+    """The load fails after it started early (the previous holder still releasing): what came
+    in goes back out, the request is withdrawn, and the caller sees its own error, not one from
+    the unload's hand-over report (there is nobody to hand over to)."""
+    holder = GPULease(server.address, holder="holder")
+    proceed = threading.Event()
+
+    def holder_release():
+        holder.report_released(1, 2)
+        proceed.wait(10)
+
+    holder.acquire("train", release_fn=holder_release)
+    model, opt = _role(1)
+    ts = tidal.Timeshare("cpu", config=tidal.TimeshareConfig(handover_chunk_bytes=16 << 10))
+    ts.add_role("B", model=model, optimizer=opt, optimizer_residency="role")
+    before = [p.detach().clone() for p in model.parameters()]
+    ts.offload("B")
+    lease = GPULease(server.address, holder="B")
+    cb = timeshare_callbacks(ts, "B", lease=lease)
+    load = cb["acquire_fn"]
+
+    def acquire_fn():
+        load()
+        raise RuntimeError("the caller's failure after the load")
+
+    errors: list[BaseException] = []
+
+    def take():
+        try:
+            lease.acquire("B", **{**cb, "acquire_fn": acquire_fn})
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=take)
+    t.start()
+    _wait_until(lambda: len(holder.snapshot()["waiting"]) == 1)
+    rel = threading.Thread(target=holder.release)
+    rel.start()
+    t.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    assert "the caller's failure" in str(errors[0])
+    assert not ts.is_resident("B") and holder.snapshot()["waiting"] == []
+    proceed.set()
+    rel.join(10)
+    ts.load("B")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    lease.close()
+    holder.close()
+    ts.close()
+
+
+def test_a_ctrl_c_in_a_long_poll_leaves_the_connection_usable(server):
+    """Interrupted while the arbiter holds its answer (a wait for memory), the client must not
+    read that late answer as the reply to its next call."""
+    import signal
+
+    holder = GPULease(server.address, holder="holder")
+    proceed = threading.Event()
+    holder.acquire("train", release_fn=lambda: (holder.report_released(1, 100), proceed.wait(10)))
+    waiter = GPULease(server.address, holder="waiter")
+
+    def later():
+        _wait_until(lambda: len(holder.snapshot()["waiting"]) == 1)
+        holder.release()
+
+    t = threading.Thread(target=later, daemon=True)
+    t.start()
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            waiter.acquire("rollout", acquire_fn=lambda: waiter.room_source.wait(), overlap=True)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    proceed.set()
+    t.join(10)
+    time.sleep(1.1)  # past the arbiter's long-poll answer (ttl_s / 2)
+    assert set(waiter.snapshot()) >= {"holder", "waiting", "history"}
+    with waiter.hold(role="rollout") as grant:
+        assert grant.previous["holder"] == "holder"
+    waiter.close()
+    holder.close()

@@ -91,6 +91,7 @@ class Credits:
     def __init__(self, total: int | None = None) -> None:
         self.cond = threading.Condition()
         self.returned, self.total, self.done, self.waits = 0, total, False, 0
+        self.blocked = threading.Event()  # a load has waited for more
 
     def report(self, returned: int, total: int) -> None:
         with self.cond:
@@ -112,6 +113,7 @@ class Credits:
                 return False
             seen = self.returned
             self.waits += 1
+            self.blocked.set()
             assert self.cond.wait_for(lambda: self.done or self.returned > seen, timeout=30), "no credit came"
             return True
 
@@ -175,9 +177,15 @@ def test_a_load_waits_for_the_memory_a_giver_hands_over_and_overlaps_with_it():
     overlapped: list[bool] = []
 
     def give():
+        reports = []
+
         def progress(returned, total):
+            reports.append(returned)
+            if len(reports) == 2:
+                # The taker has loaded what the first chunk made room for and waits for more.
+                assert credits.blocked.wait(timeout=30)
             credits.report(returned, total)
-            if returned < total and not overlapped:
+            if len(reports) == 1:
                 # The taker gets going on the first chunk, while this side still has chunks to give.
                 overlapped.append(taker_started.wait(timeout=30))
 
@@ -244,6 +252,8 @@ def test_memory_announced_but_never_given_ends_the_load_with_a_clear_error_and_l
         store.reload(entries, room_source=credits)
     assert all(store.is_offloaded(e.key) for e in entries)  # the part that came in went out again
     assert not store.interrupted
+    # ... and back to the driver: the next holder counts on it.
+    assert store.backend.pending == 0 and pool.free == size // 2
     pool.free = 1 << 20
     store.reload(entries)
     _assert_state_equal(tensors, clones)
@@ -328,3 +338,43 @@ def test_a_hand_over_load_allocates_in_runs_no_larger_than_a_chunk():
     assert len(runs) >= 3 and sum(runs) == sum(e.nbytes for e in entries)
     assert all(r <= max(4 * KiB, largest_storage) for r in runs), runs
     _assert_state_equal(tensors, clones)
+
+
+def test_memory_the_giver_held_beyond_its_state_is_announced_with_it():
+    """A giver's allocator may hold more than its state (a phase's cached activations): it goes
+    back first and counts in the announced total. Were it counted as credit against the state's
+    total only, the taker would see nothing more coming while half the state was still out, and
+    refuse a load that fits."""
+    a_entries, _, _ = _role(1)
+    b_entries, b_tensors, b_clones = _role(2)
+    pool = Pool(1 << 20)
+    giver, taker = _store(pool), _store(pool)
+    taker.offload(b_entries)
+    cached = 6 * KiB
+    giver.backend.pending = cached  # released earlier, still in the giver's cache
+    pool.free = 4 * KiB
+    credits = Credits()
+    first = threading.Event()
+    go_on = threading.Event()
+    reports = []
+
+    def progress(returned, total):
+        reports.append((returned, total))
+        credits.report(returned, total)
+        if len(reports) == 1:
+            first.set()
+            go_on.wait(timeout=30)
+
+    t = threading.Thread(
+        target=lambda: (giver.offload(a_entries, on_released=progress, release_chunk_bytes=4 * KiB), credits.finish())
+    )
+    t.start()
+    assert first.wait(timeout=30)
+    total = sum(e.nbytes for e in a_entries) + cached
+    assert reports[0][1] == total and credits.pending_bytes() == total - reports[0][0] > 0
+    go = threading.Timer(0.2, go_on.set)
+    go.start()
+    taker.reload(b_entries, room_source=credits)
+    t.join()
+    assert reports[-1] == (total, total)
+    _assert_state_equal(b_tensors, b_clones)

@@ -179,6 +179,7 @@ class GPULease:
         self._release_fn: Callable[[], Any] | None = None
         self._heartbeat: _Heartbeat | None = None
         self._releasing: LeaseGrant | None = None  # the turn whose release_fn runs now
+        self._unloading = False  # release_fn runs after a failed early load: nobody to report to
         self._room: _HandedOver | None = None  # while an overlapped acquire loads early
 
     @property
@@ -216,7 +217,9 @@ class GPULease:
         Its H2D copies run while the previous holder's D2H copies still do. This returns once
         ``acquire_fn`` is done and the previous holder's release is complete, so the turn
         itself never overlaps another. Should ``acquire_fn`` fail before the grant, what it
-        loaded goes back out (``release_fn``) and the request is withdrawn."""
+        loaded goes back out (``release_fn``) and the request is withdrawn.
+        ``config.acquire_timeout_s`` bounds the wait for the queue's head, not the loading nor
+        the wait for the previous holder's release that follows it (its expiry bounds those)."""
         with self._lock:
             busy = self._grant.role if self._grant else self._pending
             if busy is not None:
@@ -264,10 +267,12 @@ class GPULease:
         except BaseException:
             self._room = None
             heartbeat, self._heartbeat = self._heartbeat, None
+            self._unloading = True
             try:
                 if release_fn is not None:
                     release_fn()  # what acquire_fn loaded goes back out before the request is withdrawn
             finally:
+                self._unloading = False
                 heartbeat.stop()
                 with contextlib.suppress(LeaseError):
                     self._backend.call("cancel", ticket=ticket)
@@ -280,7 +285,11 @@ class GPULease:
     def report_released(self, returned_bytes: int, total_bytes: int) -> None:
         """From inside ``release_fn``: ``returned_bytes`` of the ``total_bytes`` this release
         frees are back with the driver. The next waiter, if it asked for ``overlap``, starts
-        loading into them. Raises :class:`LeaseUsageError` outside a ``release_fn``."""
+        loading into them. Raises :class:`LeaseUsageError` outside a ``release_fn``; does nothing
+        in the ``release_fn`` that unloads a failed early load (this holder had no turn to hand
+        over)."""
+        if self._unloading:
+            return
         grant = self._releasing
         if grant is None:
             raise LeaseUsageError(

@@ -123,33 +123,53 @@ class _TCPBackend:
         if not host or not port.isdigit():
             raise ValueError(f"lease address must be 'host:port', got {address!r}")
         self.address = address
+        self._host_port = (host, int(port))
+        self._connect_timeout_s = connect_timeout_s
+        self._sock: socket.socket | None = None
+        self._file = None
+        self._connect()
+        self._lock = threading.Lock()
+
+    def _connect(self) -> None:
         try:
-            self._sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
+            sock = socket.create_connection(self._host_port, timeout=self._connect_timeout_s)
         except OSError as e:
             raise LeaseError(
-                f"cannot reach the lease server at {address}: {e}. Start one with "
+                f"cannot reach the lease server at {self.address}: {e}. Start one with "
                 f"LeaseServer(...).start() and pass its address"
             ) from e
-        self._sock.settimeout(None)
-        self._file = self._sock.makefile("rwb")
-        self._lock = threading.Lock()
+        sock.settimeout(None)
+        self._sock, self._file = sock, sock.makefile("rwb")
 
     def call(self, op: str, **kwargs) -> dict:
         with self._lock:  # one request in flight per connection (heartbeat thread vs caller)
             try:
+                if self._file is None:
+                    self._connect()
                 self._file.write(json.dumps({"op": op, "kwargs": kwargs}).encode() + b"\n")
                 self._file.flush()
                 line = self._file.readline()
-            except OSError as e:
-                raise LeaseError(f"lease server at {self.address} failed during {op!r}: {e}") from e
+            except BaseException as e:
+                # Interrupted mid-call (Ctrl-C in a long-poll wait) or failed: the reply may
+                # still arrive on this connection and answer the next call. Drop the
+                # connection; the next call opens a fresh one.
+                self._drop()
+                if isinstance(e, OSError):
+                    raise LeaseError(f"lease server at {self.address} failed during {op!r}: {e}") from e
+                raise
         if not line:
+            self._drop()
             raise LeaseError(f"lease server at {self.address} closed the connection during {op!r}")
         return json.loads(line)
 
+    def _drop(self) -> None:
+        file, sock, self._file, self._sock = self._file, self._sock, None, None
+        with contextlib.suppress(OSError, AttributeError):
+            file.close()
+            sock.close()
+
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._file.close()
-            self._sock.close()
+        self._drop()
 
 
 # ---- transport 2: a Ray actor ---------------------------------------------------------------

@@ -396,7 +396,8 @@ class OffloadStore:
           :class:`InsufficientMemoryError` is raised mid-move (nothing lost: the storages not
           yet in stay offloaded). The storages are allocated in runs of at most what has
           arrived and at most ``reserve_max_bytes``, so that their next chunked offload can
-          give memory back run by run (the allocator returns only whole runs).
+          give memory back run by run (the allocator returns only whole runs). Its room is
+          what the driver and this process's cache have free (``extra_bytes`` does not apply).
 
         Raises ``ValueError`` (before anything moves) for ``on_released`` with incoming
         entries or with ``release=False``, or a ``release_chunk_bytes`` below 1.
@@ -408,6 +409,11 @@ class OffloadStore:
             )
         if release_chunk_bytes < 1:
             raise ValueError(f"release_chunk_bytes must be >= 1, got {release_chunk_bytes}")
+        if reserve_max_bytes is not None and (room_source is None or reserve_max_bytes < 1):
+            raise ValueError(
+                f"reserve_max_bytes={reserve_max_bytes} bounds the allocation runs of a load with a "
+                f"room_source: pass one with it, and a value >= 1"
+            )
         self._check_open()
         if self._in_flight:
             self.recover()
@@ -494,6 +500,10 @@ class OffloadStore:
                 )
         except BaseException:
             self.recover()
+            if room_source is not None and in_todo:
+                # What the failed load took of memory handed over goes back to the driver, where
+                # the next holder counts on it (not into this process's cache).
+                self.backend.settle()
             raise
         finally:
             engine.release_staging()
@@ -643,22 +653,26 @@ class OffloadStore:
         self, out_todo: list[StateEntry], chunk_bytes: int, on_released: ReleaseProgress, total_bytes: int
     ) -> tuple[int, float]:
         """The copies of an offload whose memory goes back to the driver chunk by chunk
-        (:meth:`switch` with ``on_released``). The D2H copies of chunk ``g + 1`` are queued
-        before chunk ``g`` is freed and settled: the settle synchronises the device (the
-        allocator's ``empty_cache``), so queueing everything first would hold every chunk's
-        memory until the last copy. Same atomicity as :meth:`_move`: a storage is tracked once
-        its copy has completed, then released."""
+        (:meth:`switch` with ``on_released``). Chunks are at most ``chunk_bytes`` (at least
+        one segment). The settle synchronises the device (the allocator's ``empty_cache``), so
+        queueing every copy first would hold all the memory until the last one; instead chunk
+        ``g + 1`` is queued before chunk ``g`` is settled (its copies run meanwhile, so chunk
+        ``g``'s memory comes back once chunk ``g + 1`` is copied too), and chunk ``g + 2`` right
+        after, before the report. Memory this process's allocator held beyond the state
+        (cached activations) goes back first, counted in the total. Same atomicity as
+        :meth:`_move`: a storage is tracked once its copy has completed, then released."""
         engine, ops, verify = self.engine, self.ops, self.config.verify
         segs = engine.plan(self._items(out_todo))
         ops.point("planned")
         chunks: list[list[Segment]] = []
         size = chunk_bytes
         for seg in segs:
-            if size >= chunk_bytes:
+            if size + seg.nbytes > chunk_bytes:
                 chunks.append([])
                 size = 0
             chunks[-1].append(seg)
             size += seg.nbytes
+        ends = list(itertools.accumulate(len(c) for c in chunks))
         engine.begin_out()
         queued: list[Segment] = []
         events: list = []
@@ -675,17 +689,21 @@ class OffloadStore:
                 digests.extend(self._digest_segments(chunk, None, verify))
 
         try:
-            if chunks:
-                queue(chunks[0])
+            for chunk in chunks[:2]:
+                queue(chunk)
+            # What the allocator held besides the state (a phase's cached activations) goes
+            # first, announced with the rest: the next holder then counts on all of it.
+            returned = self.backend.settle()
+            total_bytes += returned
             for g in range(max(1, len(chunks))):
-                if g + 1 < len(chunks):
-                    queue(chunks[g + 1])  # the copy engine works on it while this chunk's memory goes back
-                while freed < sum(len(c) for c in chunks[: g + 1]):
+                while freed < (ends[g] if chunks else 0):
                     self._free_segment(queued[freed], events[freed], _event(digests, freed))
                     freed += 1
-                returned += self.backend.settle()
+                returned += self.backend.settle()  # waits for chunk g + 1's copies too (a device sync)
+                if g + 2 < len(chunks):
+                    queue(chunks[g + 2])  # before the report: the copy engine idles only while memory is freed
                 ops.point("offload_chunk_returned")
-                on_released(returned, total_bytes)
+                on_released(min(returned, total_bytes), total_bytes)
             if digests:  # every segment's digests were waited for before its free
                 values = torch.cat([ds for _, ds in digests]).tolist()
                 for item, d in zip((it for seg in queued for it in seg.items), values):
