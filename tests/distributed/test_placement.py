@@ -278,3 +278,62 @@ def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
         assert how == "expired" and time.monotonic() - t_kill < 1.0 + 3
         ray.kill(rollout)
         ray.kill(arbiter)
+
+
+def test_overlapped_hand_overs_through_a_ray_lease(cluster):
+    """The Ray arbiter serves the overlapped hand-over too: the holder reports its release in
+    chunks, the waiter loads on that credit before its grant, never two turns at once."""
+    import ray
+
+    @ray.remote
+    class RoleWorker:
+        def __init__(self, lease_actor, role: str) -> None:
+            self.lease = GPULease(lease_actor, holder=role)
+            self.role = role
+
+        def turns(self, n: int) -> list:
+            out = []
+            for _ in range(n):
+                row: dict = {}
+
+                def release_fn():
+                    for k in range(1, 4):
+                        self.lease.report_released(k, 3)
+                        time.sleep(0.02)
+                    row["released"] = time.monotonic()
+
+                def acquire_fn():
+                    row["load_start"] = time.monotonic()
+                    room = self.lease.room_source
+                    while room is not None and room.wait():
+                        pass
+
+                with self.lease.hold(role=self.role, acquire_fn=acquire_fn, release_fn=release_fn, overlap=True) as g:
+                    row.update(enter=time.monotonic(), overlapped=g.overlapped)
+                    time.sleep(0.05)
+                out.append(row)
+            return out
+
+    spec = PlacementSpec(
+        roles=[GPURole(name="train", colocate="gpu", cpus=0.25), GPURole(name="rollout", colocate="gpu", cpus=0.25)],
+        gpu_resource="fake_gpu",
+        timeout_s=30,
+    )
+    with place(spec) as placement:
+        arbiter = start_lease_actor(placement.lease_name("train") + "-overlap", ttl_s=2.0)
+        train = RoleWorker.options(**placement.options_for("train")).remote(arbiter, "train")
+        rollout = RoleWorker.options(**placement.options_for("rollout")).remote(arbiter, "rollout")
+        rows = sorted(
+            (r for part in ray.get([train.turns.remote(3), rollout.turns.remote(3)], timeout=60) for r in part),
+            key=lambda r: r["enter"],
+        )
+        assert len(rows) == 6
+        for prev, nxt in zip(rows, rows[1:]):
+            assert nxt["enter"] >= prev["released"]  # never two turns at once
+        early = [nxt for prev, nxt in zip(rows, rows[1:]) if nxt["overlapped"]]
+        assert early, "no hand-over overlapped"
+        for prev, nxt in zip(rows, rows[1:]):
+            if nxt["overlapped"]:
+                assert nxt["load_start"] < prev["released"]
+        for actor in (train, rollout, arbiter):
+            ray.kill(actor)
