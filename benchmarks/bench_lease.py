@@ -213,13 +213,7 @@ def _gbps(b: float, s: float) -> float:
 
 
 def append_row(path: str, gpu: str, versions: str, cross: dict, local: dict, layers: int) -> None:
-    text = open(path).read() if os.path.exists(path) else ""
-    heads = [line for line in text.splitlines() if line.startswith("## ")]
-    with open(path, "a") as f:
-        if not heads or heads[-1] != SECTION:
-            f.write(
-                ("\n" if text and not text.endswith("\n\n") else "")
-                + f"""{SECTION}
+    header = f"""{SECTION}
 
 Two roles of equal size (fp32 Linear {WIDTH}x{WIDTH} layers with grads and AdamW state, all of it
 moving with the role). Cross-process: each role in its own process and `Timeshare`, taking turns
@@ -234,25 +228,21 @@ Command: `python benchmarks/bench_lease.py --results benchmarks/RESULTS.md`.
 | date | GPU | versions | role state GB | hand-over s (offload / grant / reload) | hand-over GB/s | first hand-over s | in-process switch s | switch GB/s | in-process sequential s | sequential GB/s | ratio cross / switch | ratio cross / sequential |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
-            )
-        m, sw, sq = cross["median"], local["switch"], local["sequential"]
-        f.write(
-            f"| {datetime.datetime.now():%Y-%m-%d %H:%M} | {gpu} | {versions} | {cross['role_bytes'] / 1e9:.2f} "
-            f"({layers} layers) | {m['total']:.4f} ({m['offload']:.4f} / {m['grant']:.4f} / {m['reload']:.4f}) | "
-            f"{_gbps(m['bytes'], m['total']):.1f} | {cross['first']['total']:.4f} | {sw['total']:.4f} | "
-            f"{_gbps(sw['bytes'], sw['total']):.1f} | {sq['total']:.4f} | {_gbps(sq['bytes'], sq['total']):.1f} | "
-            f"{m['total'] / sw['total']:.2f} | {m['total'] / sq['total']:.2f} |\n"
-        )
+    m, sw, sq = cross["median"], local["switch"], local["sequential"]
+    _append(
+        path,
+        SECTION,
+        header,
+        f"| {datetime.datetime.now():%Y-%m-%d %H:%M} | {gpu} | {versions} | {cross['role_bytes'] / 1e9:.2f} "
+        f"({layers} layers) | {m['total']:.4f} ({m['offload']:.4f} / {m['grant']:.4f} / {m['reload']:.4f}) | "
+        f"{_gbps(m['bytes'], m['total']):.1f} | {cross['first']['total']:.4f} | {sw['total']:.4f} | "
+        f"{_gbps(sw['bytes'], sw['total']):.1f} | {sq['total']:.4f} | {_gbps(sq['bytes'], sq['total']):.1f} | "
+        f"{m['total'] / sw['total']:.2f} | {m['total'] / sq['total']:.2f} |\n",
+    )
 
 
 def append_overlap_row(path: str, gpu: str, versions: str, seq: dict, ovl: dict, local: dict, chunk_mb: int) -> None:
-    text = open(path).read() if os.path.exists(path) else ""
-    heads = [line for line in text.splitlines() if line.startswith("## ")]
-    with open(path, "a") as f:
-        if not heads or heads[-1] != SECTION_OVERLAP:
-            f.write(
-                ("\n" if text and not text.endswith("\n\n") else "")
-                + f"""{SECTION_OVERLAP}
+    header = f"""{SECTION_OVERLAP}
 
 The same two roles and processes as in the issue-7 section, one run: the sequential hand-over
 (all out, confirmed, then all in), the overlapped one (`timeshare_callbacks(ts, role,
@@ -267,14 +257,26 @@ Command: `python benchmarks/bench_lease.py --overlap --results benchmarks/RESULT
 | date | GPU | versions | role state GB | chunk MiB | sequential s | overlapped s (offload / reload / overlap) | overlapped turns | in-process switch s | sequential / switch | overlapped / switch |
 |---|---|---|---|---|---|---|---|---|---|---|
 """
-            )
-        m, o, sw = seq["median"], ovl["median"], local["switch"]
-        f.write(
-            f"| {datetime.datetime.now():%Y-%m-%d %H:%M} | {gpu} | {versions} | {ovl['role_bytes'] / 1e9:.2f} | "
-            f"{chunk_mb} | {m['total']:.4f} | {o['total']:.4f} ({o['offload']:.4f} / {o['reload']:.4f} / "
-            f"{o['overlap']:.4f}) | {o['overlapped']}/{ovl['count']} | {sw['total']:.4f} | "
-            f"{m['total'] / sw['total']:.2f} | {o['total'] / sw['total']:.2f} |\n"
-        )
+    m, o, sw = seq["median"], ovl["median"], local["switch"]
+    _append(
+        path,
+        SECTION_OVERLAP,
+        header,
+        f"| {datetime.datetime.now():%Y-%m-%d %H:%M} | {gpu} | {versions} | {ovl['role_bytes'] / 1e9:.2f} | "
+        f"{chunk_mb} | {m['total']:.4f} | {o['total']:.4f} ({o['offload']:.4f} / {o['reload']:.4f} / "
+        f"{o['overlap']:.4f}) | {o['overlapped']}/{ovl['count']} | {sw['total']:.4f} | "
+        f"{m['total'] / sw['total']:.2f} | {o['total'] / sw['total']:.2f} |\n",
+    )
+
+
+def _append(path: str, section: str, header: str, row: str) -> None:
+    """Append ``row`` to ``path``, starting ``section`` with ``header`` unless the file ends with it."""
+    text = open(path).read() if os.path.exists(path) else ""
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    with open(path, "a") as f:
+        if not heads or heads[-1] != section:
+            f.write(("\n" if text and not text.endswith("\n\n") else "") + header)
+        f.write(row)
 
 
 def main(argv=None) -> int:

@@ -233,6 +233,14 @@ def test_unsatisfiable_is_an_error_not_a_hang(cluster):
     assert _live_groups() == 0
 
 
+def _colocated_train_and_rollout() -> PlacementSpec:
+    return PlacementSpec(
+        roles=[GPURole(name="train", colocate="gpu", cpus=0.25), GPURole(name="rollout", colocate="gpu", cpus=0.25)],
+        gpu_resource="fake_gpu",
+        timeout_s=30,
+    )
+
+
 def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
     import ray
 
@@ -254,12 +262,7 @@ def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
         def grab(self) -> None:
             self.lease.acquire(self.role)
 
-    spec = PlacementSpec(
-        roles=[GPURole(name="train", colocate="gpu", cpus=0.25), GPURole(name="rollout", colocate="gpu", cpus=0.25)],
-        gpu_resource="fake_gpu",
-        timeout_s=30,
-    )
-    with place(spec) as placement:
+    with place(_colocated_train_and_rollout()) as placement:
         assert placement.lease_name("train") == placement.lease_name("rollout")
         arbiter = start_lease_actor(placement.lease_name("train"), ttl_s=1.0)
         train = RoleWorker.options(**placement.options_for("train")).remote(arbiter, "train")
@@ -314,12 +317,7 @@ def test_overlapped_hand_overs_through_a_ray_lease(cluster):
                 out.append(row)
             return out
 
-    spec = PlacementSpec(
-        roles=[GPURole(name="train", colocate="gpu", cpus=0.25), GPURole(name="rollout", colocate="gpu", cpus=0.25)],
-        gpu_resource="fake_gpu",
-        timeout_s=30,
-    )
-    with place(spec) as placement:
+    with place(_colocated_train_and_rollout()) as placement:
         arbiter = start_lease_actor(placement.lease_name("train") + "-overlap", ttl_s=2.0)
         train = RoleWorker.options(**placement.options_for("train")).remote(arbiter, "train")
         rollout = RoleWorker.options(**placement.options_for("rollout")).remote(arbiter, "rollout")

@@ -78,6 +78,17 @@ def _store(pool: Pool) -> OffloadStore:
     return OffloadStore(ops, cfg, backend=PoolBackend(ops))
 
 
+def _offloaded(free: float):
+    """A store holding role 1 offloaded, the pool with ``free`` of its size free."""
+    pool = Pool(1 << 20)
+    store = _store(pool)
+    entries, tensors, clones = _role(1)
+    store.offload(entries)
+    size = sum(e.nbytes for e in entries)
+    pool.free = int(size * free)
+    return pool, store, entries, tensors, clones, size
+
+
 def _role(seed: int):
     model, opt = _make(seed=seed)
     entries = _entries(model, opt)
@@ -215,12 +226,7 @@ def test_a_load_waits_for_the_memory_a_giver_hands_over_and_overlaps_with_it():
 
 
 def test_a_load_that_cannot_fit_even_with_what_is_coming_is_refused_before_any_work():
-    pool = Pool(1 << 20)
-    store = _store(pool)
-    entries, tensors, clones = _role(1)
-    store.offload(entries)
-    size = sum(e.nbytes for e in entries)
-    pool.free = size // 4
+    pool, store, entries, tensors, clones, size = _offloaded(0.25)
     credits = Credits(total=size // 4)  # a quarter free, a quarter coming: half of it
     with pytest.raises(InsufficientMemoryError):
         store.reload(entries, room_source=credits)
@@ -232,12 +238,7 @@ def test_a_load_that_cannot_fit_even_with_what_is_coming_is_refused_before_any_w
 
 
 def test_memory_announced_but_never_given_ends_the_load_with_a_clear_error_and_loses_nothing():
-    pool = Pool(1 << 20)
-    store = _store(pool)
-    entries, tensors, clones = _role(1)
-    store.offload(entries)
-    size = sum(e.nbytes for e in entries)
-    pool.free = size // 2
+    pool, store, entries, tensors, clones, size = _offloaded(0.5)
 
     class Stops(Credits):
         def wait(self):  # the giver's turn ends (it crashed, or kept the rest): nothing more
@@ -253,7 +254,7 @@ def test_memory_announced_but_never_given_ends_the_load_with_a_clear_error_and_l
     assert all(store.is_offloaded(e.key) for e in entries)  # the part that came in went out again
     assert not store.interrupted
     # ... and back to the driver: the next holder counts on it.
-    assert store.backend.pending == 0 and pool.free == size // 2
+    assert store.backend.pending == 0 and pool.free == int(size * 0.5)
     pool.free = 1 << 20
     store.reload(entries)
     _assert_state_equal(tensors, clones)
@@ -326,10 +327,7 @@ def test_a_hand_over_load_allocates_in_runs_no_larger_than_a_chunk():
     until the end of a run)."""
     from tidal.state.handover import NOTHING_COMING
 
-    pool = Pool(1 << 20)
-    store = _store(pool)
-    entries, tensors, clones = _role(1)
-    store.offload(entries)
+    _, store, entries, tensors, clones, _ = _offloaded(16)
     runs = []
     reserve = store.backend.reserve
     store.backend.reserve = lambda items: (runs.append(sum(n for _, n in items)), reserve(items))[1]
