@@ -241,7 +241,8 @@ def _colocated_train_and_rollout() -> PlacementSpec:
     )
 
 
-def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
+def _role_worker():
+    """A Ray actor taking turns on a lease, plainly or with overlapped hand-overs."""
     import ray
 
     @ray.remote
@@ -259,9 +260,39 @@ def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
                     out.append((enter, time.monotonic(), grant.previous and grant.previous["how"]))
             return out
 
+        def overlapped_turns(self, n: int) -> list:
+            out = []
+            for _ in range(n):
+                row: dict = {}
+
+                def release_fn():
+                    for k in range(1, 4):
+                        self.lease.report_released(k, 3)
+                        time.sleep(0.02)
+                    row["released"] = time.monotonic()
+
+                def acquire_fn():
+                    row["load_start"] = time.monotonic()
+                    room = self.lease.room_source
+                    while room is not None and room.wait():
+                        pass
+
+                with self.lease.hold(role=self.role, acquire_fn=acquire_fn, release_fn=release_fn, overlap=True) as g:
+                    row.update(enter=time.monotonic(), overlapped=g.overlapped)
+                    time.sleep(0.05)
+                out.append(row)
+            return out
+
         def grab(self) -> None:
             self.lease.acquire(self.role)
 
+    return RoleWorker
+
+
+def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
+    import ray
+
+    RoleWorker = _role_worker()
     with place(_colocated_train_and_rollout()) as placement:
         assert placement.lease_name("train") == placement.lease_name("rollout")
         arbiter = start_lease_actor(placement.lease_name("train"), ttl_s=1.0)
@@ -288,41 +319,17 @@ def test_overlapped_hand_overs_through_a_ray_lease(cluster):
     chunks, the waiter loads on that credit before its grant, never two turns at once."""
     import ray
 
-    @ray.remote
-    class RoleWorker:
-        def __init__(self, lease_actor, role: str) -> None:
-            self.lease = GPULease(lease_actor, holder=role)
-            self.role = role
-
-        def turns(self, n: int) -> list:
-            out = []
-            for _ in range(n):
-                row: dict = {}
-
-                def release_fn():
-                    for k in range(1, 4):
-                        self.lease.report_released(k, 3)
-                        time.sleep(0.02)
-                    row["released"] = time.monotonic()
-
-                def acquire_fn():
-                    row["load_start"] = time.monotonic()
-                    room = self.lease.room_source
-                    while room is not None and room.wait():
-                        pass
-
-                with self.lease.hold(role=self.role, acquire_fn=acquire_fn, release_fn=release_fn, overlap=True) as g:
-                    row.update(enter=time.monotonic(), overlapped=g.overlapped)
-                    time.sleep(0.05)
-                out.append(row)
-            return out
-
+    RoleWorker = _role_worker()
     with place(_colocated_train_and_rollout()) as placement:
         arbiter = start_lease_actor(placement.lease_name("train") + "-overlap", ttl_s=2.0)
         train = RoleWorker.options(**placement.options_for("train")).remote(arbiter, "train")
         rollout = RoleWorker.options(**placement.options_for("rollout")).remote(arbiter, "rollout")
         rows = sorted(
-            (r for part in ray.get([train.turns.remote(3), rollout.turns.remote(3)], timeout=60) for r in part),
+            (
+                r
+                for part in ray.get([train.overlapped_turns.remote(3), rollout.overlapped_turns.remote(3)], timeout=60)
+                for r in part
+            ),
             key=lambda r: r["enter"],
         )
         assert len(rows) == 6
