@@ -225,6 +225,77 @@ def test_optimizer_state_kept_on_the_host_does_not_count_against_the_budget(resi
         assert [(r.kind, r.roles_out, r.role_in) for r in ts.records[before:]] == [("reload", (), "reference")]
 
 
+def _as_needed(free_bytes: int, **cfg):
+    """A timeshare evicting as needed, on a fake accelerator whose free memory the test sets."""
+    from tests.transfer.fakes import FakeAccelOps
+    from tidal.transfer.context import TransferContext
+
+    ops = FakeAccelOps(free_bytes=free_bytes)
+    config = tidal.TimeshareConfig(evict="as_needed", **cfg)
+    return tidal.Timeshare("cpu", context=TransferContext(ops), config=config), ops
+
+
+def test_evict_as_needed_keeps_roles_while_the_device_has_room_and_then_the_least_recent():
+    models = {n: TinyLM() for n in "abc"}
+    before = {n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in models.items()}
+    ts, ops = _as_needed(1 << 40)
+    for n, m in models.items():
+        ts.add_role(n, model=m)
+    ts.offload_all()
+    one = ts.role_bytes("a")
+    staging = ts.store.staging_bytes(2)
+    with ts.use("a"):
+        pass
+    with ts.use("b"):
+        pass
+    assert sorted(ts.resident_roles) == ["a", "b"]  # room for both: nothing moved out
+    ops.free_bytes = one // 2 + staging  # half a role free: c needs one of them out
+    with ts.use("c"):
+        assert sorted(ts.resident_roles) == ["b", "c"]  # a, least recently used, and only a
+    ops.free_bytes = staging  # nothing free: b must go for a, c is in use
+    with ts.use("c"):
+        with pytest.raises(RuntimeError, match="in use"):
+            ts.offload("c")
+    with ts.use("a"):
+        assert sorted(ts.resident_roles) == ["a", "c"]
+    moves = [(r.kind, r.roles_out, r.role_in) for r in ts.records]
+    assert moves[1:] == [("reload", (), "a"), ("reload", (), "b"), ("switch", ("a",), "c"), ("switch", ("b",), "a")]
+    ops.free_bytes = 1 << 40
+    ts.close()
+    for n, m in models.items():
+        assert all(torch.equal(v, before[n][k]) for k, v in m.state_dict().items()), n
+
+
+def test_evict_as_needed_leaves_the_headroom_free_and_still_obeys_a_budget():
+    a, b = TinyLM(), TinyLM()
+    ts, ops = _as_needed(1 << 40, headroom_bytes=1 << 20)
+    ts.add_role("a", model=a)
+    ts.add_role("b", model=b)
+    ts.offload_all()
+    one = ts.role_bytes("a")
+    staging = ts.store.staging_bytes(2)
+    with ts.use("a"):
+        pass
+    ops.free_bytes = one + staging + (1 << 20) - 1  # one byte short of the headroom beside b
+    with ts.use("b"):
+        assert ts.resident_roles == ["b"]
+    ops.free_bytes = 1 << 40
+    with ts.use("a"):
+        assert sorted(ts.resident_roles) == ["a", "b"]
+    ts.close()
+    capped, _ = _as_needed(1 << 40, budget_bytes=int(1.5 * one))
+    capped.add_role("a", model=TinyLM())
+    capped.add_role("b", model=TinyLM())
+    capped.offload_all()
+    with capped.use("a"):
+        pass
+    with capped.use("b"):
+        assert capped.resident_roles == ["b"]  # the device has room, the budget has not
+    capped.close()
+    with pytest.raises(ValueError, match="evict must be"):
+        tidal.TimeshareConfig(evict="lru")
+
+
 # ---- misuse: a clear error and no state lost ------------------------------------------------
 def test_unknown_role():
     with tidal.Timeshare("cpu") as ts:

@@ -19,7 +19,7 @@ import itertools
 import time
 import warnings
 import weakref
-from typing import Iterator, Sequence
+from typing import Iterator, Literal, Sequence
 
 import torch
 
@@ -78,6 +78,13 @@ class TimeshareConfig:
             being used is resident (every switch moves the others out), the usual setting for
             colocated RL roles. Optimizer state that ``"step"`` or ``"stream"`` residency keeps
             on the host between steps does not count.
+        evict: which resident roles bringing a role in moves out. ``"others"``: all those the
+            budget cannot keep (without a budget, all of them). ``"as_needed"``: only as many
+            (least recently used first) as the incoming role's bytes need, with
+            ``headroom_bytes`` left free, from the device's free memory now (and the budget,
+            if set): when the device has room, nothing moves. Set ``headroom_bytes`` to what
+            the phases need beside the roles (activations, KV cache), or a phase may run out
+            of memory where "others" would have made room.
         headroom_bytes: device memory a reload must leave free (for activations, KV cache).
         switch_extra_bytes: caps how much a switch overlaps: while roles move out and in,
             their state never takes more than the larger side plus this many bytes (plus one
@@ -106,6 +113,7 @@ class TimeshareConfig:
     """
 
     budget_bytes: int | None = None
+    evict: Literal["others", "as_needed"] = "others"
     headroom_bytes: int = 0
     switch_extra_bytes: int | None = None
     optimizer_chunk_bytes: int = 256 << 20
@@ -123,6 +131,8 @@ class TimeshareConfig:
             raise ValueError(f"switch_extra_bytes must be >= 0 or None, got {self.switch_extra_bytes}")
         if self.handover_chunk_bytes <= 0:
             raise ValueError(f"handover_chunk_bytes must be > 0, got {self.handover_chunk_bytes}")
+        if self.evict not in ("others", "as_needed"):
+            raise ValueError(f"evict must be 'others' or 'as_needed', got {self.evict!r}")
         if self.optimizer_chunk_bytes <= 0:
             raise ValueError(f"optimizer_chunk_bytes must be > 0, got {self.optimizer_chunk_bytes}")
         for name in ("headroom_bytes", "min_offload_bytes", "release_tolerance_bytes"):
@@ -699,14 +709,15 @@ class Timeshare:
         role were in use (what ``prefetch`` writes back ahead of the switch); no error then."""
         others = [r for r in self._roles.values() if r.resident and r is not role]
         budget = self.config.budget_bytes
-        if budget is None:
+        as_needed = self.config.evict == "as_needed"
+        if budget is None and not as_needed:
             for r in others:
                 if not ignore_use:
                     self._check_evictable(r, reason=f"use({role.name!r})")
             return others
         incoming = self._device_entries(role)
         incoming_bytes = sum(e.nbytes for e in incoming.values())
-        if incoming_bytes > budget:
+        if budget is not None and incoming_bytes > budget:
             raise ValueError(
                 f"role {role.name!r} holds {format_bytes(incoming_bytes)} of state, more than "
                 f"budget_bytes={budget} ({format_bytes(budget)}); raise the budget or shrink the role"
@@ -720,17 +731,40 @@ class Timeshare:
                 keys.update((k, e.nbytes) for k, e in entries[r.name].items())
             return sum(keys.values())
 
+        coming = sum(e.nbytes for e in incoming.values() if self.store.is_offloaded(e.key))
+        free = 0
+        if as_needed and coming:
+            free = self.ops.driver_free_bytes()[0] + self.ops.cached_free_bytes() - self.config.headroom_bytes
+            free -= self.store.staging_bytes(2)
+
+        def freed_by_evicting(roles: list[Role]) -> int:
+            """Device bytes moving out with everything resident but ``roles`` and ``role``."""
+            keep = set(incoming).union(*(entries[r.name] for r in roles))
+            gone = {
+                k: e.nbytes
+                for r in others
+                if r not in roles
+                for k, e in entries[r.name].items()
+                if k not in keep and not self.store.is_offloaded(k)
+            }
+            return sum(gone.values())
+
+        def short(roles: list[Role]) -> bool:
+            over_budget = budget is not None and resident_bytes(roles) > budget
+            return over_budget or (as_needed and coming > free + freed_by_evicting(roles))
+
         evict: list[Role] = []
         for r in list(staying):
-            now = resident_bytes(staying)
-            if now <= budget:
+            if not short(staying):
                 break
             if r.in_use and not ignore_use:
                 continue
             rest = [x for x in staying if x is not r]
-            if resident_bytes(rest) < now:  # evicting a role that frees nothing is pointless
+            # evicting a role that frees nothing is pointless
+            if resident_bytes(rest) < resident_bytes(staying) or freed_by_evicting(rest) > freed_by_evicting(staying):
                 staying, evict = rest, evict + [r]
-        if resident_bytes(staying) > budget and not ignore_use:
+        # Out of memory with every evictable role out: the move itself raises, naming the bytes.
+        if budget is not None and resident_bytes(staying) > budget and not ignore_use:
             busy = [r.name for r in staying if r.in_use]
             raise RuntimeError(
                 f"role {role.name!r} does not fit in budget_bytes={budget} next to the roles in "
