@@ -8,10 +8,10 @@ TRL can load the policy and build its reference from it, as it does from a hub i
 character-level tokenizer, prompts and a reward in Python. Each variant runs in its own
 process (so one's allocator cache cannot flatter the next): ``trl`` is ``GRPOTrainer``;
 ``step`` / ``stream`` / ``role`` are ``TidalGRPOTrainer`` with that optimizer residency, and a
-``+prefetch`` suffix (``stream+prefetch``) adds ``TidalConfig(prefetch=True)``, a
-``+budget=<GiB>`` suffix sets the timeshare's ``budget_bytes`` (``stream+prefetch+budget=14``:
-room for the policy's weights and the reference together keeps the policy resident while the
-reference scores).
+``+prefetch`` suffix (``stream+prefetch``) adds ``TidalConfig(prefetch=True)``, and
+``+budget=<GiB>``, ``+headroom=<GiB>``, ``+evict=as_needed`` set the timeshare
+(``stream+prefetch+budget=14``: room for the policy's weights and the reference together keeps
+the policy resident while the reference scores).
 Measured after the first step (warm-up): peak allocated device memory
 (``torch.cuda.max_memory_allocated``), median step wall time (device-synchronised, from
 ``on_step_begin`` to ``on_step_end``), and for tidal the transitions' share of the step time.
@@ -126,16 +126,18 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         trainer = GRPOTrainer(**common)
     else:
         residency, *extras = variant.split("+")
-        budget = [e for e in extras if e.startswith("budget=")]
-        if any(e != "prefetch" and not e.startswith("budget=") for e in extras) or len(budget) > 1:
+        # key=value suffixes set the timeshare: budget / headroom in GiB, evict by name
+        settings = dict(e.split("=", 1) for e in extras if "=" in e)
+        if any(e != "prefetch" and "=" not in e for e in extras) or set(settings) - {"budget", "headroom", "evict"}:
             raise ValueError(
-                f"unknown variant {variant!r}: a residency, optionally with '+prefetch' and '+budget=<GiB>'"
+                f"unknown variant {variant!r}: a residency, optionally with '+prefetch', '+budget=<GiB>', "
+                f"'+headroom=<GiB>' and '+evict=as_needed'"
             )
-        ts_cfg = TimeshareConfig()
-        if budget:
-            # State bytes that may stay resident at once: room for the policy's weights and the
-            # reference together keeps the policy in while the reference scores.
-            ts_cfg = TimeshareConfig(budget_bytes=int(float(budget[0].split("=")[1]) * 2**30))
+        ts_cfg = TimeshareConfig(
+            budget_bytes=int(float(settings["budget"]) * 2**30) if "budget" in settings else None,
+            headroom_bytes=int(float(settings.get("headroom", 0)) * 2**30),
+            evict=settings.get("evict", "others"),
+        )
         tidal_cfg = TidalConfig(optimizer_residency=residency, prefetch="prefetch" in extras, timeshare=ts_cfg)
         trainer = TidalGRPOTrainer(**common, tidal=tidal_cfg)
     t0 = time.perf_counter()
