@@ -8,22 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  # TRL and datasets (with dill, multiprocess) go to their own folder, used only if they import
-  # against that machine's pandas/pyarrow/hub; without them tests/integrations/test_trl.py skips.
-  trl=$(ls .whl/*.whl | grep -E '/(trl|datasets|dill|multiprocess)-' || true)
-  rest=$(ls .whl/*.whl | grep -vE '/(trl|datasets|dill|multiprocess)-')
-  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site $rest 2>&1 | grep -v "^WARNING" | tail -3
-  if [ -n "$trl" ]; then
-    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site-trl $trl 2>&1 | grep -v "^WARNING" | tail -3
-    if PYTHONPATH=/tmp/site-trl:/tmp/site python3 -c "import trl, datasets" 2>"$OUT/trl_import.txt"; then
-      extra=/tmp/site-trl:
-    else
-      echo "trl does not import there (see trl_import.txt); its tests skip"; tail -3 "$OUT/trl_import.txt"
-    fi
-  fi
-fi
-export PYTHONPATH=${extra:-}/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source scripts/gpu_wheels.sh
 # NVLink multicast stays off on the lent machines (KINDS.md)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 {
