@@ -54,11 +54,17 @@ class DemoSettings:
     baseline_steps: int = 2
     baseline_optimizers: tuple[str, ...] = ("same", "adamw")
     switch_extra_mib: int | None = 256
+    evict: str = "others"
+    headroom_mib: int = 0
     seed: int = 0
     out_dir: str = "tidal-demo"
     roles: str = "local"
 
     def __post_init__(self) -> None:
+        if self.evict not in ("others", "as_needed"):
+            raise ValueError(f"evict must be 'others' or 'as_needed', got {self.evict!r}")
+        if self.headroom_mib < 0:
+            raise ValueError(f"headroom_mib must be >= 0, got {self.headroom_mib}")
         if self.roles not in ROLE_PLACES:
             raise ValueError(f"roles must be one of {ROLE_PLACES}, got {self.roles!r}")
         if self.rollout_graph and not str(self.device).startswith("cuda"):
@@ -161,7 +167,7 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
         rollout_graph=s.rollout_graph,
         loss=LossConfig(kl_coef=s.kl_coef),
         timeshare=timeshare,
-        timeshare_config=TimeshareConfig(switch_extra_bytes=extra),
+        timeshare_config=TimeshareConfig(switch_extra_bytes=extra, evict=s.evict, headroom_bytes=s.headroom_mib << 20),
         prefetch=s.prefetch and timeshare,
         seed=s.seed,
     )

@@ -125,7 +125,28 @@ def choose_levers(
     settings = dataclasses.replace(base, **chosen)
     if rec.fits and "micro_batch" not in fixed:
         settings = dataclasses.replace(settings, micro_batch=_largest_micro_batch(settings, rec))
+    if rec.fits and not {"evict", "optimizer", "optimizer_residency"} & set(fixed):
+        settings = _keep_resident_if_all_fits(settings, rec)
     return settings, rec
+
+
+def _keep_resident_if_all_fits(s: Any, rec: Recommendation) -> Any:
+    """When every role fits at once (AdamW with its state on the GPU, the plan's all-resident
+    peak within what ``rec`` had usable, at ``s``'s micro-batch), the settings that keep them
+    resident: the timeshare evicts only as needed (``TimeshareConfig(evict="as_needed")``) with
+    the largest transient need of a phase as headroom, and AdamW's state stays with the
+    training role. Nothing then moves between phases. Otherwise ``s`` unchanged. LoRA and
+    CPU Adam are left as they are (the planner chose them for a reason, or the user did)."""
+    if s.optimizer != "adamw" or s.lora_rank:
+        return s
+    resident = dataclasses.replace(s, optimizer_residency="role")
+    plan = build_plan(dataclasses.replace(plan_config(resident), timeshare=False))
+    host_ok = rec.host_usable_bytes is None or plan.node_host_bytes <= rec.host_usable_bytes
+    if plan.all_resident_peak_bytes + plan.config.cuda_context_bytes > rec.usable_bytes or not host_ok:
+        return s
+    headroom = max(p.transient_bytes for p in plan.all_resident.values())
+    # A headroom the user gave (--headroom-mib) stays.
+    return dataclasses.replace(resident, evict="as_needed", headroom_mib=s.headroom_mib or -(-headroom // (1 << 20)))
 
 
 def _largest_micro_batch(s: Any, rec: Recommendation) -> int:

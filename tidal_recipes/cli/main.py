@@ -21,6 +21,7 @@ config that cannot be read); 3 skipped because the device or host has no room fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Callable, Sequence
@@ -222,6 +223,20 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--full-overlap", action="store_true", help="let switches hold both roles' state at once (fastest, higher peak)"
     )
+    p.add_argument(
+        "--evict",
+        choices=("others", "as_needed"),
+        default=None,
+        help="which roles a switch moves out: every other one (others), or only as many as the incoming "
+        "role needs from free memory, less --headroom-mib (as_needed; on a GPU the planner picks it, with "
+        "AdamW's state kept with the training role, when every role fits at once)",
+    )
+    p.add_argument(
+        "--headroom-mib",
+        type=nonneg_int,
+        default=None,
+        help="with --evict as_needed: device memory the phases need beside the roles (activations)",
+    )
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument(
         "--roles",
@@ -276,6 +291,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             baseline_steps=args.baseline_steps,
             seed=args.seed,
             switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
+            evict=args.evict or "others",
+            headroom_mib=args.headroom_mib or 0,
             out_dir=args.out,
             roles=args.roles,
         )
@@ -293,12 +310,19 @@ def _run_demo(args: argparse.Namespace) -> int:
                 ("optim_state_dtype", args.optim_state_dtype),
                 ("grad_accumulation", args.grad_accumulation),
                 ("micro_batch", args.micro_batch),
+                ("evict", args.evict),
             )
             if value is not None
         )
         settings = _plan_levers(settings, fixed)
         if settings is None:
             return EXIT_USAGE
+    if args.headroom_mib is not None and settings.evict != "as_needed":
+        print(
+            f"tidal demo: warning: --headroom-mib {args.headroom_mib} is ignored: it is the room --evict "
+            f"as_needed leaves free, and switches here move every other role out",
+            file=sys.stderr,
+        )
     ignored = (
         [("--grad-accumulation", args.grad_accumulation), ("--optim-state-dtype", args.optim_state_dtype)]
         if settings.optimizer != "cpu_adam"
@@ -329,8 +353,9 @@ def _plan_levers(settings, fixed: tuple[str, ...]):
     from tidal.plan import build_plan  # noqa: PLC0415
     from tidal_recipes.cli.demo_plan import choose_levers, plan_config  # noqa: PLC0415
 
-    def plan_peak(settings) -> int:
-        return build_plan(plan_config(settings)).device_peak_bytes
+    def plan_peak(settings, *, resident: bool = False) -> int:
+        plan = build_plan(dataclasses.replace(plan_config(settings), timeshare=not resident))
+        return plan.device_peak_bytes
 
     _free, total = DeviceOps(settings.device).driver_free_bytes()
     chosen, rec = choose_levers(
@@ -367,6 +392,13 @@ def _plan_levers(settings, fixed: tuple[str, ...]):
         ),
         flush=True,
     )
+    if chosen.evict == "as_needed" and "evict" not in fixed:
+        print(
+            f"  -> every role fits at once ({plan_peak(chosen, resident=True) / 2**30:.2f} GiB peak with context, "
+            f"all resident): they stay resident, moved out only if memory runs short (evict as_needed, "
+            f"{chosen.headroom_mib} MiB headroom), AdamW's state with the training role",
+            flush=True,
+        )
     return chosen
 
 

@@ -21,8 +21,14 @@ def test_a_model_whose_optimizer_state_fits_gets_adamw_and_no_checkpointing():
     checkpointing, the old hard-coded default, would only slow it down)."""
     s, rec = choose_levers(_gpu_demo(), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB)
     assert rec.fits and rec.levers == []
-    assert (s.optimizer, s.optimizer_residency, s.grad_ckpt, s.optim_state_dtype) == ("adamw", "stream", False, "fp32")
+    assert (s.optimizer, s.grad_ckpt, s.optim_state_dtype) == ("adamw", False, "fp32")
     assert "Fits as configured" in rec.summary()[0]
+    # Every role fits at once: they stay resident (AdamW's state with the training role), the
+    # timeshare evicting only if memory runs short, with a phase's largest transient need as headroom.
+    assert (s.optimizer_residency, s.evict) == ("role", "as_needed")
+    resident = build_plan(dataclasses.replace(plan_config(s), timeshare=False))
+    assert resident.all_resident_peak_bytes + resident.config.cuda_context_bytes <= rec.usable_bytes
+    assert s.headroom_mib << 20 >= max(p.transient_bytes for p in resident.all_resident.values()) > 0
     # The micro-batch grows to the largest that fits with those settings: here the whole batch
     # of 1024 sequences in one forward and backward (its plan fits the GPU), unless the user set it.
     assert s.micro_batch == 1024 and build_plan(plan_config(s)).device_peak_bytes <= rec.usable_bytes
@@ -105,7 +111,8 @@ def test_the_cli_prints_the_levers_and_why_or_refuses_before_any_work(capsys, mo
     out = capsys.readouterr().out
     assert chosen.optimizer == "adamw" and chosen.micro_batch == 1024
     assert "levers from the planner for this GPU (80.0 GiB)" in out and "Fits as configured" in out
-    assert "-> optimizer adamw (state residency stream), gradient checkpointing off, micro-batch 1024" in out
+    assert "-> optimizer adamw (state residency role), gradient checkpointing off, micro-batch 1024" in out
+    assert "-> every role fits at once" in out and f"evict as_needed, {chosen.headroom_mib} MiB headroom" in out
     total[0] = 2 * GIB
     assert _plan_levers(_gpu_demo(preset="qwen2-7b"), ()) is None
     err = capsys.readouterr().err

@@ -180,3 +180,18 @@ def test_bad_configs_are_refused():
         GRPOTrainer(tiny_policy(vocab=8))
     with pytest.raises(ValueError, match="rollout_graph=True .* CUDA device"):
         GRPOTrainer(tiny_policy(), config=GRPOConfig(rollout_graph=True))
+
+
+def test_evict_as_needed_keeps_the_roles_resident_and_trains_the_same():
+    """TimeshareConfig(evict="as_needed") where every role fits (the CPU here): bit-exact against
+    the usual timeshare, and after the first step nothing moves between phases (AdamW's state
+    with the training role)."""
+    from tidal.timeshare import TimeshareConfig
+
+    a, ra = run(3, timeshare_config=TimeshareConfig(evict="as_needed"), optimizer_residency="role")
+    b, rb = run(3, optimizer_residency="role")
+    assert [r.stats for r in ra] == [r.stats for r in rb]
+    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
+        assert torch.equal(pa, pb), n
+    assert sum(ph["moved_bytes"] for ph in rb[-1].phases.values()) > 0
+    assert [ph["moved_bytes"] for r in ra[1:] for ph in r.phases.values()] == [0] * 2 * len(ra[0].phases)
