@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 
 import pytest
 import torch
@@ -231,7 +233,9 @@ def _as_needed(free_bytes: int, **cfg):
     from tidal.transfer.context import TransferContext
 
     ops = FakeAccelOps(free_bytes=free_bytes)
-    config = tidal.TimeshareConfig(evict="as_needed", **cfg)
+    # Staging buckets far smaller than a role, as they are beside a GPU role.
+    transfer = tidal.TransferConfig(bucket_bytes=4 << 10, small_tensor_bytes=1 << 10)
+    config = tidal.TimeshareConfig(evict="as_needed", transfer=transfer, **cfg)
     return tidal.Timeshare("cpu", context=TransferContext(ops), config=config), ops
 
 
@@ -243,7 +247,7 @@ def test_evict_as_needed_keeps_roles_while_the_device_has_room_and_then_the_leas
         ts.add_role(n, model=m)
     ts.offload_all()
     one = ts.role_bytes("a")
-    staging = ts.store.staging_bytes(2)
+    staging = ts.store.staging_bytes(2)  # a bucket in, one out
     with ts.use("a"):
         pass
     with ts.use("b"):
@@ -273,7 +277,7 @@ def test_evict_as_needed_leaves_the_headroom_free_and_still_obeys_a_budget():
     ts.add_role("b", model=b)
     ts.offload_all()
     one = ts.role_bytes("a")
-    staging = ts.store.staging_bytes(2)
+    staging = ts.store.staging_bytes(1)  # a bucket in
     with ts.use("a"):
         pass
     ops.free_bytes = one + staging + (1 << 20) - 1  # one byte short of the headroom beside b
@@ -294,6 +298,72 @@ def test_evict_as_needed_leaves_the_headroom_free_and_still_obeys_a_budget():
     capped.close()
     with pytest.raises(ValueError, match="evict must be"):
         tidal.TimeshareConfig(evict="lru")
+
+
+@pytest.mark.parametrize("evict", ["others", "as_needed"])
+def test_roles_sharing_every_storage_are_evicted_together(evict):
+    """Two roles on one module (a policy's rollout and training roles) free nothing one at a
+    time: making room for a third moves both out, under a budget or as memory needs."""
+    shared = nn.Linear(256, 256)
+    one = sum(p.numel() * p.element_size() for p in shared.parameters())
+    ts, ops = _as_needed(1 << 40, budget_bytes=one + 100 if evict == "others" else None)
+    ts.config = dataclasses.replace(ts.config, evict=evict)
+    ts.add_role("rollout", model=shared)
+    ts.add_role("train", model=shared)
+    ts.add_role("reference", model=nn.Linear(256, 256))
+    ts.offload_all()
+    with ts.use("rollout"):
+        pass
+    with ts.use("train"):
+        pass
+    ops.free_bytes = ts.store.staging_bytes(2) + one // 2  # the reference fits once the shared weights go
+    with ts.use("reference"):
+        assert ts.resident_roles == ["reference"]
+    ops.free_bytes = 1 << 40
+    ts.close()
+
+
+def test_evict_as_needed_counts_a_prefetched_role_once():
+    """A prefetch has allocated the incoming role already (the driver counts it as used): its
+    switch must not move another role out for it a second time."""
+    ts, ops = _as_needed(1 << 40)
+    for n in "abc":
+        ts.add_role(n, model=nn.Linear(256, 256))
+    ts.offload_all()
+    with ts.use("a"):
+        pass
+    with ts.use("b"):
+        pass
+    one = ts.role_bytes("c")
+    ops.free_bytes = ts.store.staging_bytes(2) + one + one // 2  # room for c beside a and b
+    with ts.use("b"):
+        rec = ts.prefetch("c")
+        assert rec.bytes_in == one
+    ops.free_bytes -= rec.bytes_in  # what the driver reports once they hold memory
+    with ts.use("c"):
+        assert sorted(ts.resident_roles) == ["a", "b", "c"]
+    ops.free_bytes = 1 << 40
+    ts.close()
+
+
+def test_stream_residency_settles_after_a_step_so_the_budget_does_not_count_its_state():
+    """After a streamed step the moments are all on the host: a reference loaded inside the
+    actor's use() block, after step(), fits a budget for both roles' weights."""
+    model, opt = make_trained()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ref = TinyLM()
+    ids = torch.randint(0, 64, (2, 9))
+    budget = 3 * weights + 4096  # actor weights and grads, the reference's weights
+    with tidal.Timeshare("cpu", config=tidal.TimeshareConfig(budget_bytes=budget)) as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="stream")
+        ts.add_role("reference", model=ref)
+        ts.offload_all()
+        with ts.use("actor"):
+            lm_loss(model, ids).backward()
+            opt.step()
+            assert not ts.role("actor").optim_unsettled
+            ts.load("reference")
+            assert sorted(ts.resident_roles) == ["actor", "reference"]
 
 
 # ---- misuse: a clear error and no state lost ------------------------------------------------

@@ -64,6 +64,7 @@ class StreamResidency(ResidencyPolicy):
         groups = role.take_hidden(opt)
         if groups is not None:
             restore_groups(opt, groups)  # the state went out chunk by chunk already
+            role.optimizer_settled()  # all of it on the host, where the budget does not count it
 
 
 _POLICIES = {p.name: p for p in (ResidencyPolicy(), StepResidency(), StreamResidency())}

@@ -77,15 +77,18 @@ class TimeshareConfig:
         budget_bytes: state bytes that may stay resident at once. ``None``: only the role
             being used is resident (every switch moves the others out), the usual setting for
             colocated RL roles. Optimizer state that ``"step"`` or ``"stream"`` residency keeps
-            on the host between steps does not count.
+            on the host between steps does not count; ``step()`` brings it in (whole, or a
+            chunk at a time) beside every role the budget keeps, so leave room for that.
         evict: which resident roles bringing a role in moves out. ``"others"``: all those the
             budget cannot keep (without a budget, all of them). ``"as_needed"``: only as many
-            (least recently used first) as the incoming role's bytes need, with
-            ``headroom_bytes`` left free, from the device's free memory now (and the budget,
-            if set): when the device has room, nothing moves. Set ``headroom_bytes`` to what
-            the phases need beside the roles (activations, KV cache), or a phase may run out
-            of memory where "others" would have made room.
-        headroom_bytes: device memory a reload must leave free (for activations, KV cache).
+            (least recently used first; roles sharing storages together) as the incoming role's
+            bytes need, with ``headroom_bytes`` and the copies' staging buckets left free, from
+            the device's free memory now (and the budget, if set): when the device has room,
+            nothing moves. Set ``headroom_bytes`` to what the phases need beside the roles
+            (activations, KV cache, and the optimizer state a "step"/"stream" ``step()`` brings
+            in), or a phase may run out of memory where "others" would have made room.
+        headroom_bytes: device memory a reload must leave free (for activations, KV cache);
+            with ``evict="as_needed"`` also what evictions make room for.
         switch_extra_bytes: caps how much a switch overlaps: while roles move out and in,
             their state never takes more than the larger side plus this many bytes (plus one
             staging bucket each way). ``None`` (default): as much as is free, the fastest. Set
@@ -447,7 +450,8 @@ class Timeshare:
           (without a budget every other resident role; with one, the least recently used ones
           it cannot keep) are copied to their host slots now, nothing released, so that switch
           releases those not written in between without a copy (one digest of their bytes on
-          the device decides, see :meth:`OffloadStore.write_back`). A role in use (the phase
+          the device decides, see :meth:`OffloadStore.write_back`). With ``evict="as_needed"``
+          they are those the free memory now cannot keep beside it. A role in use (the phase
           running now) is written back too: what it writes after this call is caught by the
           digest and copied by the switch.
 
@@ -731,11 +735,18 @@ class Timeshare:
                 keys.update((k, e.nbytes) for k, e in entries[r.name].items())
             return sum(keys.values())
 
-        coming = sum(e.nbytes for e in incoming.values() if self.store.is_offloaded(e.key))
+        # What must still come in: the incoming role's storages that are out, but those a
+        # prefetch has allocated already (the driver's reading counts them as used). A resident
+        # role brings nothing in (load() only makes room next to it).
+        prefetched = self.store.prefetched_keys()
+        coming = 0
+        if not role.resident:
+            coming = sum(e.nbytes for k, e in incoming.items() if self.store.is_offloaded(k) and k not in prefetched)
         free = 0
         if as_needed and coming:
             free = self.ops.driver_free_bytes()[0] + self.ops.cached_free_bytes() - self.config.headroom_bytes
-            free -= self.store.staging_bytes(2)
+            # Another role's prefetch is cancelled before the move: its memory counts as free.
+            free += sum(e.nbytes for e in self.store.offloaded_entries(sorted(prefetched - set(incoming))))
 
         def freed_by_evicting(roles: list[Role]) -> int:
             """Device bytes moving out with everything resident but ``roles`` and ``role``."""
@@ -751,25 +762,50 @@ class Timeshare:
 
         def short(roles: list[Role]) -> bool:
             over_budget = budget is not None and resident_bytes(roles) > budget
-            return over_budget or (as_needed and coming > free + freed_by_evicting(roles))
+            if over_budget or not as_needed or not coming:
+                return over_budget
+            # A staging bucket for the copies in, and one for those out if anything goes out.
+            staging = self.store.staging_bytes(1 + int(len(roles) < len(others)))
+            return coming > free - staging + freed_by_evicting(roles)
 
+        def gains(rest: list[Role]) -> bool:
+            return resident_bytes(rest) < resident_bytes(staying) or freed_by_evicting(rest) > freed_by_evicting(
+                staying
+            )
+
+        evictable = lambda r: not r.in_use or ignore_use  # noqa: E731
         evict: list[Role] = []
-        for r in list(staying):
-            if not short(staying):
-                break
-            if r.in_use and not ignore_use:
-                continue
-            rest = [x for x in staying if x is not r]
-            # evicting a role that frees nothing is pointless
-            if resident_bytes(rest) < resident_bytes(staying) or freed_by_evicting(rest) > freed_by_evicting(staying):
-                staying, evict = rest, evict + [r]
-        # Out of memory with every evictable role out: the move itself raises, naming the bytes.
+        changed = True
+        while changed and short(staying):
+            changed = False
+            for r in [x for x in staying if evictable(x)]:  # least recently used first
+                if not short(staying):
+                    break
+                rest = [x for x in staying if x is not r]
+                if not gains(rest):
+                    # It frees nothing alone (its storages are shared): with the evictable roles
+                    # sharing them, it may (a policy's rollout and training roles).
+                    group = {r.name} | {
+                        x.name for x in staying if evictable(x) and set(entries[x.name]) & set(entries[r.name])
+                    }
+                    rest = [x for x in staying if x.name not in group]
+                    if not gains(rest):
+                        continue  # evicting it frees nothing
+                evict += [x for x in staying if x not in rest]
+                staying, changed = rest, True
+        busy = [r.name for r in staying if r.in_use]
         if budget is not None and resident_bytes(staying) > budget and not ignore_use:
-            busy = [r.name for r in staying if r.in_use]
             raise RuntimeError(
                 f"role {role.name!r} does not fit in budget_bytes={budget} next to the roles in "
                 f"use {busy}; exit their use() blocks first or raise the budget"
             )
+        if as_needed and busy and short(staying) and not ignore_use:
+            raise RuntimeError(
+                f"role {role.name!r} ({format_bytes(coming)} to load) does not fit in the device's free memory "
+                f"({format_bytes(max(0, free))} less headroom_bytes={self.config.headroom_bytes}) next to the "
+                f"roles in use {busy}; exit their use() blocks first or lower headroom_bytes"
+            )
+        # Short with every evictable role out: the move itself raises, naming the bytes.
         return evict
 
     def _transition(

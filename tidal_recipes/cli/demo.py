@@ -55,7 +55,7 @@ class DemoSettings:
     baseline_optimizers: tuple[str, ...] = ("same", "adamw")
     switch_extra_mib: int | None = 256
     evict: str = "others"
-    headroom_mib: int = 0
+    headroom_mib: int | None = None  # None: 0, or on a GPU what the planner picks
     seed: int = 0
     out_dir: str = "tidal-demo"
     roles: str = "local"
@@ -63,7 +63,7 @@ class DemoSettings:
     def __post_init__(self) -> None:
         if self.evict not in ("others", "as_needed"):
             raise ValueError(f"evict must be 'others' or 'as_needed', got {self.evict!r}")
-        if self.headroom_mib < 0:
+        if self.headroom_mib is not None and self.headroom_mib < 0:
             raise ValueError(f"headroom_mib must be >= 0, got {self.headroom_mib}")
         if self.roles not in ROLE_PLACES:
             raise ValueError(f"roles must be one of {ROLE_PLACES}, got {self.roles!r}")
@@ -167,7 +167,9 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
         rollout_graph=s.rollout_graph,
         loss=LossConfig(kl_coef=s.kl_coef),
         timeshare=timeshare,
-        timeshare_config=TimeshareConfig(switch_extra_bytes=extra, evict=s.evict, headroom_bytes=s.headroom_mib << 20),
+        timeshare_config=TimeshareConfig(
+            switch_extra_bytes=extra, evict=s.evict, headroom_bytes=(s.headroom_mib or 0) << 20
+        ),
         prefetch=s.prefetch and timeshare,
         seed=s.seed,
     )

@@ -92,7 +92,7 @@ def choose_levers(
     with those levers: fewer, larger forwards and backwards, the same result up to
     summation order. When nothing fits, ``recommendation.fits`` is False and the settings
     are the planner's best attempt. Raises ``ValueError`` for an unknown name in ``fixed``."""
-    allowed = sorted(set(LEVER_SETTINGS.values()) | {"micro_batch"})
+    allowed = sorted(set(LEVER_SETTINGS.values()) | {"micro_batch", "evict"})
     unknown = sorted(set(fixed) - set(allowed))
     if unknown:
         raise ValueError(f"fixed names unknown settings {unknown}; the demo's planned settings are {allowed}")
@@ -140,13 +140,14 @@ def _keep_resident_if_all_fits(s: Any, rec: Recommendation) -> Any:
     if s.optimizer != "adamw" or s.lora_rank:
         return s
     resident = dataclasses.replace(s, optimizer_residency="role")
-    plan = build_plan(dataclasses.replace(plan_config(resident), timeshare=False))
+    plan = build_plan(plan_config(resident))  # the timeshare's host copies stay pinned all the same
     host_ok = rec.host_usable_bytes is None or plan.node_host_bytes <= rec.host_usable_bytes
     if plan.all_resident_peak_bytes + plan.config.cuda_context_bytes > rec.usable_bytes or not host_ok:
         return s
     headroom = max(p.transient_bytes for p in plan.all_resident.values())
-    # A headroom the user gave (--headroom-mib) stays.
-    return dataclasses.replace(resident, evict="as_needed", headroom_mib=s.headroom_mib or -(-headroom // (1 << 20)))
+    # A headroom the user gave (--headroom-mib, 0 included) stays.
+    mib = -(-headroom // (1 << 20)) if s.headroom_mib is None else s.headroom_mib
+    return dataclasses.replace(resident, evict="as_needed", headroom_mib=mib)
 
 
 def _largest_micro_batch(s: Any, rec: Recommendation) -> int:

@@ -235,7 +235,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "--headroom-mib",
         type=nonneg_int,
         default=None,
-        help="with --evict as_needed: device memory the phases need beside the roles (activations)",
+        help="device memory a reload leaves free for the phases (activations); with --evict as_needed also "
+        "what evictions make room for (default 0; on a GPU with as_needed chosen, the planner's largest "
+        "transient need of a phase)",
     )
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument(
@@ -292,7 +294,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             seed=args.seed,
             switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
             evict=args.evict or "others",
-            headroom_mib=args.headroom_mib or 0,
+            headroom_mib=args.headroom_mib,
             out_dir=args.out,
             roles=args.roles,
         )
@@ -317,12 +319,6 @@ def _run_demo(args: argparse.Namespace) -> int:
         settings = _plan_levers(settings, fixed)
         if settings is None:
             return EXIT_USAGE
-    if args.headroom_mib is not None and settings.evict != "as_needed":
-        print(
-            f"tidal demo: warning: --headroom-mib {args.headroom_mib} is ignored: it is the room --evict "
-            f"as_needed leaves free, and switches here move every other role out",
-            file=sys.stderr,
-        )
     ignored = (
         [("--grad-accumulation", args.grad_accumulation), ("--optim-state-dtype", args.optim_state_dtype)]
         if settings.optimizer != "cpu_adam"

@@ -113,6 +113,10 @@ def test_the_cli_prints_the_levers_and_why_or_refuses_before_any_work(capsys, mo
     assert "levers from the planner for this GPU (80.0 GiB)" in out and "Fits as configured" in out
     assert "-> optimizer adamw (state residency role), gradient checkpointing off, micro-batch 1024" in out
     assert "-> every role fits at once" in out and f"evict as_needed, {chosen.headroom_mib} MiB headroom" in out
+    # --evict given: the user's choice stays, and the planner leaves AdamW's state where it was.
+    mine = _plan_levers(_gpu_demo(evict="others"), ("evict",))
+    assert (mine.evict, mine.optimizer_residency) == ("others", "stream")
+    assert "every role fits at once" not in capsys.readouterr().out
     total[0] = 2 * GIB
     assert _plan_levers(_gpu_demo(preset="qwen2-7b"), ()) is None
     err = capsys.readouterr().err
