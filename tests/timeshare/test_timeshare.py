@@ -346,6 +346,39 @@ def test_evict_as_needed_counts_a_prefetched_role_once():
     ts.close()
 
 
+def test_evict_as_needed_counts_memory_still_handed_over_as_free():
+    """A load through a lease's hand-over waits for the memory the previous holder is still
+    giving back: no local role needs to go out for it."""
+    from tidal.state.handover import RoomSource
+
+    class Coming(RoomSource):
+        def __init__(self, n):
+            self.n = n
+
+        def pending_bytes(self):
+            return self.n
+
+        def wait(self):
+            if not self.n:
+                return False
+            ops.free_bytes += self.n  # it arrives
+            self.n = 0
+            return True
+
+    ts, ops = _as_needed(1 << 40)
+    for n in "ab":
+        ts.add_role(n, model=nn.Linear(256, 256))
+    ts.offload_all()
+    with ts.use("a"):
+        pass
+    one = ts.role_bytes("b")
+    ops.free_bytes = ts.store.staging_bytes(2)  # nothing free yet: all of b's room is still coming
+    ts.load("b", room_source=Coming(one))
+    assert sorted(ts.resident_roles) == ["a", "b"]
+    ops.free_bytes = 1 << 40
+    ts.close()
+
+
 def test_stream_residency_settles_after_a_step_so_the_budget_does_not_count_its_state():
     """After a streamed step the moments are all on the host: a reference loaded inside the
     actor's use() block, after step(), fits a budget for both roles' weights."""

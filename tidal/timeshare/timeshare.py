@@ -418,7 +418,7 @@ class Timeshare:
         self._check_not_in_backward("load")
         self._recover_if_interrupted()
         role = self.role(name)
-        evict = self._choose_evictions(role)
+        evict = self._choose_evictions(role, room_source=room_source)
         if role.resident and not evict:
             role.touched(self._tick())
             return None
@@ -708,9 +708,12 @@ class Timeshare:
                 keys.update(e.key for e in self._live(r) if not self.store.is_offloaded(e.key))
         return keys
 
-    def _choose_evictions(self, role: Role, *, ignore_use: bool = False) -> list[Role]:
+    def _choose_evictions(
+        self, role: Role, *, ignore_use: bool = False, room_source: RoomSource | None = None
+    ) -> list[Role]:
         """The resident roles that bringing ``role`` in moves out. ``ignore_use``: as if no
-        role were in use (what ``prefetch`` writes back ahead of the switch); no error then."""
+        role were in use (what ``prefetch`` writes back ahead of the switch); no error then.
+        ``room_source``: memory another process is still handing over counts as free."""
         others = [r for r in self._roles.values() if r.resident and r is not role]
         budget = self.config.budget_bytes
         as_needed = self.config.evict == "as_needed"
@@ -747,6 +750,8 @@ class Timeshare:
             free = self.ops.driver_free_bytes()[0] + self.ops.cached_free_bytes() - self.config.headroom_bytes
             # Another role's prefetch is cancelled before the move: its memory counts as free.
             free += sum(e.nbytes for e in self.store.offloaded_entries(sorted(prefetched - set(incoming))))
+            if room_source is not None:
+                free += room_source.pending_bytes()  # the load waits for it
 
         def freed_by_evicting(roles: list[Role]) -> int:
             """Device bytes moving out with everything resident but ``roles`` and ``role``."""
