@@ -1,0 +1,55 @@
+"""``TimeshareConfig(evict="as_needed")`` on a real GPU: evictions follow the driver's free
+memory. With room for two of three roles (the GPU filled around them), bringing the third in
+moves out exactly the least recently used one; with room for all, nothing moves; every byte
+comes back exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tidal
+from tests.helpers import assert_same_state, snapshot_state
+from tests.timeshare.test_timeshare_gpu import Blob
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MiB = 1 << 20
+
+
+def test_evict_as_needed_follows_the_drivers_free_memory():
+    roles = {n: Blob(big_mib=256, n_big=4, n_small=50).cuda() for n in "abc"}
+    before = {n: snapshot_state(m) for n, m in roles.items()}
+    headroom = 256 * MiB
+    ts = tidal.Timeshare("cuda", config=tidal.TimeshareConfig(evict="as_needed", headroom_bytes=headroom))
+    for n, m in roles.items():
+        ts.add_role(n, model=m)
+    ts.offload_all()
+    one = ts.role_bytes("a")
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    # Leave room for two roles, the headroom and the staging, not for a third.
+    keep = 2 * one + headroom + ts.store.staging_bytes(2) + one // 2
+    filler = torch.empty(free - keep, dtype=torch.uint8, device="cuda")
+    try:
+        with ts.use("a"):
+            pass
+        with ts.use("b"):
+            pass
+        assert sorted(ts.resident_roles) == ["a", "b"]  # the device had room: nothing moved out
+        with ts.use("c"):
+            assert sorted(ts.resident_roles) == ["b", "c"]  # a, least recently used, and only a
+        moves = [(r.kind, r.roles_out, r.role_in) for r in ts.records[1:]]
+        assert moves == [("reload", (), "a"), ("reload", (), "b"), ("switch", ("a",), "c")]
+        ts.offload_all()
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+    with ts.use("a"), ts.use("b"), ts.use("c"):
+        assert sorted(ts.resident_roles) == ["a", "b", "c"]  # room for all now
+    for n, m in roles.items():
+        assert_same_state(before[n], snapshot_state(m))
+    ts.close()
