@@ -323,17 +323,23 @@ def test_roles_sharing_every_storage_are_evicted_together(evict):
     ts.close()
 
 
+def _linear_roles(names: str, used: str):
+    """An as-needed timeshare on a fake accelerator with a Linear role per name, all offloaded,
+    then those in ``used`` brought in, in that order."""
+    ts, ops = _as_needed(1 << 40)
+    for n in names:
+        ts.add_role(n, model=nn.Linear(256, 256))
+    ts.offload_all()
+    for n in used:
+        with ts.use(n):
+            pass
+    return ts, ops
+
+
 def test_evict_as_needed_counts_a_prefetched_role_once():
     """A prefetch has allocated the incoming role already (the driver counts it as used): its
     switch must not move another role out for it a second time."""
-    ts, ops = _as_needed(1 << 40)
-    for n in "abc":
-        ts.add_role(n, model=nn.Linear(256, 256))
-    ts.offload_all()
-    with ts.use("a"):
-        pass
-    with ts.use("b"):
-        pass
+    ts, ops = _linear_roles("abc", used="ab")
     one = ts.role_bytes("c")
     ops.free_bytes = ts.store.staging_bytes(2) + one + one // 2  # room for c beside a and b
     with ts.use("b"):
@@ -365,12 +371,7 @@ def test_evict_as_needed_counts_memory_still_handed_over_as_free():
             self.n = 0
             return True
 
-    ts, ops = _as_needed(1 << 40)
-    for n in "ab":
-        ts.add_role(n, model=nn.Linear(256, 256))
-    ts.offload_all()
-    with ts.use("a"):
-        pass
+    ts, ops = _linear_roles("ab", used="a")
     one = ts.role_bytes("b")
     ops.free_bytes = ts.store.staging_bytes(2)  # nothing free yet: all of b's room is still coming
     ts.load("b", room_source=Coming(one))
