@@ -30,9 +30,9 @@ class Recording(ResizeBackend):
         self.calls.append(("release", storage.nbytes()))
         super().release(storage)
 
-    def settle(self):
+    def settle(self, **kw):
         self.calls.append(("settle", 0))
-        return super().settle()
+        return super().settle(**kw)
 
 
 def test_every_release_and_restore_goes_through_the_backend():

@@ -64,7 +64,7 @@ class PoolBackend(ResizeBackend):
         self.log.append(("release", storage.nbytes()))
         super().release(storage)
 
-    def settle(self) -> int:
+    def settle(self, *, final: bool = True) -> int:
         given, self.pending = self.pending, 0
         with self.pool.lock:
             self.pool.free += given
@@ -159,7 +159,7 @@ def test_the_next_chunks_copies_are_queued_before_a_chunk_is_given_back():
     store.engine.copy_out = lambda seg: (order.append(("copy", seg.nbytes)), copy_out(seg))[1]
     backend = store.backend
     settle, release = backend.settle, backend.release
-    backend.settle = lambda: (order.append(("settle", 0)), settle())[1]
+    backend.settle = lambda **kw: (order.append(("settle", 0)), settle(**kw))[1]
     backend.release = lambda st: (order.append(("release", st.nbytes())), release(st))[1]
     store.offload(entries, on_released=lambda r, t: None, release_chunk_bytes=4 * KiB)
     settles = [i for i, (k, _) in enumerate(order) if k == "settle"]

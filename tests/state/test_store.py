@@ -719,9 +719,9 @@ def test_an_offload_of_frozen_storages_only_still_returns_memory_to_the_driver()
     settled = []
 
     class Counting(ResizeBackend):
-        def settle(self):
+        def settle(self, **kw):
             settled.append(True)
-            return super().settle()
+            return super().settle(**kw)
 
     store = OffloadStore(ops, TransferConfig(), backend=Counting(ops, coalesce=False, release_to_driver=True))
     t = torch.randn(1000)

@@ -31,7 +31,7 @@ def _in_region(model: nn.Module, tag, drv) -> None:
             p.data = view
 
 
-def _setup(guard: bool = True):
+def _setup(guard: bool = True, **cfg):
     drv = FakeDriver(total_bytes=256 << 20, granularity=G)
     ctx = TransferContext(FakeAccelOps())
     region = Region("r", driver=drv, context=ctx, guard_released=guard, reserve_bytes=1 << 20)
@@ -40,7 +40,7 @@ def _setup(guard: bool = True):
     a = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
     _in_region(a, tag, drv)
     b = nn.Linear(48, 48)  # an ordinary role beside it
-    ts = Timeshare("cpu", context=ctx, config=TimeshareConfig(min_offload_bytes=0))
+    ts = Timeshare("cpu", context=ctx, config=TimeshareConfig(min_offload_bytes=0, **cfg))
     ts.add_role("a", model=a, region=tag)
     ts.add_role("b", model=b)
     return ts, region, tag, drv, a, b
@@ -131,3 +131,23 @@ def test_faults_in_region_role_switches_lose_nothing():
             assert all(torch.equal(v, ref[k]) for k, v in a.state_dict().items()), fired
 
     assert len(sweep(make, act, check)) >= 6
+
+
+def test_a_region_role_handed_over_in_chunks_comes_back_exact():
+    """An offload in hand-over chunks settles after every chunk; a region tag must not be
+    unmapped then while some of its storages are still to be copied out (the copies would read
+    the scratch behind the released addresses and the host copies would be garbage)."""
+    from tidal.transfer import TransferConfig
+
+    small = TransferConfig(bucket_bytes=2048, small_tensor_bytes=512)  # several copies, several chunks
+    ts, region, tag, drv, a, b = _setup(handover_chunk_bytes=4096, transfer=small)
+    ref = {k: v.clone() for k, v in a.state_dict().items()}
+    ptrs = [p.data_ptr() for p in a.parameters()]
+    ts.load("a")
+    reports = []
+    ts.offload_all(on_released=lambda returned, total: reports.append((returned, total)))
+    assert len(reports) >= 3 and not tag.resident and region.mapped_bytes() == 0
+    assert reports[-1][0] > 0  # the tag's memory went back, at the end
+    ts.load("a")
+    assert [p.data_ptr() for p in a.parameters()] == ptrs
+    assert all(torch.equal(v, ref[k]) for k, v in a.state_dict().items())

@@ -8,7 +8,7 @@ host, and how it comes back before they return. Protocol::
         def reserve(self, items: Sequence[tuple[UntypedStorage, int]]) -> None: ...  # about to restore these (a hint)
         def restore(self, storage, nbytes: int) -> None: ...     # give the storage its memory back
         def release(self, storage) -> None: ...                   # take its memory away
-        def settle(self) -> int: ...                              # after a release: where the memory goes;
+        def settle(self, *, final=True) -> int: ...               # after a release: where the memory goes;
                                                                   # returns the bytes given back to the driver
 
 :class:`ResizeBackend` (the default, no native code) resizes the storage itself, as FSDP does:
@@ -95,10 +95,12 @@ class ResidencyBackend(Protocol):
 
     def release(self, storage: torch.UntypedStorage) -> None: ...
 
-    def settle(self) -> int:
+    def settle(self, *, final: bool = True) -> int:
         """Put the memory of the storages released since the last settle where it goes;
         return how many bytes this process gave back to the driver doing so (0 when it keeps
-        them), which a cross-process hand-over passes on to the next holder as credit."""
+        them), which a cross-process hand-over passes on to the next holder as credit.
+        ``final=False``: the offload is still under way (a hand-over settles after every
+        chunk), so memory shared with storages not yet copied out must stay."""
         ...
 
 
@@ -145,7 +147,8 @@ class ResizeBackend:
     def release(self, storage: torch.UntypedStorage) -> None:
         storage.resize_(0)
 
-    def settle(self) -> int:
+    def settle(self, *, final: bool = True) -> int:
+        # Whole free segments only: a segment a storage still copying out lies in stays.
         if not self.release_to_driver:
             return 0
         before = self.ops.reserved_bytes()
@@ -243,7 +246,10 @@ class RegionBackend:
         del self._released[storage._cdata]
         _IN_PLACE_COUNT[0] -= 1
 
-    def settle(self) -> int:
+    def settle(self, *, final: bool = True) -> int:
+        if not final:
+            # A tag goes back whole: not while storages of it may still be copying out.
+            return self.fallback.settle(final=False)
         given = 0
         for tag in list(self._pending):
             released = sorted((e[1], e[2]) for e in self._released.values() if e[0] is tag)

@@ -693,13 +693,14 @@ class OffloadStore:
                 queue(chunk)
             # What the allocator held besides the state (a phase's cached activations) goes
             # first, announced with the rest: the next holder then counts on all of it.
-            returned = self.backend.settle()
+            returned = self.backend.settle(final=False)
             total_bytes += returned
             for g in range(max(1, len(chunks))):
                 while freed < (ends[g] if chunks else 0):
                     self._free_segment(queued[freed], events[freed], _event(digests, freed))
                     freed += 1
-                returned += self.backend.settle()  # waits for chunk g + 1's copies too (a device sync)
+                # Waits for chunk g + 1's copies too (a device sync).
+                returned += self.backend.settle(final=g == len(chunks) - 1)
                 if g + 2 < len(chunks):
                     queue(chunks[g + 2])  # before the report: the copy engine idles only while memory is freed
                 ops.point("offload_chunk_returned")
