@@ -659,7 +659,7 @@ class OffloadStore:
         ``g + 1`` is queued before chunk ``g`` is settled (its copies run meanwhile, so chunk
         ``g``'s memory comes back once chunk ``g + 1`` is copied too), and chunk ``g + 2`` right
         after, before the report. Memory this process's allocator held beyond the state
-        (cached activations) goes back first, counted in the total. Same atomicity as
+        (cached activations) goes back first, reported at once and counted in the total. Same atomicity as
         :meth:`_move`: a storage is tracked once its copy has completed, then released."""
         engine, ops, verify = self.engine, self.ops, self.config.verify
         segs = engine.plan(self._items(out_todo))
@@ -689,18 +689,22 @@ class OffloadStore:
                 digests.extend(self._digest_segments(chunk, None, verify))
 
         try:
-            for chunk in chunks[:2]:
-                queue(chunk)
             # What the allocator held besides the state (a phase's cached activations) goes
-            # first, announced with the rest: the next holder then counts on all of it.
+            # first, before any copy is queued (its device sync waits only for the compute
+            # queued now), announced with the rest: the next holder can start on it at once.
             returned = self.backend.settle(final=False)
             total_bytes += returned
-            for g in range(max(1, len(chunks))):
+            if returned:
+                on_released(returned, total_bytes)
+            for chunk in chunks[:2]:
+                queue(chunk)
+            last = max(1, len(chunks)) - 1
+            for g in range(last + 1):
                 while freed < (ends[g] if chunks else 0):
                     self._free_segment(queued[freed], events[freed], _event(digests, freed))
                     freed += 1
                 # Waits for chunk g + 1's copies too (a device sync).
-                returned += self.backend.settle(final=g == len(chunks) - 1)
+                returned += self.backend.settle(final=g == last)
                 if g + 2 < len(chunks):
                     queue(chunks[g + 2])  # before the report: the copy engine idles only while memory is freed
                 ops.point("offload_chunk_returned")
