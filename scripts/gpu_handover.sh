@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU pass for the overlapped cross-process hand-over (issue 16, item 3); logs go to $OUT.
 #   bash scripts/gpu_handover.sh [tests] [bench]   (default: tests bench)
-# tests: the lease's GPU tests (sequential and overlapped hand-overs between two processes).
+# tests: the lease's GPU tests (sequential and overlapped hand-overs between two processes) and
+# evict="as_needed" against the driver's free memory.
 # bench: bench_lease.py --overlap at two role sizes (about 3.8 GB and 12 GB moved per
 # hand-over), sequential and overlapped side by side with the in-process switch; rows go to
 # $OUT/RESULTS.md (a copy of benchmarks/RESULTS.md).
@@ -13,7 +14,8 @@ for part in ${*:-tests bench}; do
   t0=$(date +%s)
   case $part in
     tests) timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TESTS:-tests/distributed/test_lease_gpu.py \
-             tests/distributed/test_lease_overlap_gpu.py} --durations=5 -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 || status=1
+             tests/distributed/test_lease_overlap_gpu.py tests/timeshare/test_evict_gpu.py} --durations=5 \
+             -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 || status=1
            tail -12 "$OUT/gpu_tests.log" ;;
     bench) cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
            for gb in ${ROLE_GB:-2 6}; do
