@@ -52,8 +52,8 @@ def _args(out, **kw):
     return TrainingArguments(**base)
 
 
-def _train(out, tidal=None, resume=None, **kw):
-    model = _model()
+def _train(out, tidal=None, resume=None, wrap=None, **kw):
+    model = _model() if wrap is None else wrap(_model())
     extra = {"tidal": tidal} if tidal is not None else {}
     cls = TidalTrainer if tidal is not None else Trainer
     trainer = cls(model=model, args=_args(out, **kw), train_dataset=_data(), **extra)
@@ -74,6 +74,25 @@ def test_activation_offload_is_bit_identical_and_really_offloads(tmp_path):
     ours = _train(tmp_path / "ours", TidalTrainerConfig(activation_offload=True, activation_min_offload_bytes=0))
     assert _logs(ours) == _logs(plain) and len(_logs(ours)) == 4
     want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    off = TransferContext.of("cpu").owner_of(ours.model)
+    assert off is not None and off.report().bytes_offloaded > 0
+
+
+def test_a_peft_model_finds_its_blocks_and_stays_bit_identical(tmp_path):
+    """activation_layers="auto" looks inside the PeftModel (its base model's blocks, with the
+    LoRA layers in them)."""
+    peft = pytest.importorskip("peft")
+
+    def lora(model):
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+    plain = _train(tmp_path / "plain", wrap=lora)
+    cfg = TidalTrainerConfig(activation_offload=True, activation_min_offload_bytes=0)
+    ours = _train(tmp_path / "ours", cfg, wrap=lora)
+    assert _logs(ours) == _logs(plain) and len(_logs(ours)) == 4
+    want, got = _weights(plain), _weights(ours)
+    assert any("lora_" in k for k in want)
     assert all(torch.equal(want[k], got[k]) for k in want)
     off = TransferContext.of("cpu").owner_of(ours.model)
     assert off is not None and off.report().bytes_offloaded > 0

@@ -67,8 +67,10 @@ def _data():
     return datasets.Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(16)]})
 
 
-def _run(cls, tiny, out, *, model=None, optimizers=(None, None), tidal_config=None, **kw):
+def _run(cls, tiny, out, *, model=None, optimizers=(None, None), tidal_config=None, peft_config=None, **kw):
     extra = {"tidal": tidal_config} if tidal_config is not None else {}
+    if peft_config is not None:
+        extra["peft_config"] = peft_config
     trainer = cls(
         model=model if model is not None else tiny,
         reward_funcs=reward_sevens,
@@ -146,7 +148,7 @@ def test_a_budget_for_both_keeps_the_policy_in_while_the_reference_scores(tiny, 
 
 
 def test_prefetch_without_a_reference_is_ignored_with_a_warning(tiny, tmp_path):
-    with pytest.warns(UserWarning, match=r"prefetch=True\) is ignored: with beta=0"):
+    with pytest.warns(UserWarning, match=r"prefetch=True\) is ignored: TRL built no reference model \(beta=0"):
         trainer = TidalGRPOTrainer(
             model=tiny,
             reward_funcs=reward_sevens,
@@ -205,6 +207,29 @@ def test_gradient_accumulation_and_activation_offload_stay_bit_identical(tiny, t
     assert all(torch.equal(want[k], got[k]) for k in want)
     policy = ours.accelerator.unwrap_model(ours.model)
     assert tidal.TransferContext.of("cpu").owner_of(policy).report().bytes_offloaded > 0
+
+
+def test_a_lora_policy_is_bit_identical_with_its_activations_offloaded(tiny, tmp_path):
+    """PEFT: TRL scores the reference with the policy's adapters disabled (no second model, so
+    no reference role); the adapters' optimizer state and the loss's activations still move,
+    found inside the PeftModel's base model."""
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain", peft_config=lora())
+    cfg = TidalConfig(activation_offload=True, activation_min_offload_bytes=0)
+    ours = _run(TidalGRPOTrainer, tiny, tmp_path / "ours", peft_config=lora(), tidal_config=cfg)
+    assert "reference" not in ours.timeshare.roles
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert any("lora_" in k for k in want)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    policy = ours.accelerator.unwrap_model(ours.model)
+    assert tidal.TransferContext.of("cpu").owner_of(policy).report().bytes_offloaded > 0
+    # the adapters' optimizer state went out between steps (step residency)
+    assert any(r.bytes_out > 0 for r in ours.timeshare.records)
 
 
 def test_cpu_adam_as_the_optimizer_matches_adamw(tiny, tmp_path):

@@ -142,14 +142,32 @@ class TidalTrainer(CPUAdamClipping, Trainer):
 
 
 def find_layers(model: torch.nn.Module, path: str) -> torch.nn.ModuleList:
-    """The model's transformer blocks, by dotted path or by the usual names."""
+    """The model's transformer blocks, by dotted path or (``"auto"``) by the usual names, also
+    inside a PEFT model (``get_base_model()``) or a wrapper that holds the model as ``.module``.
+
+    Raises:
+        ValueError: nothing at ``path`` (or at any of the usual names) is a non-empty
+            ``ModuleList``; the message lists where it looked.
+    """
     paths = ("model.layers", "transformer.h", "layers", "model.decoder.layers") if path == "auto" else (path,)
-    for p in paths:
-        with contextlib.suppress(AttributeError):
-            found = operator.attrgetter(p)(model)
-            if isinstance(found, torch.nn.ModuleList) and len(found) > 0:
-                return found
+    models = [model]
+    if path == "auto":
+        # PEFT's PeftModel keeps the transformer under base_model.model; get_base_model()
+        # returns it (the LoRA layers are inside its blocks, so the blocks are the same).
+        for _ in range(4):
+            inner = models[-1]
+            getter = getattr(inner, "get_base_model", None)
+            inner = getter() if callable(getter) else getattr(inner, "module", None)
+            if not isinstance(inner, torch.nn.Module) or inner is models[-1]:
+                break
+            models.append(inner)
+    for m in models:
+        for p in paths:
+            with contextlib.suppress(AttributeError):
+                found = operator.attrgetter(p)(m)
+                if isinstance(found, torch.nn.ModuleList) and len(found) > 0:
+                    return found
     raise ValueError(
-        f"TidalTrainerConfig(activation_offload=True): no list of transformer blocks found in "
-        f"{type(model).__name__} at {', '.join(paths)}; pass activation_layers='<dotted path to the ModuleList>'"
+        f"activation_offload=True: no list of transformer blocks found in {type(model).__name__} at "
+        f"{', '.join(paths)}; pass activation_layers='<dotted path to the ModuleList>'"
     )

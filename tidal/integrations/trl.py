@@ -37,11 +37,15 @@ What it does, on the trainer's one device:
 Results do not change: the moves are pure data movement, bit-exact (tested against the same
 TRL run without tidal).
 
+A PEFT policy (``peft_config=``) works as in TRL: its reference is the policy itself with
+the adapters disabled, so there is no reference role and nothing takes turns; the adapters'
+optimizer state still leaves the device between steps, and activation offload finds the
+transformer blocks inside the ``PeftModel``.
+
 Refused, before any work (``ValueError`` naming the setting): DeepSpeed or FSDP through
 accelerate (tidal's own adapters move those states; use ``tidal.distributed``), vLLM
-generation (its engine holds its own copy of the weights and its own memory pool), PEFT
-(the reference is the adapter-disabled policy itself, so there is no second model to
-offload), more than one process, and ``torch_compile=True``.
+generation (its engine holds its own copy of the weights and its own memory pool), more than
+one process, and ``torch_compile=True``.
 """
 
 from __future__ import annotations
@@ -122,8 +126,9 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
             self.timeshare.offload("reference")  # the policy computes first (generation)
         elif self.tidal_config.prefetch:
             warnings.warn(
-                "TidalConfig(prefetch=True) is ignored: with beta=0 TRL builds no reference model, so the "
-                "policy is the only role and nothing takes turns with it",
+                "TidalConfig(prefetch=True) is ignored: TRL built no reference model (beta=0, or a PEFT policy "
+                "whose reference is itself with the adapters disabled), so the policy is the only role and "
+                "nothing takes turns with it",
                 stacklevel=2,
             )
         self._tidal_logged = 0  # transitions already reported in a log line
