@@ -209,6 +209,31 @@ def test_gradient_accumulation_and_activation_offload_stay_bit_identical(tiny, t
     assert tidal.TransferContext.of("cpu").owner_of(policy).report().bytes_offloaded > 0
 
 
+@pytest.mark.parametrize("mode", ["out", "prefetch", "budget"])
+def test_sync_ref_model_mixes_the_policy_into_the_reference_where_it_is(tiny, tmp_path, mode):
+    """TRL's SyncRefModelCallback writes the reference's .data in place after a step, while the
+    reference is out on the host (a null-pointer write without tidal's own sync: a segfault).
+    "budget": room for both, so the reference stays on the device and is mixed there."""
+    kw = dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, max_steps=3)
+    start = AutoModelForCausalLM.from_pretrained(tiny)
+    weights = sum(p.numel() * p.element_size() for p in start.parameters())
+    cfg = {
+        "out": TidalConfig(),
+        "prefetch": TidalConfig(prefetch=True),
+        "budget": TidalConfig(timeshare=tidal.TimeshareConfig(budget_bytes=3 * weights + (64 << 10))),
+    }[mode]
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain", **kw)
+    ours = _run(TidalGRPOTrainer, tiny, tmp_path / "ours", tidal_config=cfg, **kw)
+    assert ours.timeshare.is_resident("reference") == (mode == "budget")
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    ref_want, ref_got = plain.ref_model.state_dict(), ours.ref_model.state_dict()
+    assert all(torch.equal(ref_want[k], ref_got[k]) for k in ref_want)
+    # the mix changed the reference (it is not the initial model any more)
+    assert any(not torch.equal(v, ref_got[k]) for k, v in start.state_dict().items())
+
+
 def test_a_lora_policy_is_bit_identical_with_its_activations_offloaded(tiny, tmp_path):
     """PEFT: TRL scores the reference with the policy's adapters disabled (no second model, so
     no reference role); the adapters' optimizer state and the loss's activations still move,

@@ -16,7 +16,10 @@ What it does, on the trainer's one device:
   only while it scores, the policy only while it generates, computes the loss and steps. Each
   hand-over is one overlapped switch at PCIe line rate. The reference is a frozen role: after
   its first trip out, it goes out without a copy (only its reload moves bytes), unless
-  ``sync_ref_model=True`` makes TRL write it.
+  ``sync_ref_model=True`` makes TRL write it. That mix (TRL's ``SyncRefModelCallback``, which
+  would write the offloaded tensors through null pointers) is replaced by one that computes the
+  same values with the same device ops where each tensor is: on the device if resident, else
+  one tensor at a time into its host copy.
 * The policy's optimizer state stays on the host except inside ``optimizer.step()`` (step
   residency; ``TidalConfig.optimizer_residency``), so generation, reference scoring and the
   loss's forward/backward never hold it. A :class:`tidal.CPUAdam` passed as
@@ -55,10 +58,13 @@ import warnings
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
+from trl.trainer.callbacks import SyncRefModelCallback
 
 from tidal.activations import offload_activations
 from tidal.integrations.hf import CPUAdamClipping, find_layers
+from tidal.state.foreign import moved_out
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.timeshare.role import OptimizerResidency
 
@@ -124,6 +130,13 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
             frozen = not getattr(self.args, "sync_ref_model", False)
             self.timeshare.add_role("reference", model=self.ref_model, grads="drop", frozen=frozen)
             self.timeshare.offload("reference")  # the policy computes first (generation)
+            if not frozen:
+                # TRL's SyncRefModelCallback writes the reference's .data in place, which is
+                # out on the host between its turns: ours writes the same values where they are.
+                for cb in list(self.callback_handler.callbacks):
+                    if isinstance(cb, SyncRefModelCallback):
+                        self.callback_handler.remove_callback(cb)
+                self.add_callback(_SyncReference(self))
         elif self.tidal_config.prefetch:
             warnings.warn(
                 "TidalConfig(prefetch=True) is ignored: TRL built no reference model (beta=0, or a PEFT policy "
@@ -207,6 +220,24 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
             ):
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
+    def _sync_reference(self, alpha: float) -> None:
+        """Mix the policy into the reference (see :class:`_SyncReference`)."""
+        store, device = self.timeshare.store, self.timeshare.device
+        policy = self.accelerator.unwrap_model(self.model)
+        with torch.no_grad():
+            for target, source in zip(self.ref_model.parameters(), policy.parameters(), strict=True):
+                src = source.data
+                if moved_out(src):
+                    src = store.host_tensor(src).to(device)
+                if not moved_out(target.data):
+                    target.data.mul_(1.0 - alpha).add_(src, alpha=alpha)
+                    continue
+                host = store.host_tensor(target.data)
+                assert host is not None, "an emptied reference tensor that the timeshare does not hold"
+                mixed = host.to(device, copy=True)
+                mixed.mul_(1.0 - alpha).add_(src, alpha=alpha)
+                host.copy_(mixed)
+
     # ---- logging ------------------------------------------------------------------------------
     def _mark_phase(self, phase: str | None) -> None:
         """Attribute the device's peak since the last mark to the phase that was running."""
@@ -285,6 +316,23 @@ class _Phase:
         self.trainer._tidal_depth -= 1
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
+
+
+class _SyncReference(TrainerCallback):
+    """``sync_ref_model=True``: every ``ref_model_sync_steps`` steps the reference becomes
+    ``(1 - alpha) * reference + alpha * policy``, as TRL's ``SyncRefModelCallback`` computes it
+    (the same in-place ops on the device, so the same bits), wherever each tensor is: a
+    reference tensor that is out is brought to the device one at a time, mixed there and
+    written back into its host copy (the next reload brings the mix in); a policy tensor that
+    is out is read from its host copy. Memory cost: on the device, one reference tensor (and
+    one policy tensor, if out) at a time."""
+
+    def __init__(self, trainer: "TidalGRPOTrainer") -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step % args.ref_model_sync_steps == 0:
+            self.trainer._sync_reference(args.ref_model_mixup_alpha)
 
 
 def _own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
