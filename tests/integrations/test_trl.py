@@ -43,6 +43,20 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tiny_reward(tmp_path_factory, tiny):
+    """A saved tiny sequence-classification model (a reward model TRL loads from a path)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_reward")
+    cfg = Qwen2Config.from_pretrained(tiny)
+    cfg.num_labels = 1
+    torch.manual_seed(1)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(path)
+    return str(path)
+
+
 def _args(out, **kw):
     base = dict(
         output_dir=str(out),
@@ -67,13 +81,15 @@ def _data():
     return datasets.Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(16)]})
 
 
-def _run(cls, tiny, out, *, model=None, optimizers=(None, None), tidal_config=None, peft_config=None, **kw):
+def _run(
+    cls, tiny, out, *, model=None, optimizers=(None, None), tidal_config=None, peft_config=None, rewards=None, **kw
+):
     extra = {"tidal": tidal_config} if tidal_config is not None else {}
     if peft_config is not None:
         extra["peft_config"] = peft_config
     trainer = cls(
         model=model if model is not None else tiny,
-        reward_funcs=reward_sevens,
+        reward_funcs=rewards if rewards is not None else reward_sevens,
         args=_args(out, **kw),
         train_dataset=_data(),
         optimizers=optimizers,
@@ -232,6 +248,29 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_where_it_is(tiny, tm
     assert all(torch.equal(ref_want[k], ref_got[k]) for k in ref_want)
     # the mix changed the reference (it is not the initial model any more)
     assert any(not torch.equal(v, ref_got[k]) for k, v in start.state_dict().items())
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_reward_model_takes_its_turn_too(tiny, tiny_reward, tmp_path, prefetch):
+    """reward_funcs with a model (TRL loads it from a path): a frozen third role, on the device
+    only while TRL scores the completions; the same run as TRL alone."""
+    rewards = [reward_sevens, tiny_reward]
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain", rewards=rewards)
+    ours = _run(TidalGRPOTrainer, tiny, tmp_path / "ours", rewards=rewards, tidal_config=TidalConfig(prefetch=prefetch))
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    ts = ours.timeshare
+    assert sorted(ts.roles) == ["policy", "reference", "reward"] and not ts.is_resident("reward")
+    came_in = [r for r in ts.records if r.role_in == "reward" and r.kind == "switch"]
+    assert len(came_in) == 3  # once per step (max_steps=3), for its scoring only
+    if prefetch:  # all of it arrived behind the reference's scoring: the switch moved nothing
+        assert all(r.bytes_prefetched > 0 and r.bytes_in == 0 for r in came_in)
+    else:
+        assert all(r.bytes_in > 0 and r.bytes_prefetched == 0 for r in came_in)
+    # frozen: after its first trip out, it goes out without a copy
+    out = [r for r in ts.records if "reward" in r.roles_out]
+    assert out and all(r.bytes_out == 0 for r in out[1:])
 
 
 def test_a_lora_policy_is_bit_identical_with_its_activations_offloaded(tiny, tmp_path):

@@ -20,6 +20,8 @@ What it does, on the trainer's one device:
   would write the offloaded tensors through null pointers) is replaced by one that computes the
   same values with the same device ops where each tensor is: on the device if resident, else
   one tensor at a time into its host copy.
+* Reward models (``reward_funcs`` given as a model or a path) are one more frozen role, on the
+  device only while TRL scores the completions with them (after the reference).
 * The policy's optimizer state stays on the host except inside ``optimizer.step()`` (step
   residency; ``TidalConfig.optimizer_residency``), so generation, reference scoring and the
   loss's forward/backward never hold it. A :class:`tidal.CPUAdam` passed as
@@ -31,8 +33,8 @@ What it does, on the trainer's one device:
   ``tidal/transitions``, ``tidal/moved_gb``, ``tidal/transition_s``, ``tidal/gbps`` for the
   transitions since the previous log, and on a GPU ``tidal/peak_gib/<phase>``: the peak
   allocated from the start of a phase to the start of the next (``generate``; ``score``, the
-  policy's log-probs of the samples; ``reference``; ``loss``, with the backward and the
-  optimizer step that follow it).
+  policy's log-probs of the samples; ``reference``; ``reward``, with reward models; ``loss``,
+  with the backward and the optimizer step that follow it).
 * ``save_model``, checkpoints and resume read and write the state wherever it is (tidal's
   state-dict hooks), so saving with the reference offloaded or the optimizer state on the
   host writes the real values.
@@ -88,10 +90,12 @@ class TidalConfig:
         prefetch: the next role comes in behind the current phase's compute
             (:meth:`tidal.Timeshare.prefetch`): generation starts bringing the reference in
             (and writes the policy's state back to the host, so the switch releases it without
-            a copy if nothing wrote it), reference scoring starts bringing the policy back. On
-            an accelerator each phase leaves free what it allocated the last time it ran (plus
-            10% and 256 MiB), so the first generation and scoring prefetch nothing; it trades
-            peak memory for time. Needs ``beta > 0`` (a reference); otherwise ignored.
+            a copy if nothing wrote it), reference scoring starts bringing the reward model in
+            (if there is one), and the last of them the policy back. On an accelerator each
+            phase leaves free what it allocated the last time it ran (plus 10% and 256 MiB), so
+            the first generation and scoring prefetch nothing; it trades peak memory for time.
+            Needs a role beside the policy (``beta > 0`` or a reward model); otherwise ignored
+            with a warning.
     """
 
     optimizer_residency: OptimizerResidency = "step"
@@ -137,11 +141,19 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
                     if isinstance(cb, SyncRefModelCallback):
                         self.callback_handler.remove_callback(cb)
                 self.add_callback(_SyncReference(self))
-        elif self.tidal_config.prefetch:
+        # Reward models (reward_funcs given as a model or a path): one frozen role, on the
+        # device only while TRL scores the completions with them.
+        reward_models = [f for f in self.reward_funcs if isinstance(f, torch.nn.Module)]
+        if reward_models:
+            for m in reward_models:
+                _own_storages(m)
+            self.timeshare.add_role("reward", model=reward_models, grads="drop", frozen=True)
+            self.timeshare.offload("reward")
+        if self.tidal_config.prefetch and not self.timeshare.roles:
             warnings.warn(
                 "TidalConfig(prefetch=True) is ignored: TRL built no reference model (beta=0, or a PEFT policy "
-                "whose reference is itself with the adapters disabled), so the policy is the only role and "
-                "nothing takes turns with it",
+                "whose reference is itself with the adapters disabled) and no reward model, so the policy is the "
+                "only role and nothing takes turns with it",
                 stacklevel=2,
             )
         self._tidal_logged = 0  # transitions already reported in a log line
@@ -176,27 +188,40 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
         """The role on the device for a phase (a no-op before the policy is registered)."""
         if role == "policy" and not self._policy_ready():
             return _Phase(self, None, "generate")
-        if role == "reference" and "policy" not in self.timeshare.roles:
+        if role != "policy" and "policy" not in self.timeshare.roles:
             self._policy_ready()
-        return _Phase(self, role, "reference" if role == "reference" else "score")
+        return _Phase(self, role, role if role in ("reference", "reward") else "score")
+
+    def _after(self, role: str) -> str:
+        """The role TRL computes with after ``role``'s phase: generation (policy), reference
+        scoring, reward models, then the loss (policy); the roles it does not have are skipped."""
+        order = [r for r in ("reference", "reward") if r in self.timeshare.roles] + ["policy"]
+        return order[0] if role == "policy" else order[order.index(role) + 1]
 
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
         with self._turn("policy").named("generate"):
-            self._prefetch("generate", "reference")
+            self._prefetch("generate", self._after("policy"))
             return super()._generate(prompts)
 
     def _get_per_token_logps_and_entropies(self, model, *args: Any, **kwargs: Any):
         role = "reference" if self.ref_model is not None and model is self.ref_model else "policy"
         with self._turn(role):
             if role == "reference":
-                self._prefetch("reference", "policy")
+                self._prefetch("reference", self._after("reference"))
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+    def _calculate_rewards(self, *args: Any, **kwargs: Any):
+        if "reward" not in self.timeshare.roles:
+            return super()._calculate_rewards(*args, **kwargs)
+        with self._turn("reward"):
+            self._prefetch("reward", self._after("reward"))
+            return super()._calculate_rewards(*args, **kwargs)
 
     def _prefetch(self, phase: str, then: str) -> None:
         """With ``TidalConfig(prefetch=True)``: start bringing ``then`` in behind ``phase``."""
         ts = self.timeshare
-        if not self.tidal_config.prefetch or then not in ts.roles or "reference" not in ts.roles:
+        if not self.tidal_config.prefetch or then not in ts.roles or len(ts.roles) < 2:
             return
         leave = None
         if ts.device.type != "cpu":
