@@ -197,6 +197,38 @@ def test_stream_and_role_residency_give_the_same_run(tiny, tmp_path):
         assert all(torch.equal(plain[k], got[k]) for k in plain), residency
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(num_iterations=2),  # the policy also scores the samples before the first update
+        dict(steps_per_generation=2, per_device_train_batch_size=4),  # one generation, two steps
+        dict(loss_type="dr_grpo"),
+        dict(loss_type="dapo", mask_truncated_completions=True),
+        dict(gradient_checkpointing=True),
+        dict(cast_lm_head_to_fp32=True),
+        dict(eval_strategy="steps", eval_steps=1, num_generations_eval=2, per_device_eval_batch_size=8),
+    ],
+    ids=lambda d: ",".join(d),
+)
+def test_trl_settings_that_change_the_phases_stay_bit_identical(tiny, tmp_path, setting):
+    kw = dict(setting, max_steps=2)
+    extra = {"eval_dataset": _data()} if "eval_strategy" in setting else {}
+    runs = {}
+    for name, cls in (("plain", trl.GRPOTrainer), ("ours", TidalGRPOTrainer)):
+        trainer = cls(
+            model=tiny, reward_funcs=reward_sevens, args=_args(tmp_path / name, **kw), train_dataset=_data(), **extra
+        )
+        trainer.train()
+        runs[name] = trainer
+    plain, ours = runs["plain"], runs["ours"]
+    assert _history(ours) == _history(plain)
+    evals = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (plain, ours)]
+    assert evals[0] == evals[1] and (len(evals[0]) == 2) == ("eval_strategy" in setting)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert any(r.role_in == "reference" for r in ours.timeshare.records)
+
+
 def test_gradient_accumulation_and_activation_offload_stay_bit_identical(tiny, tmp_path):
     """Two micro-batches per step (the policy's partial gradients go to the host and back
     while the reference scores) and the loss's saved activations offloaded."""
