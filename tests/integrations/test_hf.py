@@ -129,6 +129,20 @@ def test_settings_tidal_cannot_work_with_are_refused(tmp_path):
             optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
             tidal=TidalTrainerConfig(cpu_adam=True),
         )
+    with pytest.raises(ValueError, match="optim='sgd'"):
+        TidalTrainer(
+            model=model,
+            args=_args(tmp_path, optim="sgd"),
+            train_dataset=_data(),
+            tidal=TidalTrainerConfig(cpu_adam=True),
+        )
+    with pytest.raises(ValueError, match="optim='adamw_bnb_8bit'"):
+        TidalTrainer(
+            model=model,
+            args=_args(tmp_path, optim="adamw_bnb_8bit"),
+            train_dataset=_data(),
+            tidal=TidalTrainerConfig(cpu_adam=True),
+        )
     with pytest.raises(ValueError, match="no list of transformer blocks"):
         TidalTrainer(
             model=model,

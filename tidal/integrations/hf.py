@@ -24,8 +24,9 @@ by torch's fused CPU kernel in fp32 (equal to torch's AdamW up to float rounding
 and resume save and load CPUAdam's state like any optimizer's.
 
 Refused before any work (``ValueError`` naming the setting): ``cpu_adam`` with DeepSpeed or
-FSDP through accelerate (they shard and step the optimizer themselves), or with an
-``optimizers=`` / ``optimizer_cls_and_kwargs=`` of one's own; ``activation_offload`` with
+FSDP through accelerate (they shard and step the optimizer themselves), with an
+``optimizers=`` / ``optimizer_cls_and_kwargs=`` of one's own, or with an ``optim=`` that is
+not full-precision AdamW (``adamw_torch``, ``adamw_torch_fused``); ``activation_offload`` with
 ``torch_compile=True``.
 """
 
@@ -62,6 +63,10 @@ class TidalTrainerConfig:
     activation_offload: bool = False
     activation_layers: str = "auto"
     activation_min_offload_bytes: int = 1 << 20
+
+
+# TrainingArguments.optim values that are AdamW in full precision: what CPUAdam computes.
+_ADAMW = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused"})
 
 
 class CPUAdamClipping:
@@ -109,6 +114,13 @@ class TidalTrainer(CPUAdamClipping, Trainer):
                 raise ValueError(
                     "TidalTrainerConfig(cpu_adam=True) builds the optimizer itself; drop optimizers= / "
                     "optimizer_cls_and_kwargs=, or set cpu_adam=False and pass tidal.CPUAdam there yourself"
+                )
+            optim = getattr(getattr(targs, "optim", None), "value", getattr(targs, "optim", None))
+            if optim is not None and optim not in _ADAMW:
+                raise ValueError(
+                    f"TidalTrainerConfig(cpu_adam=True) replaces the optimizer by tidal.CPUAdam (AdamW in fp32), "
+                    f"but the training arguments ask for optim={optim!r}, which is not AdamW: the run would not be "
+                    f"the one asked for. Set optim='adamw_torch' (or 'adamw_torch_fused'), or cpu_adam=False"
                 )
             if targs is not None and (getattr(targs, "deepspeed", None) or getattr(targs, "fsdp", None)):
                 raise ValueError(
