@@ -77,6 +77,14 @@ def test_activation_offload_is_bit_identical_and_really_offloads(tmp_path):
     assert all(torch.equal(want[k], got[k]) for k in want)
     off = TransferContext.of("cpu").owner_of(ours.model)
     assert off is not None and off.report().bytes_offloaded > 0
+    # each log line carries what the activations moved since the previous one (2 micro-batches)
+    logged = [h for h in ours.state.log_history if "loss" in h]
+    per_step = off.report().bytes_offloaded / 1e9
+    for h in logged:
+        assert h["tidal/act_offloaded_gb"] == pytest.approx(2 * per_step, rel=0.05)
+        assert h["tidal/act_reloaded_gb"] == pytest.approx(h["tidal/act_offloaded_gb"])
+        assert "tidal/act_exposed_s" not in h and "tidal/peak_gib" not in h  # device timings: GPU only
+        assert "tidal/optimizer_step_s" not in h  # no CPU Adam here
 
 
 def test_a_peft_model_finds_its_blocks_and_stays_bit_identical(tmp_path):
@@ -102,6 +110,9 @@ def test_cpu_adam_matches_adamw_with_clipping_and_weight_decay(tmp_path):
     plain = _train(tmp_path / "plain")
     ours = _train(tmp_path / "ours", TidalTrainerConfig(cpu_adam=True))
     assert type(ours.optimizer.optimizer).__name__ == "CPUAdam"
+    logged = [h for h in ours.state.log_history if "loss" in h]
+    assert all(h["tidal/optimizer_step_s"] > 0 for h in logged) and len(logged) == 4
+    assert not any("tidal/act_offloaded_gb" in h for h in logged)
     for (loss_a, norm_a), (loss_b, norm_b) in zip(_logs(plain), _logs(ours)):
         assert loss_b == pytest.approx(loss_a, rel=1e-5)
         assert norm_b == pytest.approx(norm_a, rel=1e-5) and norm_a > 0.5  # clipping acted, on host grads

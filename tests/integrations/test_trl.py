@@ -255,6 +255,11 @@ def test_gradient_accumulation_and_activation_offload_stay_bit_identical(tiny, t
     assert all(torch.equal(want[k], got[k]) for k in want)
     policy = ours.accelerator.unwrap_model(ours.model)
     assert tidal.TransferContext.of("cpu").owner_of(policy).report().bytes_offloaded > 0
+    # each log line carries what the loss's activations moved since the previous one
+    logged = [h for h in ours.state.log_history if "loss" in h]
+    assert len(logged) == 2
+    assert all(h["tidal/act_offloaded_gb"] > 0 for h in logged)
+    assert all(h["tidal/act_reloaded_gb"] == pytest.approx(h["tidal/act_offloaded_gb"]) for h in logged)
 
 
 @pytest.mark.parametrize("mode", ["out", "prefetch", "budget"])

@@ -19,6 +19,13 @@ Replace ``Trainer`` by :class:`TidalTrainer` and say what to use::
   over the model's transformer blocks (``activation_layers``), so the activations saved for
   backward wait on the host; the backward brings them back ahead of use.
 
+Every log line (console, TensorBoard, W&B: whatever ``report_to`` says) carries, for the
+steps since the previous log: with ``activation_offload``, ``tidal/act_offloaded_gb`` and
+``tidal/act_reloaded_gb`` (bytes the saved activations moved each way) and, on a GPU,
+``tidal/act_exposed_s`` (time the compute waited on those copies); with ``cpu_adam``,
+``tidal/optimizer_step_s`` (host seconds inside ``optimizer.step()``, summed); on a GPU,
+``tidal/peak_gib`` (the peak allocated device memory).
+
 Results: activation offload is pure data movement (bit-identical); CPUAdam is AdamW computed
 by torch's fused CPU kernel in fp32 (equal to torch's AdamW up to float rounding). Checkpoints
 and resume save and load CPUAdam's state like any optimizer's.
@@ -35,10 +42,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+import time
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from tidal.activations import offload_activations
 from tidal.optim import CPUAdam
@@ -141,6 +149,10 @@ class TidalTrainer(CPUAdamClipping, Trainer):
                 {"lr": a.learning_rate, "betas": (a.adam_beta1, a.adam_beta2), "eps": a.adam_epsilon},
             )
         self._tidal_layers = find_layers(self.model, tidal.activation_layers) if tidal.activation_offload else None
+        self._tidal_offloader = None  # the activation offloader of the last loss forward
+        self._tidal_figures: dict[str, float] = {}  # summed since the last log
+        if tidal.cpu_adam:
+            self.add_callback(_OptimizerStepTimer(self._tidal_figures))
 
     def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
         if self._tidal_layers is None or not model.training:
@@ -149,8 +161,61 @@ class TidalTrainer(CPUAdamClipping, Trainer):
             self.accelerator.unwrap_model(model),
             layers=self._tidal_layers,
             min_offload_bytes=self.tidal_config.activation_min_offload_bytes,
-        ):
+        ) as off:
+            self._tidal_offloader = off
             return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        loss = super().training_step(*args, **kwargs)  # forward and backward
+        off, self._tidal_offloader = self._tidal_offloader, None
+        if off is not None:
+            # Waits for the backward's copies; Trainer's NaN check of the loss just after
+            # waits for the backward anyway.
+            add_activation_figures(self._tidal_figures, off.report())
+        return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs.update(take_figures(self._tidal_figures, self.args.device))
+        super().log(logs, start_time)
+
+
+class _OptimizerStepTimer(TrainerCallback):
+    """Host seconds inside ``optimizer.step()`` (Trainer calls these two around it)."""
+
+    def __init__(self, figures: dict[str, float]) -> None:
+        self.figures = figures
+        self._t0: float | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self._t0 is not None:
+            seconds = time.perf_counter() - self._t0
+            self.figures["tidal/optimizer_step_s"] = self.figures.get("tidal/optimizer_step_s", 0.0) + seconds
+            self._t0 = None
+
+
+def add_activation_figures(figures: dict[str, float], report: Any) -> None:
+    """Add one step's activation-offload report to the figures of the next log line."""
+    for key, value in (
+        ("tidal/act_offloaded_gb", report.bytes_offloaded / 1e9),
+        ("tidal/act_reloaded_gb", report.bytes_reloaded / 1e9),
+        ("tidal/act_exposed_s", report.exposed_copy_s),
+    ):
+        if value is not None:
+            figures[key] = figures.get(key, 0.0) + value
+
+
+def take_figures(figures: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The figures summed since the last log, plus (on a GPU) the peak allocated memory since
+    then (the peak is reset, as are the figures)."""
+    out = dict(figures)
+    figures.clear()
+    if device.type == "cuda":
+        out["tidal/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
 
 
 def find_layers(model: torch.nn.Module, path: str) -> torch.nn.ModuleList:

@@ -31,10 +31,12 @@ What it does, on the trainer's one device:
   on the host until its backward.
 * Every log line (console, TensorBoard, W&B: whatever ``report_to`` says) carries
   ``tidal/transitions``, ``tidal/moved_gb``, ``tidal/transition_s``, ``tidal/gbps`` for the
-  transitions since the previous log, and on a GPU ``tidal/peak_gib/<phase>``: the peak
-  allocated from the start of a phase to the start of the next (``generate``; ``score``, the
-  policy's log-probs of the samples; ``reference``; ``reward``, with reward models; ``loss``,
-  with the backward and the optimizer step that follow it).
+  transitions since the previous log; with activation offload, ``tidal/act_offloaded_gb``
+  and ``tidal/act_reloaded_gb`` (and on a GPU ``tidal/act_exposed_s``) for the same steps;
+  and on a GPU ``tidal/peak_gib/<phase>``: the peak allocated from the start of a phase to
+  the start of the next (``generate``; ``score``, the policy's log-probs of the samples;
+  ``reference``; ``reward``, with reward models; ``loss``, with the backward and the
+  optimizer step that follow it).
 * ``save_model``, checkpoints and resume read and write the state wherever it is (tidal's
   state-dict hooks), so saving with the reference offloaded or the optimizer state on the
   host writes the real values.
@@ -65,7 +67,7 @@ from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from tidal.activations import offload_activations
-from tidal.integrations.hf import CPUAdamClipping, find_layers
+from tidal.integrations.hf import CPUAdamClipping, add_activation_figures, find_layers
 from tidal.state.foreign import moved_out
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.timeshare.role import OptimizerResidency
@@ -157,6 +159,8 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
                 stacklevel=2,
             )
         self._tidal_logged = 0  # transitions already reported in a log line
+        self._tidal_offloader = None  # the activation offloader of the last loss forward
+        self._tidal_act_figures: dict[str, float] = {}  # activation offload since the last log
         self._tidal_peaks: dict[str, int] = {}  # phase -> peak allocated bytes since the last log
         self._tidal_phase: str | None = None  # the outermost phase the device's peak is attributed to
         self._tidal_depth = 0
@@ -242,8 +246,18 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
                 policy,
                 layers=find_layers(policy, cfg.activation_layers),
                 min_offload_bytes=cfg.activation_min_offload_bytes,
-            ):
+            ) as off:
+                self._tidal_offloader = off
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        loss = super().training_step(*args, **kwargs)  # forward and backward
+        off, self._tidal_offloader = self._tidal_offloader, None
+        if off is not None:
+            # Waits for the backward's copies; Trainer's NaN check of the loss just after
+            # waits for the backward anyway.
+            add_activation_figures(self._tidal_act_figures, off.report())
+        return loss
 
     def _sync_reference(self, alpha: float) -> None:
         """Mix the policy into the reference (see :class:`_SyncReference`)."""
@@ -289,6 +303,8 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
         logs["tidal/moved_gb"] = moved / 1e9
         logs["tidal/transition_s"] = seconds
         logs["tidal/gbps"] = moved / seconds / 1e9 if seconds > 0 else 0.0
+        logs.update(self._tidal_act_figures)
+        self._tidal_act_figures.clear()
         for phase, peak in self._tidal_peaks.items():
             logs[f"tidal/peak_gib/{phase}"] = peak / 2**30
         self._tidal_peaks.clear()
