@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -267,7 +268,9 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
             for target, source in zip(self.ref_model.parameters(), policy.parameters(), strict=True):
                 src = source.data
                 if moved_out(src):
-                    src = store.host_tensor(src).to(device)
+                    held = store.host_tensor(src)
+                    assert held is not None, "an emptied policy tensor that the timeshare does not hold"
+                    src = held.to(device)
                 if not moved_out(target.data):
                     target.data.mul_(1.0 - alpha).add_(src, alpha=alpha)
                     continue
@@ -369,11 +372,14 @@ class _SyncReference(TrainerCallback):
     one policy tensor, if out) at a time."""
 
     def __init__(self, trainer: "TidalGRPOTrainer") -> None:
-        self.trainer = trainer
+        # Weak: the trainer holds this callback; the trainer (and the pinned host memory of its
+        # roles) must go when the user drops it, not at the next cyclic collection.
+        self.trainer = weakref.ref(trainer)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        if state.global_step % args.ref_model_sync_steps == 0:
-            self.trainer._sync_reference(args.ref_model_mixup_alpha)
+        trainer = self.trainer()
+        if trainer is not None and state.global_step % args.ref_model_sync_steps == 0:
+            trainer._sync_reference(args.ref_model_mixup_alpha)
 
 
 def _own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
