@@ -51,7 +51,7 @@ from transformers import Trainer, TrainerCallback
 from tidal.activations import offload_activations
 from tidal.optim import CPUAdam
 
-__all__ = ["CPUAdamClipping", "TidalTrainer", "TidalTrainerConfig", "find_layers"]
+__all__ = ["ActivationFigures", "CPUAdamClipping", "TidalTrainer", "TidalTrainerConfig", "find_layers"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,6 +77,24 @@ class TidalTrainerConfig:
 _ADAMW = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused"})
 
 
+class ActivationFigures:
+    """A Trainer mixin: after each training step (forward and backward), what the loss
+    forward's activation offloader moved is added to ``self._tidal_figures`` (summed until the
+    next log line takes them). The trainer's ``compute_loss`` sets ``self._tidal_offloader``."""
+
+    _tidal_offloader: Any = None
+    _tidal_figures: dict[str, float]
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        loss = super().training_step(*args, **kwargs)  # forward and backward
+        off, self._tidal_offloader = self._tidal_offloader, None
+        if off is not None:
+            # Waits for the backward's copies; Trainer's NaN check of the loss just after
+            # waits for the backward anyway.
+            add_activation_figures(self._tidal_figures, off.report())
+        return loss
+
+
 class CPUAdamClipping:
     """A Trainer mixin: with :class:`tidal.CPUAdam` as the optimizer, clipping and the logged
     gradient norm use its host gradients. Other optimizers: Trainer's own behaviour."""
@@ -99,7 +117,7 @@ class CPUAdamClipping:
         return opt.clip_grad_norm_(float("inf"))
 
 
-class TidalTrainer(CPUAdamClipping, Trainer):
+class TidalTrainer(ActivationFigures, CPUAdamClipping, Trainer):
     """``transformers.Trainer`` with CPU Adam and/or activation offload (see the module
     docstring). Takes Trainer's arguments, plus ``tidal=TidalTrainerConfig(...)``.
 
@@ -149,7 +167,6 @@ class TidalTrainer(CPUAdamClipping, Trainer):
                 {"lr": a.learning_rate, "betas": (a.adam_beta1, a.adam_beta2), "eps": a.adam_epsilon},
             )
         self._tidal_layers = find_layers(self.model, tidal.activation_layers) if tidal.activation_offload else None
-        self._tidal_offloader = None  # the activation offloader of the last loss forward
         self._tidal_figures: dict[str, float] = {}  # summed since the last log
         if tidal.cpu_adam:
             self.add_callback(_OptimizerStepTimer(self._tidal_figures))
@@ -164,15 +181,6 @@ class TidalTrainer(CPUAdamClipping, Trainer):
         ) as off:
             self._tidal_offloader = off
             return super().compute_loss(model, inputs, *args, **kwargs)
-
-    def training_step(self, *args: Any, **kwargs: Any):
-        loss = super().training_step(*args, **kwargs)  # forward and backward
-        off, self._tidal_offloader = self._tidal_offloader, None
-        if off is not None:
-            # Waits for the backward's copies; Trainer's NaN check of the loss just after
-            # waits for the backward anyway.
-            add_activation_figures(self._tidal_figures, off.report())
-        return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.update(take_figures(self._tidal_figures, self.args.device))

@@ -68,7 +68,7 @@ from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from tidal.activations import offload_activations
-from tidal.integrations.hf import CPUAdamClipping, add_activation_figures, find_layers
+from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
 from tidal.state.foreign import moved_out
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.timeshare.role import OptimizerResidency
@@ -109,7 +109,7 @@ class TidalConfig:
     prefetch: bool = False
 
 
-class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
+class TidalGRPOTrainer(ActivationFigures, CPUAdamClipping, GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy and reference take turns on the device (see the
     module docstring). Takes GRPOTrainer's arguments, plus ``tidal=TidalConfig(...)``.
 
@@ -160,8 +160,7 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
                 stacklevel=2,
             )
         self._tidal_logged = 0  # transitions already reported in a log line
-        self._tidal_offloader = None  # the activation offloader of the last loss forward
-        self._tidal_act_figures: dict[str, float] = {}  # activation offload since the last log
+        self._tidal_figures: dict[str, float] = {}  # activation offload since the last log
         self._tidal_peaks: dict[str, int] = {}  # phase -> peak allocated bytes since the last log
         self._tidal_phase: str | None = None  # the outermost phase the device's peak is attributed to
         self._tidal_depth = 0
@@ -251,15 +250,6 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
                 self._tidal_offloader = off
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    def training_step(self, *args: Any, **kwargs: Any):
-        loss = super().training_step(*args, **kwargs)  # forward and backward
-        off, self._tidal_offloader = self._tidal_offloader, None
-        if off is not None:
-            # Waits for the backward's copies; Trainer's NaN check of the loss just after
-            # waits for the backward anyway.
-            add_activation_figures(self._tidal_act_figures, off.report())
-        return loss
-
     def _sync_reference(self, alpha: float) -> None:
         """Mix the policy into the reference (see :class:`_SyncReference`)."""
         store, device = self.timeshare.store, self.timeshare.device
@@ -306,8 +296,8 @@ class TidalGRPOTrainer(CPUAdamClipping, GRPOTrainer):
         logs["tidal/moved_gb"] = moved / 1e9
         logs["tidal/transition_s"] = seconds
         logs["tidal/gbps"] = moved / seconds / 1e9 if seconds > 0 else 0.0
-        logs.update(self._tidal_act_figures)
-        self._tidal_act_figures.clear()
+        logs.update(self._tidal_figures)
+        self._tidal_figures.clear()
         for phase, peak in self._tidal_peaks.items():
             logs[f"tidal/peak_gib/{phase}"] = peak / 2**30
         self._tidal_peaks.clear()
