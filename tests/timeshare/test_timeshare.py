@@ -646,3 +646,25 @@ def test_unreleased_memory_is_warned_once_per_kind_and_recorded_every_time():
     offloads = [r for r in ts.records if r.kind == "offload"]
     assert len(offloads) == 3 and all(r.unreleased_bytes > 0 for r in offloads)
     ts.close()
+
+
+def test_a_residency_for_cpu_adam_is_ignored_with_a_warning():
+    """CPUAdam's state lives on the host by design: a residency asked for it places nothing."""
+    import warnings
+
+    for residency, warned in (("stream", True), ("role", True), ("step", False)):
+        model = TinyLM()
+        opt = tidal.CPUAdam(model.parameters(), lr=1e-3)
+        with tidal.Timeshare("cpu") as ts, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ts.add_role("actor", model=model, optimizer=opt, optimizer_residency=residency)
+        mine = [w for w in caught if "optimizer_residency" in str(w.message)]
+        assert len(mine) == warned, (residency, [str(w.message) for w in caught])
+        if warned:
+            assert f"optimizer_residency={residency!r} ignored: CPUAdam" in str(mine[0].message)
+        opt.close()
+    # a device optimizer beside it: the residency applies to that one, no warning
+    model = TinyLM()
+    with tidal.Timeshare("cpu") as ts, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ts.add_role("actor", model=model, optimizer=torch.optim.AdamW(model.parameters()), optimizer_residency="stream")

@@ -348,6 +348,13 @@ class Timeshare:
             self.context.claim(opt, RoleClaim(weakref.ref(self), name), what="optimizer")
         self._roles[name] = role
         role.touched(self._tick())
+        if optimizer_residency != "step" and optimizers and not role.device_optimizers():
+            warnings.warn(
+                f"role {name!r}: optimizer_residency={optimizer_residency!r} ignored: "
+                f"{', '.join(role.host_optimizers())} keeps its state on the host already, so "
+                f"there is no device state to place",
+                stacklevel=2,
+            )
         return role
 
     def _why_no_state(self, role: Role) -> str:
