@@ -153,3 +153,10 @@ def test_settings_tidal_cannot_work_with_are_refused(tmp_path):
         )
     with pytest.raises(TypeError, match="TidalTrainerConfig"):
         TidalTrainer(model=model, args=_args(tmp_path), train_dataset=_data(), tidal={"cpu_adam": True})
+
+
+def test_activation_settings_without_activation_offload_warn_that_they_are_ignored():
+    with pytest.warns(UserWarning, match="activation_min_offload_bytes ignored: activation_offload is off"):
+        TidalTrainerConfig(cpu_adam=True, activation_min_offload_bytes=0)
+    with pytest.raises(ValueError, match="activation_min_offload_bytes"):
+        TidalTrainerConfig(activation_offload=True, activation_min_offload_bytes=-5)

@@ -388,3 +388,21 @@ def test_settings_tidal_cannot_work_with_are_refused_before_any_work(tiny, tmp_p
 def test_a_wrong_tidal_argument_is_a_type_error(tiny, tmp_path):
     with pytest.raises(TypeError, match="TidalConfig"):
         TidalGRPOTrainer(model=tiny, reward_funcs=reward_sevens, args=_args(tmp_path), train_dataset=_data(), tidal={})
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (dict(optimizer_residency="gpu"), ValueError, "optimizer_residency"),
+        (dict(timeshare={"budget_bytes": 1}), TypeError, "TimeshareConfig"),
+        (dict(activation_min_offload_bytes=-1), ValueError, "activation_min_offload_bytes"),
+    ],
+)
+def test_a_bad_tidal_config_is_refused_when_it_is_made(bad, error, match):
+    with pytest.raises(error, match=match):
+        TidalConfig(**bad)
+
+
+def test_activation_settings_without_activation_offload_warn_that_they_are_ignored():
+    with pytest.warns(UserWarning, match="activation_layers ignored: activation_offload is off"):
+        TidalConfig(activation_layers="model.layers")

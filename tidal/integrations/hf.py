@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import operator
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -71,6 +72,28 @@ class TidalTrainerConfig:
     activation_offload: bool = False
     activation_layers: str = "auto"
     activation_min_offload_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        check_activation_fields(self)
+
+
+def check_activation_fields(cfg: Any) -> None:
+    """Validate a config's ``activation_*`` fields (``TypeError``/``ValueError``), and warn when
+    they are set but ``activation_offload`` is off (they are then ignored)."""
+    name = type(cfg).__name__
+    if not isinstance(cfg.activation_layers, str) or not cfg.activation_layers:
+        raise TypeError(f"{name}.activation_layers must be a dotted path or 'auto', got {cfg.activation_layers!r}")
+    nbytes = cfg.activation_min_offload_bytes
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"{name}.activation_min_offload_bytes must be an int >= 0, got {nbytes!r}")
+    if not cfg.activation_offload:
+        fields = {f.name: f.default for f in dataclasses.fields(cfg)}
+        changed = [k for k in ("activation_layers", "activation_min_offload_bytes") if getattr(cfg, k) != fields[k]]
+        if changed:
+            warnings.warn(
+                f"{name}: {', '.join(changed)} ignored: activation_offload is off (set activation_offload=True)",
+                stacklevel=4,
+            )
 
 
 # TrainingArguments.optim values that are AdamW in full precision: what CPUAdam computes.

@@ -68,7 +68,7 @@ from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from tidal.activations import offload_activations
-from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
+from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, check_activation_fields, find_layers
 from tidal.state.foreign import moved_out
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.timeshare.role import OptimizerResidency
@@ -107,6 +107,17 @@ class TidalConfig:
     activation_layers: str = "auto"
     activation_min_offload_bytes: int = 1 << 20
     prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer_residency not in ("step", "stream", "role"):
+            raise ValueError(
+                f"TidalConfig.optimizer_residency must be 'step', 'stream' or 'role', got {self.optimizer_residency!r}"
+            )
+        if not isinstance(self.timeshare, TimeshareConfig):
+            raise TypeError(
+                f"TidalConfig.timeshare must be a tidal.TimeshareConfig, got {type(self.timeshare).__name__}"
+            )
+        check_activation_fields(self)
 
 
 class TidalGRPOTrainer(ActivationFigures, CPUAdamClipping, GRPOTrainer):
