@@ -64,7 +64,7 @@ class TidalTrainerConfig:
         activation_offload: offload the activations saved in each loss forward.
         activation_layers: dotted path from the model to its list of transformer blocks
             (``"model.layers"`` for Llama/Qwen-style models); ``"auto"`` looks for
-            ``model.layers``, ``transformer.h`` and ``layers``.
+            ``model.layers``, ``transformer.h`` and ``layers``, also inside a ``PeftModel``.
         activation_min_offload_bytes: saved tensors smaller than this stay on the device.
     """
 
@@ -113,7 +113,7 @@ class ActivationFigures:
         off, self._tidal_offloader = self._tidal_offloader, None
         if off is not None:
             # Waits for the backward's copies; Trainer's NaN check of the loss just after
-            # waits for the backward anyway.
+            # (logging_nan_inf_filter, on by default) waits for the backward anyway.
             add_activation_figures(self._tidal_figures, off.report())
         return loss
 
