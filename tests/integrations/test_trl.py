@@ -57,7 +57,7 @@ def tiny_reward(tmp_path_factory, tiny):
     return str(path)
 
 
-def _args(out, **kw):
+def _args(out, config=None, **kw):
     base = dict(
         output_dir=str(out),
         per_device_train_batch_size=8,
@@ -74,7 +74,7 @@ def _args(out, **kw):
         bf16=False,
     )
     base.update(kw)
-    return trl.GRPOConfig(**base)
+    return (config or trl.GRPOConfig)(**base)
 
 
 def _data():
@@ -406,3 +406,44 @@ def test_a_bad_tidal_config_is_refused_when_it_is_made(bad, error, match):
 def test_activation_settings_without_activation_offload_warn_that_they_are_ignored():
     with pytest.warns(UserWarning, match="activation_layers ignored: activation_offload is off"):
         TidalConfig(activation_layers="model.layers")
+
+
+def _rloo(cls, tiny, out, *, tidal_config=None, rewards=None, **kw):
+    args = _args(out, config=trl.RLOOConfig, **kw)
+    extra = {"tidal": tidal_config} if tidal_config is not None else {}
+    trainer = cls(
+        model=tiny,
+        reward_funcs=rewards if rewards is not None else reward_sevens,
+        args=args,
+        train_dataset=_data(),
+        **extra,
+    )
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("with_reward_model", [False, True])
+def test_rloo_with_tidal_is_bit_identical_to_trl_alone(tiny, tiny_reward, tmp_path, with_reward_model):
+    """TRL's RLOOTrainer (a reference by default) through the same mixin: the reference (and a
+    reward model) take turns with the policy; the same run as RLOOTrainer alone."""
+    from tidal.integrations.trl import TidalRLOOTrainer
+
+    rewards = [reward_sevens, tiny_reward] if with_reward_model else None
+    plain = _rloo(trl.RLOOTrainer, tiny, tmp_path / "plain", rewards=rewards)
+    ours = _rloo(TidalRLOOTrainer, tiny, tmp_path / "ours", rewards=rewards, tidal_config=TidalConfig(prefetch=True))
+    assert _history(ours) == _history(plain) and len(_history(ours)) == 3
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    roles = ["policy", "reference"] + (["reward"] if with_reward_model else [])
+    assert sorted(ours.timeshare.roles) == roles
+    switches = [r for r in ours.timeshare.records if r.kind == "switch"]
+    assert sum(r.role_in == "reference" for r in switches) == 3  # once per step
+    assert all(r.bytes_prefetched > 0 for r in switches if r.role_in == "reference")
+
+
+def test_rloo_refusals_name_the_rloo_trainer(tiny, tmp_path):
+    from tidal.integrations.trl import TidalRLOOTrainer
+
+    args = trl.RLOOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], use_vllm=True)
+    with pytest.raises(ValueError, match="TidalRLOOTrainer does not support use_vllm=True"):
+        TidalRLOOTrainer(model=tiny, reward_funcs=reward_sevens, args=args, train_dataset=_data())

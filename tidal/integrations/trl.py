@@ -1,7 +1,7 @@
-"""TRL's ``GRPOTrainer`` with tidal (extra ``tidal[trl]``).
+"""TRL's ``GRPOTrainer`` and ``RLOOTrainer`` with tidal (extra ``tidal[trl]``).
 
-Replace ``GRPOTrainer`` by :class:`TidalGRPOTrainer`; nothing else in the training script
-changes::
+Replace ``GRPOTrainer`` by :class:`TidalGRPOTrainer` (``RLOOTrainer`` by
+:class:`TidalRLOOTrainer`); nothing else in the training script changes::
 
     from tidal.integrations.trl import TidalGRPOTrainer
 
@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
-from trl import GRPOTrainer
+from trl import GRPOTrainer, RLOOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from tidal.activations import offload_activations
@@ -73,12 +73,12 @@ from tidal.state.foreign import moved_out
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.timeshare.role import OptimizerResidency
 
-__all__ = ["TidalConfig", "TidalGRPOTrainer"]
+__all__ = ["TidalConfig", "TidalGRPOTrainer", "TidalRLOOTrainer", "TidalRLTrainer"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TidalConfig:
-    """How :class:`TidalGRPOTrainer` uses tidal.
+    """How :class:`TidalGRPOTrainer` and :class:`TidalRLOOTrainer` use tidal.
 
     Attributes:
         optimizer_residency: where the policy's optimizer state lives between steps
@@ -120,23 +120,29 @@ class TidalConfig:
         check_activation_fields(self)
 
 
-class TidalGRPOTrainer(ActivationFigures, CPUAdamClipping, GRPOTrainer):
-    """``trl.GRPOTrainer`` whose policy and reference take turns on the device (see the
-    module docstring). Takes GRPOTrainer's arguments, plus ``tidal=TidalConfig(...)``.
+class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
+    """The tidal side of :class:`TidalGRPOTrainer` and :class:`TidalRLOOTrainer`: a mixin put in
+    front of a TRL trainer with GRPOTrainer's phases (``_generate``,
+    ``_get_per_token_logps_and_entropies``, ``_calculate_rewards``, ``compute_loss``, ``log``).
+    Takes the trainer's arguments, plus ``tidal=TidalConfig(...)``.
 
     Memory cost: host RAM for the state of each role while it is out (pinned once, when the
-    role is registered: the reference at construction, the policy when its optimizer exists);
-    on the device, the role in use plus one staging bucket per direction during a switch.
+    role is registered: the reference and reward models at construction, the policy when its
+    optimizer exists); on the device, the role in use plus one staging bucket per direction
+    during a switch.
 
     Raises:
         ValueError: a setting tidal cannot work with (see the module docstring), before any
             work.
+        TypeError: ``tidal`` is not a :class:`TidalConfig`.
     """
 
     def __init__(self, *args: Any, tidal: TidalConfig | None = None, **kwargs: Any) -> None:
         if tidal is not None and not isinstance(tidal, TidalConfig):
             raise TypeError(f"tidal must be a tidal.integrations.trl.TidalConfig, got {type(tidal).__name__}")
-        _refuse_settings(kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None))
+        _refuse_settings(
+            kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None), type(self).__name__
+        )
         super().__init__(*args, **kwargs)
         self.tidal_config = tidal or TidalConfig()
         self._refuse_prepared()
@@ -316,19 +322,30 @@ class TidalGRPOTrainer(ActivationFigures, CPUAdamClipping, GRPOTrainer):
 
     # ---- checks -------------------------------------------------------------------------------
     def _refuse_prepared(self) -> None:
-        state = self.accelerator.state
+        state, who = self.accelerator.state, type(self).__name__
         if self.accelerator.num_processes > 1:
             raise ValueError(
-                f"TidalGRPOTrainer runs in one process ({self.accelerator.num_processes} were launched): its "
+                f"{who} runs in one process ({self.accelerator.num_processes} were launched): its "
                 f"roles take turns on one device. Launch one process per GPU without accelerate's multi-process "
                 f"launcher, or use tidal.distributed for sharded roles"
             )
         if getattr(state, "deepspeed_plugin", None) is not None or getattr(state, "fsdp_plugin", None) is not None:
             raise ValueError(
-                "TidalGRPOTrainer does not work with DeepSpeed or FSDP through accelerate: those engines keep "
+                f"{who} does not work with DeepSpeed or FSDP through accelerate: those engines keep "
                 "their own copies of the state. Turn them off in the accelerate config, or use "
                 "tidal.distributed (add_deepspeed_role, FSDP2 roles) directly"
             )
+
+
+class TidalGRPOTrainer(TidalRLTrainer, GRPOTrainer):
+    """``trl.GRPOTrainer`` whose policy, reference and reward models take turns on the device
+    (see the module docstring). Takes GRPOTrainer's arguments, plus ``tidal=TidalConfig(...)``."""
+
+
+class TidalRLOOTrainer(TidalRLTrainer, RLOOTrainer):
+    """``trl.RLOOTrainer`` (REINFORCE leave-one-out; a reference by default, ``beta=0.05``)
+    whose policy, reference and reward models take turns on the device, as
+    :class:`TidalGRPOTrainer`. Takes RLOOTrainer's arguments, plus ``tidal=TidalConfig(...)``."""
 
 
 class _Phase:
@@ -336,7 +353,7 @@ class _Phase:
     device's peak is attributed: from its start until the next outermost phase starts (so the
     loss phase's peak includes the backward and the optimizer step that follow it)."""
 
-    def __init__(self, trainer: TidalGRPOTrainer, role: str | None, phase: str) -> None:
+    def __init__(self, trainer: TidalRLTrainer, role: str | None, phase: str) -> None:
         self.trainer, self.role, self.phase = trainer, role, phase
         self._ctx = None
 
@@ -372,7 +389,7 @@ class _SyncReference(TrainerCallback):
     is out is read from its host copy. Memory cost: on the device, one reference tensor (and
     one policy tensor, if out) at a time."""
 
-    def __init__(self, trainer: "TidalGRPOTrainer") -> None:
+    def __init__(self, trainer: TidalRLTrainer) -> None:
         # Weak: the trainer holds this callback; the trainer (and the pinned host memory of its
         # roles) must go when the user drops it, not at the next cyclic collection.
         self.trainer = weakref.ref(trainer)
@@ -399,28 +416,28 @@ def _own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                         st[k] = v.clone()
 
 
-def _refuse_settings(args: Any) -> None:
+def _refuse_settings(args: Any, who: str) -> None:
     """Settings tidal cannot work with, found in the GRPOConfig before TRL builds anything."""
     if args is None:
         return
     if getattr(args, "use_vllm", False):
         raise ValueError(
-            "TidalGRPOTrainer does not support use_vllm=True: vLLM keeps its own copy of the weights and its own "
+            f"{who} does not support use_vllm=True: vLLM keeps its own copy of the weights and its own "
             "memory pool, which a timeshare cannot move. Set use_vllm=False (generation then runs on the policy, "
             "which takes turns with the reference)"
         )
     if getattr(args, "torch_compile", False):
         raise ValueError(
-            "TidalGRPOTrainer does not support torch_compile=True: compiled graphs keep the addresses of the "
+            f"{who} does not support torch_compile=True: compiled graphs keep the addresses of the "
             "weights tidal moves. Set torch_compile=False"
         )
     if getattr(args, "deepspeed", None):
         raise ValueError(
-            "TidalGRPOTrainer does not work with deepspeed= in the training arguments: DeepSpeed keeps its own "
+            f"{who} does not work with deepspeed= in the training arguments: DeepSpeed keeps its own "
             "copies of the state. Remove it, or use tidal.distributed.add_deepspeed_role directly"
         )
     if getattr(args, "fsdp", None):
         raise ValueError(
-            "TidalGRPOTrainer does not work with fsdp= in the training arguments; remove it, or build FSDP2 roles "
+            f"{who} does not work with fsdp= in the training arguments; remove it, or build FSDP2 roles "
             "with tidal.distributed directly"
         )
