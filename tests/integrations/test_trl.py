@@ -140,15 +140,20 @@ def test_prefetch_is_bit_identical_and_the_switches_find_the_roles_arrived(tiny,
     assert len(to_ref) == 3 and all(r.bytes_prefetched > 0 and r.bytes_in == 0 for r in to_ref)
 
 
-def test_a_budget_for_both_keeps_the_policy_in_while_the_reference_scores(tiny, tmp_path):
+@pytest.mark.parametrize("room", ["budget", "as_needed"])
+def test_a_budget_for_both_keeps_the_policy_in_while_the_reference_scores(tiny, tmp_path, room):
     """TimeshareConfig(budget_bytes=...) with room for the policy (weights and gradients) and
     the reference: the reference comes in beside the policy instead of switching it out, and
     TRL's results do not change. The policy's AdamW moments, on the host between steps (step
-    residency), do not count against the budget (they did: the policy was switched out)."""
+    residency), do not count against the budget (they did: the policy was switched out).
+    evict="as_needed" (no budget; the CPU has room for both) does the same."""
     model = AutoModelForCausalLM.from_pretrained(tiny)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
-    cfg = TidalConfig(timeshare=tidal.TimeshareConfig(budget_bytes=3 * weights + (64 << 10)))
+    if room == "budget":
+        cfg = TidalConfig(timeshare=tidal.TimeshareConfig(budget_bytes=3 * weights + (64 << 10)))
+    else:
+        cfg = TidalConfig(timeshare=tidal.TimeshareConfig(evict="as_needed"))
     plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
     ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal", tidal_config=cfg)
     assert _history(ours) == _history(plain)
