@@ -177,21 +177,51 @@ def test_timeshare_callbacks_with_the_lease_hand_over_in_chunks_and_lose_nothing
     leases = {n: GPULease(server.address, holder=n) for n in roles}
     reports: dict[str, list] = {n: [] for n in roles}
     grants: list = []
+    # Not left to the machine's speed: a holder with a waiter queued keeps its first chunk's
+    # report pending until the waiter has started loading (so every such hand-over overlaps).
+    loading = {n: threading.Event() for n in roles}
+    releasing = {n: False for n in roles}  # the next report is a release's first
+
+    def reporting(n: str, report):
+        def wrapped(r, t):
+            reports[n].append((r, t))
+            out = report(r, t)
+            if releasing[n]:
+                releasing[n] = False
+                other = "B" if n == "A" else "A"
+                if leases[n].snapshot()["waiting"]:
+                    assert loading[other].wait(10), "the waiter did not start loading on the first chunk"
+                loading[other].clear()
+            return out
+
+        return wrapped
+
     for n in roles:
-        report = leases[n].report_released
-        leases[n].report_released = lambda r, t, n=n, report=report: (reports[n].append((r, t)), report(r, t))[1]
+        leases[n].report_released = reporting(n, leases[n].report_released)
 
     def turns(n: str, k: int):
         ts, model, opt, state = roles[n]
         cb = timeshare_callbacks(ts, n, lease=leases[n])
         assert cb["overlap"] is True
+        load = cb["acquire_fn"]
+
+        def acquire_fn():
+            if leases[n].room_source is not None:  # loading before the grant
+                loading[n].set()
+            return load()
+
+        cb["acquire_fn"] = acquire_fn
         for _ in range(k):
             with leases[n].hold(role=n, **cb) as grant:
                 grants.append(grant)
                 got = [t.detach().clone() for t in model.parameters()]
                 got += [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
                 assert all(torch.equal(a, b) for a, b in zip(state, got))
-                time.sleep(0.01)
+                # the other role has queued (if it has turns left) before this one releases
+                deadline = time.monotonic() + 2
+                while not leases[n].snapshot()["waiting"] and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                releasing[n] = True
 
     threads = [threading.Thread(target=turns, args=(n, 3)) for n in roles]
     for t in threads:
@@ -199,7 +229,7 @@ def test_timeshare_callbacks_with_the_lease_hand_over_in_chunks_and_lose_nothing
     for t in threads:
         t.join(30)
     assert len(grants) == 6
-    assert any(g.overlapped for g in grants), "no hand-over overlapped although the other role was queued"
+    assert sum(g.overlapped for g in grants) == 5, [g.overlapped for g in grants]  # all but the first grant
     for n in roles:
         assert len(reports[n]) >= 3 * 4, reports[n]  # ~70 KiB of state in 16 KiB chunks, 3 turns
         totals = {t for _, t in reports[n]}

@@ -7,6 +7,7 @@ Ray first."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import pytest
@@ -260,26 +261,41 @@ def _role_worker():
                     out.append((enter, time.monotonic(), grant.previous and grant.previous["how"]))
             return out
 
-        def overlapped_turns(self, n: int) -> list:
+        def overlapped_turns(self, n: int, marks: str) -> list:
+            """``marks``: a folder both workers share. A worker that starts loading early leaves
+            a file there; a holder with a waiter queued keeps releasing until the waiter has
+            started loading, so the overlap does not depend on the machine's speed."""
             out = []
-            for _ in range(n):
+            for i in range(n):
                 row: dict = {}
 
+                def loading_marks() -> int:
+                    return sum(1 for f in os.listdir(marks) if not f.startswith(self.role + "-"))
+
                 def release_fn():
+                    waiter = bool(self.lease.snapshot()["waiting"])
+                    before = loading_marks()
                     for k in range(1, 4):
                         self.lease.report_released(k, 3)
-                        time.sleep(0.02)
+                        deadline = time.monotonic() + 10
+                        while k == 1 and waiter and loading_marks() == before and time.monotonic() < deadline:
+                            time.sleep(0.005)
                     row["released"] = time.monotonic()
 
-                def acquire_fn():
+                def acquire_fn(i=i):
                     row["load_start"] = time.monotonic()
+                    if self.lease.room_source is not None:  # loading before the grant
+                        open(os.path.join(marks, f"{self.role}-{i}"), "w").close()
                     room = self.lease.room_source
                     while room is not None and room.wait():
                         pass
 
                 with self.lease.hold(role=self.role, acquire_fn=acquire_fn, release_fn=release_fn, overlap=True) as g:
                     row.update(enter=time.monotonic(), overlapped=g.overlapped)
-                    time.sleep(0.05)
+                    # the other worker has queued (if it has turns left) before this one releases
+                    deadline = time.monotonic() + 2
+                    while not self.lease.snapshot()["waiting"] and time.monotonic() < deadline:
+                        time.sleep(0.005)
                 out.append(row)
             return out
 
@@ -314,7 +330,7 @@ def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
         ray.kill(arbiter)
 
 
-def test_overlapped_hand_overs_through_a_ray_lease(cluster):
+def test_overlapped_hand_overs_through_a_ray_lease(cluster, tmp_path):
     """The Ray arbiter serves the overlapped hand-over too: the holder reports its release in
     chunks, the waiter loads on that credit before its grant, never two turns at once."""
     import ray
@@ -327,7 +343,13 @@ def test_overlapped_hand_overs_through_a_ray_lease(cluster):
         rows = sorted(
             (
                 r
-                for part in ray.get([train.overlapped_turns.remote(3), rollout.overlapped_turns.remote(3)], timeout=60)
+                for part in ray.get(
+                    [
+                        train.overlapped_turns.remote(3, str(tmp_path)),
+                        rollout.overlapped_turns.remote(3, str(tmp_path)),
+                    ],
+                    timeout=60,
+                )
                 for r in part
             ),
             key=lambda r: r["enter"],
@@ -335,8 +357,9 @@ def test_overlapped_hand_overs_through_a_ray_lease(cluster):
         assert len(rows) == 6
         for prev, nxt in zip(rows, rows[1:]):
             assert nxt["enter"] >= prev["released"]  # never two turns at once
+        # every hand-over had its waiter queued before the release: each one overlapped
         early = [nxt for prev, nxt in zip(rows, rows[1:]) if nxt["overlapped"]]
-        assert early, "no hand-over overlapped"
+        assert len(early) == 5, rows
         for prev, nxt in zip(rows, rows[1:]):
             if nxt["overlapped"]:
                 assert nxt["load_start"] < prev["released"]
