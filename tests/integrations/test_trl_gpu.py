@@ -1,0 +1,90 @@
+"""TRL's GRPOTrainer with tidal on a GPU, against TRL alone in the same process: the same run
+with a reward model and ``sync_ref_model`` (whose mix then runs on the device, into the
+reference's host copies), and the reference and the reward model off the device after it."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config  # noqa: E402
+
+from tests.integrations.test_trl import CHARS, _args, _data, _history  # noqa: E402
+from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer  # noqa: E402
+from tidal_recipes.grpo.char_task import EOS_ID, PAD_ID, char_tokenizer, reward_sevens  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A policy and a reward model of about 50 M parameters each (fp32: ~200 MB), saved."""
+    hf = char_tokenizer(CHARS)
+    cfg = Qwen2Config(
+        vocab_size=len(hf),
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=EOS_ID,
+    )
+    policy, reward = tmp_path_factory.mktemp("policy"), tmp_path_factory.mktemp("reward")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(policy)
+    hf.save_pretrained(policy)
+    cfg.num_labels = 1
+    torch.manual_seed(1)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(reward)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(reward)
+    return str(policy), str(reward)
+
+
+def _train(cls, models, out, **extra):
+    policy, reward = models
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    kw = dict(use_cpu=False, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, max_steps=3)
+    trainer = cls(
+        model=policy, reward_funcs=[reward_sevens, reward], args=_args(out, **kw), train_dataset=_data(), **extra
+    )
+    trainer.train()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    result = {
+        "history": _history(trainer),
+        "policy": {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()},
+        "reference": {k: v.detach().cpu() for k, v in trainer.ref_model.state_dict().items()},
+        "held": held,
+        "role_bytes": {r: trainer.timeshare.role_bytes(r) for r in ("reference", "reward")}
+        if cls is TidalGRPOTrainer
+        else None,
+        "records": list(trainer.timeshare.records) if cls is TidalGRPOTrainer else None,
+    }
+    del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_grpo_with_a_reward_model_and_sync_ref_model_is_trl_on_a_gpu(models, tmp_path, prefetch):
+    plain = _train(trl.GRPOTrainer, models, tmp_path / "plain")
+    ours = _train(TidalGRPOTrainer, models, tmp_path / "ours", tidal=TidalConfig(prefetch=prefetch))
+    assert ours["history"] == plain["history"] and len(plain["history"]) == 3
+    for part in ("policy", "reference"):  # the reference: mixed on the device, into its host copy
+        assert all(torch.equal(plain[part][k], ours[part][k]) for k in plain[part]), part
+    # After training, the reference and the reward model are off the device (and the policy's
+    # AdamW moments, on the host between steps): TRL alone keeps all of them.
+    out_of_device = sum(ours["role_bytes"].values())
+    assert ours["held"] <= plain["held"] - out_of_device + (16 << 20), (ours["held"], plain["held"], out_of_device)
+    assert any(r.role_in == "reward" and r.kind == "switch" for r in ours["records"])
