@@ -11,7 +11,9 @@ process (so one's allocator cache cannot flatter the next): ``trl`` is ``GRPOTra
 ``+prefetch`` suffix (``stream+prefetch``) adds ``TidalConfig(prefetch=True)``, and
 ``+budget=<GiB>``, ``+headroom=<GiB>``, ``+evict=as_needed`` set the timeshare
 (``stream+prefetch+budget=14``: room for the policy's weights and the reference together keeps
-the policy resident while the reference scores).
+the policy resident while the reference scores). ``--reward-model``: every variant also scores
+with a reward model of the policy's shape (TRL alone keeps it on the device; tidal makes it a
+role).
 Measured after the first step (warm-up): peak allocated device memory
 (``torch.cuda.max_memory_allocated``), median step wall time (device-synchronised, from
 ``on_step_begin`` to ``on_step_end``), and for tidal the transitions' share of the step time.
@@ -46,9 +48,11 @@ PRESETS = {
 CHARS = list("0123456789+= abcdefghijklmnopqrstuvwxyz")
 
 
-def save_model(preset: str, path: str) -> None:
+def save_model(preset: str, path: str, reward_path: str | None = None) -> None:
+    """The policy (a causal LM) at ``path``; with ``reward_path``, a reward model of the same
+    shape (a sequence classifier with one label) there too."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
 
     char_tokenizer(CHARS).save_pretrained(path)
     h, i, n, a, kv = PRESETS[preset]
@@ -71,6 +75,14 @@ def save_model(preset: str, path: str) -> None:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
     del model
+    if reward_path is not None:
+        char_tokenizer(CHARS).save_pretrained(reward_path)
+        cfg.num_labels = 1
+        torch.manual_seed(1)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            reward = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.bfloat16)
+        reward.save_pretrained(reward_path)
+        del reward
     torch.cuda.empty_cache()  # this process only orchestrates: the variants run in their own
 
 
@@ -121,7 +133,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         model_init_kwargs={"dtype": args.dtype},
     )
     data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(256)]})
-    common = dict(model=model_path, reward_funcs=reward_sevens, args=cfg, train_dataset=data, callbacks=[Clock()])
+    rewards = [reward_sevens, args.reward_model_path] if args.reward_model_path else reward_sevens
+    common = dict(model=model_path, reward_funcs=rewards, args=cfg, train_dataset=data, callbacks=[Clock()])
     if variant == "trl":
         trainer = GRPOTrainer(**common)
     else:
@@ -174,11 +187,18 @@ def main(argv=None) -> int:
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--completion", type=int, default=32, help="max_completion_length")
     p.add_argument("--dtype", default="float32", help="weights as TRL loads them (its default: float32)")
+    p.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="every variant also scores with a reward model of the policy's shape (TRL keeps it on the "
+        "device; tidal gives it a turn)",
+    )
     p.add_argument("--results", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reward-model-path", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._variant:
         run_variant(args._variant, args._model, args.steps, args._out, args)
@@ -191,7 +211,8 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp()
     model_path = os.path.join(work, args.preset)
     t0 = time.perf_counter()
-    save_model(args.preset, model_path)
+    reward_path = os.path.join(work, args.preset + "-reward") if args.reward_model else None
+    save_model(args.preset, model_path, reward_path)
     print(f"saved {args.preset} to {model_path} in {time.perf_counter() - t0:.1f} s", flush=True)
     results = []
     for v in args.variants.split(","):
@@ -213,7 +234,9 @@ def main(argv=None) -> int:
             str(args.num_generations),
             "--completion",
             str(args.completion),
-        ]
+            "--dtype",
+            args.dtype,
+        ] + (["--reward-model-path", reward_path] if reward_path else [])
         rc = subprocess.run(cmd).returncode
         res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
         results.append(res)
@@ -221,15 +244,17 @@ def main(argv=None) -> int:
     base = next((r for r in results if r["variant"] == "trl" and not r.get("error")), None)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{gpu}, torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
+    what = f"{args.preset} {args.dtype}" + (" + reward model" if reward_path else "")
     print(
-        f"{args.preset}, {args.batch} completions x {args.completion} tokens per step, beta 0.04, weights {args.dtype}, bf16 autocast"
+        f"{what}, {args.batch} completions x {args.completion} tokens per step, beta 0.04, weights {args.dtype}"
+        + (", bf16 autocast" if torch.cuda.is_available() else "")
     )
     rows = []
     date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     for r in results:
         if r.get("error"):
             line = f"  {r['variant']:8s} {r['error'][:120]}"
-            row = f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {args.preset} {args.dtype} | {args.batch}x{args.completion} | {r['variant']} | {r['error'][:80]} | - | - | - | - | - |"
+            row = f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {what} | {args.batch}x{args.completion} | {r['variant']} | {r['error'][:80]} | - | - | - | - | - |"
         else:
             pr = r["peak_bytes"] / base["peak_bytes"] if base else None
             sr = r["step_s"] / base["step_s"] if base else None
@@ -240,7 +265,7 @@ def main(argv=None) -> int:
                 f"at {r.get('transition_gbps', 0):.1f} GB/s"
             )
             row = (
-                f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {args.preset} {args.dtype} | {args.batch}x{args.completion} | "
+                f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {what} | {args.batch}x{args.completion} | "
                 f"{r['variant']} | {r['step_s']:.3f} | {_x(sr)} | {r['peak_bytes'] / 2**30:.2f} | {_x(pr)} | {share:.3f} | "
                 f"{r.get('transition_gbps', 0):.1f} |"
             )
