@@ -116,8 +116,9 @@ class CPUAdam(torch.optim.Optimizer):
             ``torch.float32`` (default: AdamW exactly) or ``torch.bfloat16``, which halves
             their host memory (8 to 4 bytes per parameter; the fp32 master weights stay) for
             when host RAM is the limit. The update then runs in fp32 on slices of
-            ``_SLICE_ELEMS`` elements (upcast, fused AdamW, rounded back to nearest), 0.78-0.86x
-            the host throughput of the fp32 path on a 2-core VM; its effect on training is measured in
+            ``_SLICE_ELEMS`` elements (upcast, fused AdamW, rounded back to nearest): 0.69x the
+            host throughput of the fp32 path on a 2-core VM over 64 Mi parameters, 0.78-0.86x over
+            Qwen2-1.5B layer shapes; its effect on training and its rate are in
             benchmarks/RESULTS.md (``benchmarks/bench_cpu_adam_precision.py``).
         host_accumulation: reserve a pinned staging buffer of each parameter's size (its
             dtype) so that micro-batches whose backward runs outside :meth:`accumulate` are
