@@ -19,18 +19,20 @@ from tidal_recipes.grpo.char_task import EOS_ID, PAD_ID, char_tokenizer, reward_
 CHARS = list("0123456789+= abcdefghij")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A saved tiny model and tokenizer (what a user points TRL at)."""
-    path = tmp_path_factory.mktemp("tiny")
+def save_char_models(policy_path, reward_path=None, *, hidden=32, intermediate=64, layers=4, heads=2, kv_heads=1):
+    """A character-level tokenizer and a Qwen2-shape causal LM with random weights saved at
+    ``policy_path`` (what a user points TRL at); with ``reward_path``, a sequence classifier of
+    the same shape with one label there too (a reward model TRL loads from a path)."""
+    from transformers import AutoModelForSequenceClassification
+
     hf = char_tokenizer(CHARS)
     cfg = Qwen2Config(
         vocab_size=len(hf),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=64,
         pad_token_id=PAD_ID,
         eos_token_id=EOS_ID,
@@ -38,22 +40,26 @@ def tiny(tmp_path_factory):
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    hf.save_pretrained(path)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(policy_path)
+    hf.save_pretrained(policy_path)
+    if reward_path is not None:
+        cfg.num_labels = 1
+        torch.manual_seed(1)
+        AutoModelForSequenceClassification.from_config(cfg).save_pretrained(reward_path)
+        hf.save_pretrained(reward_path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_char_models(path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def tiny_reward(tmp_path_factory, tiny):
-    """A saved tiny sequence-classification model (a reward model TRL loads from a path)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tiny_reward")
-    cfg = Qwen2Config.from_pretrained(tiny)
-    cfg.num_labels = 1
-    torch.manual_seed(1)
-    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny).save_pretrained(path)
+def tiny_reward(tmp_path_factory):
+    path, unused = tmp_path_factory.mktemp("tiny_reward"), tmp_path_factory.mktemp("unused")
+    save_char_models(unused, path)
     return str(path)
 
 

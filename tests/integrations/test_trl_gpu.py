@@ -12,11 +12,9 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config  # noqa: E402
-
-from tests.integrations.test_trl import CHARS, _args, _data, _history  # noqa: E402
+from tests.integrations.test_trl import _args, _data, _history, save_char_models  # noqa: E402
 from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer  # noqa: E402
-from tidal_recipes.grpo.char_task import EOS_ID, PAD_ID, char_tokenizer, reward_sevens  # noqa: E402
+from tidal_recipes.grpo.char_task import reward_sevens  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -24,27 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A policy and a reward model of about 50 M parameters each (fp32: ~200 MB), saved."""
-    hf = char_tokenizer(CHARS)
-    cfg = Qwen2Config(
-        vocab_size=len(hf),
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
-        bos_token_id=EOS_ID,
-    )
     policy, reward = tmp_path_factory.mktemp("policy"), tmp_path_factory.mktemp("reward")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(policy)
-    hf.save_pretrained(policy)
-    cfg.num_labels = 1
-    torch.manual_seed(1)
-    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(reward)
-    AutoTokenizer.from_pretrained(policy).save_pretrained(reward)
+    save_char_models(policy, reward, hidden=1024, intermediate=4096, layers=4, heads=8, kv_heads=2)
     return str(policy), str(reward)
 
 
