@@ -2,7 +2,6 @@
 read from files (fakes of /proc/meminfo and /sys/fs/cgroup here)."""
 
 import pytest
-import torch
 
 from tidal.memory import host_memory
 
@@ -47,41 +46,44 @@ def test_a_cgroup_v1_limit_bounds_them_too(tmp_path):
     assert (h.total_bytes, h.available_bytes) == (16 * GiB, 12 * GiB)
 
 
-def _status_bytes(field: str) -> int:
+_PEAK_PROBE = """
+import json, torch
+from tidal.memory import host_peak_rss_bytes, host_rss_bytes, reset_host_peak_rss
+
+def anon():
     with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/self/status")
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+out = {"reset": reset_host_peak_rss(), "anon_before": anon()}
+buf = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB, every page written
+out.update(rss_alive=host_rss_bytes(), anon_alive=anon())
+del buf
+out["grown"] = host_peak_rss_bytes()
+out["reset_again"] = reset_host_peak_rss()
+out["after_reset"] = host_peak_rss_bytes()
+print(json.dumps(out))
+"""
 
 
 def test_host_peak_rss_resets_and_counts_what_was_touched():
-    """The peak covers a buffer touched and freed after the reset, and a new reset drops it."""
-    import gc
-    import sys
+    """The peak covers a buffer touched and freed after the reset, and a new reset drops it.
 
-    from tidal.memory import host_peak_rss_bytes, host_rss_bytes, reset_host_peak_rss
+    Measured in a fresh process: in the test run's own process, other threads (and memory that
+    earlier tests freed) move the resident set while the buffer lives (seen in CI: a 256 MiB
+    buffer that grew the anonymous resident set by 0). Under a memory limit the kernel may also
+    drop file-backed pages (torch's libraries) to make room for the buffer, so the peak is
+    checked against the resident set seen while the buffer lived, and the buffer against
+    anonymous memory."""
+    import json
+    import subprocess
+    import sys
 
     if not sys.platform.startswith("linux"):
         pytest.skip("per-phase peaks need /proc/self/clear_refs (Linux)")
-    # Earlier tests leave cyclic garbage; were the collector to free it between the
-    # reset and the buffer, the resident set would shrink first and the peak grow less.
-    # Under a memory limit the kernel may also drop file-backed pages (torch's own
-    # libraries) to make room for the buffer, so the peak is checked against the
-    # resident set seen while the buffer lived, and the buffer against anonymous memory.
-    gc.collect()
-    gc.disable()
-    try:
-        assert reset_host_peak_rss()
-        anon_before = _status_bytes("RssAnon")
-        buf = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB, every page written
-        rss_alive = host_rss_bytes()
-        anon_alive = _status_bytes("RssAnon")
-        del buf
-        grown = host_peak_rss_bytes()
-        assert anon_alive - anon_before >= 200 << 20  # the buffer really was resident
-        assert grown >= rss_alive - (32 << 20)  # and the peak saw it after it was gone
-        assert reset_host_peak_rss()
-        assert host_peak_rss_bytes() < grown - (160 << 20)
-    finally:
-        gc.enable()
+    run = subprocess.run([sys.executable, "-c", _PEAK_PROBE], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    m = json.loads(run.stdout.strip().splitlines()[-1])
+    assert m["reset"] and m["reset_again"]
+    assert m["anon_alive"] - m["anon_before"] >= 200 << 20  # the buffer really was resident
+    assert m["grown"] >= m["rss_alive"] - (32 << 20)  # and the peak saw it after it was gone
+    assert m["after_reset"] < m["grown"] - (160 << 20)  # the reset dropped it
