@@ -619,17 +619,11 @@ class OffloadStore:
                 self._free_segment(out_segs[freed], out_events[freed], _event(out_digests, freed))
                 freed += 1
             if out_digests:  # every segment's digests were waited for before its free
-                values = torch.cat([ds for _, ds in out_digests]).tolist()
-                for item, d in zip((it for seg in out_segs for it in seg.items), values):
-                    self._digests[item.tag.key] = d
+                self._keep_digests(out_segs, out_digests)
         except BaseException:
             # Finish the out-going half whose copies were queued (the storages then live on
             # the host only, tracked), so a failed switch is at least a complete offload.
-            engine.drain()
-            self._drain_digests()
-            while freed < len(out_events):
-                self._free_segment(out_segs[freed], None)
-                freed += 1
+            self._free_queued_after_failure(engine, out_segs[: len(out_events)], freed)
             raise
         if claimed:
             self._claim(claimed, frozen, what)
@@ -710,18 +704,28 @@ class OffloadStore:
                 ops.point("offload_chunk_returned")
                 on_released(min(returned, total_bytes), total_bytes)
             if digests:  # every segment's digests were waited for before its free
-                values = torch.cat([ds for _, ds in digests]).tolist()
-                for item, d in zip((it for seg in queued for it in seg.items), values):
-                    self._digests[item.tag.key] = d
+                self._keep_digests(queued, digests)
         except BaseException:
             # As in _move: the storages whose copies were queued end up tracked and freed.
-            engine.drain()
-            self._drain_digests()
-            while freed < len(queued):
-                self._free_segment(queued[freed], None)
-                freed += 1
+            self._free_queued_after_failure(engine, queued, freed)
             raise
         return len(segs), 0.0
+
+    def _keep_digests(self, segs: list, digests: list) -> None:
+        """Keep the digests taken at offload (one tensor per segment of ``segs``, in order, all
+        waited for already) per storage."""
+        values = torch.cat([ds for _, ds in digests]).tolist()
+        for item, d in zip((it for seg in segs for it in seg.items), values):
+            self._digests[item.tag.key] = d
+
+    def _free_queued_after_failure(self, engine: Any, queued: list, freed: int) -> None:
+        """After an exception: the copies of the ``queued`` out-going segments complete, and
+        those not freed yet (from index ``freed`` on) are freed, their storages tracked as
+        offloaded (on the host only)."""
+        engine.drain()
+        self._drain_digests()
+        for seg in queued[freed:]:
+            self._free_segment(seg, None)
 
     def _came_in(self, key: int, frozen: set[int]) -> None:
         # A frozen storage's host copy stays the truth (and its digest the check), unless it
