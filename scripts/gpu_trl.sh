@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One GPU pass for TRL's GRPOTrainer with tidal (issue 14), with trl and datasets carried as
-# wheels in .whl/ (see scripts/gpu_wheels.sh); logs and rows ($OUT/RESULTS.md) go to $OUT.
-#   bash scripts/gpu_trl.sh [tests] [bench] [reward] [7b]   (default: tests bench)
-# reward: the same bench with a reward model of the policy's shape in every variant.
-# bench: the Qwen2-1.5B shape, TRL alone beside tidal's variants, among them a budget that keeps
-# the policy resident while the reference scores (VARIANTS overrides the list).
+# GPU passes for TRL's GRPOTrainer with tidal (issues 14, 26), with trl and datasets carried
+# as wheels in .whl/ (see scripts/gpu_wheels.sh); logs, JSON and rows ($OUT/RESULTS.md) go to $OUT.
+#   bash scripts/gpu_trl.sh [tests] [profile] [bench] [stress] [7b] [reward]
+# profile: one steady step of the headline workload (qwen2-1.5b fp32, 64 completions x 256 tokens)
+#          profiled for TRL alone and tidal's variants (VARIANTS), drawn to $OUT/profile_1.5b.png;
+#          then the stress workload (16 x 32) the same way.
+# bench:   the headline workload measured (no profiler), TRL alone beside tidal's variants.
+# stress:  16 x 32 on both presets.   7b: qwen2-7b bf16 64 x 256.   reward: with a reward model.
 # TIDAL_COMMIT names the commit in the logs (the device copy's git log may be stale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,22 +17,33 @@ source scripts/gpu_env.sh
 python3 -c "import trl, datasets; print('trl', trl.__version__, '| datasets', datasets.__version__)" 2>&1 | tail -1 | tee -a "$OUT/env.txt"
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 status=0
+tag=${TAG:-run}
+bench() {  # bench <log> <args...>: one bench_trl.py run, its log under $OUT, the tail printed
+  local log=$1; shift
+  timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_trl.py --results "$OUT/RESULTS.md" "$@" > "$OUT/$log" 2>&1 || status=1
+  grep -vE "it/s\]|s/it\]|Warning|warnings.warn|^\s*$" "$OUT/$log" | tail -${TAIL:-40}
+}
 for part in ${*:-tests bench}; do
   t0=$(date +%s)
   case $part in
-    tests) timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/integrations tests/timeshare -rs --durations=5 \
-             -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 || status=1
+    tests) timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/integrations tests/timeshare tests/state -rs \
+             --durations=5 -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 || status=1
            tail -12 "$OUT/gpu_tests.log" ;;
-    bench) timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_trl.py --preset qwen2-1.5b --steps 4 \
-             --variants ${VARIANTS:-trl,stream,stream+prefetch,stream+budget=14,stream+prefetch+budget=14} \
-             --results "$OUT/RESULTS.md" > "$OUT/bench_trl.log" 2>&1 || status=1
-           tail -12 "$OUT/bench_trl.log" ;;
-    reward) timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_trl.py --preset qwen2-1.5b --steps 4 --reward-model \
-              --variants ${VARIANTS:-trl,stream,stream+prefetch} --results "$OUT/RESULTS.md" > "$OUT/bench_trl_reward.log" 2>&1 || status=1
-            tail -8 "$OUT/bench_trl_reward.log" ;;
-    7b) timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_trl.py --preset qwen2-7b --dtype bfloat16 --steps 4 \
-          --variants trl,stream,stream+prefetch --results "$OUT/RESULTS.md" > "$OUT/bench_trl_7b.log" 2>&1 || status=1
-        tail -8 "$OUT/bench_trl_7b.log" ;;
+    profile) bench profile.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 --profile-step 4 \
+               --variants ${VARIANTS:-trl,stream,stream+prefetch} --picture "$OUT/profile_1.5b_64x256_$tag.png" \
+               --json "$OUT/profile_1.5b_64x256_$tag.json"
+             bench profile_stress.log --preset qwen2-1.5b --dtype float32 --batch 16 --completion 32 --steps 5 --profile-step 5 \
+               --variants ${VARIANTS:-trl,stream,stream+prefetch} --picture "$OUT/profile_1.5b_16x32_$tag.png" \
+               --json "$OUT/profile_1.5b_16x32_$tag.json" ;;
+    bench) bench bench.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 \
+             --variants ${VARIANTS:-trl,stream,stream+prefetch} --json "$OUT/trl_1.5b_64x256_$tag.json" ;;
+    stress) bench stress.log --preset qwen2-1.5b --dtype float32 --batch 16 --completion 32 --steps 6 \
+              --variants ${VARIANTS:-trl,stream,stream+prefetch} --json "$OUT/trl_1.5b_16x32_$tag.json"
+            bench stress7b.log --preset qwen2-7b --dtype bfloat16 --batch 16 --completion 32 --steps 6 \
+              --variants ${VARIANTS:-trl,stream,stream+prefetch} --json "$OUT/trl_7b_16x32_$tag.json" ;;
+    7b) bench bench7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps 4 \
+          --variants ${VARIANTS7B:-trl,stream,stream+prefetch} --json "$OUT/trl_7b_64x256_$tag.json" ;;
+    reward) bench reward.log --preset qwen2-1.5b --steps 4 --reward-model --variants ${VARIANTS:-trl,stream,stream+prefetch} ;;
   esac
   echo "$part: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/timing.txt"
 done

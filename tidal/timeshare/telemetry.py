@@ -18,6 +18,12 @@ class TransitionRecord:
     ``unreleased_bytes`` is what tidal freed (net of what it loaded) that the driver did not
     get back: caching-allocator segments still shared with live tensors. Only meaningful on
     an accelerator.
+
+    ``host_seconds`` is the host's wall time inside the verb that made the move (planning,
+    queueing, any host wait, the release), since the previous record of the same verb;
+    ``stall_seconds`` the time the compute stream then waited for the move's copies (device
+    events, read once they have completed; 0 until then and for moves it did not wait for).
+    Their sum, :attr:`exposed_seconds`, is what the transition cost the work around it.
     """
 
     index: int
@@ -28,6 +34,8 @@ class TransitionRecord:
     host_reserved_bytes: int
     unreleased_bytes: int
     note: str = ""
+    host_seconds: float = 0.0
+    stall_seconds: float = 0.0
 
     # The move's own figures, read through (one record of them, in the MoveResult).
     bytes_out = property(lambda self: self.move.bytes_out)
@@ -44,6 +52,10 @@ class TransitionRecord:
     def gbps(self) -> float:
         return self.move.gbps
 
+    @property
+    def exposed_seconds(self) -> float:
+        return self.host_seconds + self.stall_seconds
+
     @classmethod
     def from_move(
         cls,
@@ -56,6 +68,7 @@ class TransitionRecord:
         *,
         measure_release: bool,
         note: str = "",
+        host_seconds: float = 0.0,
     ) -> "TransitionRecord":
         freed = move.bytes_out + move.bytes_skipped
         expected_gain = freed - move.bytes_in
@@ -79,6 +92,7 @@ class TransitionRecord:
             host_reserved_bytes=host_reserved_bytes,
             unreleased_bytes=unreleased,
             note=note,
+            host_seconds=host_seconds,
         )
 
     def as_dict(self) -> dict:

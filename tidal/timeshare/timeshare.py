@@ -205,6 +205,7 @@ class Timeshare:
         self.records: list[TransitionRecord] = []
         self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory
         self._clock = 0
+        self._verb_t0 = time.perf_counter()  # see _start_clock
         self.closed = False
         # Set before a transition changes anything and cleared once the roles' flags agree with
         # the store again: if it is still set, an exception interrupted one (see _recover).
@@ -422,6 +423,7 @@ class Timeshare:
         (:attr:`tidal.distributed.GPULease.room_source`); where the role does not fit in what
         the driver has free, the load waits for it instead of raising."""
         self._check_open()
+        self._start_clock()
         self._check_not_in_backward("load")
         self._recover_if_interrupted()
         role = self.role(name)
@@ -476,6 +478,7 @@ class Timeshare:
         nothing fits).
         """
         self._check_open()
+        self._start_clock()
         self._check_not_in_backward("prefetch")
         self._recover_if_interrupted()
         role = self.role(name)
@@ -516,6 +519,7 @@ class Timeshare:
         """Move ``name``'s state to the host and return its device memory to the driver.
         Storages shared with a resident role stay. Returns None if already offloaded."""
         self._check_open()
+        self._start_clock()
         self._check_not_in_backward("offload")
         self._recover_if_interrupted()
         role = self.role(name)
@@ -532,6 +536,7 @@ class Timeshare:
         is reported (:meth:`tidal.distributed.GPULease.report_released` passes it to the next
         holder). Without it the memory goes back once, at the end."""
         self._check_open()
+        self._start_clock()
         self._check_not_in_backward("offload_all")
         self._recover_if_interrupted()
         out = [r for r in self._roles.values() if r.resident]
@@ -592,6 +597,7 @@ class Timeshare:
     ) -> TransitionRecord | None:
         """Move the role's optimizer state (and its params' grads if ``grads``) to the host;
         its params stay. Storages another resident role holds stay too."""
+        self._start_clock()
         self._recover_if_interrupted()
         role = self.role(name)
         if grads:
@@ -608,6 +614,7 @@ class Timeshare:
         self, name: str, *, grads: bool = False, kind: str = "optim-in"
     ) -> TransitionRecord | None:
         """Bring the role's offloaded optimizer state (and grads if ``grads``) back."""
+        self._start_clock()
         self._recover_if_interrupted()
         role = self.role(name)
         role.optimizer_touched()
@@ -680,6 +687,10 @@ class Timeshare:
                 f"`with ts.use({role.name!r})` block); exit that block first, or raise "
                 f"TimeshareConfig.budget_bytes so both roles can stay resident"
             )
+
+    def _start_clock(self) -> None:
+        """A verb starts: the host time of the records it makes counts from here."""
+        self._verb_t0 = time.perf_counter()
 
     def _tick(self) -> int:
         """The next value of the clock that orders eviction (least recently used first)."""
@@ -978,7 +989,11 @@ class Timeshare:
         self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
     ) -> TransitionRecord:
         """Add a store move to the timeshare's records (and warn if the driver did not get the
-        freed memory back). For optimizer residency strategies, which move state themselves."""
+        freed memory back). For optimizer residency strategies, which move state themselves.
+        The record's host time runs from the verb's start, or the previous record of the
+        same verb, to now."""
+        now = time.perf_counter()
+        host_seconds, self._verb_t0 = now - self._verb_t0, now
         rec = TransitionRecord.from_move(
             len(self.records),
             kind,
@@ -988,6 +1003,7 @@ class Timeshare:
             self.store.host_reserved_bytes,
             measure_release=self.ops.is_accelerator and self.config.release_to_driver,
             note=note,
+            host_seconds=host_seconds,
         )
         self.records.append(rec)
         if rec.unreleased_bytes > self.config.release_tolerance_bytes and kind not in self._warned_unreleased:
@@ -1030,6 +1046,7 @@ class Timeshare:
         def pre(opt, args, kwargs):
             if role.streaming:  # one chunk of a streamed step: its state is in already
                 return
+            self._start_clock()
             self._recover_if_interrupted()
             self._restore_groups(role, opt)
             if role.optimizer_locked:
