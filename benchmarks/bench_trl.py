@@ -36,7 +36,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from tidal_recipes.grpo.char_task import EOS_ID, PAD_ID, char_tokenizer, reward_sevens  # noqa: E402
+
+def _char_task():
+    """tidal_recipes/grpo/char_task.py loaded on its own: the package's __init__ imports tidal,
+    and a 'before:' variant must import the earlier tidal first."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_char_task", os.path.join(ROOT, "tidal_recipes", "grpo", "char_task.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 PRESETS = {
     # hidden, intermediate, layers, heads, kv heads
@@ -54,7 +66,8 @@ def save_model(preset: str, path: str, reward_path: str | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
 
-    char_tokenizer(CHARS).save_pretrained(path)
+    task = _char_task()
+    task.char_tokenizer(CHARS).save_pretrained(path)
     h, i, n, a, kv = PRESETS[preset]
     # The real vocabulary size: the embedding and head are a large part of a small model's bytes.
     cfg = Qwen2Config(
@@ -64,9 +77,9 @@ def save_model(preset: str, path: str, reward_path: str | None = None) -> None:
         num_hidden_layers=n,
         num_attention_heads=a,
         num_key_value_heads=kv,
-        pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
-        bos_token_id=EOS_ID,
+        pad_token_id=task.PAD_ID,
+        eos_token_id=task.EOS_ID,
+        bos_token_id=task.EOS_ID,
         tie_word_embeddings=False,
         dtype="bfloat16",
     )
@@ -76,7 +89,7 @@ def save_model(preset: str, path: str, reward_path: str | None = None) -> None:
     model.save_pretrained(path)
     del model
     if reward_path is not None:
-        char_tokenizer(CHARS).save_pretrained(reward_path)
+        task.char_tokenizer(CHARS).save_pretrained(reward_path)
         cfg.num_labels = 1
         torch.manual_seed(1)
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -84,6 +97,30 @@ def save_model(preset: str, path: str, reward_path: str | None = None) -> None:
         reward.save_pretrained(reward_path)
         del reward
     torch.cuda.empty_cache()  # this process only orchestrates: the variants run in their own
+
+
+class _RawProfile:
+    """torch's profiler without its event tree: ``stop()`` returns kineto's raw events (the
+    tree ``torch.profiler.profile`` builds from a step's hundreds of thousands of events takes
+    longer than the step)."""
+
+    def __init__(self, cuda: bool) -> None:
+        from torch.autograd import ProfilerActivity, ProfilerConfig, ProfilerState
+        from torch._C._profiler import _ExperimentalConfig
+
+        self.activities = {ProfilerActivity.CPU} | ({ProfilerActivity.CUDA} if cuda else set())
+        self.config = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False, _ExperimentalConfig())
+
+    def start(self) -> None:
+        from torch.autograd import _enable_profiler, _prepare_profiler
+
+        _prepare_profiler(self.config, self.activities)
+        _enable_profiler(self.config, self.activities)
+
+    def stop(self):
+        from torch.autograd import _disable_profiler
+
+        return _disable_profiler().events()
 
 
 def _annotate(obj, attr: str, label: str) -> None:
@@ -164,7 +201,14 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
 
     def exposed_s(trainer) -> float:
         ts = getattr(trainer, "timeshare", None)
-        return 0.0 if ts is None else sum(r.exposed_seconds for r in ts.records)
+        if ts is None:
+            return 0.0
+        # Code from before records kept their host time had only blocking moves: their copy
+        # and release time is what the host spent in them.
+        return sum(
+            getattr(r, "exposed_seconds", None) or (0.0 if r.queued else r.seconds + r.release_seconds)
+            for r in ts.records
+        )
 
     class Clock(TrainerCallback):
         # state.global_step counts the steps done: the step starting now is global_step + 1.
@@ -173,14 +217,16 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 torch.cuda.synchronize()
                 if state.global_step == 1:  # after the warm-up step
                     torch.cuda.reset_peak_memory_stats()
+            self.prof = None
             if profile_step and state.global_step + 1 == profile_step:
                 _annotate(trainer.optimizer, "step", "phase:optimizer")
                 _annotate(trainer.optimizer, "zero_grad", "phase:zero_grad")
-                self.prof = torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU]
-                    + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-                )
-                self.prof.__enter__()
+                try:
+                    prof = _RawProfile(cuda)
+                    prof.start()
+                    self.prof = prof
+                except Exception as e:  # a profiler this torch lacks costs the picture, not the run
+                    profiled["error"] = f"profiler did not start: {e!r}"
             self.exposed0 = exposed_s(trainer)
             self.t0 = time.perf_counter()
 
@@ -189,14 +235,17 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 torch.cuda.synchronize()
             wall = time.perf_counter() - self.t0
             if profile_step and state.global_step == profile_step:
-                self.prof.__exit__(None, None, None)
-                import step_trace
+                if self.prof is not None:
+                    try:
+                        import step_trace
 
-                spans = step_trace.spans_from_profiler(self.prof)
-                profiled["summary"] = step_trace.analyse(spans)
-                profiled["lanes"] = step_trace.compact(spans)
-                profiled["wall_s"] = wall
-                del self.prof
+                        spans = step_trace.spans_from_events(self.prof.stop())
+                        profiled["summary"] = step_trace.analyse(spans)
+                        profiled["lanes"] = step_trace.compact(spans)
+                        profiled["wall_s"] = wall
+                    except Exception as e:
+                        profiled["error"] = f"profile not analysed: {e!r}"
+                    self.prof = None
                 return  # the profiled step's time is not a measurement
             if state.global_step > 1:
                 times.append(wall)
@@ -220,25 +269,39 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         model_init_kwargs={"dtype": args.dtype},
     )
     data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(256)]})
+    reward_sevens = _char_task().reward_sevens
     rewards = [reward_sevens, args.reward_model_path] if args.reward_model_path else reward_sevens
     common = dict(model=model_path, reward_funcs=rewards, args=cfg, train_dataset=data, callbacks=[Clock()])
     if variant == "trl":
         trainer = GRPOTrainer(**common)
     else:
-        residency, *extras = variant.split("+")
-        # key=value suffixes set the timeshare: budget / headroom in GiB, evict by name
+        residency, *extras = variant.split(":", 1)[-1].split("+")
+        # key=value suffixes: budget / headroom in GiB and evict set the timeshare, peak (GiB)
+        # bounds what prefetches bring in
         settings = dict(e.split("=", 1) for e in extras if "=" in e)
-        if any(e != "prefetch" and "=" not in e for e in extras) or set(settings) - {"budget", "headroom", "evict"}:
+        if any(e != "prefetch" and "=" not in e for e in extras) or set(settings) - {
+            "budget",
+            "headroom",
+            "evict",
+            "peak",
+        }:
             raise ValueError(
-                f"unknown variant {variant!r}: a residency, optionally with '+prefetch', '+budget=<GiB>', "
-                f"'+headroom=<GiB>' and '+evict=as_needed'"
+                f"unknown variant {variant!r}: [before:]<residency>, optionally with '+prefetch', '+budget=<GiB>', "
+                f"'+headroom=<GiB>', '+evict=as_needed' and '+peak=<GiB>'"
             )
-        ts_cfg = TimeshareConfig(
-            budget_bytes=int(float(settings["budget"]) * 2**30) if "budget" in settings else None,
-            headroom_bytes=int(float(settings.get("headroom", 0)) * 2**30),
-            evict=settings.get("evict", "others"),
-        )
-        tidal_cfg = TidalConfig(optimizer_residency=residency, prefetch="prefetch" in extras, timeshare=ts_cfg)
+        kw = {}
+        if settings.keys() & {"budget", "headroom", "evict"}:
+            ts_kw = dict(
+                budget_bytes=int(float(settings["budget"]) * 2**30) if "budget" in settings else None,
+                headroom_bytes=int(float(settings.get("headroom", 0)) * 2**30),
+                evict=settings.get("evict", "others"),
+            )
+            if not variant.startswith("before:"):  # the trainer's own defaults, with these changed
+                ts_kw.update(release_to_driver=False, wait_for_copies=False)
+            kw["timeshare"] = TimeshareConfig(**ts_kw)
+        if "peak" in settings:
+            kw["prefetch_peak_bytes"] = int(float(settings["peak"]) * 2**30)
+        tidal_cfg = TidalConfig(optimizer_residency=residency, prefetch="prefetch" in extras, **kw)
         trainer = TidalGRPOTrainer(**common, tidal=tidal_cfg)
     if profile_step:
         _annotate_for_profile(trainer)
@@ -252,7 +315,9 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             trainer.train()
     except torch.OutOfMemoryError as e:
         error = f"out of memory: {str(e).splitlines()[0]}"
-    res = {"variant": variant, "error": error, "wall_s": time.perf_counter() - t0}
+    import tidal
+
+    res = {"variant": variant, "error": error, "wall_s": time.perf_counter() - t0, "tidal": tidal.__file__}
     if not error:
         res.update(step_s=statistics.median(times), peak_bytes=max(peaks), steps_measured=len(times))
         res["loss"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -276,80 +341,13 @@ def _x(ratio: float | None) -> str:
     return f"{ratio:.2f}" if ratio is not None else "-"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="qwen2-1.5b", choices=sorted(PRESETS))
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--variants", default="trl,step,stream,stream+prefetch")
-    p.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (completions per step)")
-    p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--completion", type=int, default=32, help="max_completion_length")
-    p.add_argument("--dtype", default="float32", help="weights as TRL loads them (its default: float32)")
-    p.add_argument(
-        "--reward-model",
-        action="store_true",
-        help="every variant also scores with a reward model of the policy's shape (TRL keeps it on the "
-        "device; tidal gives it a turn)",
-    )
-    p.add_argument("--results", default=None)
-    p.add_argument("--json", default=None)
-    p.add_argument(
-        "--profile-step",
-        type=int,
-        default=0,
-        help="profile this step (1-based; not counted in the step times) with torch.profiler: where its time "
-        "goes (benchmarks/step_trace.py) is printed and put in the JSON",
-    )
-    p.add_argument("--picture", default=None, help="with --profile-step: draw the profiled steps to this PNG")
-    p.add_argument("--commit", default=os.environ.get("TIDAL_COMMIT", ""), help="the commit measured (for the JSON)")
-    p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reward-model-path", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args._variant:
-        run_variant(args._variant, args._model, args.steps, args._out, args)
-        return 0
-
+def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> None:
+    """Print (``final``: the table, profiles and rows) and write the JSON and picture of the
+    variants measured so far."""
     import torch
     import transformers
     import trl
 
-    work = tempfile.mkdtemp()
-    model_path = os.path.join(work, args.preset)
-    t0 = time.perf_counter()
-    reward_path = os.path.join(work, args.preset + "-reward") if args.reward_model else None
-    save_model(args.preset, model_path, reward_path)
-    print(f"saved {args.preset} to {model_path} in {time.perf_counter() - t0:.1f} s", flush=True)
-    results = []
-    for v in args.variants.split(","):
-        out = os.path.join(work, f"{v}.json")
-        cmd = [
-            sys.executable,
-            __file__,
-            "--_variant",
-            v,
-            "--_model",
-            model_path,
-            "--_out",
-            out,
-            "--steps",
-            str(args.steps),
-            "--batch",
-            str(args.batch),
-            "--num-generations",
-            str(args.num_generations),
-            "--completion",
-            str(args.completion),
-            "--dtype",
-            args.dtype,
-            "--profile-step",
-            str(args.profile_step),
-        ] + (["--reward-model-path", reward_path] if reward_path else [])
-        rc = subprocess.run(cmd).returncode
-        res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
-        results.append(res)
-        print(json.dumps({k: x for k, x in res.items() if k != "profile"}), flush=True)
     base = next((r for r in results if r["variant"] == "trl" and not r.get("error")), None)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{gpu}, torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
@@ -384,11 +382,11 @@ def main(argv=None) -> int:
         "targets (64 x 256): 1.5B fp32 step <= 1.03x TRL at peak <= 0.5x; 7B bf16 exposed <= 3% of the step; "
         "prefetch never slower than without"
     )
-    profiled = [(r["variant"], r["profile"]) for r in results if r.get("profile")]
+    profiled = [(r["variant"], r["profile"]) for r in results if r.get("profile", {}).get("summary")]
     if profiled:
         import step_trace
 
-        for name, prof in profiled:
+        for name, prof in profiled if final else [p for p in profiled if p[0] == results[-1]["variant"]]:
             print(step_trace.format_summary(f"{name} (profiled step {args.profile_step})", prof["summary"]))
         if args.picture:
             step_trace.draw(
@@ -400,7 +398,7 @@ def main(argv=None) -> int:
                 title=f"{gpu}: {what}, {args.batch} x {args.completion}, one steady step",
             )
             print(f"picture: {args.picture}")
-    if args.results:
+    if args.results and final:
         with open(args.results, "a") as f:
             f.write("\n".join(rows) + "\n")
     if args.json:
@@ -423,6 +421,91 @@ def main(argv=None) -> int:
                 },
                 f,
             )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen2-1.5b", choices=sorted(PRESETS))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--variants", default="trl,step,stream,stream+prefetch")
+    p.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (completions per step)")
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    p.add_argument("--dtype", default="float32", help="weights as TRL loads them (its default: float32)")
+    p.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="every variant also scores with a reward model of the policy's shape (TRL keeps it on the "
+        "device; tidal gives it a turn)",
+    )
+    p.add_argument("--results", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=0,
+        help="profile this step (1-based; not counted in the step times) with torch.profiler: where its time "
+        "goes (benchmarks/step_trace.py) is printed and put in the JSON",
+    )
+    p.add_argument("--picture", default=None, help="with --profile-step: draw the profiled steps to this PNG")
+    p.add_argument("--commit", default=os.environ.get("TIDAL_COMMIT", ""), help="the commit measured (for the JSON)")
+    p.add_argument(
+        "--before",
+        default=os.path.join(ROOT, ".before"),
+        help="a folder holding the tidal package of an earlier commit, for 'before:<variant>' variants "
+        "(git archive <commit> tidal | tar -x -C .before)",
+    )
+    p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reward-model-path", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._variant:
+        if args._variant.startswith("before:"):
+            # The code measured before the change: its tidal package, exported to --before.
+            sys.path.insert(0, os.path.abspath(args.before))
+        run_variant(args._variant, args._model, args.steps, args._out, args)
+        return 0
+
+    work = tempfile.mkdtemp()
+    model_path = os.path.join(work, args.preset)
+    t0 = time.perf_counter()
+    reward_path = os.path.join(work, args.preset + "-reward") if args.reward_model else None
+    save_model(args.preset, model_path, reward_path)
+    print(f"saved {args.preset} to {model_path} in {time.perf_counter() - t0:.1f} s", flush=True)
+    results = []
+    for v in args.variants.split(","):
+        out = os.path.join(work, f"{v}.json")
+        cmd = [
+            sys.executable,
+            __file__,
+            "--_variant",
+            v,
+            "--_model",
+            model_path,
+            "--_out",
+            out,
+            "--steps",
+            str(args.steps),
+            "--batch",
+            str(args.batch),
+            "--num-generations",
+            str(args.num_generations),
+            "--completion",
+            str(args.completion),
+            "--dtype",
+            args.dtype,
+            "--profile-step",
+            str(args.profile_step),
+            "--before",
+            args.before,
+        ] + (["--reward-model-path", reward_path] if reward_path else [])
+        rc = subprocess.run(cmd).returncode
+        res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
+        results.append(res)
+        print(json.dumps({k: x for k, x in res.items() if k != "profile"}), flush=True)
+        _report_so_far(args, results, reward_path)  # a run cut short keeps what it measured
+    _report_so_far(args, results, reward_path, final=True)
     return 0
 
 

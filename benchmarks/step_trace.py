@@ -27,7 +27,7 @@ import bisect
 import dataclasses
 from typing import Iterable, Sequence
 
-__all__ = ["Span", "spans_from_profiler", "analyse", "draw", "format_summary"]
+__all__ = ["Span", "spans_from_events", "spans_from_profiler", "analyse", "compact", "draw", "format_summary"]
 
 _BLOCKING = (
     "cudaStreamSynchronize",
@@ -56,9 +56,13 @@ class Span:
 
 
 def spans_from_profiler(prof) -> list[Span]:
-    """The profiler's events as spans, in seconds from the first event (kept: annotations,
-    blocking runtime calls and every device event; the device events' streams become lanes)."""
-    events = prof.profiler.kineto_results.events()
+    """:func:`spans_from_events` of a finished ``torch.profiler.profile``."""
+    return spans_from_events(prof.profiler.kineto_results.events())
+
+
+def spans_from_events(events) -> list[Span]:
+    """Kineto's events as spans, in seconds from the first event (kept: annotations, blocking
+    runtime calls and every device event; the device events' streams become lanes)."""
     raw: list[tuple[str, str, int, int, int]] = []
     stream_kind: dict[int, str] = {}
     kernel_ns: dict[int, int] = {}

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU passes for TRL's GRPOTrainer with tidal (issues 14, 26), with trl and datasets carried
 # as wheels in .whl/ (see scripts/gpu_wheels.sh); logs, JSON and rows ($OUT/RESULTS.md) go to $OUT.
-#   bash scripts/gpu_trl.sh [tests] [profile] [bench] [stress] [7b] [reward]
+#   bash scripts/gpu_trl.sh [tests] [newtests] [final] [profile] [bench] [stress] [7b] [reward]
+# newtests: the GPU tests of the no-host-wait transitions, prefetch and TRL on a GPU.
+# final:   the headline workload, TRL alone beside the code before the change (before:, from the
+#          tidal package exported to .before/, carried) and after, one steady step profiled.
 # profile: one steady step of the headline workload (qwen2-1.5b fp32, 64 completions x 256 tokens)
 #          profiled for TRL alone and tidal's variants (VARIANTS), drawn to $OUT/profile_1.5b.png;
 #          then the stress workload (16 x 32) the same way.
@@ -29,6 +32,13 @@ for part in ${*:-tests bench}; do
     tests) timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/integrations tests/timeshare tests/state -rs \
              --durations=5 -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 || status=1
            tail -12 "$OUT/gpu_tests.log" ;;
+    newtests) timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/timeshare/test_no_wait_gpu.py \
+                tests/timeshare/test_prefetch_gpu.py tests/integrations/test_trl_gpu.py -rs --durations=5 \
+                -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 || status=1
+              tail -15 "$OUT/gpu_tests.log" ;;
+    final) bench final.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 --profile-step 4 \
+             --variants ${VARIANTS:-trl,before:stream,stream,stream+prefetch} --picture "$OUT/trl_1.5b_64x256_$tag.png" \
+             --json "$OUT/trl_1.5b_64x256_$tag.json" ;;
     profile) bench profile.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 --profile-step 4 \
                --variants ${VARIANTS:-trl,stream,stream+prefetch} --picture "$OUT/profile_1.5b_64x256_$tag.png" \
                --json "$OUT/profile_1.5b_64x256_$tag.json"

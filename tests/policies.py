@@ -38,6 +38,10 @@ class SkipWaits(SyncPolicy):
         if not self._skip(name):
             super().wait_host(name, event)
 
+    def hold_until(self, name: str, tensor: Any, stream: Any) -> None:
+        if not self._skip(name):
+            super().hold_until(name, tensor, stream)
+
 
 class CountPoints(SyncPolicy):
     """Counts calls made from the thread that created it (the copy worker threads of CPUAdam
@@ -62,6 +66,10 @@ class CountPoints(SyncPolicy):
     def wait_host(self, name, event):
         self._hit(name)
         super().wait_host(name, event)
+
+    def hold_until(self, name, tensor, stream):
+        self._hit(name)
+        super().hold_until(name, tensor, stream)
 
     def point(self, name):
         self._hit(name)

@@ -31,7 +31,8 @@ __all__ = [
 
 
 class SyncPolicy:
-    """How tidal orders its work: every stream wait, event wait and host wait tidal makes, and
+    """How tidal orders its work: every stream wait, event wait and host wait tidal makes, every
+    block whose reuse it defers behind a stream (:meth:`hold_until`), and
     every step of a transition where an exception may land, goes through the current policy,
     by name. The default policy simply waits (and does nothing at a :meth:`point`).
 
@@ -58,6 +59,12 @@ class SyncPolicy:
         """The host blocks until ``event`` has completed."""
         if event is not None:
             event.synchronize()
+
+    def hold_until(self, name: str, tensor: torch.Tensor, stream: Any) -> None:
+        """The caching allocator hands ``tensor``'s block out again, once it is freed, only
+        after the work queued on ``stream`` now has run (no host blocking)."""
+        if stream is not None:
+            tensor.record_stream(stream)
 
     def point(self, name: str) -> None:
         """A step of a transition where an exception may land (nothing to do by default)."""
@@ -219,6 +226,9 @@ class DeviceOps:
 
     def wait_host(self, name: str, event: Any) -> None:
         _POLICY[0].wait_host(name, event)
+
+    def hold_until(self, name: str, tensor: torch.Tensor, stream: Any) -> None:
+        _POLICY[0].hold_until(name, tensor, stream)
 
     def point(self, name: str) -> None:
         _POLICY[0].point(name)

@@ -174,8 +174,8 @@ def test_a_budget_for_both_keeps_the_policy_in_while_the_reference_scores(tiny, 
     assert sum(r.role_in == "reference" for r in recs) == 1 and ours.timeshare.is_resident("reference")
 
 
-def test_prefetch_without_a_reference_is_ignored_with_a_warning(tiny, tmp_path):
-    with pytest.warns(UserWarning, match=r"prefetch=True\) is ignored: TRL built no reference model \(beta=0"):
+def test_prefetch_without_a_reference_says_it_only_brings_the_optimizer_state(tiny, tmp_path):
+    with pytest.warns(UserWarning, match=r"prefetch=True\) only brings the policy's optimizer state in ahead"):
         trainer = TidalGRPOTrainer(
             model=tiny,
             reward_funcs=reward_sevens,

@@ -98,12 +98,14 @@ def _params_and_moments(state, snap):
     return per_param
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("residency", ["step", "stream"])
-def test_fault_at_every_point_of_an_optimizer_step_leaves_no_torn_parameter(residency):
-    """A step with its state brought in (step) or streamed chunk by chunk (stream): after a
-    fault, each parameter with its optimizer state is entirely as before the step or entirely
-    as after it; the bookkeeping is consistent; and (stream) step() again completes the step
-    exactly."""
+def test_fault_at_every_point_of_an_optimizer_step_leaves_no_torn_parameter(residency, prefetch):
+    """A step with its state brought in (step) or streamed chunk by chunk (stream), with or
+    without its state prefetched ahead (``prefetch_optimizer``, faults in it swept too): after
+    a fault, each parameter with its optimizer state is entirely as before the step or
+    entirely as after it; the bookkeeping is consistent; and (stream) step() again completes
+    the step exactly."""
     clean: dict = {}
     ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(2))
 
@@ -115,6 +117,8 @@ def test_fault_at_every_point_of_an_optimizer_step_leaves_no_torn_parameter(resi
 
     def act(state):
         with state["ts"].use("actor"):
+            if prefetch:
+                assert state["ts"].prefetch_optimizer("actor") is not None
             state["opt"].step()
 
     def check(state, fired):

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from tidal.device import DeviceOps
+from tidal.device import DeviceOps, sync_policy
 
 
 class FakeStream:
@@ -90,6 +90,11 @@ class FakeAccelOps(DeviceOps):
 
     def synchronize(self) -> None:
         self.log.append(("device_sync",))
+
+    def hold_until(self, name: str, tensor: torch.Tensor, stream: FakeStream) -> None:
+        # No allocator to tell: logged, and seen by the sync policy as a point (fault sweeps).
+        self.log.append(("hold", stream.name, tensor.untyped_storage()._cdata))
+        sync_policy().point(name)
 
     def driver_free_bytes(self) -> tuple[int, int]:
         return self.free_bytes, 1 << 41

@@ -85,7 +85,12 @@ class TidalConfig:
             (``"step"``: on the host except inside ``step()``; ``"stream"``: the same, moved a
             chunk at a time; ``"role"``: with the policy). Ignored for ``tidal.CPUAdam``, whose
             state is on the host by design.
-        timeshare: the timeshare's settings (budget, headroom, transfer).
+        timeshare: the timeshare's settings (budget, headroom, transfer). The default keeps
+            freed memory in this process's caching allocator (``release_to_driver=False``: every
+            role lives in the trainer's process, and a release to the driver synchronises the
+            device) and lets transitions return once their copies are queued
+            (``wait_for_copies=False``: the host queues the next phase's work while the bytes
+            move). A ``TimeshareConfig`` given here is used as it is.
         activation_offload: offload the activations the loss forward saves for backward
             (:func:`tidal.offload_activations` over ``activation_layers``, a dotted path to the
             policy's transformer blocks; ``"auto"``: ``model.layers`` and the usual names).
@@ -97,16 +102,25 @@ class TidalConfig:
             (if there is one), and the last of them the policy back. On an accelerator each
             phase leaves free what it allocated the last time it ran (plus 10% and 256 MiB), so
             the first generation and scoring prefetch nothing; it trades peak memory for time.
-            Needs a role beside the policy (``beta > 0`` or a reward model); otherwise ignored
-            with a warning.
+            The policy's optimizer state (``"step"``/``"stream"`` residency) starts coming in
+            as the backward starts (:meth:`tidal.Timeshare.prefetch_optimizer`), as much as the
+            backward leaves free, so its step finds it arrived.
+            Needs a role beside the policy (``beta > 0`` or a reward model) to move the roles
+            ahead; the optimizer state is brought in ahead either way.
+        prefetch_peak_bytes: with ``prefetch``, the device's allocated bytes a prefetch may
+            bring it up to (what a phase will still allocate counted): prefetch trades peak
+            memory for time, and this bounds the trade. ``None``: free memory decides.
     """
 
     optimizer_residency: OptimizerResidency = "step"
-    timeshare: TimeshareConfig = dataclasses.field(default_factory=TimeshareConfig)
+    timeshare: TimeshareConfig = dataclasses.field(
+        default_factory=lambda: TimeshareConfig(release_to_driver=False, wait_for_copies=False)
+    )
     activation_offload: bool = False
     activation_layers: str = "auto"
     activation_min_offload_bytes: int = 1 << 20
     prefetch: bool = False
+    prefetch_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer_residency not in ("step", "stream", "role"):
@@ -118,6 +132,8 @@ class TidalConfig:
                 f"TidalConfig.timeshare must be a tidal.TimeshareConfig, got {type(self.timeshare).__name__}"
             )
         check_activation_fields(self)
+        if self.prefetch_peak_bytes is not None and self.prefetch_peak_bytes < 0:
+            raise ValueError(f"TidalConfig.prefetch_peak_bytes must be >= 0 or None, got {self.prefetch_peak_bytes}")
 
 
 class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
@@ -171,9 +187,9 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             self.timeshare.offload("reward")
         if self.tidal_config.prefetch and not self.timeshare.roles:
             warnings.warn(
-                "TidalConfig(prefetch=True) is ignored: TRL built no reference model (beta=0, or a PEFT policy "
-                "whose reference is itself with the adapters disabled) and no reward model, so the policy is the "
-                "only role and nothing takes turns with it",
+                "TidalConfig(prefetch=True) only brings the policy's optimizer state in ahead of its step: TRL built "
+                "no reference model (beta=0, or a PEFT policy whose reference is itself with the adapters disabled) "
+                "and no reward model, so the policy is the only role and nothing else takes turns with it",
                 stacklevel=2,
             )
         self._tidal_logged = 0  # transitions already reported in a log line
@@ -240,16 +256,27 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             return super()._calculate_rewards(*args, **kwargs)
 
     def _prefetch(self, phase: str, then: str) -> None:
-        """With ``TidalConfig(prefetch=True)``: start bringing ``then`` in behind ``phase``."""
-        ts = self.timeshare
-        if not self.tidal_config.prefetch or then not in ts.roles or len(ts.roles) < 2:
+        """With ``TidalConfig(prefetch=True)``: start bringing ``then`` in behind ``phase``
+        (``"optimizer"``: the policy's optimizer state, ahead of its step)."""
+        ts, cfg = self.timeshare, self.tidal_config
+        if not cfg.prefetch:
             return
-        leave = None
+        if then == "optimizer":
+            if "policy" not in ts.roles:
+                return
+        elif then not in ts.roles or len(ts.roles) < 2:
+            return
+        leave, limit = None, None
         if ts.device.type != "cpu":
             if phase not in self._tidal_growth:
                 return  # its needs are not known yet: measured this time, used the next
             leave = int(1.1 * self._tidal_growth[phase]) + (256 << 20)
-        rec = ts.prefetch(then, leave_free_bytes=leave)
+            if cfg.prefetch_peak_bytes is not None:
+                limit = max(0, cfg.prefetch_peak_bytes - torch.cuda.memory_allocated(ts.device) - leave)
+        if then == "optimizer":
+            rec = ts.prefetch_optimizer("policy", leave_free_bytes=leave, limit_bytes=limit)
+        else:
+            rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit)
         if rec is not None:
             self._tidal_phase_prefetched += rec.bytes_in
 
@@ -257,15 +284,23 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         cfg = self.tidal_config
         with self._turn("policy").named("loss"):
             if not cfg.activation_offload:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            policy = self.accelerator.unwrap_model(model)
-            with offload_activations(
-                policy,
-                layers=find_layers(policy, cfg.activation_layers),
-                min_offload_bytes=cfg.activation_min_offload_bytes,
-            ) as off:
-                self._tidal_offloader = off
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            else:
+                policy = self.accelerator.unwrap_model(model)
+                with offload_activations(
+                    policy,
+                    layers=find_layers(policy, cfg.activation_layers),
+                    min_offload_bytes=cfg.activation_min_offload_bytes,
+                ) as off:
+                    self._tidal_offloader = off
+                    out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training and torch.is_grad_enabled() and self.accelerator.sync_gradients:
+            # The backward (and the optimizer step after it: this is the accumulation's last
+            # micro-batch) is a phase of its own: what it allocates decides how much optimizer
+            # state can come in ahead of the step.
+            self._mark_phase("backward")
+            self._prefetch("backward", "optimizer")
+        return out
 
     def _sync_reference(self, alpha: float) -> None:
         """Mix the policy into the reference (see :class:`_SyncReference`)."""

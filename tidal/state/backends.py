@@ -10,6 +10,8 @@ host, and how it comes back before they return. Protocol::
         def release(self, storage) -> None: ...                   # take its memory away
         def settle(self, *, final=True) -> int: ...               # after a release: where the memory goes;
                                                                   # returns the bytes given back to the driver
+        def can_release_after(self, storage) -> bool: ...         # release_after() serves this storage
+        def release_after(self, storage, stream) -> None: ...     # release now, reuse after stream's queued work
 
 :class:`ResizeBackend` (the default, no native code) resizes the storage itself, as FSDP does:
 tensors, views and optimizer keys stay valid, but a restored storage may get another device
@@ -30,6 +32,7 @@ from typing import Protocol, Sequence
 import torch
 
 from tidal.device import DeviceOps
+from tidal.transfer.engine import byte_view
 from tidal.vmm import RegionTag
 
 __all__ = [
@@ -95,6 +98,16 @@ class ResidencyBackend(Protocol):
 
     def release(self, storage: torch.UntypedStorage) -> None: ...
 
+    def can_release_after(self, storage: torch.UntypedStorage) -> bool:
+        """:meth:`release_after` can release ``storage`` before the copy reading it has run."""
+        ...
+
+    def release_after(self, storage: torch.UntypedStorage, stream) -> None:
+        """Release ``storage`` now; its memory is handed out again only after the work queued
+        on ``stream`` so far (a D2H copy reading it) has run. Only where
+        :meth:`can_release_after` says so."""
+        ...
+
     def settle(self, *, final: bool = True) -> int:
         """Put the memory of the storages released since the last settle where it goes;
         return how many bytes this process gave back to the driver doing so (0 when it keeps
@@ -145,6 +158,15 @@ class ResizeBackend:
         storage.resize_(nbytes)
 
     def release(self, storage: torch.UntypedStorage) -> None:
+        storage.resize_(0)
+
+    def can_release_after(self, storage: torch.UntypedStorage) -> bool:
+        return self.ops.is_accelerator
+
+    def release_after(self, storage: torch.UntypedStorage, stream) -> None:
+        # The D2H copy queued on `stream` still reads the block: nothing else may be put there
+        # before it has run (the allocator records an event at the free and polls it).
+        self.ops.hold_until("free_behind_d2h", byte_view(storage), stream)
         storage.resize_(0)
 
     def settle(self, *, final: bool = True) -> int:
@@ -234,6 +256,14 @@ class RegionBackend:
         self._released[key] = (tag, storage.data_ptr(), storage.nbytes(), storage)
         _IN_PLACE_COUNT[0] += 1
         self._pending.add(tag)
+
+    def can_release_after(self, storage: torch.UntypedStorage) -> bool:
+        # A tag's memory is unmapped whole at settle: its storages go only once their copies ran.
+        return self.tag_of(storage) is None and self.fallback.can_release_after(storage)
+
+    def release_after(self, storage: torch.UntypedStorage, stream) -> None:
+        assert self.tag_of(storage) is None, "a region tag's storage released before its copy ran"
+        self.fallback.release_after(storage, stream)
 
     def restore(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         entry = self._released.get(storage._cdata)

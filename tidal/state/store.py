@@ -123,6 +123,13 @@ class OffloadStore:
         self._exposed: dict[int, tuple[HostSlot, torch.Tensor]] = {}
         self.last_move: MoveResult | None = None
         self._closed = False
+        # The D2H event of the last storages released before their copy completed
+        # (switch(wait=False)): host readers of host copies wait for it, H2D copies queue after it.
+        self._departed: Any = None
+        # key -> (queue order, D2H event) of each storage released that way, until a reader
+        # of its host copy has been ordered behind it
+        self._departing: dict[int, tuple[int, Any]] = {}
+        self._departure_order = itertools.count()
         # Resident storages whose host slot still holds exactly their bytes: reloaded for an
         # owner that declared them frozen (never written). Offloading one copies nothing.
         self._host_valid: set[int] = set()
@@ -189,6 +196,7 @@ class OffloadStore:
         """
         if key not in self._offloaded:
             return None
+        self.wait_departures()  # the caller reads (or writes) the host copy on the host
         if key in self._arriving:
             # The caller may write the host copy, which a prefetch has read already: that
             # storage is brought in again by its reload instead.
@@ -231,6 +239,8 @@ class OffloadStore:
         it when a role is registered so the first transition does not pay for pinning."""
         self._check_open()
         self._settle_write_backs()  # no write-back may still be writing a slot released below
+        if self._dead_slots:
+            self.wait_departures()  # nor a copy of a storage released without a wait
         self._reclaim_dead_slots()
         need: list[StateEntry] = []
         seen: set[int] = set()
@@ -243,6 +253,7 @@ class OffloadStore:
             if held is not None and held[1]() is e.storage and held[0].nbytes == e.nbytes:
                 continue
             if held is not None:
+                self.wait_departures()  # a queued copy may still write the slot given back here
                 self.arena.release(held[0])
                 del self._slots[e.key]
             self._host_valid.discard(e.key)
@@ -303,13 +314,15 @@ class OffloadStore:
         release: bool | None = None,
         on_released: ReleaseProgress | None = None,
         release_chunk_bytes: int = 256 << 20,
+        wait: bool = True,
     ) -> MoveResult:
         """Copy ``entries`` to host and free their device memory. Already-offloaded entries
-        are skipped. Blocks until the copies are done and (unless ``release`` is False) the
-        backend has settled the freed memory (by default: back with the driver).
-        ``on_released``: give the memory back chunk by chunk and report it (see :meth:`switch`)."""
+        are skipped. Blocks until the copies are done (``wait=False``: see :meth:`switch`) and
+        (unless ``release`` is False) the backend has settled the freed memory (by default:
+        back with the driver). ``on_released``: give the memory back chunk by chunk and report
+        it (see :meth:`switch`)."""
         return self.switch(
-            entries, [], release=release, on_released=on_released, release_chunk_bytes=release_chunk_bytes
+            entries, [], release=release, on_released=on_released, release_chunk_bytes=release_chunk_bytes, wait=wait
         )
 
     def reload(
@@ -319,11 +332,15 @@ class OffloadStore:
         what: str = "reload",
         room_source: RoomSource | None = None,
         reserve_max_bytes: int | None = None,
+        wait: bool = True,
     ) -> MoveResult:
         """Bring offloaded ``entries`` back (others are skipped). Raises
         :class:`InsufficientMemoryError` before moving anything if they cannot fit, counting
-        what ``room_source`` says is still coming (see :meth:`switch`)."""
-        return self.switch([], entries, what=what, room_source=room_source, reserve_max_bytes=reserve_max_bytes)
+        what ``room_source`` says is still coming (see :meth:`switch`; ``wait=False``: the
+        compute stream waits for the copies, the host does not)."""
+        return self.switch(
+            [], entries, what=what, room_source=room_source, reserve_max_bytes=reserve_max_bytes, wait=wait
+        )
 
     def switch(
         self,
@@ -340,6 +357,7 @@ class OffloadStore:
         release_chunk_bytes: int = 256 << 20,
         room_source: RoomSource | None = None,
         reserve_max_bytes: int | None = None,
+        wait: bool = True,
     ) -> MoveResult:
         """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy.
 
@@ -398,6 +416,18 @@ class OffloadStore:
           arrived and at most ``reserve_max_bytes``, so that their next chunked offload can
           give memory back run by run (the allocator returns only whole runs). Its room is
           what the driver and this process's cache have free (``extra_bytes`` does not apply).
+
+        ``wait=False``: the host waits for no copy that the move does not need to make room.
+        The compute stream waits for the incoming copies (as it does anyway) and the host goes
+        on at once; out-going storages whose memory the move does not need are tracked and
+        released as soon as their copies are queued, the allocator being told to hand their
+        blocks out again only after the D2H stream has read them
+        (:meth:`~tidal.state.backends.ResidencyBackend.release_after`; a backend that cannot,
+        such as an address-stable region, gets its storages after a host wait as usual).
+        Every later reader of those host copies waits for them: a reload's H2D copies on the
+        device, the host (:meth:`host_view`, checkpoints, slots reused) before it reads. The
+        move's ``seconds`` is then the host time and ``queued`` is set. With ``verify`` on,
+        the move waits as usual (its digests are read on the host).
 
         Raises ``ValueError`` (before anything moves) for ``on_released`` with incoming
         entries or with ``release=False``, or a ``release_chunk_bytes`` below 1.
@@ -468,6 +498,7 @@ class OffloadStore:
         # Reserving ahead only when everything incoming fits at once (else blocks are freed and
         # reused one segment at a time, and a reservation would only get in the way).
         coalesce = need_in <= room
+        wait = wait or self.config.verify != "off" or on_released is not None
         t0 = time.perf_counter()
         self._in_flight = True  # cleared once every storage is where the bookkeeping says
         try:
@@ -497,6 +528,7 @@ class OffloadStore:
                     room_source=room_source if in_todo else None,
                     room_now=room_now,
                     reserve_max_bytes=reserve_max_bytes,
+                    wait=wait,
                 )
         except BaseException:
             self.recover()
@@ -528,6 +560,7 @@ class OffloadStore:
             driver_free_after=after.driver_free_bytes,
             segments=segments,
             alloc_seconds=alloc_seconds,
+            queued=not wait and bool(out_todo or in_todo),
         )
         return self.last_move
 
@@ -544,6 +577,7 @@ class OffloadStore:
         room_source: RoomSource | None = None,
         room_now: Any = None,
         reserve_max_bytes: int | None = None,
+        wait: bool = True,
     ) -> tuple[int, float]:
         """The copies of :meth:`switch`, in an order where an exception at any point leaves
         every storage resident or tracked. Returns (segments, seconds spent allocating)."""
@@ -567,6 +601,7 @@ class OffloadStore:
                 # after the copies so the first copy starts at once.
                 out_digests = self._digest_segments(out_segs, None, verify)
             engine.begin_in()
+            self._after_departures(engine.h2d_stream, in_todo)
             last_in_event = None
             in_events: list = []
             reserved_until, reserve_target = 0, 64 << 20
@@ -616,7 +651,8 @@ class OffloadStore:
             if verify != "off" and in_segs:
                 in_digests = self._digest_segments(in_segs, in_events, verify)
             while freed < len(out_segs):
-                self._free_segment(out_segs[freed], out_events[freed], _event(out_digests, freed))
+                if wait or not self._free_segment_behind(out_segs[freed], out_events[freed]):
+                    self._free_segment(out_segs[freed], out_events[freed], _event(out_digests, freed))
                 freed += 1
             if out_digests:  # every segment's digests were waited for before its free
                 self._keep_digests(out_segs, out_digests)
@@ -628,8 +664,10 @@ class OffloadStore:
         if claimed:
             self._claim(claimed, frozen, what)
         engine.publish(last_in_event)
-        # The bytes must have landed before the storages count as resident.
-        engine.wait("reload_done", last_in_event)
+        if wait:
+            # The bytes must have landed before the storages count as resident (without wait,
+            # the compute stream's wait published above orders every reader behind them).
+            engine.wait("reload_done", last_in_event)
         if in_digests:
             self._verify(
                 [it.tag for seg in in_segs for it in seg.items],
@@ -826,6 +864,7 @@ class OffloadStore:
             ops.point("prefetch_allocated")
         alloc_seconds = time.perf_counter() - t0
         engine.begin_in()
+        self._after_departures(engine.h2d_stream, take)
         # Direct copies, one driver call where the driver batches them: the host's time to
         # queue them is what a prefetch costs the phase it runs in.
         items = self._items(take)
@@ -1041,6 +1080,8 @@ class OffloadStore:
         but not yet freed): its host copy is complete and is the truth. Idempotent; cheap
         when nothing was interrupted. Returns the entries it freed."""
         self.engine.drain()
+        self._departed = None  # drained: every copy has completed
+        self._departing.clear()
         self._drain_digests()
         self._writing.clear()  # their copies have run; their host copies just do not count
         for a in self._arriving.values():
@@ -1084,11 +1125,59 @@ class OffloadStore:
             self.backend.release(item.storage)
         return seg.nbytes
 
+    def _free_segment_behind(self, seg: Segment, event: object) -> bool:
+        """Track and release the storages of an out-going segment whose D2H copy is queued
+        (``event``) without waiting for it: the backend hands their memory out again only
+        after the copy has read it. Returns False (nothing done) if the backend cannot defer
+        a storage's reuse; the caller then waits and frees as usual."""
+        if event is None or not all(self.backend.can_release_after(it.storage) for it in seg.items):
+            return False
+        order = next(self._departure_order)
+        for item in seg.items:
+            self._offloaded[item.tag.key] = item.tag  # tracked: its host copy is complete once `event` is
+            # Readers of this host copy wait for `event` (the D2H stream runs its copies in order).
+            self._departing[item.tag.key] = (order, event)
+            self.ops.point("offload_tracked")
+            self.backend.release_after(item.storage, self.engine.d2h_stream)
+        self._departed = event
+        return True
+
+    def _after_departures(self, stream: Any, entries: Sequence[StateEntry]) -> None:
+        """``stream`` is about to read the host copies of ``entries``: order it behind the D2H
+        copies of those among them released without a host wait (:meth:`_free_segment_behind`)."""
+        if not self._departing:
+            return
+        pending = [self._departing.pop(e.key) for e in entries if e.key in self._departing]
+        if pending:
+            # Their host slots may still be being written by queued D2H copies (in queue order,
+            # so the last one's event covers them all).
+            self.ops.wait_event("read_after_departure", stream, max(pending, key=lambda p: p[0])[1])
+
+    @property
+    def departure_event(self) -> Any:
+        """The D2H event of the last storages released before their copies completed
+        (``switch(wait=False)``), or None once the host has waited for them."""
+        return self._departed
+
+    def is_arriving(self, key: int) -> bool:
+        """A :meth:`prefetch` has allocated the storage and queued its copy in."""
+        return key in self._arriving
+
+    def wait_departures(self) -> None:
+        """Block the host until every D2H copy of a storage released without a host wait has
+        completed: call before reading or reusing host copies on the host."""
+        if self._departed is not None:
+            # The host is about to read or reuse host slots those copies write.
+            self.engine.wait("host_after_departure", self._departed)
+        self._departed = None
+        self._departing.clear()
+
     def close(self) -> None:
         """Release host memory. Refuses while state is offloaded (it would be lost)."""
         if self._in_flight:
             self.recover()
         self._settle_write_backs()
+        self.wait_departures()
         if self._offloaded:
             raise RuntimeError(
                 f"cannot close the store: {len(self._offloaded)} storages are offloaded and "

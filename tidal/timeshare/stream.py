@@ -14,7 +14,10 @@ call would: their update of a parameter reads only that parameter's state. Optim
 update couples parameters (LBFGS, a global-norm clip inside ``step()``) must not use it.
 
 Peak device memory of the step: params + grads + one chunk's state (two while the copies of
-neighbouring chunks overlap), instead of params + grads + all of it.
+neighbouring chunks overlap; up to four with ``TimeshareConfig(wait_for_copies=False)``, where
+the copies out of two chunks may still run while the next two are stepped), instead of params
++ grads + all of it. Chunks a :meth:`~tidal.Timeshare.prefetch_optimizer` brought in ahead
+are not copied again.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ if TYPE_CHECKING:
     from tidal.timeshare.timeshare import Timeshare
 
 __all__ = ["streamed_step"]
+
+# Chunks whose state may be on its way out while the next comes in (wait_for_copies=False):
+# two keep both copy engines busy; the device then holds at most four chunks of state.
+_IN_FLIGHT = 2
 
 
 def _state_bytes(opt: torch.optim.Optimizer, p: torch.Tensor) -> int:
@@ -89,6 +96,7 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
     completes exactly this step."""
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
     stepped: list[torch.Tensor] = []
+    departing: list = []  # D2H events of the chunks copied out without a host wait, oldest first
     others = ts.resident_keys(exclude=(role,))
     role.begin_stream()
     saved = [g["params"] for g in opt.param_groups]
@@ -105,7 +113,7 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
                 "optim-in",
                 (),
                 role.name,
-                ts.store.reload(incoming, what=f"optimizer state of {role.name!r}"),
+                ts.store.reload(incoming, what=f"optimizer state of {role.name!r}", wait=ts.config.wait_for_copies),
                 note="optimizer state chunk",
             )
         for i, chunk in enumerate(chunks):
@@ -122,10 +130,24 @@ def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> 
                 else []
             )
             last = i + 1 == len(chunks)
+            if len(departing) >= _IN_FLIGHT and any(not ts.store.is_arriving(e.key) for e in nxt):
+                # Copies out go on without the host (wait_for_copies=False); the next chunk needs
+                # new memory: bound what is on the device to the chunks in flight, the oldest's
+                # memory coming free once its copy out has run.
+                ts.store.engine.wait("stream_chunk_departed", departing.pop(0))
             # Blocks freed here are what the next chunk reuses: return them to the driver
             # only once, after the last chunk.
-            move = ts.store.switch(out, nxt, what=f"optimizer state of {role.name!r}", release=None if last else False)
+            move = ts.store.switch(
+                out,
+                nxt,
+                what=f"optimizer state of {role.name!r}",
+                release=None if last else False,
+                wait=ts.config.wait_for_copies,
+            )
             ts.record_move("optim-stream", (role.name,), role.name if nxt else None, move, note="optimizer state chunk")
+            if move.queued and ts.store.departure_event is not None:
+                departing.append(ts.store.departure_event)
+                del departing[:-_IN_FLIGHT]
         ok = True
     finally:
         role.end_stream((opt, _narrow(opt, set())) if ok else None)  # ok: the outer step() finds nothing

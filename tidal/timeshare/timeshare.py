@@ -108,6 +108,15 @@ class TimeshareConfig:
             and activations reuse them, and a reload skips the driver's remapping (measured on
             an H200: reload 0.98 instead of 0.94-0.95 of the PCIe line rate). Use ``False``
             only when every role that takes turns lives in this process.
+        wait_for_copies: ``False``: transitions return as soon as their copies are queued,
+            the host waiting only where a move needs memory that an out-going copy still reads.
+            The compute stream waits for what comes in (no kernel reads it before it landed),
+            and out-going storages are released at once, the allocator handing their blocks out
+            again only after their copy has read them; readers of host copies wait for them.
+            The host can then queue the next phase's work while the bytes move. ``True``
+            (default): every transition returns once all its copies have completed (its
+            records' ``seconds`` are then copy time, for measuring the line rate). ``False``
+            needs ``release_to_driver=False`` to matter: a release to the driver waits anyway.
         handover_chunk_bytes: an offload that hands memory over to another process
             (``offload_all(on_released=...)``, a lease's overlapped hand-over) gives it back
             to the driver this many bytes at a time; smaller chunks let the next holder start
@@ -124,6 +133,7 @@ class TimeshareConfig:
     verify_storage_sets: bool = False
     release_tolerance_bytes: int = 256 << 20
     release_to_driver: bool = True
+    wait_for_copies: bool = True
     handover_chunk_bytes: int = 256 << 20
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
 
@@ -515,6 +525,49 @@ class Timeshare:
         )
         return self.record_move("prefetch", tuple(r.name for r in evict) if out else (), name, move)
 
+    def prefetch_optimizer(
+        self, name: str, *, leave_free_bytes: int | None = None, limit_bytes: int | None = None
+    ) -> TransitionRecord | None:
+        """Start bringing the optimizer state of ``name`` in ahead of its ``step()``, behind the
+        work queued now, and return without waiting: call it before the backward whose
+        gradients the step consumes, so the copies run while the backward computes.
+
+        For a role whose optimizer state lives on the host between steps (``"step"`` or
+        ``"stream"`` residency). The state comes in the order ``step()`` uses it (a streamed
+        step's first chunks first), as much as fits in the device's free memory less
+        ``leave_free_bytes`` (default ``TimeshareConfig.headroom_bytes``: what the backward
+        still needs, its gradients included) and at most ``limit_bytes``. ``step()`` then
+        finds it arrived (the compute stream waits for the copies; nothing is copied again)
+        and brings the rest in as usual. Like :meth:`prefetch`, it lasts until claimed; any
+        transition before the step gives its memory back first (nothing lost).
+
+        Memory cost: the device memory of the state brought in, from this call to the step.
+        Returns the record (kind ``"optim-prefetch"``), or None when nothing was queued (no
+        state on the host, the residency keeps it with the role, or nothing fits). Raises
+        ``ValueError`` for an unknown role or a negative byte count, ``RuntimeError`` inside
+        a backward pass or after :meth:`close`."""
+        self._check_open()
+        self._start_clock()
+        self._check_not_in_backward("prefetch_optimizer")
+        self._recover_if_interrupted()
+        role = self.role(name)
+        leave = self.config.headroom_bytes if leave_free_bytes is None else leave_free_bytes
+        for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes)):
+            if v is not None and v < 0:
+                raise ValueError(f"{what} must be >= 0, got {v}")
+        if policy_for(role.optimizer_residency).moves_with_role or not role.resident:
+            return None
+        live = role.optim_entries(self.device, self.config.min_offload_bytes)
+        entries = [e for e in self.store.resolve(live) if self.store.is_offloaded(e.key)]
+        if not entries:
+            return None
+        move = self._guarded(
+            lambda: self.store.prefetch(entries, leave_free_bytes=leave, limit_bytes=limit_bytes), touches_model=False
+        )
+        if not move.bytes_in:
+            return None
+        return self.record_move("optim-prefetch", (), name, move, note="optimizer state, ahead of step()")
+
     def offload(self, name: str) -> TransitionRecord | None:
         """Move ``name``'s state to the host and return its device memory to the driver.
         Storages shared with a resident role stay. Returns None if already offloaded."""
@@ -607,7 +660,8 @@ class Timeshare:
         entries = [e for e in live if e.nbytes > 0 and e.key not in others]
         if not entries:
             return None
-        move = self._guarded(lambda: self.store.offload(entries), touches_model=grads)
+        wait = self.config.wait_for_copies
+        move = self._guarded(lambda: self.store.offload(entries, wait=wait), touches_model=grads)
         return self.record_move(kind, (name,), None, move, note="optimizer state" + (" + grads" if grads else ""))
 
     def reload_optimizer_state(
@@ -623,7 +677,9 @@ class Timeshare:
         if not entries:
             return None
         move = self._guarded(
-            lambda: self.store.reload(entries, what=f"reloading the optimizer state of role {name!r}"),
+            lambda: self.store.reload(
+                entries, what=f"reloading the optimizer state of role {name!r}", wait=self.config.wait_for_copies
+            ),
             touches_model=grads,
         )
         return self.record_move(kind, (), name, move, note="optimizer state" + (" + grads" if grads else ""))
@@ -869,6 +925,7 @@ class Timeshare:
                 on_released=on_released,
                 release_chunk_bytes=self.config.handover_chunk_bytes,
                 room_source=room_source,
+                wait=self.config.wait_for_copies,
                 # Runs no larger than a hand-over chunk: the next chunked offload returns them one by one.
                 reserve_max_bytes=self.config.handover_chunk_bytes if room_source is not None else None,
             )

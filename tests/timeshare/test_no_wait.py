@@ -1,0 +1,213 @@
+"""Transitions that do not wait for their copies on the host (``TimeshareConfig(wait_for_copies=False)``)
+and optimizer state brought in ahead of its step (``Timeshare.prefetch_optimizer``), on the CPU.
+
+The copies are synchronous here, so these tests cover the bookkeeping: values bit-exact, which
+waits happen where (through the fake accelerator's stream log: a storage released behind its
+copy is handed to the allocator with a hold on the D2H stream, never after a host wait on that
+copy; readers of the host copies wait for it, on the device or the host), refusals, and faults
+at every point. The races themselves are the GPU tests' (test_no_wait_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.faults import SmallLM, assert_consistent, same, snapshot, sweep, tensors_of
+from tests.transfer.fakes import FakeAccelOps
+from tidal import Timeshare, TimeshareConfig
+from tidal.transfer import TransferContext
+
+
+def _setup(*, fake: bool = True, **cfg):
+    torch.manual_seed(0)
+    actor = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    ref = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    ctx = TransferContext(FakeAccelOps()) if fake else None
+    config = TimeshareConfig(min_offload_bytes=0, wait_for_copies=False, release_to_driver=False, **cfg)
+    ts = Timeshare("cpu", context=ctx, config=config)
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    ts.add_role("actor", model=actor, optimizer=opt)
+    ts.add_role("ref", model=ref, frozen=True)
+    return ts, actor, ref, opt
+
+
+def _values(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def _equal(m: nn.Module, want: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(v, want[k]) for k, v in m.state_dict().items())
+
+
+def test_a_switch_releases_what_goes_out_behind_its_copies_without_a_host_wait():
+    ts, actor, ref, _ = _setup()
+    ops = ts.context.ops
+    want_actor, want_ref = _values(actor), _values(ref)
+    with ts.use("actor"):
+        pass
+    start = len(ops.log)
+    rec = ts.load("ref")
+    log = ops.log[start:]
+    d2h = ts.store.engine.d2h_stream.name
+    copied_out = [e[2] for e in log if e[0] == "record" and e[1] == d2h]
+    assert copied_out and rec.queued and rec.bytes_out > 0
+    assert not any(e[0] == "sync" and e[1] in copied_out for e in log), "the host waited for a copy out"
+    held = {e[2] for e in log if e[0] == "hold" and e[1] == d2h}
+    assert held == {p.untyped_storage()._cdata for p in actor.parameters()}
+    assert ts.store.departure_event is not None and ts.store.departure_event.id == copied_out[-1]
+    with ts.use("actor"):
+        assert _equal(actor, want_actor)
+    with ts.use("ref"):
+        assert _equal(ref, want_ref)
+
+
+def test_readers_of_host_copies_wait_for_the_copies_out():
+    ts, actor, _, _ = _setup()
+    ops = ts.context.ops
+    ts.load("actor")
+    ts.offload("actor")
+    departed = ts.store.departure_event.id
+    # a reload's H2D copies queue behind the copies out (the device waits, not the host)
+    start = len(ops.log)
+    ts.load("actor")
+    h2d = ts.store.engine.h2d_stream.name
+    assert ("wait_event", h2d, departed) in ops.log[start:]
+    assert ("sync", departed) not in ops.log[start:]
+    # the host reading a host copy waits for them
+    ts.offload("actor")
+    departed = ts.store.departure_event.id
+    start = len(ops.log)
+    sd = actor.state_dict()
+    assert ("sync", departed) in ops.log[start:] and ts.store.departure_event is None
+    assert all(v.numel() for v in sd.values())
+
+
+def test_prefetched_optimizer_state_is_claimed_by_the_step_and_training_is_bit_identical():
+    def train(prefetch: bool, residency: str) -> tuple[dict, list]:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cfg = TimeshareConfig(min_offload_bytes=0, optimizer_chunk_bytes=4096)
+        ts = Timeshare("cpu", config=cfg)
+        ts.add_role("policy", model=model, optimizer=opt, optimizer_residency=residency)
+        recs = []
+        for i in range(3):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(i))
+            with ts.use("policy"):
+                loss = model(x).square().mean()
+                if prefetch:
+                    recs.append(ts.prefetch_optimizer("policy"))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        ts.close()
+        return _values(model) | {f"opt{k}": v for k, v in _flat(opt).items()}, (recs, ts.records)
+
+    for residency in ("step", "stream"):
+        plain, _ = train(False, residency)
+        ahead, (returned, records) = train(True, residency)
+        assert plain.keys() == ahead.keys() and all(torch.equal(plain[k], ahead[k]) for k in plain)
+        # none before the first step (no state yet), then all of it, claimed without a copy
+        assert returned[0] is None and all(r.kind == "optim-prefetch" and r.bytes_in > 0 for r in returned[1:])
+        claimed = [r for r in records if r.kind in ("optim-in", "optim-stream") and r.role_in]
+        assert sum(r.bytes_prefetched for r in claimed) == sum(r.bytes_in for r in returned[1:])
+        # after the first step, everything the steps used had come in ahead: no copy in at all
+        first = returned[1].index
+        assert sum(r.bytes_in for r in claimed if r.index > first) == 0
+
+
+def _flat(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"{i}.{k}"] = v.clone()
+    return out
+
+
+def test_prefetch_optimizer_refusals_and_no_ops():
+    ts, actor, ref, opt = _setup(fake=False)
+    with pytest.raises(ValueError, match="unknown role"):
+        ts.prefetch_optimizer("nope")
+    with pytest.raises(ValueError, match="leave_free_bytes"):
+        ts.prefetch_optimizer("actor", leave_free_bytes=-1)
+    with pytest.raises(ValueError, match="limit_bytes"):
+        ts.prefetch_optimizer("actor", limit_bytes=-1)
+    assert ts.prefetch_optimizer("actor") is None  # no state before the first step
+    assert ts.prefetch_optimizer("ref") is None  # no optimizer
+    with ts.use("actor"):
+        actor(torch.randn(2, 64)).sum().backward()
+        opt.step()
+    assert ts.prefetch_optimizer("actor", limit_bytes=0) is None  # nothing fits
+    ts.offload("actor")
+    assert ts.prefetch_optimizer("actor") is None  # the role is out: its step cannot run
+    ts.load("actor")
+    x = torch.randn(4, 64, requires_grad=True)
+    y = actor(x)
+
+    def hook(g):
+        ts.prefetch_optimizer("actor")
+        return g
+
+    y.register_hook(hook)
+    with pytest.raises(RuntimeError, match="backward"):
+        y.sum().backward()
+    ts.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        ts.prefetch_optimizer("actor")
+
+
+def test_a_transition_before_the_step_gives_prefetched_optimizer_state_back():
+    ts, actor, ref, opt = _setup(fake=False)
+    with ts.use("actor"):
+        actor(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    want = _flat(opt)
+    with ts.use("actor"):
+        assert ts.prefetch_optimizer("actor").bytes_in > 0
+    with ts.use("ref"):  # the prefetched memory goes back; the state stays on the host
+        assert ts.store.prefetched_bytes == 0
+    now = _flat(opt)
+    assert all(torch.equal(now[k], want[k]) for k in want)
+
+
+# ---- faults at every point ----------------------------------------------------------------------
+def _faulty():
+    torch.manual_seed(3)
+    actor, ref = SmallLM(), SmallLM()
+    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    actor(torch.tensor([[1, 2, 3]])).float().sum().backward()
+    opt.step()
+    cfg = TimeshareConfig(wait_for_copies=False, release_to_driver=False)
+    ts = Timeshare("cpu", context=TransferContext(FakeAccelOps()), config=cfg)
+    ts.add_role("actor", model=actor, optimizer=opt)
+    ts.add_role("ref", model=ref)
+    ts.load("actor")
+    state = {"ts": ts, "modules": [actor, ref], "opts": [opt]}
+    state["before"] = snapshot(state["modules"], state["opts"], ts.store)
+    return state
+
+
+def _check(state, fired):
+    ts, modules, opts = state["ts"], state["modules"], state["opts"]
+    assert_consistent(ts, modules, opts)
+    for name in ("ref", "actor", "ref"):
+        with ts.use(name):
+            pass
+        assert_consistent(ts, modules, opts)
+    ts.close()
+    now = {n: t.detach().to("cpu", copy=True) for n, t in tensors_of(modules, opts)}
+    assert same(state["before"], now), f"state not restored bit-exact (fault at {fired})"
+
+
+def _switches(state):
+    ts = state["ts"]
+    ts.load("ref")
+    ts.load("actor")
+
+
+def test_fault_at_every_point_of_switches_without_host_waits_loses_nothing():
+    points = sweep(_faulty, _switches, _check)
+    assert "free_behind_d2h" in points
