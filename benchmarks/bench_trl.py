@@ -448,6 +448,7 @@ def main(argv=None) -> int:
         "goes (benchmarks/step_trace.py) is printed and put in the JSON",
     )
     p.add_argument("--picture", default=None, help="with --profile-step: draw the profiled steps to this PNG")
+    p.add_argument("--profile-variants", default="", help="with --profile-step: profile only these (comma-separated)")
     p.add_argument("--commit", default=os.environ.get("TIDAL_COMMIT", ""), help="the commit measured (for the JSON)")
     p.add_argument(
         "--before",
@@ -496,7 +497,7 @@ def main(argv=None) -> int:
             "--dtype",
             args.dtype,
             "--profile-step",
-            str(args.profile_step),
+            str(args.profile_step if not args.profile_variants or v in args.profile_variants.split(",") else 0),
             "--before",
             args.before,
         ] + (["--reward-model-path", reward_path] if reward_path else [])
