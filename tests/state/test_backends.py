@@ -69,3 +69,32 @@ def test_a_streamed_chunk_move_does_not_settle_and_the_resize_backend_reserves_l
     reserves = [n for kind, n in backend.calls if kind == "reserve"]
     assert reserves and sum(reserves) == sum(e.nbytes for e in entries), "one reservation for the run"
     assert backend.calls.index(("reserve", reserves[0])) < [k for k, _ in backend.calls].index("restore")
+
+
+def test_reserve_leaves_the_allocator_alone_when_its_cache_holds_the_bytes(monkeypatch):
+    """Coalescing maps one new block for a run of storages; with that much free in the cache
+    already (memory kept in-process) the storages take it from there instead."""
+
+    class Cached(FakeAccelOps):
+        cached = 0
+
+        def reserved_bytes(self) -> int:
+            return self.cached
+
+    ops = Cached()
+    backend = ResizeBackend(ops)
+    made = []
+    real_empty = torch.empty
+
+    def empty(*args, **kw):
+        made.append(args)
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    items = [(torch.UntypedStorage(0), 64 << 20)]
+    backend.reserve(items)
+    assert made, "an empty cache: one block reserved for the run"
+    made.clear()
+    ops.cached = 64 << 20
+    backend.reserve(items)
+    assert not made, "the cache holds the bytes: nothing reserved"

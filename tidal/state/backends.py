@@ -127,7 +127,8 @@ class ResizeBackend:
             block that fits them all (:meth:`reserve`), so their ``resize_`` calls split it
             instead of each paying a ``cudaMalloc`` (which costs enough host time to starve the
             copy queue), and the next release returns few allocator segments instead of
-            hundreds. Only on an accelerator.
+            hundreds. Only on an accelerator, and only when the allocator's cache does not
+            hold that many free bytes already (then they come from there).
         release_to_driver: after releasing, hand the freed blocks back to the driver
             (:meth:`settle`), so another process (an inference engine) can use them.
     """
@@ -145,6 +146,13 @@ class ResizeBackend:
         # small-pool segments that this block cannot serve.
         large = sum(-(-n // 512) * 512 for n in nbytes if n > _LARGE)
         if large < _MIN_RESERVE:
+            return
+        if self.ops.cached_free_bytes() >= large:
+            # The allocator holds that much free already (memory kept in-process: the blocks
+            # these storages, or others, had): the storages take it without asking the driver.
+            # One block of it all would rarely be free in one piece, so reserving would map new
+            # memory beside the cache instead (seen on an H100 as 0.37 s of host time a step
+            # for a 12.3 GB optimizer-state prefetch, the device idle meanwhile).
             return
         try:
             # Allocated and freed on the current stream, whose pool the storages' resize_
