@@ -516,6 +516,11 @@ def main_two(args) -> int:
     if args.device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < 2):
         print(f"bench_lease --two-gpus: needs 2 CUDA devices, found {torch.cuda.device_count()}")
         return 3
+    if args.cycles < 1 or args.rounds < 1 or args.cycles * args.rounds < 2:
+        raise SystemExit(
+            f"--cycles {args.cycles} x --rounds {args.rounds}: at least 2 turns per phase are needed "
+            f"(the first reload is the cold one, kept apart from the medians)"
+        )
     line_bytes = int(args.line_mb * (1 << 20)) if args.line_mb else (1 << 30 if args.device == "cuda" else 16 << 20)
     versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}, tidal {tidal.__version__}"
     print(f"bench_lease --two-gpus | {versions} | device {args.device}", flush=True)
