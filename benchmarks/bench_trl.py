@@ -203,6 +203,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         ts = getattr(trainer, "timeshare", None)
         if ts is None:
             return 0.0
+        if hasattr(ts, "settle_stalls"):
+            ts.settle_stalls(wait=True)  # the device is synchronised: every wait has run
         # Code from before records kept their host time had only blocking moves: their copy
         # and release time is what the host spent in them.
         return sum(

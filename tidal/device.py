@@ -208,10 +208,11 @@ class DeviceOps:
         with self.module.stream(stream):
             yield
 
-    def new_event(self) -> Any:
+    def new_event(self, *, timing: bool = False) -> Any:
+        """A new event (``timing``: one that ``elapsed_time`` can read), or None on CPU."""
         if not self.is_accelerator:
             return None
-        return self.module.Event()
+        return self.module.Event(enable_timing=True) if timing else self.module.Event()
 
     def synchronize(self) -> None:
         if self.is_accelerator:

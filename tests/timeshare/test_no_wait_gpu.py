@@ -198,3 +198,23 @@ def test_a_streamed_step_without_host_waits_holds_a_bounded_number_of_chunks():
         # one parameter over the chunk size) and AdamW's temporaries for one chunk, never all
         # of it. Seen on an H100 (commit 3e5d6e2): 201 MB for 537 MB of state.
         assert peak < state / 2, (peak, state)
+
+
+def test_a_records_stall_is_the_time_the_compute_stream_waited_for_its_copies():
+    """A reload queued behind a sleep on the H2D stream: the compute stream waits about the
+    sleep for it, and the record says so once read (settle_stalls)."""
+    model = _filled(1.0, mib=64)
+    with tidal.Timeshare("cuda", config=NO_WAIT) as ts:
+        ts.add_role("a", model=model)
+        ts.offload("a")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(ts.store.engine.h2d_stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        rec_index = ts.load("a").index
+        end.record()
+        ts.settle_stalls(wait=True)
+        waited = start.elapsed_time(end) / 1e3
+        assert 0.5 * waited <= ts.records[rec_index].stall_seconds <= 1.05 * waited + 1e-3
+        assert ts.records[rec_index].exposed_seconds >= ts.records[rec_index].stall_seconds

@@ -54,6 +54,9 @@ class FakeEvent:
     def query(self) -> bool:
         return True  # copies are synchronous: done once recorded
 
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return 0.0  # nothing waits on a synchronous copy
+
 
 class FakeAccelOps(DeviceOps):
     """An "accelerator" whose memory is host memory. ``free_bytes`` is what
@@ -85,7 +88,7 @@ class FakeAccelOps(DeviceOps):
         finally:
             self.log.append(("exit", stream.name))
 
-    def new_event(self) -> FakeEvent:
+    def new_event(self, *, timing: bool = False) -> FakeEvent:
         return FakeEvent(self.log)
 
     def synchronize(self) -> None:

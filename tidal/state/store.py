@@ -18,12 +18,13 @@ gradients recreated by ``zero_grad(set_to_none=True)``) are reclaimed at the nex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
 import warnings
 import weakref
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 
@@ -130,6 +131,9 @@ class OffloadStore:
         # of its host copy has been ordered behind it
         self._departing: dict[int, tuple[int, Any]] = {}
         self._departure_order = itertools.count()
+        self._stalls: list[tuple[Any, Any]] = []  # see _timed_stall
+        # Time the compute stream's waits for copies (for an owner that reads them: take_stalls).
+        self.collect_stalls = False
         # Resident storages whose host slot still holds exactly their bytes: reloaded for an
         # owner that declared them frozen (never written). Offloading one copies nothing.
         self._host_valid: set[int] = set()
@@ -663,7 +667,8 @@ class OffloadStore:
             raise
         if claimed:
             self._claim(claimed, frozen, what)
-        engine.publish(last_in_event)
+        with self._timed_stall():
+            engine.publish(last_in_event)
         if wait:
             # The bytes must have landed before the storages count as resident (without wait,
             # the compute stream's wait published above orders every reader behind them).
@@ -885,7 +890,8 @@ class OffloadStore:
         last = max(arrivals, key=lambda a: a.order)
         # Kernels on the compute stream may read them only after their copies landed; the H2D
         # stream runs its copies in queue order, so the last one's event covers them all.
-        self.ops.wait_event("compute_after_prefetch", self.ops.current_stream(), last.event)
+        with self._timed_stall():
+            self.ops.wait_event("compute_after_prefetch", self.ops.current_stream(), last.event)
         if any(a.digest is not None for a in arrivals):
             for done in {id(a.digest[0]): a.digest[0] for a in arrivals if a.digest is not None}.values():
                 # The digests of the bytes that arrived must be done before they are read.
@@ -1152,6 +1158,26 @@ class OffloadStore:
             # Their host slots may still be being written by queued D2H copies (in queue order,
             # so the last one's event covers them all).
             self.ops.wait_event("read_after_departure", stream, max(pending, key=lambda p: p[0])[1])
+
+    @contextlib.contextmanager
+    def _timed_stall(self) -> Iterator[None]:
+        """Around a wait of the compute stream for copies: two timing events on the compute
+        stream, whose gap is how long it waited (read by :meth:`take_stalls`)."""
+        if not (self.collect_stalls and self.ops.is_accelerator):
+            yield
+            return
+        stream = self.ops.current_stream()
+        before, after = self.ops.new_event(timing=True), self.ops.new_event(timing=True)
+        before.record(stream)
+        yield
+        after.record(stream)
+        self._stalls.append((before, after))
+
+    def take_stalls(self) -> list[tuple[Any, Any]]:
+        """The (before, after) event pairs of the compute stream's waits for copies since the
+        last call; the caller reads each pair's gap once both have completed."""
+        taken, self._stalls = self._stalls, []
+        return taken
 
     @property
     def departure_event(self) -> Any:

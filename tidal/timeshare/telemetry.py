@@ -22,7 +22,8 @@ class TransitionRecord:
     ``host_seconds`` is the host's wall time inside the verb that made the move (planning,
     queueing, any host wait, the release), since the previous record of the same verb;
     ``stall_seconds`` the time the compute stream then waited for the move's copies (device
-    events, read once they have completed; 0 until then and for moves it did not wait for).
+    events; 0 until :meth:`Timeshare.settle_stalls` has read them, and for moves it did not
+    wait for).
     Their sum, :attr:`exposed_seconds`, is what the transition cost the work around it.
     """
 

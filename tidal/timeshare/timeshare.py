@@ -211,11 +211,14 @@ class Timeshare:
             context=self.context,
             owner=self.context.label("Timeshare"),
         )
+        self.store.collect_stalls = True  # read into the records' stall_seconds
         self._roles: dict[str, Role] = {}
         self.records: list[TransitionRecord] = []
         self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory
         self._clock = 0
         self._verb_t0 = time.perf_counter()  # see _start_clock
+        # (record index, compute-stream wait event pairs) not yet read (see settle_stalls)
+        self._stalls: list[tuple[int, list]] = []
         self.closed = False
         # Set before a transition changes anything and cleared once the roles' flags agree with
         # the store again: if it is still set, an exception interrupted one (see _recover).
@@ -748,6 +751,27 @@ class Timeshare:
         """A verb starts: the host time of the records it makes counts from here."""
         self._verb_t0 = time.perf_counter()
 
+    def settle_stalls(self, *, wait: bool = False) -> None:
+        """Fill in the records' ``stall_seconds`` (how long the compute stream waited for
+        their copies) for the waits that have run on the device; ``wait``: block the host
+        until all of them have (call it after synchronising, or before reading the figures).
+        Cheap: a query of two events per transition that made the compute stream wait."""
+        if wait:
+            for _, pairs in self._stalls:
+                for _, after in pairs:
+                    after.synchronize()  # the figures are read now: the waits must have run
+        self._settle_stalls()
+
+    def _settle_stalls(self) -> None:
+        pending = []
+        for index, pairs in self._stalls:
+            if not all(after.query() for _, after in pairs):
+                pending.append((index, pairs))
+                continue
+            stall = sum(before.elapsed_time(after) for before, after in pairs) / 1e3
+            self.records[index] = dataclasses.replace(self.records[index], stall_seconds=stall)
+        self._stalls = pending
+
     def _tick(self) -> int:
         """The next value of the clock that orders eviction (least recently used first)."""
         self._clock += 1
@@ -1051,6 +1075,10 @@ class Timeshare:
         same verb, to now."""
         now = time.perf_counter()
         host_seconds, self._verb_t0 = now - self._verb_t0, now
+        self._settle_stalls()
+        stalls = self.store.take_stalls()
+        if stalls:
+            self._stalls.append((len(self.records), stalls))
         rec = TransitionRecord.from_move(
             len(self.records),
             kind,
