@@ -7,6 +7,9 @@ A Qwen2-shape model built from a config (random bf16 weights, saved to a local f
 TRL can load the policy and build its reference from it, as it does from a hub id), a
 character-level tokenizer, prompts and a reward in Python. Each variant runs in its own
 process (so one's allocator cache cannot flatter the next): ``trl`` is ``GRPOTrainer``;
+``ds-zero3-offload`` is ``GRPOTrainer`` with DeepSpeed ZeRO-3, optimizer state and parameters
+offloaded to the CPU (``GRPOConfig(deepspeed=...)``: the anchor a TRL user reaches for to fit a
+model, DeepSpeedCPUAdam JIT-built on first use: set ``TORCH_EXTENSIONS_DIR`` to keep the build);
 ``step`` / ``stream`` / ``role`` are ``TidalGRPOTrainer`` with that optimizer residency, and a
 ``+prefetch`` suffix (``stream+prefetch``) adds ``TidalConfig(prefetch=True)``, and
 ``+budget=<GiB>``, ``+headroom=<GiB>``, ``+evict=as_needed`` set the timeshare
@@ -121,6 +124,32 @@ class _RawProfile:
         from torch.autograd import _disable_profiler
 
         return _disable_profiler().events()
+
+
+def _deepspeed_config() -> dict:
+    """DeepSpeed ZeRO-3 with optimizer state and parameters offloaded to the CPU
+    (``DeepSpeedCPUAdam``, pinned host memory): what a TRL user sets to fit a model that does
+    not fit the GPU, through TRL's own ``GRPOConfig(deepspeed=...)``. One process: the
+    distributed environment of a world of one is set here (DeepSpeed initialises it)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        },
+        "bf16": {"enabled": "auto"},
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+    }
 
 
 def _annotate(obj, attr: str, label: str) -> None:
@@ -269,12 +298,15 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         save_strategy="no",
         seed=0,
         model_init_kwargs={"dtype": args.dtype},
+        deepspeed=_deepspeed_config() if variant == "ds-zero3-offload" else None,
     )
     data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(256)]})
     reward_sevens = _char_task().reward_sevens
     rewards = [reward_sevens, args.reward_model_path] if args.reward_model_path else reward_sevens
     common = dict(model=model_path, reward_funcs=rewards, args=cfg, train_dataset=data, callbacks=[Clock()])
     if variant == "trl":
+        trainer = GRPOTrainer(**common)
+    elif variant == "ds-zero3-offload":
         trainer = GRPOTrainer(**common)
     else:
         residency, *extras = variant.split(":", 1)[-1].split("+")

@@ -10,6 +10,7 @@
 #          then the stress workload (16 x 32) the same way.
 # bench:   the headline workload measured (no profiler), TRL alone beside tidal's variants.
 # stress:  16 x 32 on both presets.   7b: qwen2-7b bf16 64 x 256.   reward: with a reward model.
+# ds:      qwen2-7b bf16 64 x 256, DeepSpeed ZeRO-3 offload (through TRL) beside tidal (needs .whl).
 # TIDAL_COMMIT names the commit in the logs (the device copy's git log may be stale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,10 @@ for part in ${*:-tests bench}; do
               --variants ${VARIANTS:-trl,stream,stream+prefetch} --json "$OUT/trl_7b_16x32_$tag.json" ;;
     7b) bench bench7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps 4 \
           --variants ${VARIANTS7B:-trl,stream,stream+prefetch} --json "$OUT/trl_7b_64x256_$tag.json" ;;
+    ds) # The anchor a TRL user reaches for to fit 7B: DeepSpeed ZeRO-3 with optimizer and parameter
+        # offload (its CPU Adam is JIT-built on first use, about a minute there), beside tidal.
+        bench ds7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps 3 \
+          --variants ${VARIANTSDS:-ds-zero3-offload,stream+prefetch} --json "$OUT/trl_7b_64x256_ds_$tag.json" ;;
     reward) bench reward.log --preset qwen2-1.5b --steps 4 --reward-model --variants ${VARIANTS:-trl,stream,stream+prefetch} ;;
   esac
   echo "$part: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/timing.txt"
