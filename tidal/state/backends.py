@@ -151,8 +151,9 @@ class ResizeBackend:
             # The allocator holds that much free already (memory kept in-process: the blocks
             # these storages, or others, had): the storages take it without asking the driver.
             # One block of it all would rarely be free in one piece, so reserving would map new
-            # memory beside the cache instead (seen on an H100 as 0.37 s of host time a step
-            # for a 12.3 GB optimizer-state prefetch, the device idle meanwhile).
+            # memory beside the cache instead: the suspect for the 0.37 s of host time a step
+            # that a 12.3 GB optimizer-state prefetch took on an H100, the device idle meanwhile
+            # (benchmarks/RESULTS.md, issue 26).
             return
         try:
             # Allocated and freed on the current stream, whose pool the storages' resize_
