@@ -144,6 +144,12 @@ def test_prefetch_is_bit_identical_and_the_switches_find_the_roles_arrived(tiny,
     assert {r.role_in for r in prefetches} == {"reference", "policy"} and all(r.bytes_in > 0 for r in prefetches)
     to_ref = [r for r in recs if r.kind == "switch" and r.role_in == "reference"]
     assert len(to_ref) == 3 and all(r.bytes_prefetched > 0 and r.bytes_in == 0 for r in to_ref)
+    # The optimizer state comes in as each backward starts (from the second step: the first
+    # creates it), and the step finds all of it arrived.
+    ahead = [r for r in recs if r.kind == "optim-prefetch"]
+    assert len(ahead) == 2 and all(r.bytes_in > 0 for r in ahead)
+    stepped = [r for r in recs if r.kind == "optim-in" and r.index > ahead[0].index]
+    assert stepped and all(r.bytes_in == 0 and r.bytes_prefetched > 0 for r in stepped)
 
 
 @pytest.mark.parametrize("room", ["budget", "as_needed"])
