@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.faults import SmallLM, assert_consistent, same, snapshot, sweep, tensors_of
+from tests.faults import sweep
+from tests.timeshare.test_prefetch import _check
+from tests.timeshare.test_prefetch import _faulty as _faulty_timeshare
 from tests.transfer.fakes import FakeAccelOps
 from tidal import Timeshare, TimeshareConfig
 from tidal.transfer import TransferContext
@@ -181,31 +183,8 @@ def test_a_transition_before_the_step_gives_prefetched_optimizer_state_back():
 
 # ---- faults at every point ----------------------------------------------------------------------
 def _faulty():
-    torch.manual_seed(3)
-    actor, ref = SmallLM(), SmallLM()
-    opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
-    actor(torch.tensor([[1, 2, 3]])).float().sum().backward()
-    opt.step()
     cfg = TimeshareConfig(wait_for_copies=False, release_to_driver=False)
-    ts = Timeshare("cpu", context=TransferContext(FakeAccelOps()), config=cfg)
-    ts.add_role("actor", model=actor, optimizer=opt)
-    ts.add_role("ref", model=ref)
-    ts.load("actor")
-    state = {"ts": ts, "modules": [actor, ref], "opts": [opt]}
-    state["before"] = snapshot(state["modules"], state["opts"], ts.store)
-    return state
-
-
-def _check(state, fired):
-    ts, modules, opts = state["ts"], state["modules"], state["opts"]
-    assert_consistent(ts, modules, opts)
-    for name in ("ref", "actor", "ref"):
-        with ts.use(name):
-            pass
-        assert_consistent(ts, modules, opts)
-    ts.close()
-    now = {n: t.detach().to("cpu", copy=True) for n, t in tensors_of(modules, opts)}
-    assert same(state["before"], now), f"state not restored bit-exact (fault at {fired})"
+    return _faulty_timeshare(cfg, TransferContext(FakeAccelOps()))
 
 
 def _switches(state):

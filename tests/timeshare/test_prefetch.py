@@ -268,13 +268,15 @@ def test_close_claims_a_pending_prefetch():
 
 
 # ---- faults at every point ----------------------------------------------------------------------
-def _faulty():
+def _faulty(config: TimeshareConfig | None = None, context: TransferContext | None = None):
+    """An actor (trained one step) and a reference on a timeshare, the actor in (shared with
+    test_no_wait.py's sweep)."""
     torch.manual_seed(3)
     actor, ref = SmallLM(), SmallLM()
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
     actor(torch.tensor([[1, 2, 3]])).float().sum().backward()
     opt.step()
-    ts = Timeshare("cpu")
+    ts = Timeshare("cpu", config=config, context=context)
     ts.add_role("actor", model=actor, optimizer=opt)
     ts.add_role("ref", model=ref)
     ts.load("actor")

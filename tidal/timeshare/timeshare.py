@@ -490,15 +490,7 @@ class Timeshare:
         time spent queueing), or None when nothing was queued (the role is resident, or
         nothing fits).
         """
-        self._check_open()
-        self._start_clock()
-        self._check_not_in_backward("prefetch")
-        self._recover_if_interrupted()
-        role = self.role(name)
-        leave = self.config.headroom_bytes if leave_free_bytes is None else leave_free_bytes
-        for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes)):
-            if v is not None and v < 0:
-                raise ValueError(f"{what} must be >= 0, got {v}")
+        role, leave = self._begin_prefetch("prefetch", name, leave_free_bytes, limit_bytes)
         if role.resident:
             return None
         evict = self._choose_evictions(role, ignore_use=True)
@@ -549,15 +541,7 @@ class Timeshare:
         state on the host, the residency keeps it with the role, or nothing fits). Raises
         ``ValueError`` for an unknown role or a negative byte count, ``RuntimeError`` inside
         a backward pass or after :meth:`close`."""
-        self._check_open()
-        self._start_clock()
-        self._check_not_in_backward("prefetch_optimizer")
-        self._recover_if_interrupted()
-        role = self.role(name)
-        leave = self.config.headroom_bytes if leave_free_bytes is None else leave_free_bytes
-        for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes)):
-            if v is not None and v < 0:
-                raise ValueError(f"{what} must be >= 0, got {v}")
+        role, leave = self._begin_prefetch("prefetch_optimizer", name, leave_free_bytes, limit_bytes)
         if policy_for(role.optimizer_residency).moves_with_role or not role.resident:
             return None
         live = role.optim_entries(self.device, self.config.min_offload_bytes)
@@ -570,6 +554,22 @@ class Timeshare:
         if not move.bytes_in:
             return None
         return self.record_move("optim-prefetch", (), name, move, note="optimizer state, ahead of step()")
+
+    def _begin_prefetch(
+        self, verb: str, name: str, leave_free_bytes: int | None, limit_bytes: int | None
+    ) -> tuple[Role, int]:
+        """The checks both prefetches make before any work; returns the role and the bytes to
+        leave free."""
+        self._check_open()
+        self._start_clock()
+        self._check_not_in_backward(verb)
+        self._recover_if_interrupted()
+        role = self.role(name)
+        leave = self.config.headroom_bytes if leave_free_bytes is None else leave_free_bytes
+        for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes)):
+            if v is not None and v < 0:
+                raise ValueError(f"{what} must be >= 0, got {v}")
+        return role, leave
 
     def offload(self, name: str) -> TransitionRecord | None:
         """Move ``name``'s state to the host and return its device memory to the driver.
