@@ -11,6 +11,8 @@
 # bench:   the headline workload measured (no profiler), TRL alone beside tidal's variants.
 # stress:  16 x 32 on both presets.   7b: qwen2-7b bf16 64 x 256.   reward: with a reward model.
 # ds:      qwen2-7b bf16 64 x 256, DeepSpeed ZeRO-3 offload (through TRL) beside tidal (needs .whl).
+# spread:  the headline workload, TRL alone first and last, a tidal variant that moves nothing,
+#          stream and stream+prefetch, 6 steps each (what is noise, what is tidal).
 # TIDAL_COMMIT names the commit in the logs (the device copy's git log may be stale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +42,12 @@ for part in ${*:-tests bench}; do
     final) bench final.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 --profile-step 4 \
              --variants ${VARIANTS:-trl,before:stream,stream,stream+prefetch} --picture "$OUT/trl_1.5b_64x256_$tag.png" \
              --json "$OUT/trl_1.5b_64x256_$tag.json" ;;
+    spread) # Where the step's time goes besides the transitions: TRL alone first and last (the
+            # run's drift), a tidal variant that moves nothing after its first steps (role
+            # residency, evict=as_needed: only tidal's hooks and allocations), stream, stream+prefetch.
+            bench spread.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps ${STEPS:-6} \
+              --variants ${VARIANTS:-trl,role+evict=as_needed,stream,stream+prefetch,trl} \
+              --json "$OUT/trl_1.5b_64x256_spread_$tag.json" ;;
     profile) bench profile.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 --profile-step 4 \
                --variants ${VARIANTS:-trl,stream,stream+prefetch} --picture "$OUT/profile_1.5b_64x256_$tag.png" \
                --json "$OUT/profile_1.5b_64x256_$tag.json"
