@@ -7,8 +7,8 @@ __all__ = ["format_bytes", "gbps"]
 
 def format_bytes(n: float) -> str:
     """``n`` bytes in binary units (``"1.50 GiB"``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -125,3 +125,24 @@ def test_bf16_moments_is_chosen_when_the_host_is_the_limit_and_excluded_levers_a
     assert not no.fits and no.host_miss_bytes > 0 and "bf16_moments" not in no.levers
     with pytest.raises(ValueError, match="unknown levers \\['fp8'\\]"):
         recommend(config, gpu_mem_bytes=80 * GIB, exclude=("fp8",))
+
+
+def test_a_lever_for_the_host_names_the_host_with_both_sides_bytes():
+    """Issue 28: Qwen2-7B fits an 80 GB GPU as configured (71.46 GiB of 75.24 usable) but its
+    56.74 GiB of host copies do not fit a host with 19.23 GiB usable: LoRA is recommended, and
+    the reason names the host, not a GPU peak that fits."""
+    config = PlanConfig(shape="qwen2-7b")
+    r = recommend(config, gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=int(21.37 * GIB))
+    assert r.fits and r.levers == ["lora"]
+    assert "host: 56.74 GiB to pin, 19.23 GiB usable" in r.reasons["lora"]
+    assert "GPU:" not in r.reasons["lora"], "the GPU is not what binds"
+    first = r.summary()[0]
+    assert "As configured it does not fit: host: 56.74 GiB to pin, 19.23 GiB usable." in first
+    assert r.to_dict()["baseline_host_bytes"] == build_plan(config).node_host_bytes
+
+
+def test_a_lever_for_the_gpu_names_the_gpu_with_both_sides_bytes():
+    r = recommend(PlanConfig(shape="qwen2-7b"), gpu_mem_bytes=40 * GIB, host_mem_bytes=500 * GIB)
+    assert r.fits and "cpu_adam" in r.levers
+    assert "without it GPU: 71.46 GiB peak (with context), 38.00 GiB usable" in r.reasons["cpu_adam"]
+    assert "As configured it does not fit: GPU: 71.46 GiB peak (with context), 38.00 GiB usable." in r.summary()[0]

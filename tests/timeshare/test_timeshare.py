@@ -668,3 +668,34 @@ def test_a_residency_for_cpu_adam_is_ignored_with_a_warning():
     with tidal.Timeshare("cpu") as ts, warnings.catch_warnings():
         warnings.simplefilter("error")
         ts.add_role("actor", model=model, optimizer=torch.optim.AdamW(model.parameters()), optimizer_residency="stream")
+
+
+def test_report_sums_per_kind_and_roles_and_says_what_a_cpu_run_measured():
+    """Issue 28: the default report is a summary per kind of transition and roles, in units
+    that fit the bytes, saying that a CPU run's 'device' is host RAM; detail=True lists each."""
+    model, opt = make_trained()
+    ref = TinyLM()
+    with tidal.Timeshare("cpu") as ts:
+        ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        ts.add_role("reference", model=ref)
+        for _ in range(5):
+            with ts.use("reference"):
+                pass
+            with ts.use("actor"):
+                pass
+        summary, detail = ts.report(), ts.report(detail=True)
+        records = ts.records
+    assert len(records) == 10  # an offload, then nine switches
+    assert summary.startswith("tidal timeshare on cpu: 10 transitions. A CPU run: the 'device' is host RAM")
+    assert "pinned on a GPU" not in summary and "a CPU run pins nothing" in summary
+    rows = [ln.split() for ln in summary.splitlines() if ln.startswith("  switch") or ln.startswith("  offload")]
+    # kind, out, in, count: both roles start resident, so the first use("reference") only
+    # offloads the actor; then five switches reference -> actor and four back
+    assert sorted(r[:4] for r in rows) == sorted(
+        [["offload", "actor", "-", "1"], ["switch", "actor", "reference", "4"], ["switch", "reference", "actor", "5"]]
+    )
+    assert " 0.000" not in summary and "KiB" in summary, "small roles are shown in units that fit them"
+    assert len(summary.splitlines()) < len(detail.splitlines())
+    each = [ln for ln in detail.splitlines() if ln.strip()[:1].isdigit()]
+    assert [int(ln.split()[0]) for ln in each] == list(range(10))
+    assert "RAM free before" in detail and "free before GB" not in detail

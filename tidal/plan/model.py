@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from tidal.plan import activations as act
@@ -249,6 +250,12 @@ class Bandwidth:
     h2d_gbps: float = 55.0
     bidir_gbps: float = 100.0
 
+    def __post_init__(self) -> None:
+        for name in ("d2h_gbps", "h2d_gbps", "bidir_gbps"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+                raise ValueError(f"Bandwidth.{name} must be a finite number of GB/s > 0, got {x!r}")
+
     def seconds(self, bytes_out: int, bytes_in: int) -> float:
         """Time of an overlapped switch: each direction at its own rate, both together at
         most at the bidirectional rate."""
@@ -258,14 +265,29 @@ class Bandwidth:
     @classmethod
     def from_bench_json(cls, source: str | dict) -> "Bandwidth":
         """The line rate of a ``tidal bench --json PATH`` file (or its loaded dict)."""
-        data = source if isinstance(source, dict) else json.load(open(source))
-        line = data.get("line_rate", data)
-        try:
-            return cls(
-                d2h_gbps=float(line["d2h_gbps"]), h2d_gbps=float(line["h2d_gbps"]), bidir_gbps=float(line["bidir_gbps"])
+        where = "the bench JSON" if isinstance(source, dict) else str(source)
+        if isinstance(source, dict):
+            data = source
+        else:
+            try:
+                with open(source) as f:
+                    data = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(
+                    f"{where} is not a JSON file ({e}); pass what `tidal bench --json PATH` wrote"
+                ) from None
+        line = data.get("line_rate", data) if isinstance(data, dict) else None
+        if not isinstance(line, dict) or any(k not in line for k in ("d2h_gbps", "h2d_gbps", "bidir_gbps")):
+            raise ValueError(
+                f"{where} has no line_rate with d2h_gbps, h2d_gbps and bidir_gbps; pass what `tidal bench --json PATH` "
+                f"wrote"
             )
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"no line_rate.d2h_gbps/h2d_gbps/bidir_gbps in the bench JSON ({e})") from None
+        try:
+            return cls(**{k: float(line[k]) for k in ("d2h_gbps", "h2d_gbps", "bidir_gbps")})
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{where}: unusable line rate ({e}); measure it again with `tidal bench --json PATH`"
+            ) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -62,6 +62,16 @@ _WHY = {
 }
 
 
+def _binding(peak: int, host: int, usable: int, host_usable: int | None, dp: int) -> str:
+    over = []
+    if peak > usable:
+        over.append(f"GPU: {peak / GIB:.2f} GiB peak (with context), {usable / GIB:.2f} GiB usable")
+    if host_usable is not None and host > host_usable:
+        procs = f" for {dp} GPUs' processes" if dp > 1 else ""
+        over.append(f"host: {host / GIB:.2f} GiB to pin{procs}, {host_usable / GIB:.2f} GiB usable")
+    return "; ".join(over) or "fits"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recommendation:
     """The outcome of :func:`recommend`.
@@ -85,9 +95,17 @@ class Recommendation:
     baseline_device_peak_bytes: int
     host_usable_bytes: int | None = None
     host_miss_bytes: int = 0
+    baseline_host_bytes: int = 0
+
+    def binding(self, device_peak_bytes: int, host_bytes: int) -> str:
+        """What a plan with these figures overruns, both sides' bytes named (GPU, host or
+        both), or ``"fits"``."""
+        return _binding(device_peak_bytes, host_bytes, self.usable_bytes, self.host_usable_bytes, self.plan.config.dp)
 
     def summary(self) -> list[str]:
-        """Readable lines: what to enable and why, or by how much nothing fits."""
+        """Readable lines: what to enable and why, or by how much nothing fits. Whenever a
+        lever is recommended or nothing fits, the constraint that binds is named with both
+        sides' bytes (``host: 56.74 GiB to pin, 19.23 GiB usable``)."""
         use, peak = self.usable_bytes / GIB, self.plan.device_peak_bytes / GIB
         host = self.plan.node_host_bytes / GIB
         procs = f" for {self.plan.config.dp} GPUs' processes" if self.plan.config.dp > 1 else ""
@@ -100,8 +118,9 @@ class Recommendation:
             return [f"Fits as configured: {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable.", host_line]
         if self.fits:
             lines = [
-                f"Enable: {', '.join(self.levers)} -> {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable "
-                f"(as configured: {self.baseline_device_peak_bytes / GIB:.2f} GiB).",
+                f"Enable: {', '.join(self.levers)} -> {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable. "
+                f"As configured it does not fit: "
+                f"{self.binding(self.baseline_device_peak_bytes, self.baseline_host_bytes)}.",
                 host_line,
             ]
         elif self.host_miss_bytes:
@@ -131,6 +150,7 @@ class Recommendation:
             "device_peak_bytes": self.plan.device_peak_bytes,
             "peak_phase": self.plan.peak_phase,
             "baseline_device_peak_bytes": self.baseline_device_peak_bytes,
+            "baseline_host_bytes": self.baseline_host_bytes,
             "host_bytes": self.plan.node_host_bytes,
             "host_usable_bytes": self.host_usable_bytes,
             "host_miss_bytes": self.host_miss_bytes,
@@ -236,6 +256,7 @@ def recommend(
         levers = tuple(x for part in combo for x in part)
         plan = build_plan(_apply(base, levers, gpus, offload_chunk_bytes), bandwidth=bandwidth)
         scored.append((sum(LEVER_COSTS[x] for x in levers), plan.device_peak_bytes, levers, plan))
+    dp = base.dp
     on_gpu = [x for x in scored if x[1] <= usable]
     fitting = [x for x in on_gpu if host_usable is None or x[3].node_host_bytes <= host_usable]
     fits = bool(fitting)
@@ -245,12 +266,16 @@ def recommend(
         cost, peak, levers, plan = min(on_gpu, key=lambda x: (x[3].node_host_bytes, x[0]))
     else:
         cost, peak, levers, plan = min(scored, key=lambda x: (x[1], x[0]))
-    by_levers = {x[2]: x[1] for x in scored}
+    by_levers = {x[2]: x[3] for x in scored}
     reasons = {}
     for lever in levers:
-        # Each family offers "leave as is", so the same set without this lever was evaluated.
+        # Each family offers "leave as is", so the same set without this lever was evaluated;
+        # when the set fits, that one does not (it would be cheaper), and its overrun is named.
         without = by_levers[tuple(x for x in levers if x != lever)]
-        reasons[lever] = f"{_WHY[lever]}; without it {without / GIB:.2f} GiB"
+        over = _binding(without.device_peak_bytes, without.node_host_bytes, usable, host_usable, dp)
+        if over == "fits":  # a set that does not fit either: the lever lowers the peak
+            over = f"{without.device_peak_bytes / GIB:.2f} GiB peak (with context)"
+        reasons[lever] = f"{_WHY[lever]}; without it {over}"
     levers_sorted = sorted(levers, key=LEVER_COSTS.get)
     return Recommendation(
         fits=fits,
@@ -261,6 +286,7 @@ def recommend(
         usable_bytes=usable,
         miss_bytes=max(0, peak - usable),
         baseline_device_peak_bytes=baseline.device_peak_bytes,
+        baseline_host_bytes=baseline.node_host_bytes,
         host_usable_bytes=host_usable,
         host_miss_bytes=max(0, plan.node_host_bytes - host_usable) if host_usable is not None and not fits else 0,
     )

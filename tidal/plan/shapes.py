@@ -141,6 +141,12 @@ class ModelShape:
         unknown = sorted(set(targets) - set(shapes))
         if unknown:
             raise ValueError(f"unknown LoRA target modules {unknown}; known: {sorted(shapes)}")
+        widest = min((min(shapes[t]) for t in targets), default=rank)
+        if rank > widest:
+            raise ValueError(
+                f"LoRA rank {rank} is more than {widest}, the narrowest side of the adapted layers of {self.name}: "
+                f"a larger rank adds parameters but no expressiveness; use a rank <= {widest}"
+            )
         return self.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
 
     # ---- construction ---------------------------------------------------------------------
@@ -172,18 +178,36 @@ class ModelShape:
         qkv_bias, qk_norm = _FAMILIES[model_type]
         if model_type != "qwen2" and get("attention_bias") is not None:
             qkv_bias = bool(get("attention_bias"))
-        heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
-        head_dim = get("head_dim") or hidden // heads
+
+        def count(key: str, default: Any = None) -> int:
+            # A size must be a whole number > 0: JSON allows 0, 2.5, "64", true or 1e999 (inf).
+            x = get(key, default)
+            if isinstance(x, float) and x.is_integer():
+                x = int(x)
+            if isinstance(x, bool) or not isinstance(x, int) or not 0 < x <= _MAX_SIZE:
+                raise ValueError(
+                    f"{source}: {key} must be a whole number between 1 and {_MAX_SIZE:,}, got {x!r}; "
+                    f"fix the config or use a preset (--preset)"
+                )
+            return x
+
+        heads = count("num_attention_heads")
+        hidden = count("hidden_size")
+        head_dim = count("head_dim") if get("head_dim") is not None else hidden // heads
+        if head_dim < 1:
+            raise ValueError(
+                f"{source}: hidden_size {hidden} over num_attention_heads {heads} leaves heads of width 0; "
+                f"fix the config or use a preset (--preset)"
+            )
         return cls(
             name=name or str(get("name_or_path") or get("_name_or_path") or model_type),
-            layers=int(get("num_hidden_layers")),
+            layers=count("num_hidden_layers"),
             hidden=hidden,
-            intermediate=int(get("intermediate_size")),
+            intermediate=count("intermediate_size"),
             heads=heads,
-            kv_heads=int(get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            vocab=int(get("vocab_size")),
+            kv_heads=count("num_key_value_heads") if get("num_key_value_heads") is not None else heads,
+            head_dim=head_dim,
+            vocab=count("vocab_size"),
             tied_embeddings=bool(get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=bool(get("attention_bias")) and model_type != "qwen2",
@@ -224,6 +248,10 @@ class ModelShape:
         d["params"] = self.param_count()
         return d
 
+
+# The largest width, count or vocabulary a config may give: beyond it no tensor of the model
+# could be allocated (and a JSON 1e999 is infinity).
+_MAX_SIZE = 1 << 31
 
 # Fields from_hf_config reads without a default.
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")

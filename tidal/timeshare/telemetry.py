@@ -78,9 +78,9 @@ class TransitionRecord:
         unreleased = max(0, expected_gain - seen_gain) if measure_release and freed and not move.queued else 0
         extra = []
         if move.bytes_skipped:
-            extra.append(f"{move.bytes_skipped / 1e9:.3f} GB released without a copy (host copy still valid)")
+            extra.append(f"{format_bytes(move.bytes_skipped)} released without a copy (host copy still valid)")
         if move.bytes_prefetched:
-            extra.append(f"{move.bytes_prefetched / 1e9:.3f} GB had arrived ahead (prefetched), not copied again")
+            extra.append(f"{format_bytes(move.bytes_prefetched)} had arrived ahead (prefetched), not copied again")
         if move.queued:
             extra.append("copies queued behind compute; seconds = host time to queue them")
         note = "; ".join(([note] if note else []) + extra)
@@ -104,8 +104,15 @@ class TransitionRecord:
         return d
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3f}"
+def _gbps_text(records: list[TransitionRecord]) -> str:
+    """Aggregate GB/s of the records that waited for their copies ("-" if none did)."""
+    timed = [r for r in records if not r.queued]
+    seconds = sum(r.seconds for r in timed)
+    return _rate(sum(r.bytes_out + r.bytes_in for r in timed) / seconds / 1e9) if seconds > 0 else "-"
+
+
+def _rate(x: float) -> str:
+    return format(x, ".1f") if x >= 10 else format(x, ".3g")
 
 
 def format_report(
@@ -114,30 +121,84 @@ def format_report(
     host_reserved_bytes: int,
     offloaded_bytes: int,
     notes: list[str] = (),
+    *,
+    device: str = "cuda",
+    detail: bool = False,
 ) -> str:
-    """A plain-text table of roles and transitions. ``roles`` rows: (name, where, resident
-    bytes, total bytes)."""
-    lines = ["roles:", f"  {'name':<16} {'where':<10} {'state':>12}"]
+    """A plain-text report of roles and transitions, saying what was measured on ``device``.
+
+    ``roles`` rows: (name, where, resident bytes, total bytes). Transitions are summed per kind
+    and roles (count, bytes moved, seconds, GB/s, and on an accelerator the lowest driver-level
+    free memory seen after them); ``detail=True`` lists every transition instead.
+    """
+    on_cpu = str(device).startswith("cpu")
+    free_name = "RAM free" if on_cpu else "device free"
+    if on_cpu:
+        lines = [
+            f"tidal timeshare on {device}: {len(records)} transitions. A CPU run: the 'device' is host RAM, so "
+            "offloads copy within it and nothing is pinned; seconds are host copy time, 'RAM free' the host's "
+            "available memory."
+        ]
+    else:
+        lines = [
+            f"tidal timeshare on {device}: {len(records)} transitions. Seconds run from the first copy queued to "
+            "the last one done; 'device free' is driver-level free memory (what another process could get)."
+        ]
+    lines += ["roles:", f"  {'name':<16} {'where':<10} {'state':>12}"]
     for name, where, _resident, total in roles:
         lines.append(f"  {name:<16} {where:<10} {format_bytes(total):>12}")
+    pinned = "plain host memory: a CPU run pins nothing" if on_cpu else "pinned"
     lines.append(
-        f"host: {format_bytes(host_reserved_bytes)} held (pinned on a GPU) for "
-        f"{format_bytes(offloaded_bytes)} offloaded now"
+        f"host: {format_bytes(host_reserved_bytes)} held ({pinned}) for {format_bytes(offloaded_bytes)} offloaded now"
     )
     lines += [f"note: {n}" for n in notes]
-    lines.append("transitions:")
-    head = (
-        f"  {'#':>3} {'kind':<10} {'out':<18} {'in':<14} {'out GB':>7} {'in GB':>7} "
-        f"{'s':>7} {'GB/s':>7} {'free before GB':>14} {'free after GB':>13}"
-    )
-    lines.append(head)
-    for r in records:
-        lines.append(
-            f"  {r.index:>3} {r.kind:<10} {','.join(r.roles_out) or '-':<18} {r.role_in or '-':<14} "
-            f"{_gb(r.bytes_out):>7} {_gb(r.bytes_in):>7} {r.seconds:>7.3f} "
-            f"{'-' if r.queued else format(r.gbps, '.1f'):>7} "
-            f"{_gb(r.driver_free_before):>14} {_gb(r.driver_free_after):>13}" + (f"  ({r.note})" if r.note else "")
-        )
     if not records:
-        lines.append("  (none yet)")
+        lines += ["transitions: (none yet)"]
+        return "\n".join(lines)
+    if detail:
+        lines.append("transitions, each:")
+        lines.append(
+            f"  {'#':>4} {'kind':<10} {'out':<18} {'in':<14} {'out':>10} {'in':>10} {'s':>8} {'GB/s':>6} "
+            f"{free_name + ' before':>18} {free_name + ' after':>17}"
+        )
+        for r in records:
+            lines.append(
+                f"  {r.index:>4} {r.kind:<10} {','.join(r.roles_out) or '-':<18} {r.role_in or '-':<14} "
+                f"{format_bytes(r.bytes_out):>10} {format_bytes(r.bytes_in):>10} {r.seconds:>8.4f} "
+                f"{'-' if r.queued else _rate(r.gbps):>6} "
+                f"{format_bytes(r.driver_free_before):>18} {format_bytes(r.driver_free_after):>17}"
+                + (f"  ({r.note})" if r.note else "")
+            )
+        return "\n".join(lines)
+    groups: dict[tuple[str, tuple[str, ...], str | None], list[TransitionRecord]] = {}
+    for r in records:
+        groups.setdefault((r.kind, r.roles_out, r.role_in), []).append(r)
+    lines.append("transitions, summed per kind and roles (report(detail=True) lists each):")
+    lines.append(
+        f"  {'kind':<10} {'out':<18} {'in':<14} {'count':>5} {'moved':>10} {'skipped':>10} {'seconds':>8} "
+        f"{'GB/s':>6}" + ("" if on_cpu else f" {'lowest free after':>17}")
+    )
+    for (kind, out, into), rs in groups.items():
+        skipped = sum(r.bytes_skipped + r.bytes_prefetched for r in rs)
+        lines.append(
+            f"  {kind:<10} {','.join(out) or '-':<18} {into or '-':<14} {len(rs):>5} "
+            f"{format_bytes(sum(r.bytes_out + r.bytes_in for r in rs)):>10} "
+            f"{format_bytes(skipped) if skipped else '-':>10} {sum(r.seconds for r in rs):>8.3f} {_gbps_text(rs):>6}"
+            + ("" if on_cpu else f" {format_bytes(min(r.driver_free_after for r in rs)):>17}")
+        )
+    queued = sum(r.queued for r in records)
+    total = sum(r.bytes_out + r.bytes_in for r in records)
+    lines.append(
+        f"  {'all':<10} {'':<18} {'':<14} {len(records):>5} {format_bytes(total):>10} {'':>10} "
+        f"{sum(r.seconds for r in records):>8.3f} {_gbps_text(records):>6}"
+    )
+    if queued:
+        lines.append(
+            f"  ({queued} of them queued their copies behind compute: their seconds are host time to queue, not in GB/s)"
+        )
+    skipped_any = any(r.bytes_skipped or r.bytes_prefetched for r in records)
+    if skipped_any:
+        lines.append(
+            "  (skipped: released without a copy, the host copy still valid, or already brought in by a prefetch)"
+        )
     return "\n".join(lines)

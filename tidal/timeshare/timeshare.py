@@ -605,8 +605,9 @@ class Timeshare:
             )
         return self._transition(out, None, on_released=on_released) if out else None
 
-    def report(self) -> str:
-        """A table of roles and every transition: bytes, seconds, GB/s, driver free memory."""
+    def report(self, *, detail: bool = False) -> str:
+        """Roles and transitions on this device: a summary per kind of transition and roles
+        (count, bytes, seconds, GB/s); ``detail=True`` lists every transition."""
         rows = []
         for n, r in self._roles.items():
             total = self.role_bytes(n)
@@ -618,7 +619,13 @@ class Timeshare:
             if r.host_optimizers()
         ]
         return format_report(
-            self.records, rows, self.store.host_reserved_bytes, self.store.offloaded_bytes, notes=notes
+            self.records,
+            rows,
+            self.store.host_reserved_bytes,
+            self.store.offloaded_bytes,
+            notes=notes,
+            device=str(self.device),
+            detail=detail,
         )
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ the timeshare), and writes ``timeline.png`` and ``demo.jsonl`` to the output fol
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -61,6 +62,35 @@ class DemoSettings:
     roles: str = "local"
 
     def __post_init__(self) -> None:
+        # Numbers that parse but make no sense are refused here, before a model is built.
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"--kl-coef must be a finite number >= 0 (0: no reference role), got {self.kl_coef}")
+        if self.group < 2:
+            raise ValueError(
+                f"--group {self.group}: GRPO scores each sample against the others of its group, so a group of "
+                f"{self.group} learns nothing; use --group 2 or more"
+            )
+        from tidal_recipes.cli.models import PRESETS  # noqa: PLC0415
+        from tidal_recipes.grpo.tasks import DigitTask  # noqa: PLC0415
+
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        DigitTask(name=self.task, num_digits=self.digits)  # raises on a task it cannot pose
+        p = PRESETS[self.preset]
+        narrowest = min(p.hidden, p.kv_heads * (p.hidden // p.heads))  # of q, k, v and o
+        if self.lora_rank > narrowest:
+            raise ValueError(
+                f"--lora-rank {self.lora_rank} is more than {narrowest}, the narrowest side of the layers LoRA "
+                f"adapts in {self.preset}: a larger rank adds parameters but no expressiveness; use a rank <= "
+                f"{narrowest}"
+            )
+        if self.lora_rank and self.roles != "local":
+            raise ValueError(
+                "--roles ray|processes runs a full-weight policy; LoRA (--lora-rank) runs with "
+                "--roles local, where the base with adapters off is the reference"
+            )
         if self.evict not in ("others", "as_needed"):
             raise ValueError(f"evict must be 'others' or 'as_needed', got {self.evict!r}")
         if self.headroom_mib is not None and self.headroom_mib < 0:
@@ -232,6 +262,8 @@ def write_outputs(
     and said through ``log`` (the table is printed before)."""
     unwritten = []
     try:
+        # The folder is made only now, when there is something to put in it.
+        os.makedirs(os.path.dirname(jsonl) or ".", exist_ok=True)
         timeline.write_jsonl(jsonl, extra=[r.as_dict() for r in results] + [summary])
         log(f"wrote {jsonl}")
     except OSError as e:
@@ -321,7 +353,6 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     (also in ``demo.jsonl``)."""
     if s.roles != "local":
         raise ValueError(f"run_demo runs the roles in this process; roles={s.roles!r} runs through run_remote_demo")
-    os.makedirs(s.out_dir, exist_ok=True)
     torch.manual_seed(s.seed)
     trainer = _trainer(s, timeshare=True)
     trainer_config = trainer.policy.config  # the model's shape, for the compute floor

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tidal.plan import PlanConfig, Recommendation, build_plan, recommend
+from tidal.plan import ModelShape, PlanConfig, Recommendation, build_plan, recommend
 
-__all__ = ["LEVER_SETTINGS", "choose_levers", "plan_config", "plan_kwargs"]
+__all__ = ["LEVER_SETTINGS", "choose_levers", "host_need_bytes", "plan_config", "plan_kwargs", "plan_shape"]
 
 # The demo setting each lever turns, and the planner levers the demo never applies.
 LEVER_SETTINGS = {
@@ -72,8 +72,45 @@ def plan_kwargs(s: Any) -> dict:
     )
 
 
+def plan_shape(preset: str) -> ModelShape:
+    """The planner's shape of the demo preset ``preset``: the planner's own for the released
+    checkpoints' shapes, built from :data:`tidal_recipes.cli.models.PRESETS` for the small ones
+    (``nano``, ``tiny``) it does not list."""
+    from tidal.plan.shapes import PRESETS as PLAN_PRESETS  # noqa: PLC0415
+    from tidal_recipes.cli.models import PRESETS  # noqa: PLC0415
+
+    if preset in PLAN_PRESETS:
+        return PLAN_PRESETS[preset]
+    p = PRESETS[preset]
+    return ModelShape(
+        name=preset,
+        layers=p.layers,
+        hidden=p.hidden,
+        intermediate=p.intermediate,
+        heads=p.heads,
+        kv_heads=p.kv_heads,
+        head_dim=p.hidden // p.heads,
+        vocab=p.vocab,
+        tied_embeddings=p.tied,
+        qkv_bias=p.family == "qwen2",
+        family=p.family,
+    )
+
+
 def plan_config(s: Any) -> PlanConfig:
-    return PlanConfig(shape=s.preset, **plan_kwargs(s))
+    return PlanConfig(shape=plan_shape(s.preset), **plan_kwargs(s))
+
+
+def host_need_bytes(s: Any) -> int:
+    """Host memory a CPU run of the demo settings ``s`` needs, by the planner: the timeshared
+    step's peak plus the host copies of the roles moved out, or the all-resident baseline's
+    peak if that is higher (no CUDA context on a CPU)."""
+    config = plan_config(s).replace(cuda_context_bytes=0)
+    plan = build_plan(config)
+    need = plan.device_peak_bytes + plan.node_host_bytes
+    if s.baseline_steps:
+        need = max(need, build_plan(config.replace(timeshare=False)).device_peak_bytes)
+    return need
 
 
 def choose_levers(

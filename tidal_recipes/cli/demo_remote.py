@@ -55,12 +55,11 @@ def _start_ray(device: str, gpu_resource: str) -> bool:
 
 def run_remote_demo(s, *, log: Callable[[str], None] = print) -> dict:
     """Run the demo with ``s.roles`` in ``("ray", "processes")``; returns its figures."""
-    if s.lora_rank:
+    if s.lora_rank:  # DemoSettings refuses it too
         raise ValueError(
             "--roles ray|processes runs a full-weight policy; LoRA (--lora-rank) runs with "
             "--roles local, where the base with adapters off is the reference"
         )
-    os.makedirs(s.out_dir, exist_ok=True)
     device = "cpu" if s.device == "cpu" else "cuda"
     gpu_resource = "tidal_device" if device == "cpu" else "GPU"
     started_ray = _start_ray(device, gpu_resource) if s.roles == "ray" else False

@@ -26,7 +26,7 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from tidal_recipes.cli.args import device_arg, nonneg_int, output_problem, positive_int
+from tidal_recipes.cli.args import device_arg, finite_float, mib_arg, nonneg_int, output_problem, positive_int, seed_arg
 
 __all__ = ["build_parser", "main"]
 
@@ -67,7 +67,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--line-mib",
-        type=nonneg_int,
+        type=mib_arg,
         default=None,
         help="size of the line-rate buffer in MiB (default 1024 on a GPU, 16 on cpu)",
     )
@@ -107,6 +107,11 @@ def _run_bench(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     if _outputs_unwritable("bench", [("--results", args.results), ("--json", args.json)]):
         return EXIT_USAGE
+    if args.line_mib:
+        problem = _line_buffer_problem(args.line_mib, args.device)
+        if problem:
+            print(f"tidal bench: error: --line-mib {args.line_mib:,}: {problem}. Nothing was run", file=sys.stderr)
+            return EXIT_USAGE
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -144,6 +149,37 @@ def _run_bench(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_OUTPUT
 
 
+def _line_buffer_problem(mib: int, device: str | None) -> str | None:
+    """Why the line-rate test cannot hold two buffers of ``mib`` MiB on the device and two
+    on the host (four on the host for a CPU run), or None."""
+    import torch  # noqa: PLC0415
+
+    from tidal.device import DeviceOps  # noqa: PLC0415
+    from tidal.memory import host_memory  # noqa: PLC0415
+    from tidal.units import format_bytes  # noqa: PLC0415
+
+    ops = DeviceOps(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    nbytes = mib << 20
+    try:
+        host_free = host_memory().available_bytes
+    except OSError:
+        host_free = None
+    on_host = 2 * nbytes if ops.is_accelerator else 4 * nbytes
+    if host_free is not None and on_host > host_free:
+        return (
+            f"the line-rate test holds {format_bytes(on_host)} of host buffers and this host has "
+            f"{format_bytes(host_free)} available; choose a smaller --line-mib (default 1024 on a GPU, 16 on cpu)"
+        )
+    if ops.is_accelerator:
+        free, _total = ops.driver_free_bytes()
+        if 2 * nbytes > free:
+            return (
+                f"the line-rate test holds {format_bytes(2 * nbytes)} on {ops.device} and it has "
+                f"{format_bytes(free)} free; choose a smaller --line-mib"
+            )
+    return None
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
@@ -164,7 +200,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=positive_int, default=None, help="prompts per step")
     p.add_argument("--group", type=positive_int, default=None, help="samples per prompt (GRPO group)")
     p.add_argument("--micro-batch", type=positive_int, default=None, help="sequences per forward/backward")
-    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--lr", type=finite_float(0.0, inclusive=False), default=None, help="learning rate (> 0)")
     p.add_argument("--optimizer", choices=("adamw", "cpu_adam"), default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument(
@@ -205,7 +241,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="each phase brings the next phase's role in behind its compute and writes its own role back "
         "ahead of the switch (Timeshare.prefetch), within the last step's highest phase peak",
     )
-    p.add_argument("--kl-coef", type=float, default=0.02, help="KL to the reference (0: no reference role)")
+    p.add_argument("--kl-coef", type=finite_float(0.0), default=0.02, help="KL to the reference (0: no reference role)")
     p.add_argument("--lora-rank", type=nonneg_int, default=0, help="train LoRA adapters of this rank (needs peft)")
     p.add_argument(
         "--baseline-steps",
@@ -215,7 +251,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--switch-extra-mib",
-        type=nonneg_int,
+        type=mib_arg,
         default=256,
         help="cap on how much a role switch overlaps: one role's state plus this many MiB "
         "(default 256; --full-overlap lifts the cap)",
@@ -233,13 +269,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--headroom-mib",
-        type=nonneg_int,
+        type=mib_arg,
         default=None,
         help="device memory a reload leaves free for the phases (activations); with --evict as_needed also "
         "what evictions make room for (default 0; on a GPU with as_needed chosen, the planner's largest "
         "transient need of a phase)",
     )
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument(
         "--roles",
         choices=("local", "processes", "ray"),
@@ -279,6 +315,15 @@ def _run_demo(args: argparse.Namespace) -> int:
     ):
         if getattr(args, name) is not None:
             chosen[name] = getattr(args, name)
+    sequences = chosen["prompts"] * chosen["group"]
+    if chosen["micro_batch"] > sequences:  # a micro-batch cannot hold more sequences than a step has
+        if args.micro_batch is not None:
+            print(
+                f"tidal demo: note: --micro-batch {args.micro_batch:,} is more than the {sequences} sequences of a "
+                f"step ({chosen['prompts']} prompts x {chosen['group']}); using {sequences}",
+                file=sys.stderr,
+            )
+        chosen["micro_batch"] = sequences
     try:
         settings = DemoSettings(
             **chosen,
@@ -299,8 +344,13 @@ def _run_demo(args: argparse.Namespace) -> int:
             roles=args.roles,
         )
     except ValueError as e:
-        print(f"tidal demo: error: {e}", file=sys.stderr)
+        print(f"tidal demo: error: {e}. Nothing was run", file=sys.stderr)
         return EXIT_USAGE
+    if not DeviceOps(settings.device).is_accelerator:
+        problem = _host_memory_problem(settings)
+        if problem:
+            print(f"tidal demo: error: {problem}. Nothing was run", file=sys.stderr)
+            return EXIT_USAGE
     if settings.roles == "local" and DeviceOps(settings.device).is_accelerator:
         # The levers the user left open come from the planner, for this GPU and this host.
         fixed = tuple(
@@ -339,6 +389,27 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"tidal demo: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OUTPUT if summary.get("unwritten") else EXIT_OK
+
+
+def _host_memory_problem(settings) -> str | None:
+    """On the CPU: why the step would not fit the host's available memory (by the planner's
+    estimate), or None. On a GPU the planner's lever choice checks the GPU and the host."""
+    from tidal.memory import host_memory  # noqa: PLC0415
+    from tidal.units import format_bytes  # noqa: PLC0415
+    from tidal_recipes.cli.demo_plan import host_need_bytes  # noqa: PLC0415
+
+    try:
+        available = host_memory().available_bytes
+    except OSError:
+        return None  # no /proc/meminfo: nothing to check against
+    need = host_need_bytes(settings)
+    if need <= available:
+        return None
+    return (
+        f"this step needs about {format_bytes(need)} of memory ({settings.prompts} prompts x {settings.group} "
+        f"samples of {2 * settings.digits + 2} tokens, micro-batch {settings.micro_batch}, {settings.preset}) and "
+        f"this host has {format_bytes(available)} available; lower --prompts, --group, --digits or --micro-batch"
+    )
 
 
 def _plan_levers(settings, fixed: tuple[str, ...]):
@@ -428,8 +499,16 @@ def _version() -> str:
         return "(not installed: run from a checkout)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line: what is wrong and where the options are listed,
+    without the usage synopsis (a screenful for ``tidal demo``) in front of it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tidal",
         description="tidal: GPU time-sharing for the roles of LLM RL training.",
     )

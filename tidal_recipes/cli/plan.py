@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from tidal_recipes.cli.args import nonneg_int, positive_float, positive_int
+from tidal_recipes.cli.args import MAX_GIB, gib_arg, mib_arg, nonneg_int, positive_int, rate_arg
 
 __all__ = ["add_parser", "run"]
 
@@ -51,13 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gpu-mem-gib",
-        type=positive_float,
+        type=gib_arg,
         default=None,
         help="memory of one GPU in GiB; with it, a recommendation is made (80 GB H100: 79.2)",
     )
     p.add_argument(
         "--host-mem-gib",
-        type=positive_float,
+        type=gib_arg,
         default=None,
         help="host RAM the job may use, in GiB, for the recommendation's host check (default: what this "
         "machine has available now, memory cgroup included)",
@@ -123,7 +123,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="rollout by HF generate (default) or a loop of one's own like tidal_recipes.grpo's",
     )
     p.add_argument(
-        "--cpu-adam-inflight-mib", type=nonneg_int, default=512, help="CPUAdam(max_inflight_bytes) in MiB (default 512)"
+        "--cpu-adam-inflight-mib", type=mib_arg, default=512, help="CPUAdam(max_inflight_bytes) in MiB (default 512)"
     )
     p.add_argument(
         "--cpu-adam-grad-accumulation",
@@ -137,15 +137,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="the optimizer step runs inside the train phase (its peak counts there)",
     )
-    p.add_argument("--context-mib", type=nonneg_int, default=500, help="CUDA context, MiB (default 500, assumed)")
+    p.add_argument("--context-mib", type=mib_arg, default=500, help="CUDA context, MiB (default 500, assumed)")
     p.add_argument(
         "--bench-json", metavar="PATH", default=None, help="take the line rate from a `tidal bench --json PATH` file"
     )
-    p.add_argument("--d2h-gbps", type=positive_float, default=None, help="device->host GB/s (default 55)")
-    p.add_argument("--h2d-gbps", type=positive_float, default=None, help="host->device GB/s (default 55)")
-    p.add_argument(
-        "--bidir-gbps", type=positive_float, default=None, help="both directions at once, GB/s (default 100)"
-    )
+    p.add_argument("--d2h-gbps", type=rate_arg, default=None, help="device->host GB/s (default 55)")
+    p.add_argument("--h2d-gbps", type=rate_arg, default=None, help="host->device GB/s (default 55)")
+    p.add_argument("--bidir-gbps", type=rate_arg, default=None, help="both directions at once, GB/s (default 100)")
     p.add_argument(
         "--json",
         metavar="PATH",
@@ -182,6 +180,24 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"tidal plan: error: --json {args.json}: {problem}. Nothing was run", file=sys.stderr)
         return EXIT_USAGE
+    sequences = args.prompts * args.group
+    if args.gpus > sequences:
+        print(
+            f"tidal plan: error: --gpus {args.gpus:,} is more than the {sequences} sequences of a step (--prompts "
+            f"{args.prompts} x --group {args.group}): every GPU needs at least one; lower --gpus or raise --prompts. "
+            "Nothing was run",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    per_gpu = -(-sequences // args.gpus)
+    micro_batch = args.micro_batch
+    if micro_batch > per_gpu:  # a micro-batch cannot hold more sequences than there are
+        micro_batch = per_gpu
+        print(
+            f"tidal plan: note: --micro-batch {args.micro_batch:,} is more than the {per_gpu} sequences each GPU "
+            f"trains on per step; planning with a micro-batch of {per_gpu}",
+            file=sys.stderr,
+        )
     try:
         shape = load_shape(args.config if args.config else (args.preset or "qwen2-1.5b"))
         bw = _bandwidth(args)
@@ -199,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
             group=args.group,
             prompt_len=args.prompt_len,
             gen_len=args.gen_len,
-            micro_batch=args.micro_batch,
+            micro_batch=micro_batch,
             padding_mask=args.padding_mask,
             attn=args.attn,
             logprob_span=args.logprob_span,
@@ -217,6 +233,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"tidal plan: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     plan = build_plan(config, bandwidth=bw)
+    if plan.device_peak_bytes > MAX_GIB * GIB:  # what no GPU holds: the numbers are a typo
+        print(
+            f"tidal plan: error: this step would peak at {plan.device_peak_bytes / GIB / MAX_GIB:,.0f} PiB on one GPU "
+            f"({plan.peak_phase}), more than any machine has; lower --prompts, --group, --prompt-len or --gen-len. "
+            "Nothing was printed",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     rec = None
     if args.gpu_mem_gib is not None:
         if args.host_mem_gib is not None:

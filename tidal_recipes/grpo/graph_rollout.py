@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from tidal.vmm import Region
-from tidal_recipes.grpo.rollout import check_sampling, draw_answers, logits_kwargs
+from tidal_recipes.grpo.rollout import cache_name, check_sampling, draw_answers, logits_kwargs
 
 __all__ = ["GraphDecoder"]
 
@@ -86,7 +86,7 @@ class GraphDecoder:
             self._cache.reset()  # keys, values and write positions: fresh memory after a restore
             out = self.model(
                 input_ids=prompts,
-                past_key_values=self._cache,
+                **{cache_name(self.model): self._cache},
                 cache_position=self._pos_prefill,
                 use_cache=True,
                 **logits_kwargs(self.model, 1),
@@ -126,10 +126,11 @@ class GraphDecoder:
             self._ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
             self._pos = torch.zeros(1, dtype=torch.long, device=device)
             self._cache = StaticCache(config=self.model.config, max_cache_len=plen + new_tokens)
+            kv = {cache_name(self.model): self._cache}  # the keyword this transformers takes it by
             # The cache allocates its tensors at the first forward (for this batch), here in the tag.
             self.model(
                 input_ids=prompts,
-                past_key_values=self._cache,
+                **kv,
                 cache_position=self._pos_prefill,
                 use_cache=True,
                 **logits_kwargs(self.model, 1),
@@ -140,14 +141,12 @@ class GraphDecoder:
         side.wait_stream(torch.cuda.current_stream(device))  # the warm-up reads what the prefill wrote
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model(input_ids=self._ids, past_key_values=self._cache, cache_position=self._pos, use_cache=True)
+                self.model(input_ids=self._ids, **kv, cache_position=self._pos, use_cache=True)
         torch.cuda.current_stream(device).wait_stream(side)  # the capture starts after the warm-up
         graph = torch.cuda.CUDAGraph()
         pool = self.region.pool(GRAPH_TAG, policy="discard")
         with torch.cuda.graph(graph, pool=pool.id):
-            self._logits = self.model(
-                input_ids=self._ids, past_key_values=self._cache, cache_position=self._pos, use_cache=True
-            ).logits
+            self._logits = self.model(input_ids=self._ids, **kv, cache_position=self._pos, use_cache=True).logits
         self._graph = graph
         self._shape = (batch, plen, new_tokens)
         self.captures += 1

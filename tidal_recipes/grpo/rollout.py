@@ -32,6 +32,14 @@ def logits_kwargs(model: torch.nn.Module, keep: int) -> dict:
     return {}
 
 
+def cache_name(model: torch.nn.Module) -> str:
+    """The name under which ``model``'s forward takes and returns its KV cache: ``cache`` in
+    the transformers releases that renamed it (5.2x: ``past_key_values`` still works there,
+    with a FutureWarning), ``past_key_values`` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def check_sampling(new_tokens: int, temperature: float) -> None:
     """``ValueError`` unless ``new_tokens >= 1`` and ``temperature > 0`` (before any work)."""
     if new_tokens < 1:
@@ -91,13 +99,14 @@ def sample_answers(
     model.eval()  # no dropout while sampling
     try:
         out = model(input_ids=prompts, use_cache=True, **logits_kwargs(model, 1))
-        state = {"cache": out.past_key_values}
+        name = cache_name(model)
+        state = {"cache": out[name]}
         first = out.logits[:, -1]
         del out
 
         def next_logits(tok: torch.Tensor, _i: int) -> torch.Tensor:
-            step = model(input_ids=tok, past_key_values=state["cache"], use_cache=True)
-            state["cache"] = step.past_key_values
+            step = model(input_ids=tok, use_cache=True, **{name: state["cache"]})
+            state["cache"] = step[name]
             return step.logits[:, -1]
 
         answers = draw_answers(

@@ -4,6 +4,7 @@ work starts, and a finished run never loses what it measured."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -142,3 +143,164 @@ def test_demo_says_which_options_its_optimizer_ignores(tmp_path, capsys):
     assert "--optimizer-residency role is ignored with optimizer cpu_adam" in capsys.readouterr().err
     assert main([*args, "--optimizer", "cpu_adam", "--grad-accumulation", "host"]) == 0
     assert "ignored" not in capsys.readouterr().err
+
+
+# ---- issue 28: every bad input gets one line, exit code 2, before any work or folder -------
+def _one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tidal {command}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        (["--gpu-mem-gib", "inf"], "argument --gpu-mem-gib: expected a finite number, got inf"),
+        (["--gpu-mem-gib", "80", "--host-mem-gib", "inf"], "argument --host-mem-gib: expected a finite number"),
+        (["--gpu-mem-gib", "1e308"], "argument --gpu-mem-gib: expected a number <= 1,048,576 (1 PiB"),
+        (["--gpu-mem-gib", "nan"], "argument --gpu-mem-gib: expected a finite number, got nan"),
+        (["--d2h-gbps", "0"], "argument --d2h-gbps: expected a number > 0"),
+        (["--bidir-gbps", "inf"], "argument --bidir-gbps: expected a finite number"),
+        (["--context-mib", "99999999999999"], "argument --context-mib: expected an integer <= 1,073,741,824"),
+        (["--gpus", "33"], "--gpus 33 is more than the 32 sequences of a step (--prompts 8 x --group 4)"),
+        (["--prompts", "99999999999999999999"], "PiB on one GPU (rollout), more than any machine has"),
+        (["--gen-len", "99999999999999999999"], "more than any machine has; lower --prompts, --group"),
+        (["--lora-rank", "99999999999"], "LoRA rank 99999999999 is more than 256, the narrowest side"),
+    ],
+)
+def test_plan_numbers_that_make_no_sense_are_refused(capsys, monkeypatch, argv, expect):
+    monkeypatch.setattr(tidal.plan, "recommend", _no_work)
+    assert main(["plan", *argv]) == EXIT_USAGE
+    assert expect in _one_line_error(capsys, "plan")
+
+
+def test_plan_clamps_a_micro_batch_larger_than_the_step(capsys):
+    assert main(["plan", "--micro-batch", "99999999999999999999"]) == 0
+    out, err = capsys.readouterr()
+    assert "note: --micro-batch 99,999,999,999,999,999,999 is more than the 32 sequences" in err
+    assert "32 sequences of 128+256 tokens, 1 micro-batch(es) of 32" in out
+    lines = out.splitlines()
+    rule = next(ln for ln in lines if ln.startswith("-----"))
+    rows = [ln for ln in lines if ln.startswith(("resident state", "transient", "peak allocated"))]
+    assert len(rows) == 4 and all(len(ln) == len(rule) for ln in rows), "the table's columns stay apart"
+
+
+_QWEN = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+}
+
+
+@pytest.mark.parametrize(
+    "change,expect",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a whole number between 1 and"),
+        ({"hidden_size": "1e999"}, "hidden_size must be a whole number between 1 and 2,147,483,648, got inf"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers must be a whole number"),
+        ({"vocab_size": True}, "vocab_size must be a whole number"),
+        ({"num_attention_heads": 128}, "leaves heads of width 0"),
+    ],
+)
+def test_plan_config_with_sizes_that_make_no_sense(tmp_path, capsys, change, expect):
+    text = json.dumps({**_QWEN, **{k: v for k, v in change.items() if v != "1e999"}})
+    if "1e999" in change.values():  # JSON's way of writing infinity for Python's reader
+        key = next(k for k, v in change.items() if v == "1e999")
+        text = text.replace(f'"{key}": {_QWEN[key]}', f'"{key}": 1e999')
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    assert main(["plan", "--config", str(path)]) == EXIT_USAGE
+    line = _one_line_error(capsys, "plan")
+    assert expect in line and str(path) in line
+
+
+@pytest.mark.parametrize(
+    "content,expect",
+    [
+        ([1, 2], "has no line_rate with d2h_gbps, h2d_gbps and bidir_gbps"),
+        ({"line_rate": {"d2h_gbps": 0, "h2d_gbps": 10, "bidir_gbps": 20}}, "d2h_gbps must be a finite number"),
+        ({"line_rate": {"d2h_gbps": 10, "h2d_gbps": "x", "bidir_gbps": 20}}, "unusable line rate"),
+        ("{not json", "is not a JSON file"),
+    ],
+)
+def test_plan_bench_json_that_makes_no_sense(tmp_path, capsys, monkeypatch, content, expect):
+    monkeypatch.setattr(tidal.plan, "build_plan", _no_work)
+    path = tmp_path / "bench.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    assert main(["plan", "--bench-json", str(path)]) == EXIT_USAGE
+    assert expect in _one_line_error(capsys, "plan")
+
+
+_DEMO_BAD = [
+    (["--lr", "-1"], "argument --lr: expected a number > 0, got -1"),
+    (["--lr", "inf"], "argument --lr: expected a finite number"),
+    (["--kl-coef", "-1"], "argument --kl-coef: expected a number >= 0, got -1"),
+    (["--group", "1"], "--group 1: GRPO scores each sample against the others of its group"),
+    (["--device", "cuda:99999999999999999999"], "torch numbers devices 0-127"),
+    (["--device", "cuda:128"], "torch numbers devices 0-127"),
+    (["--digits", "99999999999"], "PiB of memory (16 prompts x 8 samples of 200000000000 tokens"),
+    (["--prompts", "99999999999"], "PiB of memory (99999999999 prompts x 8 samples"),
+    (["--lora-rank", "99999999999"], "--lora-rank 99999999999 is more than 64, the narrowest side"),
+    (["--seed", "99999999999999999999"], "argument --seed: expected an integer <= 9,223,372,036,854,775,807"),
+    (["--headroom-mib", "99999999999999"], "argument --headroom-mib: expected an integer <= 1,073,741,824"),
+    (["--task", "add", "--digits", "3"], "task 'add' needs an even num_digits"),
+    (["--roles", "processes", "--lora-rank", "4"], "LoRA (--lora-rank) runs with --roles local"),
+]
+
+
+@pytest.mark.parametrize("argv,expect", _DEMO_BAD, ids=[" ".join(a) for a, _ in _DEMO_BAD])
+def test_demo_numbers_that_make_no_sense_are_refused_before_any_folder(tmp_path, capsys, monkeypatch, argv, expect):
+    monkeypatch.setattr(tidal_recipes.cli.demo, "build_policy", _no_work)
+    out = tmp_path / "demo"
+    device = [] if any(a.startswith("--device") for a in argv) else ["--device", "cpu"]
+    assert main(["demo", *device, *argv, "--out", str(out)]) == EXIT_USAGE
+    assert expect in _one_line_error(capsys, "demo")
+    assert not out.exists(), "no folder is made for a run that is refused"
+
+
+def test_demo_out_where_nothing_can_be_created(capsys, monkeypatch):
+    """/proc takes no new names, whatever the permission bits say (root passes os.access)."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc")
+    monkeypatch.setattr(tidal_recipes.cli.demo, "build_policy", _no_work)
+    assert main(["demo", "--device", "cpu", "--steps", "1", "--out", "/proc/x"]) == EXIT_USAGE
+    assert "--out /proc/x: cannot create anything in /proc" in _one_line_error(capsys, "demo")
+
+
+def test_demo_clamps_a_micro_batch_larger_than_the_step(capsys, monkeypatch):
+    seen = {}
+
+    def record(settings, **kwargs):
+        seen["settings"] = settings
+        return {}
+
+    monkeypatch.setattr(tidal_recipes.cli.demo, "run_demo", record)
+    assert main(["demo", "--device", "cpu", "--prompts", "4", "--group", "2", "--micro-batch", "1000"]) == 0
+    assert "note: --micro-batch 1,000 is more than the 8 sequences of a step (4 prompts x 2); using 8" in (
+        capsys.readouterr().err
+    )
+    assert seen["settings"].micro_batch == 8
+
+
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        (["--device", "cuda:99999999999999999999"], "torch numbers devices 0-127"),
+        (["--line-mib", "99999999999"], "argument --line-mib: expected an integer <= 1,073,741,824"),
+        (["--device", "cpu", "--line-mib", "4096"], "the line-rate test holds 16.00 GiB of host buffers"),
+    ],
+)
+def test_bench_sizes_that_make_no_sense_are_refused(capsys, monkeypatch, argv, expect):
+    import tidal.memory  # noqa: PLC0415
+
+    fake = tidal.memory.HostMemory(total_bytes=2 << 30, available_bytes=1 << 30, cgroup_limit_bytes=None)
+    monkeypatch.setattr(tidal.memory, "host_memory", lambda: fake)
+    monkeypatch.setattr(tidal_recipes.cli.bench, "run_bench", _no_work)
+    assert main(["bench", *argv]) == EXIT_USAGE
+    assert expect in _one_line_error(capsys, "bench")
