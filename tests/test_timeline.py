@@ -42,3 +42,31 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "t.png"
     tl.plot(str(path), rewards=[0.1, 0.2, 0.3, 0.4, 0.5])
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_draws_other_runs_beside_it_on_one_scale(tmp_path, monkeypatch):
+    """Issue 28: the demo's picture shows the all-resident loop beside the timeshare."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    runs = []
+    for level in (1 << 20, 3 << 20):
+        tl = MemoryTimeline(DeviceOps("cpu"), state_bytes=lambda level=level: level)
+        for step in range(4):
+            for name in ("rollout", "reference", "train"):
+                with tl.phase(name, step=step):
+                    tl.sample()
+        runs.append(tl)
+    seen = {}
+    real = plt.Figure.savefig
+
+    def keep(fig, path, *args, **kwargs):
+        seen["axes"] = [(ax.get_title(), ax.get_ylim()) for ax in fig.axes]
+        return real(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep)
+    runs[0].plot(str(tmp_path / "t.png"), title="timeshare", rewards=[0.1] * 4, beside=[("resident", runs[1])])
+    titles = [t for t, _ in seen["axes"]]
+    assert titles[:2] == ["timeshare", "resident"] and len(titles) == 3  # two memory panels, the reward
+    assert seen["axes"][0][1] == seen["axes"][1][1] == (0, 3 * 1.25), "one memory scale for both runs"
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -143,21 +143,55 @@ class MemoryTimeline:
             for e in extra:
                 f.write(json.dumps(e, default=str) + "\n")
 
-    def plot(self, path: str, *, title: str = "", last_steps: int = 3, rewards: list[float] | None = None) -> None:
+    def plot(
+        self,
+        path: str,
+        *,
+        title: str = "",
+        last_steps: int = 3,
+        rewards: list[float] | None = None,
+        beside: list[tuple[str, "MemoryTimeline"]] = (),
+    ) -> None:
         """Draw the timeline to a PNG (needs matplotlib: ``pip install tidal[demo]``).
 
         The top panel shows memory over the last ``last_steps`` steps (phases shaded,
         transitions as dotted lines), so each phase is readable however long the run; with
         ``rewards`` (one per step) a bottom panel shows the reward over the whole run.
+        ``beside``: other runs, as ``(title, timeline)``, drawn to the right on the same memory
+        scale (the demo puts the same loop with every role resident there).
         """
         try:
             import matplotlib  # noqa: PLC0415 (optional dependency)
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt  # noqa: PLC0415
-            from matplotlib.patches import Patch  # noqa: PLC0415
         except ImportError as e:
             raise ImportError("the memory timeline PNG needs matplotlib: pip install 'tidal[demo]'") from e
+        runs = [(title or f"device memory on {self.ops.device}", self), *beside]
+        windows = [tl._window(last_steps) for _, tl in runs]
+        peak = max(w[3] for w in windows)
+        unit, scale = ("GiB", float(1 << 30)) if peak >= 1 << 30 else ("MiB", float(1 << 20))
+        rows, cols = (2 if rewards else 1), len(runs)
+        fig = plt.figure(figsize=(11 if cols == 1 else 7.5 * cols, 3.6 * rows), dpi=110)
+        grid = fig.add_gridspec(rows, cols)
+        for c, ((name, tl), window) in enumerate(zip(runs, windows)):
+            ax = fig.add_subplot(grid[0, c])
+            tl._draw_memory(ax, window, unit=unit, scale=scale, ymax=peak / scale * 1.25)
+            ax.set_title(name, fontsize=10)
+        if rewards:
+            ax2 = fig.add_subplot(grid[1, :])
+            ax2.plot(range(len(rewards)), rewards, color="#2a9d8f", lw=1.2)
+            ax2.set_xlabel("step")
+            ax2.set_ylabel("mean reward")
+            ax2.set_ylim(0, 1.05)
+            ax2.grid(alpha=0.25)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+    def _window(self, last_steps: int) -> tuple[list[PhaseSpan], list[dict], tuple[float, float], int, int]:
+        """The phases and samples of the last ``last_steps`` steps, their time span, their
+        highest memory reading and how many steps they cover."""
         steps = sorted({p.step for p in self.phases})
         shown = set(steps[-last_steps:]) if last_steps > 0 else set(steps)
         phases = [p for p in self.phases if p.step in shown]
@@ -165,11 +199,12 @@ class MemoryTimeline:
         t_hi = max((p.end_s for p in phases), default=self.now())
         samples = [x for x in self.samples if t_lo <= x["t"] <= t_hi]
         peak = max([x["allocated"] for x in samples] + [x.get("driver_used", 0) for x in samples] + [1])
-        unit, scale = ("GiB", float(1 << 30)) if peak >= 1 << 30 else ("MiB", float(1 << 20))
+        return phases, samples, (t_lo, t_hi), peak, len(shown)
 
-        rows = 2 if rewards else 1
-        fig, axes = plt.subplots(rows, 1, figsize=(11, 3.6 * rows), dpi=110, squeeze=False)
-        ax = axes[0][0]
+    def _draw_memory(self, ax, window, *, unit: str, scale: float, ymax: float) -> None:
+        from matplotlib.patches import Patch  # noqa: PLC0415 (optional dependency)
+
+        phases, samples, (t_lo, t_hi), _peak, n_steps = window
         for p in phases:
             ax.axvspan(p.start_s - t_lo, p.end_s - t_lo, color=_COLORS.get(p.name, "#dddddd"), alpha=0.35, lw=0)
         t = [x["t"] - t_lo for x in samples]
@@ -200,21 +235,10 @@ class MemoryTimeline:
         handles += [Patch(color=_COLORS[n], alpha=0.35) for n in names]
         labels += names
         ax.legend(handles, labels, loc="upper right", fontsize=8, ncol=2, framealpha=0.9)
-        ax.set_xlabel(f"seconds (last {len(shown)} step{'s' if len(shown) != 1 else ''})")
+        ax.set_xlabel(f"seconds (last {n_steps} step{'s' if n_steps != 1 else ''})")
         ax.set_ylabel(unit)
-        ax.set_ylim(0, peak / scale * 1.25)
-        ax.set_title(title or f"device memory on {self.ops.device}", fontsize=10)
+        ax.set_ylim(0, ymax)
         ax.grid(alpha=0.25)
-        if rewards:
-            ax2 = axes[1][0]
-            ax2.plot(range(len(rewards)), rewards, color="#2a9d8f", lw=1.2)
-            ax2.set_xlabel("step")
-            ax2.set_ylabel("mean reward")
-            ax2.set_ylim(0, 1.05)
-            ax2.grid(alpha=0.25)
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
 
 
 _COLORS = {"rollout": "#8ecae6", "reference": "#ffb703", "train": "#90be6d"}

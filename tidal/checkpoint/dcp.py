@@ -26,6 +26,8 @@ of it touches the device, so an NCCL job's save allocates no device memory for i
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import os
 import warnings
@@ -106,11 +108,29 @@ def save(
         str(tmp), sync_files=True, thread_count=config.thread_count, per_thread_copy_ahead=config.copy_ahead_bytes
     )
     # DCP's save ends once the coordinator has written .metadata and told every rank.
-    dcp.save({_APP: state}, storage_writer=writer, process_group=group)
+    with _single_process_quiet():
+        dcp.save({_APP: state}, storage_writer=writer, process_group=group, no_dist=not _distributed())
     sync_policy().point("checkpoint_shards_written")
     return atomic.on_rank0(
         lambda: atomic.commit(root, state.step, _world_size(), keep_last=config.keep_last), group=group
     )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group, DCP warns at every save and load that it assumes a single
+    process (even when told so with ``no_dist=True``): that is what tidal asked for, so the
+    warning says nothing to the user and is silenced; with a process group nothing changes."""
+    if _distributed():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def load(path: str | os.PathLike, state: TrainState) -> int:
@@ -148,7 +168,13 @@ def load(path: str | os.PathLike, state: TrainState) -> int:
         )
     state.load_rng = has_rng
     try:
-        dcp.load({_APP: state}, storage_reader=FileSystemReader(str(path)), process_group=group)
+        with _single_process_quiet():
+            dcp.load(
+                {_APP: state},
+                storage_reader=FileSystemReader(str(path)),
+                process_group=group,
+                no_dist=not _distributed(),
+            )
     except (ValueError, TypeError):
         raise  # tidal's own checks (CheckpointError included) say what is wrong already
     except Exception as e:

@@ -158,12 +158,12 @@ def format_report(
     if detail:
         lines.append("transitions, each:")
         lines.append(
-            f"  {'#':>4} {'kind':<10} {'out':<18} {'in':<14} {'out':>10} {'in':>10} {'s':>8} {'GB/s':>6} "
+            f"  {'#':>4} {'kind':<12} {'out':<18} {'in':<14} {'out':>10} {'in':>10} {'s':>8} {'GB/s':>6} "
             f"{free_name + ' before':>18} {free_name + ' after':>17}"
         )
         for r in records:
             lines.append(
-                f"  {r.index:>4} {r.kind:<10} {','.join(r.roles_out) or '-':<18} {r.role_in or '-':<14} "
+                f"  {r.index:>4} {r.kind:<12} {','.join(r.roles_out) or '-':<18} {r.role_in or '-':<14} "
                 f"{format_bytes(r.bytes_out):>10} {format_bytes(r.bytes_in):>10} {r.seconds:>8.4f} "
                 f"{'-' if r.queued else _rate(r.gbps):>6} "
                 f"{format_bytes(r.driver_free_before):>18} {format_bytes(r.driver_free_after):>17}"
@@ -175,13 +175,13 @@ def format_report(
         groups.setdefault((r.kind, r.roles_out, r.role_in), []).append(r)
     lines.append("transitions, summed per kind and roles (report(detail=True) lists each):")
     lines.append(
-        f"  {'kind':<10} {'out':<18} {'in':<14} {'count':>5} {'moved':>10} {'skipped':>10} {'seconds':>8} "
+        f"  {'kind':<12} {'out':<18} {'in':<14} {'count':>5} {'moved':>10} {'skipped':>10} {'seconds':>8} "
         f"{'GB/s':>6}" + ("" if on_cpu else f" {'lowest free after':>17}")
     )
     for (kind, out, into), rs in groups.items():
         skipped = sum(r.bytes_skipped + r.bytes_prefetched for r in rs)
         lines.append(
-            f"  {kind:<10} {','.join(out) or '-':<18} {into or '-':<14} {len(rs):>5} "
+            f"  {kind:<12} {','.join(out) or '-':<18} {into or '-':<14} {len(rs):>5} "
             f"{format_bytes(sum(r.bytes_out + r.bytes_in for r in rs)):>10} "
             f"{format_bytes(skipped) if skipped else '-':>10} {sum(r.seconds for r in rs):>8.3f} {_gbps_text(rs):>6}"
             + ("" if on_cpu else f" {format_bytes(min(r.driver_free_after for r in rs)):>17}")
@@ -189,7 +189,7 @@ def format_report(
     queued = sum(r.queued for r in records)
     total = sum(r.bytes_out + r.bytes_in for r in records)
     lines.append(
-        f"  {'all':<10} {'':<18} {'':<14} {len(records):>5} {format_bytes(total):>10} {'':>10} "
+        f"  {'all':<12} {'':<18} {'':<14} {len(records):>5} {format_bytes(total):>10} {'':>10} "
         f"{sum(r.seconds for r in records):>8.3f} {_gbps_text(records):>6}"
     )
     if queued:

@@ -254,10 +254,19 @@ def log_phase_table(rows: dict[str, dict], *, on_gpu: bool, mem_name: str, log: 
 
 
 def write_outputs(
-    timeline, results: list, summary: dict, *, jsonl: str, png: str, title: str, log: Callable[[str], None]
+    timeline,
+    results: list,
+    summary: dict,
+    *,
+    jsonl: str,
+    png: str,
+    title: str,
+    log: Callable[[str], None],
+    beside: list = (),
 ) -> None:
     """``demo.jsonl`` (samples, phases, marks, steps, summary) and the timeline PNG (skipped
-    with a note when matplotlib is missing); sets ``summary["png"]`` when written. One output
+    with a note when matplotlib is missing), with the runs of ``beside`` (``(title, timeline)``)
+    drawn next to it on the same scale; sets ``summary["png"]`` when written. One output
     that cannot be written does not stop the other: it is listed in ``summary["unwritten"]``
     and said through ``log`` (the table is printed before)."""
     unwritten = []
@@ -270,7 +279,7 @@ def write_outputs(
         unwritten.append(jsonl)
         log(f"could not write {jsonl} ({e})")
     try:
-        timeline.plot(png, title=title, rewards=[r.reward_mean for r in results])
+        timeline.plot(png, title=title, rewards=[r.reward_mean for r in results], beside=list(beside))
         summary["png"] = png
         log(f"wrote {png}")
     except ImportError as e:
@@ -402,6 +411,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     # (GPU AdamW), each measured in this process after the timeshare run is gone.
     baselines: dict[str, int | str] = {}
     baseline_step_s: dict[str, float] = {}  # their step seconds (steps after the first)
+    baseline_timelines: list = []  # (title, timeline) of the one with this run's optimizer, for the picture
     for which in dict.fromkeys(s.optimizer if b == "same" else b for b in s.baseline_optimizers):
         if s.baseline_steps == 0:
             break
@@ -410,6 +420,8 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
             base_results = [base.step() for _ in range(s.baseline_steps)]
             baselines[which] = max(v["peak_allocated_bytes"] for v in _phase_rows(base_results).values())
             baseline_step_s[which] = statistics.fmean(r.seconds for r in (base_results[1:] or base_results))
+            if which == s.optimizer:
+                baseline_timelines.append((f"the same loop, all roles resident ({which}, no timeshare)", base.timeline))
             base.close()
             del base
         except torch.OutOfMemoryError as e:
@@ -506,6 +518,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         png=png,
         log=log,
         title=f"tidal demo: GRPO on {s.preset}, {summary['device_name']}: memory of the roles taking turns",
+        beside=baseline_timelines,
     )
     if report:
         summary["timeshare_report"] = report

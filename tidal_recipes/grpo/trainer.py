@@ -341,10 +341,13 @@ class GRPOTrainer:
             # grads="drop": they are zeroed after every step, so a switch never has any to move.
             # With "stream" AdamW's state comes in a chunk at a time during step(), so the step's
             # peak holds weights + grads + one chunk, not the whole state.
+            # CPU Adam's state is on the host already: it has no residency to choose (the
+            # timeshare's default is asked for, not one it would warn that it ignores).
+            residency = cfg.optimizer_residency if cfg.optimizer != "cpu_adam" else "step"
             roles = [
                 (
                     "actor_train",
-                    dict(optimizer=self.optimizer, grads="drop", optimizer_residency=cfg.optimizer_residency),
+                    dict(optimizer=self.optimizer, grads="drop", optimizer_residency=residency),
                 ),
                 ("rollout", dict(region=self.region.tag(WEIGHTS_TAG) if self.region is not None else None)),
             ]
