@@ -173,24 +173,28 @@ def format_report(
     groups: dict[tuple[str, tuple[str, ...], str | None], list[TransitionRecord]] = {}
     for r in records:
         groups.setdefault((r.kind, r.roles_out, r.role_in), []).append(r)
-    lines.append("transitions, summed per kind and roles (report(detail=True) lists each):")
+    lines.append(
+        "transitions, summed per kind and roles (report(detail=True) lists each; seconds: the copies, exposed: "
+        "what the work around them waited):"
+    )
     lines.append(
         f"  {'kind':<12} {'out':<18} {'in':<14} {'count':>5} {'moved':>10} {'skipped':>10} {'seconds':>8} "
-        f"{'GB/s':>6}" + ("" if on_cpu else f" {'lowest free after':>17}")
+        f"{'GB/s':>6} {'exposed s':>9}" + ("" if on_cpu else f" {'lowest free after':>17}")
     )
     for (kind, out, into), rs in groups.items():
         skipped = sum(r.bytes_skipped + r.bytes_prefetched for r in rs)
         lines.append(
             f"  {kind:<12} {','.join(out) or '-':<18} {into or '-':<14} {len(rs):>5} "
             f"{format_bytes(sum(r.bytes_out + r.bytes_in for r in rs)):>10} "
-            f"{format_bytes(skipped) if skipped else '-':>10} {sum(r.seconds for r in rs):>8.3f} {_gbps_text(rs):>6}"
+            f"{format_bytes(skipped) if skipped else '-':>10} {sum(r.seconds for r in rs):>8.3f} {_gbps_text(rs):>6} "
+            f"{sum(r.exposed_seconds for r in rs):>9.3f}"
             + ("" if on_cpu else f" {format_bytes(min(r.driver_free_after for r in rs)):>17}")
         )
     queued = sum(r.queued for r in records)
     total = sum(r.bytes_out + r.bytes_in for r in records)
     lines.append(
         f"  {'all':<12} {'':<18} {'':<14} {len(records):>5} {format_bytes(total):>10} {'':>10} "
-        f"{sum(r.seconds for r in records):>8.3f} {_gbps_text(records):>6}"
+        f"{sum(r.seconds for r in records):>8.3f} {_gbps_text(records):>6} {sum(r.exposed_seconds for r in records):>9.3f}"
     )
     if queued:
         lines.append(
