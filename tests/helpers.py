@@ -87,3 +87,16 @@ def make_trained(device: str = "cpu", seed: int = 0, **opt_kwargs):
     opt.step()
     lm_loss(model, ids).backward()  # leave grads in place
     return model, opt
+
+
+def enable_checkpointing(model: nn.Module, *, use_reentrant: bool | None = None) -> None:
+    """Hugging Face gradient checkpointing on ``model``, by the name this transformers gives it
+    (5.2x renamed it activation checkpointing; the old name still works there, with a warning).
+    ``use_reentrant=None`` keeps transformers' default."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    enable = model.activation_checkpointing_enable if new else model.gradient_checkpointing_enable
+    if use_reentrant is None:
+        enable()
+    else:
+        key = "activation_checkpointing_kwargs" if new else "gradient_checkpointing_kwargs"
+        enable(**{key: {"use_reentrant": use_reentrant}})

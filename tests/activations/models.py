@@ -7,6 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
+from tests.helpers import enable_checkpointing
+
 
 class AttnBlock(nn.Module):
     """Attention-shaped: fused qkv split into views, transposes, softmax (saves its output),
@@ -115,7 +117,7 @@ def tiny_qwen2(
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype).to(device)
     model.train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        enable_checkpointing(model, use_reentrant=reentrant)
     return model
 
 

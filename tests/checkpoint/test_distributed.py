@@ -103,11 +103,13 @@ def _resume_worker(rank: int, world_size: int, directory: str, device: str = "cp
     ts2.close()
 
 
+@pytest.mark.slow
 def test_stage3_save_load_continue_identical_with_timeshare(tmp_path):
     run_distributed(_resume_worker, str(tmp_path))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.slow
 def test_kill_9_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
     ckpt = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -171,6 +173,7 @@ def _interrupted_rank0_worker(rank: int, world_size: int) -> None:
         on_rank0(commit_step)  # every rank gets it: none waits in a collective for ever
 
 
+@pytest.mark.slow
 def test_an_interrupt_on_rank0_during_a_commit_reaches_every_rank():
     run_distributed(_interrupted_rank0_worker)
 
@@ -236,5 +239,6 @@ def _shared_verify_worker(rank: int, world_size: int, directory: str) -> None:
     ts.close()
 
 
+@pytest.mark.slow
 def test_every_rank_verifies_its_share_of_the_files_before_a_load(tmp_path):
     run_distributed(_shared_verify_worker, str(tmp_path / "ckpt"))

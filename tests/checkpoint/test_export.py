@@ -315,6 +315,7 @@ def _fsdp_worker(rank: int, world_size: int, directory: str, tied: bool) -> None
 
 
 @pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.slow
 def test_fsdp2_stage3_export_and_checkpoint_export_identical(tmp_path, tied):
     run_distributed(_fsdp_worker, str(tmp_path), tied)
     expected = snapshot(make_model(tied))

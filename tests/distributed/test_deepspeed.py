@@ -408,6 +408,7 @@ def _offload_api_worker(rank: int, world_size: int) -> None:
 
 
 @needs_deepspeed
+@pytest.mark.slow
 def test_roundtrip_every_stage_bit_exact_and_complete():
     """ZeRO 0-3 (and DeepSpeed's BF16_Optimizer): offload empties every storage the engine
     made (found independently, from the garbage collector), reload restores each bit and
@@ -416,6 +417,7 @@ def test_roundtrip_every_stage_bit_exact_and_complete():
 
 
 @needs_deepspeed
+@pytest.mark.slow
 def test_training_with_offload_between_steps_is_identical():
     """Losses and final params, masters and moments are bit-identical with the engine switched
     out before every micro-batch, for each stage, with gradient accumulation and with the
@@ -424,6 +426,7 @@ def test_training_with_offload_between_steps_is_identical():
 
 
 @needs_deepspeed
+@pytest.mark.slow
 def test_deepspeed_offload_both_ways_and_misuse():
     run_distributed(_offload_api_worker, world_size=1)
 

@@ -212,14 +212,17 @@ def _accumulation_worker(rank: int, world_size: int) -> None:
 # ---- tests ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sharded_role_offload_reload_bit_exact_every_stage():
     run_distributed(_roundtrip_worker)
 
 
+@pytest.mark.slow
 def test_stage3_training_with_timeshare_identical_to_without():
     run_distributed(_equivalence_worker)
 
 
+@pytest.mark.slow
 def test_stage1_no_sync_accumulates_like_stage2():
     run_distributed(_accumulation_worker)
 

@@ -128,6 +128,7 @@ def _where(ray):
     return Probe
 
 
+@pytest.mark.slow
 def test_colocated_roles_pack_into_the_same_bundles(cluster):
     import ray
 
@@ -305,6 +306,7 @@ def _role_worker():
     return RoleWorker
 
 
+@pytest.mark.slow
 def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
     import ray
 
@@ -330,6 +332,7 @@ def test_roles_as_actors_take_turns_through_a_ray_lease(cluster):
         ray.kill(arbiter)
 
 
+@pytest.mark.slow
 def test_overlapped_hand_overs_through_a_ray_lease(cluster, tmp_path):
     """The Ray arbiter serves the overlapped hand-over too: the holder reports its release in
     chunks, the waiter loads on that credit before its grant, never two turns at once."""

@@ -87,6 +87,7 @@ def test_activation_offload_is_bit_identical_and_really_offloads(tmp_path):
         assert "tidal/optimizer_step_s" not in h  # no CPU Adam here
 
 
+@pytest.mark.slow
 def test_a_peft_model_finds_its_blocks_and_stays_bit_identical(tmp_path):
     """activation_layers="auto" looks inside the PeftModel (its base model's blocks, with the
     LoRA layers in them)."""
@@ -106,6 +107,7 @@ def test_a_peft_model_finds_its_blocks_and_stays_bit_identical(tmp_path):
     assert off is not None and off.report().bytes_offloaded > 0
 
 
+@pytest.mark.slow
 def test_cpu_adam_matches_adamw_with_clipping_and_weight_decay(tmp_path):
     plain = _train(tmp_path / "plain")
     ours = _train(tmp_path / "ours", TidalTrainerConfig(cpu_adam=True))
@@ -121,6 +123,7 @@ def test_cpu_adam_matches_adamw_with_clipping_and_weight_decay(tmp_path):
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_with_both_equals_the_uninterrupted_run(tmp_path):
     cfg = TidalTrainerConfig(cpu_adam=True, activation_offload=True, activation_min_offload_bytes=0)
     full = _train(tmp_path / "full", cfg)

@@ -114,6 +114,7 @@ def _weights(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_grpo_with_tidal_is_bit_identical_to_trl_alone(tiny, tmp_path):
     plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
     ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal")
@@ -130,6 +131,7 @@ def test_grpo_with_tidal_is_bit_identical_to_trl_alone(tiny, tmp_path):
     assert ours.timeshare.is_resident("policy") and not ours.timeshare.is_resident("reference")
 
 
+@pytest.mark.slow
 def test_prefetch_is_bit_identical_and_the_switches_find_the_roles_arrived(tiny, tmp_path):
     """TidalConfig(prefetch=True): generation brings the reference in ahead and writes the
     policy back, reference scoring brings the policy back; TRL's results do not change, and
@@ -153,6 +155,7 @@ def test_prefetch_is_bit_identical_and_the_switches_find_the_roles_arrived(tiny,
 
 
 @pytest.mark.parametrize("room", ["budget", "as_needed"])
+@pytest.mark.slow
 def test_a_budget_for_both_keeps_the_policy_in_while_the_reference_scores(tiny, tmp_path, room):
     """TimeshareConfig(budget_bytes=...) with room for the policy (weights and gradients) and
     the reference: the reference comes in beside the policy instead of switching it out, and
@@ -200,6 +203,7 @@ def test_transitions_reach_the_trainers_log(tiny, tmp_path):
     assert sum(h["tidal/transitions"] for h in logged) == len(ours.timeshare.records)
 
 
+@pytest.mark.slow
 def test_stream_and_role_residency_give_the_same_run(tiny, tmp_path):
     plain = _weights(_run(trl.GRPOTrainer, tiny, tmp_path / "plain", max_steps=2))
     for residency in ("stream", "role"):
@@ -227,6 +231,7 @@ def test_stream_and_role_residency_give_the_same_run(tiny, tmp_path):
     ],
     ids=lambda d: ",".join(d),
 )
+@pytest.mark.slow
 def test_trl_settings_that_change_the_phases_stay_bit_identical(tiny, tmp_path, setting):
     kw = dict(setting, max_steps=2)
     extra = {"eval_dataset": _data()} if "eval_strategy" in setting else {}
@@ -246,6 +251,7 @@ def test_trl_settings_that_change_the_phases_stay_bit_identical(tiny, tmp_path, 
     assert any(r.role_in == "reference" for r in ours.timeshare.records)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_and_activation_offload_stay_bit_identical(tiny, tmp_path):
     """Two micro-batches per step (the policy's partial gradients go to the host and back
     while the reference scores) and the loss's saved activations offloaded."""
@@ -280,6 +286,7 @@ def test_gradient_accumulation_and_activation_offload_stay_bit_identical(tiny, t
 
 
 @pytest.mark.parametrize("mode", ["out", "prefetch", "budget"])
+@pytest.mark.slow
 def test_sync_ref_model_mixes_the_policy_into_the_reference_where_it_is(tiny, tmp_path, mode):
     """TRL's SyncRefModelCallback writes the reference's .data in place after a step, while the
     reference is out on the host (a null-pointer write without tidal's own sync: a segfault).
@@ -305,6 +312,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_where_it_is(tiny, tm
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.slow
 def test_a_reward_model_takes_its_turn_too(tiny, tiny_reward, tmp_path, prefetch):
     """reward_funcs with a model (TRL loads it from a path): a frozen third role, on the device
     only while TRL scores the completions; the same run as TRL alone."""
@@ -327,6 +335,7 @@ def test_a_reward_model_takes_its_turn_too(tiny, tiny_reward, tmp_path, prefetch
     assert out and all(r.bytes_out == 0 for r in out[1:])
 
 
+@pytest.mark.slow
 def test_a_lora_policy_is_bit_identical_with_its_activations_offloaded(tiny, tmp_path):
     """PEFT: TRL scores the reference with the policy's adapters disabled (no second model, so
     no reference role); the adapters' optimizer state and the loss's activations still move,
@@ -350,6 +359,7 @@ def test_a_lora_policy_is_bit_identical_with_its_activations_offloaded(tiny, tmp
     assert any(r.bytes_out > 0 for r in ours.timeshare.records)
 
 
+@pytest.mark.slow
 def test_cpu_adam_as_the_optimizer_matches_adamw(tiny, tmp_path):
     """CPUAdam (state on the host by design) in place of TRL's AdamW: the same run up to the
     float rounding of a different (fused) kernel."""
@@ -363,6 +373,7 @@ def test_cpu_adam_as_the_optimizer_matches_adamw(tiny, tmp_path):
     assert [h[1] for h in _history(ours)] == [h[1] for h in _history(plain)]  # same samples, same rewards
 
 
+@pytest.mark.slow
 def test_save_model_writes_the_real_weights_while_roles_are_out(tiny, tmp_path):
     ours = _run(TidalGRPOTrainer, tiny, tmp_path / "tidal", max_steps=2)
     ours.timeshare.offload("policy")  # everything on the host now
@@ -374,6 +385,7 @@ def test_save_model_writes_the_real_weights_while_roles_are_out(tiny, tmp_path):
         assert torch.equal(p.detach(), got[n]), n
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tiny, tmp_path):
     full = _run(TidalGRPOTrainer, tiny, tmp_path / "full", max_steps=4, save_strategy="steps", save_steps=2)
     first = TidalGRPOTrainer(
@@ -440,6 +452,7 @@ def _rloo(cls, tiny, out, *, tidal_config=None, rewards=None, **kw):
 
 
 @pytest.mark.parametrize("with_reward_model", [False, True])
+@pytest.mark.slow
 def test_rloo_with_tidal_is_bit_identical_to_trl_alone(tiny, tiny_reward, tmp_path, with_reward_model):
     """TRL's RLOOTrainer (a reference by default) through the same mixin: the reference (and a
     reward model) take turns with the policy; the same run as RLOOTrainer alone."""

@@ -467,6 +467,7 @@ def test_gradient_accumulation_matches_adamw(overlap):
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("max_norm", [0.05, 1e3], ids=["clipped", "unclipped"])
+@pytest.mark.slow
 def test_clip_grad_norm_matches_torch(overlap, norm_type, max_norm):
     model, ref = _mlp(), _mlp()
     opt = tidal.CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap)

@@ -22,6 +22,7 @@ import gc
 
 import torch
 
+from tests.helpers import enable_checkpointing
 from tidal.plan import GIB, PlanConfig, build_plan
 
 __all__ = ["measure", "compare"]
@@ -47,7 +48,7 @@ def _model(s, device: str, grad_ckpt: bool, dtype=torch.bfloat16):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if grad_ckpt:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     return model
 
 

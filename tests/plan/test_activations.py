@@ -10,6 +10,7 @@ forward (parameters, the shared rotary cos/sin and the caller's mask excluded) o
 import pytest
 import torch
 
+from tests.helpers import enable_checkpointing
 from tidal.plan import ModelShape
 from tidal.plan.activations import layer_saved_bytes_per_token, model_extra_saved_bytes_per_token
 
@@ -74,7 +75,7 @@ def test_whole_model_saved_bytes(ckpt):
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.train()
     if ckpt:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     ids = torch.randint(0, 512, (B, S))
     mask = torch.ones(B, S, dtype=torch.long)
     mask[1, :5] = 0  # left padding: a real mask

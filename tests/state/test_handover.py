@@ -278,6 +278,7 @@ def test_misused_hand_over_arguments_are_refused_before_anything_moves():
 
 
 @pytest.mark.parametrize("end", ["giver", "taker"])
+@pytest.mark.slow
 def test_fault_at_every_point_of_a_hand_over_keeps_every_storage_resident_or_tracked(end):
     def make():
         entries, tensors, clones = _role(1)

@@ -24,6 +24,7 @@ def _store(kind: str) -> OffloadStore:
 
 @pytest.mark.parametrize("kind", ["cpu", "fake-accel"])
 @pytest.mark.parametrize("move", ["offload", "reload", "switch"])
+@pytest.mark.slow
 def test_fault_at_every_point_of_a_store_move_keeps_every_storage_resident_or_tracked(kind, move):
     def make():
         (ma, oa), (mb, ob) = _make(seed=1), _make(seed=2)

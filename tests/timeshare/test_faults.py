@@ -71,6 +71,7 @@ def _use(ts, name):
 
 @pytest.mark.parametrize("residency", ["role", "step"])
 @pytest.mark.parametrize("move", sorted(MOVES))
+@pytest.mark.slow
 def test_fault_at_every_point_of_a_transition_loses_nothing(move, residency):
     start, act = MOVES[move]
     points = sweep(lambda: _timeshare(residency, start=start), act, _check_movement)
@@ -100,6 +101,7 @@ def _params_and_moments(state, snap):
 
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("residency", ["step", "stream"])
+@pytest.mark.slow
 def test_fault_at_every_point_of_an_optimizer_step_leaves_no_torn_parameter(residency, prefetch):
     """A step with its state brought in (step) or streamed chunk by chunk (stream), with or
     without its state prefetched ahead (``prefetch_optimizer``, faults in it swept too): after
@@ -145,6 +147,7 @@ def test_fault_at_every_point_of_an_optimizer_step_leaves_no_torn_parameter(resi
 
 
 @pytest.mark.parametrize("grads", [False, True])
+@pytest.mark.slow
 def test_fault_at_every_point_of_offload_optimizer_for_a_role(grads):
     def make():
         return _timeshare("role", start="actor_in")
@@ -158,6 +161,7 @@ def test_fault_at_every_point_of_offload_optimizer_for_a_role(grads):
 
 
 @pytest.mark.parametrize("grads", [False, True])
+@pytest.mark.slow
 def test_fault_at_every_point_of_a_standalone_offload_optimizer(grads):
     """offload_optimizer on an optimizer of no timeshare: after a fault anywhere (the offload,
     the block, the reload), state_dict() reads the right values wherever they are, and the

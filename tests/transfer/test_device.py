@@ -52,4 +52,8 @@ def test_insufficient_memory_error_names_both_numbers():
     assert "3.00 GiB (3221225472 bytes)" in msg and "512 B (512 bytes) is free" in msg
     assert msg.endswith("Do X.") and isinstance(err, RuntimeError)
     assert (err.needed_bytes, err.free_bytes) == (3 << 30, 512)
-    assert format_bytes(1536) == "1.50 KiB" and format_bytes(5 << 50) == "5120.00 TiB"
+    assert (
+        format_bytes(1536) == "1.50 KiB"
+        and format_bytes(5 << 50) == "5.00 PiB"
+        and format_bytes(5 << 60) == "5120.00 PiB"
+    )

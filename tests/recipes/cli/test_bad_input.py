@@ -131,6 +131,7 @@ def test_prefetch_with_remote_roles_refused_before_any_work(tmp_path, capsys, mo
     assert "--prefetch brings the next role in within this process" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo_says_which_options_its_optimizer_ignores(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = str(tmp_path / "demo")

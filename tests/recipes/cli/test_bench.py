@@ -32,6 +32,7 @@ def bench_json(tmp_path_factory):
     return json.loads(path.read_text()), results.read_text()
 
 
+@pytest.mark.slow
 def test_bench_figures_are_measured(bench_json):
     r, _ = bench_json
     assert r["preset"] == "tiny" and r["env"]["device"] == "cpu"

@@ -9,6 +9,7 @@ pytest.importorskip("matplotlib")
 from tidal_recipes.cli.main import main  # noqa: E402
 
 
+@pytest.mark.slow
 def test_demo_reward_rises_and_writes_its_files(tmp_path, capsys):
     """The README's first command on the CPU, shortened: the policy learns (mean reward of the
     last tenth of the steps well above the first tenth), the tables print, and the JSONL and

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.recipes.grpo.test_trainer import tiny_policy  # noqa: E402
 from tidal_recipes.grpo.graph_rollout import GRAPH_TAG, KV_TAG, GraphDecoder  # noqa: E402
-from tidal_recipes.grpo.rollout import draw_answers  # noqa: E402
+from tidal_recipes.grpo.rollout import cache_name, draw_answers  # noqa: E402
 
 ACTIONS = (3, 13)
 
@@ -43,14 +43,16 @@ class _EagerDecoder(GraphDecoder):
         self._ids = torch.zeros(batch, 1, dtype=torch.long)
         self._pos = torch.zeros(1, dtype=torch.long)
         self._cache = transformers.StaticCache(config=self.model.config, max_cache_len=plen + new_tokens)
-        self.model(input_ids=prompts, past_key_values=self._cache, cache_position=self._pos_prefill)  # lazy init
+        self.model(
+            input_ids=prompts, **{cache_name(self.model): self._cache}, cache_position=self._pos_prefill
+        )  # lazy init
         self._logits = torch.empty(batch, 1, self.model.config.vocab_size)
 
         self.fed = []  # (position, token ids) given to each replay
 
         def step():
             self.fed.append((int(self._pos), self._ids.clone()))
-            out = self.model(input_ids=self._ids, past_key_values=self._cache, cache_position=self._pos)
+            out = self.model(input_ids=self._ids, **{cache_name(self.model): self._cache}, cache_position=self._pos)
             self._logits.copy_(out.logits)
 
         self._graph = _Replay(step)
@@ -62,10 +64,10 @@ class _EagerDecoder(GraphDecoder):
 def _eager_static(model, prompts, new_tokens, gen):
     plen = prompts.shape[1]
     cache = transformers.StaticCache(config=model.config, max_cache_len=plen + new_tokens)
-    first = model(input_ids=prompts, past_key_values=cache, cache_position=torch.arange(plen)).logits[:, -1]
+    first = model(input_ids=prompts, **{cache_name(model): cache}, cache_position=torch.arange(plen)).logits[:, -1]
 
     def next_logits(tok, i):
-        return model(input_ids=tok, past_key_values=cache, cache_position=torch.tensor([plen + i])).logits[:, -1]
+        return model(input_ids=tok, **{cache_name(model): cache}, cache_position=torch.tensor([plen + i])).logits[:, -1]
 
     return draw_answers(
         first, new_tokens, ACTIONS, generator=gen, temperature=1.0, on_step=None, next_logits=next_logits

@@ -55,6 +55,7 @@ def _check_turns(results, policy_bytes: int):
         assert train_prev["confirmation"]["bytes_out"] >= policy_bytes  # the reference: same shape
 
 
+@pytest.mark.slow
 def test_processes_match_the_in_process_trainer():
     """Spawned processes: rewards, loss statistics and final weights bit-identical to
     GRPOTrainer with the same config (mini-batches, so the old log-probs cross too)."""
@@ -74,6 +75,7 @@ def test_processes_match_the_in_process_trainer():
     assert all(timelines[n]["phases"] for n in timelines)
 
 
+@pytest.mark.slow
 def test_ray_actors_match_the_in_process_trainer():
     """Ray actors placed by tidal.distributed.place on one (stand-in) GPU, the lease a Ray
     actor: the same numbers as in one process."""
@@ -98,6 +100,7 @@ def test_ray_actors_match_the_in_process_trainer():
     assert sorted(workers) == ["policy[0]", "reference[0]", "reward[0]"]
 
 
+@pytest.mark.slow
 def test_demo_with_role_processes(tmp_path):
     """`tidal demo --roles processes`: runs, reports hand-overs, writes the JSONL and PNG."""
     pytest.importorskip("matplotlib")

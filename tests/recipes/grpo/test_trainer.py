@@ -31,6 +31,7 @@ def run(steps: int, **kw):
 
 
 @pytest.mark.parametrize("kw", [{}, {"mini_batches": 2}, {"grad_ckpt": True}, {"optimizer": "cpu_adam"}])
+@pytest.mark.slow
 def test_timeshare_does_not_change_training(kw):
     """Same seed with and without the timeshare: every statistic and every weight bit-exact."""
     a, ra = run(4, timeshare=True, **kw)
@@ -48,6 +49,7 @@ def test_timeshare_does_not_change_training(kw):
 
 
 @pytest.mark.parametrize("kw", [{}, {"optimizer": "cpu_adam"}])
+@pytest.mark.slow
 def test_prefetch_does_not_change_training_and_moves_less(kw):
     """Each phase prefetching the next role: bit-exact against the same timeshare without it,
     the reference and the policy's weights arrive ahead, and the policy's unchanged weights go
@@ -70,6 +72,7 @@ def test_prefetch_does_not_change_training_and_moves_less(kw):
         GRPOConfig(prefetch=True, timeshare=False)
 
 
+@pytest.mark.slow
 def test_cpu_adam_gradients_summed_on_the_device_equal_summed_on_the_host(monkeypatch):
     """3 micro-batches per step (6, 6, 4 sequences), fp32: autograd's sums in p.grad sent once
     per step equal the host's fp32 sums of each micro-batch's copy, bit for bit; the device
@@ -95,6 +98,7 @@ def test_cpu_adam_gradients_summed_on_the_device_equal_summed_on_the_host(monkey
 
 
 @pytest.mark.parametrize("residency", ["step", "role"])
+@pytest.mark.slow
 def test_optimizer_residency_does_not_change_training(residency):
     """AdamW's state streamed in during step() (the default), all in for step(), or moving with
     the training role: the same run bit for bit; only the role residency moves it at switches."""
@@ -182,6 +186,7 @@ def test_bad_configs_are_refused():
         GRPOTrainer(tiny_policy(), config=GRPOConfig(rollout_graph=True))
 
 
+@pytest.mark.slow
 def test_evict_as_needed_keeps_the_roles_resident_and_trains_the_same():
     """TimeshareConfig(evict="as_needed") where every role fits (the CPU here): bit-exact against
     the usual timeshare, and after the first step nothing moves between phases (AdamW's state
