@@ -23,6 +23,7 @@ import torch.nn as nn
 from tests.policies import CountPoints, FaultAt
 from tidal.device import use_sync_policy
 from tidal.state.backends import holds_memory
+from tests.helpers import is_out
 
 EXCEPTIONS: tuple[type[BaseException], ...] = (KeyboardInterrupt, RuntimeError)
 # (operation, points, faults injected) of every sweep run in this session, for the summary
@@ -114,7 +115,7 @@ def snapshot(modules, optimizers, store=None) -> dict[str, torch.Tensor]:
     offloaded ones), so a check never changes where state is."""
     out = {}
     for name, t in tensors_of(modules, optimizers):
-        if t.numel() and t.untyped_storage().nbytes() == 0:
+        if t.numel() and is_out(t):
             host = store.host_tensor(t) if store is not None else None
             assert host is not None, f"{name} is empty and not tracked"
             out[name] = host.clone()

@@ -100,3 +100,22 @@ def enable_checkpointing(model: nn.Module, *, use_reentrant: bool | None = None)
     else:
         key = "activation_checkpointing_kwargs" if new else "gradient_checkpointing_kwargs"
         enable(**{key: {"use_reentrant": use_reentrant}})
+
+
+def is_out(x: torch.Tensor | torch.UntypedStorage) -> bool:
+    """Whether the bytes of a tensor (with elements) or of a storage are moved out by tidal: its
+    storage has no memory of its own (a released storage keeps its size while guarded, so this
+    is not ``nbytes() == 0``)."""
+    from tidal.state.backends import holds_memory
+
+    if isinstance(x, torch.Tensor):
+        return x.numel() > 0 and not holds_memory(x.untyped_storage())
+    return not holds_memory(x)
+
+
+def held_bytes(x: torch.Tensor | torch.UntypedStorage) -> int:
+    """The device bytes a tensor's (or a storage's) storage holds: its size, or 0 when tidal
+    released its memory."""
+    from tidal.state.backends import counted_nbytes
+
+    return counted_nbytes(x.untyped_storage() if isinstance(x, torch.Tensor) else x)

@@ -7,9 +7,11 @@ from torch import nn
 from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError
 from tidal.state import MoveResult, OffloadStore, collect_module_state, collect_optimizer_state, storage_key
+from tidal.state import guard
 from tidal.state.collect import collect_tensors
 from tidal.transfer import TransferConfig, TransferContext
 from tests.transfer.fakes import FakeAccelOps, assert_bits_equal, bits
+from tests.helpers import held_bytes, is_out
 
 CPU = torch.device("cpu")
 KiB = 1024
@@ -125,7 +127,7 @@ def test_offload_frees_every_storage_and_keeps_tensor_objects(kind):
     assert isinstance(res, MoveResult)
     assert (res.bytes_out, res.bytes_in, res.bytes_moved) == (total, 0, total)
     assert res.seconds >= 0 and res.release_seconds >= 0 and res.gbps >= 0
-    assert all(e.storage.nbytes() == 0 for e in entries)
+    assert all(is_out(e.storage) for e in entries)
     assert all(store.is_offloaded(e.key) for e in entries)
     assert store.offloaded_bytes == total
     assert total <= store.host_reserved_bytes <= total + 512 * len(entries)
@@ -136,7 +138,7 @@ def test_offload_frees_every_storage_and_keeps_tensor_objects(kind):
     assert model.l2.weight is model.embed.weight
     for n, t in now.items():
         assert (t.shape, t.stride(), t.storage_offset(), t.dtype) == meta[n], n
-        assert t.untyped_storage().nbytes() == 0, n
+        assert is_out(t), n
     for e in entries:
         assert storage_key(e.storage) == e.key
 
@@ -155,7 +157,7 @@ def test_reload_is_bit_exact_and_views_still_alias(kind, foreach):
     res = store.reload(entries)
 
     assert res.bytes_in == sum(e.nbytes for e in entries) and res.bytes_out == 0
-    assert all(e.storage.nbytes() == e.nbytes for e in entries)
+    assert all(held_bytes(e.storage) == e.nbytes for e in entries)
     assert not any(store.is_offloaded(e.key) for e in entries) and store.offloaded_bytes == 0
     _assert_state_equal(_tensors(model, opt), clones)
     # NaN payloads survive bit for bit (torch.equal alone would call NaN != NaN).
@@ -193,7 +195,7 @@ def test_small_scalars_stay_resident_and_readable():
     store.offload(entries)
     for st in opt.state.values():
         assert st["step"].untyped_storage().nbytes() == 4 and st["step"].item() == 2.0
-        assert st["exp_avg"].untyped_storage().nbytes() == 0
+        assert is_out(st["exp_avg"])
     store.reload(entries)
 
 
@@ -242,12 +244,12 @@ def test_partial_offload_and_reload(kind):
     optim_entries = collect_optimizer_state([opt], CPU)
     clones = _clone_all(_tensors(model, opt))
     store.offload(optim_entries)
-    assert all(e.storage.nbytes() == 0 for e in optim_entries)
-    assert all(e.storage.nbytes() == e.nbytes for e in model_entries)
+    assert all(is_out(e.storage) for e in optim_entries)
+    assert all(held_bytes(e.storage) == e.nbytes for e in model_entries)
     res = store.offload(model_entries + optim_entries)  # only the model part moves now
     assert res.bytes_out == sum(e.nbytes for e in model_entries)
     store.reload(optim_entries)  # the optimizer states come back, the model stays out
-    assert all(e.storage.nbytes() == 0 for e in model_entries)
+    assert all(is_out(e.storage) for e in model_entries)
     store.offload(optim_entries)
     store.reload(model_entries + optim_entries)
     _assert_state_equal(_tensors(model, opt), clones)
@@ -322,25 +324,35 @@ def test_switch_moves_both_directions(kind):
 
     assert res.bytes_out == sum(e.nbytes for e in ea) and res.bytes_in == sum(e.nbytes for e in eb)
     assert res.segments >= 2
-    assert all(e.storage.nbytes() == 0 and store.is_offloaded(e.key) for e in ea)
-    assert all(e.storage.nbytes() == e.nbytes and not store.is_offloaded(e.key) for e in eb)
+    assert all(is_out(e.storage) and store.is_offloaded(e.key) for e in ea)
+    assert all(held_bytes(e.storage) == e.nbytes and not store.is_offloaded(e.key) for e in eb)
     _assert_state_equal(_tensors(mb, ob), cb)
 
     res = store.switch(eb, ea)
-    assert all(e.storage.nbytes() == 0 for e in eb)
+    assert all(is_out(e.storage) for e in eb)
     _assert_state_equal(_tensors(ma, oa), ca)
     store.reload(eb)
     _assert_state_equal(_tensors(mb, ob), cb)
 
 
 def _log_resizes(monkeypatch, log):
+    """Log every allocation (``resize_``) and every release (the guard's, or ``resize_(0)``
+    without one) as ("resize", key, bytes)."""
     orig = torch.UntypedStorage.resize_
+    orig_release = guard.release
 
     def resize_(self, n):
         log.append(("resize", storage_key(self), int(n)))
         return orig(self, n)
 
+    def release(storage, message):
+        log.append(("resize", storage_key(storage), 0))
+        with monkeypatch.context() as m:  # a fallback resize_(0) is logged once
+            m.setattr(torch.UntypedStorage, "resize_", orig)
+            return orig_release(storage, message)
+
     monkeypatch.setattr(torch.UntypedStorage, "resize_", resize_)
+    monkeypatch.setattr(guard, "release", release)
 
 
 def _log_copy_out_events(monkeypatch, engine):
@@ -527,7 +539,7 @@ def test_reload_that_cannot_fit_raises_and_loses_nothing(kind, monkeypatch):
     assert msg.startswith("loading role 'actor' needs")
     assert f"({total + staging} bytes)" in msg and "(1000 bytes) is free" in msg
     assert "nothing was moved" in msg
-    assert all(store.is_offloaded(e.key) and e.storage.nbytes() == 0 for e in entries)
+    assert all(store.is_offloaded(e.key) and is_out(e.storage) for e in entries)
     assert store.host_reserved_bytes == reserved
     monkeypatch.undo()
     store.reload(entries)
@@ -586,8 +598,8 @@ def test_failure_during_a_switch_keeps_everything_recoverable(kind, monkeypatch)
     with pytest.raises(RuntimeError, match="simulated failure"):
         store.switch(ea, eb)
     # The out-going half finished; the in-coming half is back to "offloaded", nothing half-loaded.
-    assert all(store.is_offloaded(e.key) and e.storage.nbytes() == 0 for e in ea)
-    assert all(store.is_offloaded(e.key) and e.storage.nbytes() == 0 for e in eb)
+    assert all(store.is_offloaded(e.key) and is_out(e.storage) for e in ea)
+    assert all(store.is_offloaded(e.key) and is_out(e.storage) for e in eb)
     assert store.engine._staging_in is None and store.engine._staging_out is None
     monkeypatch.undo()
     store.reload(ea + eb)
@@ -608,18 +620,18 @@ def test_allocation_failure_inside_a_bucket_undoes_the_whole_bucket(monkeypatch)
     assert [len(s.items) for s in segs] == [1, 3]
     fail_key = storage_key(s2.untyped_storage())
     ops.log.clear()
-    orig = torch.UntypedStorage.resize_
+    _log_resizes(monkeypatch, ops.log)
+    logged = torch.UntypedStorage.resize_
 
     def resize_(self, n):
         if storage_key(self) == fail_key and n > 0:
             raise RuntimeError("simulated out of memory")
-        ops.log.append(("resize", storage_key(self), int(n)))
-        return orig(self, n)
+        return logged(self, n)
 
     monkeypatch.setattr(torch.UntypedStorage, "resize_", resize_)
     with pytest.raises(RuntimeError, match="simulated out of memory"):
         store.reload(entries)
-    assert all(e.storage.nbytes() == 0 and store.is_offloaded(e.key) for e in entries)
+    assert all(is_out(e.storage) and store.is_offloaded(e.key) for e in entries)
     big_key = storage_key(big.untyped_storage())
     # Every queued H2D copy (recorded or not) must have finished before the block is freed.
     h2d = store.engine.h2d_stream.name
@@ -646,7 +658,7 @@ def test_close_refuses_while_state_is_offloaded():
     assert store.host_reserved_bytes == 0
     with pytest.raises(RuntimeError, match="closed"):
         store.offload(entries)
-    assert all(e.storage.nbytes() == e.nbytes for e in entries)
+    assert all(held_bytes(e.storage) == e.nbytes for e in entries)
 
 
 def test_move_result_rates():
@@ -686,7 +698,7 @@ def test_switch_extra_bytes_caps_what_both_sides_hold(extra):
     copy_in = store.engine.copy_in
 
     def spy(seg):
-        held.append(sum(e.storage.nbytes() for e in a + b))
+        held.append(sum(held_bytes(e.storage) for e in a + b))
         return copy_in(seg)
 
     store.engine.copy_in = spy
@@ -697,7 +709,7 @@ def test_switch_extra_bytes_caps_what_both_sides_hold(extra):
     else:
         assert max(held) <= side + extra
         assert max(held) > side or extra == 0
-    assert all(e.storage.nbytes() == 0 for e in a)
+    assert all(is_out(e.storage) for e in a)
     store.reload(a)
     for t, c in zip(a_t + b_t, a_clone + b_clone):
         assert torch.equal(t, c)

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import tidal
 from tidal.state.digest import digest
+from tests.helpers import is_out
 
 MiB = 1 << 20
 
@@ -58,9 +59,9 @@ def main() -> int:
         print(f"INTERRUPTED {type(e).__name__} after {cycles} cycles in {' > '.join(where) or 'user code'}", flush=True)
     # Every storage is resident or tracked; each role's flag says where its tensors are.
     for name, module in (("a", a), ("b", b)):
-        out = [p.untyped_storage().nbytes() == 0 for p in module.parameters()]
-        for p, is_out in zip(module.parameters(), out):
-            assert not is_out or ts.store.is_offloaded(p.untyped_storage()._cdata), f"{name}: a freed storage is lost"
+        out = [is_out(p) for p in module.parameters()]
+        for p, gone in zip(module.parameters(), out):
+            assert not gone or ts.store.is_offloaded(p.untyped_storage()._cdata), f"{name}: a freed storage is lost"
         if ts.is_resident(name):
             assert not any(out), f"role {name} flagged resident with tensors on the host"
         else:

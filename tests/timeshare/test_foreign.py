@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import tidal
-from tests.helpers import TinyLM, assert_same_state, lm_loss, make_trained, snapshot_state
+from tests.helpers import TinyLM, assert_same_state, is_out, lm_loss, make_trained, snapshot_state
 
 
 def _actor_and_reference(residency="step"):
@@ -38,9 +38,9 @@ def test_module_state_dict_of_an_offloaded_role_has_the_real_values_without_a_re
     ts, model, opt, ref = _actor_and_reference()
     want = {k: v.clone() for k, v in model.state_dict().items()}
     ts.load("reference")
-    assert model.embed.weight.untyped_storage().nbytes() == 0
+    assert is_out(model.embed.weight)
     got = model.state_dict()
-    assert model.embed.weight.untyped_storage().nbytes() == 0, "state_dict() reloaded the role"
+    assert is_out(model.embed.weight), "state_dict() reloaded the role"
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
@@ -63,7 +63,7 @@ def test_load_state_dict_into_an_offloaded_role_writes_its_host_copies():
     ids = [id(p) for p in model.parameters()]
     result = model.load_state_dict(other.state_dict())
     assert not result.missing_keys and not result.unexpected_keys
-    assert model.embed.weight.untyped_storage().nbytes() == 0, "load_state_dict() reloaded the role"
+    assert is_out(model.embed.weight), "load_state_dict() reloaded the role"
     assert [id(p) for p in model.parameters()] == ids, "parameters kept their identity"
     ts.load("actor")
     for k, v in other.state_dict().items():
@@ -107,9 +107,7 @@ def test_torch_save_of_optimizer_state_dict_loads_back_bit_exact(residency, wher
             assert torch.equal(got["state"][i][k], v), (i, k)
     # The state really was on the host, and the hook left the optimizer's own state alone.
     out = residency != "role" or where == "outside_use"
-    assert all(
-        (v.untyped_storage().nbytes() == 0) == out for st in opt.state.values() for k, v in st.items() if k != "step"
-    )
+    assert all(is_out(v) == out for st in opt.state.values() for k, v in st.items() if k != "step")
     ts.close()
 
 
@@ -125,7 +123,7 @@ def test_optimizer_load_state_dict_while_out_keeps_identity_and_lands_on_reload(
     assert {id(v) for st in opt.state.values() for v in st.values() if v.numel() > 1} <= objs, (
         "offloaded state tensors kept their identity"
     )
-    assert all(v.untyped_storage().nbytes() == 0 for st in opt.state.values() for k, v in st.items() if k != "step"), (
+    assert all(is_out(v) for st in opt.state.values() for k, v in st.items() if k != "step"), (
         "the load brought no optimizer state onto the device"
     )
     ts.close()
@@ -146,7 +144,7 @@ def test_optimizer_load_state_dict_into_a_fresh_optimizer_of_an_offloaded_role()
     ts.add_role("reference", model=TinyLM())
     ts.load("reference")
     fresh.load_state_dict(opt.state_dict())
-    assert all(v.untyped_storage().nbytes() == 0 for st in fresh.state.values() for k, v in st.items() if k != "step")
+    assert all(is_out(v) for st in fresh.state.values() for k, v in st.items() if k != "step")
     ts.close()
     for p in model.parameters():
         for k in ("exp_avg", "exp_avg_sq"):

@@ -19,10 +19,11 @@ from tidal import Timeshare, TimeshareConfig, TransferConfig
 from tidal.errors import StateCorruptionError
 from tidal.state.backends import holds_memory
 from tidal.transfer import TransferContext
+from tests.helpers import held_bytes, is_out
 
 
 def _nbytes(m: nn.Module) -> int:
-    return sum(t.untyped_storage().nbytes() for t in list(m.parameters()) + list(m.buffers()))
+    return sum(held_bytes(t) for t in list(m.parameters()) + list(m.buffers()))
 
 
 def _setup(*, fake: bool = False, **cfg):
@@ -185,7 +186,7 @@ def test_another_transition_gives_the_prefetched_memory_back():
     assert ts.store.prefetched_bytes == _nbytes(ref)
     with ts.use("third"):  # not the prefetched role: its memory goes back first
         assert ts.store.prefetched_bytes == 0
-        assert all(p.untyped_storage().nbytes() == 0 for p in ref.parameters())
+        assert all(is_out(p) for p in ref.parameters())
     assert_consistent(ts, [actor, ref], [])
     with ts.use("ref"):
         assert _equal(ref, want)
@@ -211,7 +212,7 @@ def test_limit_and_free_memory_bound_what_comes_in_ahead():
 
 def test_a_budget_bounds_the_prefetch_next_to_the_resident_roles():
     ts, actor, ref, _ = _setup(budget_bytes=0)
-    budget = _nbytes(actor) + ref[0].weight.untyped_storage().nbytes()
+    budget = _nbytes(actor) + held_bytes(ref[0].weight)
     ts, actor, ref, _ = _setup(budget_bytes=budget)
     ts.load("actor")
     assert not ts.is_resident("ref")

@@ -13,6 +13,7 @@ from tests.activations.models import tiny_qwen2
 from tests.policies import SkipWaits
 from tests.timeshare.test_timeshare_gpu import Blob
 from tidal.device import use_sync_policy
+from tests.helpers import held_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +22,7 @@ SLEEP_CYCLES = int(4e8)  # ~0.2 s of queued GPU time: longer than any copy here
 
 
 def _nbytes(m: nn.Module) -> int:
-    return sum(t.untyped_storage().nbytes() for t in list(m.parameters()) + list(m.buffers()))
+    return sum(held_bytes(t) for t in list(m.parameters()) + list(m.buffers()))
 
 
 def _free() -> int:

@@ -19,30 +19,60 @@ address. :class:`RegionBackend` keeps addresses for storages allocated in a
 :class:`~tidal.vmm.Region` tag (CUDA virtual memory unmapped and mapped again in place) and
 hands every other storage to a fallback (resize).
 
-A storage released in place keeps its size, as does one whose bytes a prefetch is still copying
-in (``OffloadStore.prefetch``), so "moved out" cannot be read off ``nbytes() == 0`` alone: :func:`holds_memory` is the one test every reader uses (foreign access, strict
-access, checkpoints, recovery).
+Every storage a backend releases is *guarded* (:mod:`tidal.state.guard`): any access to its
+bytes, by tidal or by code that does not know tidal, raises ``RuntimeError`` with the message
+the backend's ``describe`` gives (the role, and what to do), where it would otherwise read freed
+or unmapped memory (a segfault; on a GPU an illegal address that poisons the CUDA context).
+Nothing is checked per op: torch tests the guard's flag on every data access anyway. A storage
+whose bytes a prefetch is still copying in is guarded too (:meth:`seal`, until
+:func:`mark_arriving` clears it). Restoring a storage lifts its guard first.
+
+A storage released keeps its size (its tensors' views and slices stay valid, and reach the
+guard's message rather than torch's bounds check), as does one released in place or arriving,
+so "moved out" cannot be read off ``nbytes()``: :func:`holds_memory` is the one test every
+reader uses (foreign access, strict access, checkpoints, recovery), and :func:`counted_nbytes`
+the size tidal counts (0 for a storage without memory). Without a guard (no C++ compiler) a
+release is ``resize_(0)`` and reads of moved-out tensors are undefined, as torch leaves them.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from tidal.device import DeviceOps
+from tidal.state import guard
 from tidal.transfer.engine import byte_view
 from tidal.vmm import RegionTag
 
 __all__ = [
+    "Describe",
     "RegionBackend",
     "ResidencyBackend",
     "ResizeBackend",
+    "counted_nbytes",
+    "guarded",
     "holds_memory",
     "mark_arriving",
     "releasable_in_place",
 ]
+
+# What a guarded storage says when touched: ``describe(storage, why)`` with ``why`` one of
+# "released" (its bytes are on the host) or "arriving" (a prefetch is copying them in).
+Describe = Callable[[torch.UntypedStorage, str], bytes]
+
+_GENERIC = (
+    b"tidal: this tensor's bytes were moved to host memory by tidal, and its device storage holds none of "
+    b"them now. Bring its role back before using it (inside `with ts.use(role):`, or after the "
+    b"offload_optimizer() block), or read its values through state_dict()"
+)
+
+
+def _generic(storage: torch.UntypedStorage, why: str) -> bytes:
+    return _GENERIC
+
 
 # The backends serving region tags (each knows the storages it released in place: their tensors
 # look whole but their addresses hold no bytes of theirs), and those tags: storages in them can
@@ -56,7 +86,7 @@ _IN_PLACE_COUNT = [0]
 
 def releasable_in_place(storage: torch.UntypedStorage) -> bool:
     """The storage lies in a region tag that an address-stable backend serves."""
-    ptr = storage.data_ptr()
+    ptr = guard.address(storage)  # guarded or not
     return any(t.find(ptr) is not None for t in list(_IN_PLACE_TAGS))
 
 
@@ -67,24 +97,41 @@ _ARRIVING: set[int] = set()
 
 
 def mark_arriving(storage: torch.UntypedStorage, arriving: bool) -> None:
-    """Count ``storage`` as holding none of its bytes (``arriving``) or as itself again."""
+    """Count ``storage`` as holding none of its bytes (``arriving``) or as itself again (which
+    also lifts the guard a backend's :meth:`~ResizeBackend.seal` put on it)."""
     if arriving:
         _ARRIVING.add(storage._cdata)
     else:
         _ARRIVING.discard(storage._cdata)
+        guard.unseal(storage, empty=False)
 
 
 def holds_memory(storage: torch.UntypedStorage) -> bool:
-    """The storage's device bytes are its own: it has a size, no backend released it in place,
-    and no prefetch is still copying its bytes in."""
+    """The storage's device bytes are its own: it has a size and memory, no backend released
+    it (in place or not), and no prefetch is still copying its bytes in."""
     if storage.nbytes() == 0:
         return False
-    if not _IN_PLACE_COUNT[0] and not _ARRIVING:
-        return True  # the common case (nothing released in place or arriving anywhere): no lookup
+    if not _IN_PLACE_COUNT[0] and not _ARRIVING and not guard.sealed_count():
+        return True  # the common case (nothing released, in place or arriving anywhere): no lookup
     key = storage._cdata
-    if key in _ARRIVING:
+    if key in _ARRIVING or guard.is_sealed(storage):
         return False
     return not any(key in b._released for b in list(_BACKENDS))
+
+
+def guarded(storage: torch.UntypedStorage) -> bool:
+    """Every access to the storage's bytes raises (or there is no guard to set: then True, as
+    nothing more can be done for it)."""
+    return not guard.available() or guard.is_sealed(storage)
+
+
+def counted_nbytes(storage: torch.UntypedStorage) -> int:
+    """The storage's size as tidal counts it: 0 for one released without its memory (a guarded
+    storage keeps its size for its views), else ``nbytes()``."""
+    n = storage.nbytes()
+    if n and guard.sealed_count() and guard.is_freed(storage):
+        return 0
+    return n
 
 
 _LARGE = 1 << 20  # the caching allocator serves larger requests from its large pool
@@ -94,9 +141,19 @@ _MIN_RESERVE = 16 << 20
 class ResidencyBackend(Protocol):
     def reserve(self, items: Sequence[tuple[torch.UntypedStorage, int]]) -> None: ...
 
-    def restore(self, storage: torch.UntypedStorage, nbytes: int) -> None: ...
+    def restore(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give ``storage`` memory for its ``nbytes`` again (its guard lifted first)."""
+        ...
 
-    def release(self, storage: torch.UntypedStorage) -> None: ...
+    def release(self, storage: torch.UntypedStorage) -> None:
+        """Take its memory away and guard it (idempotent: a released storage that lost its
+        guard, an interrupted release, gets it back)."""
+        ...
+
+    def seal(self, storage: torch.UntypedStorage) -> None:
+        """Guard ``storage``, keeping its memory: its bytes are not its own yet (a prefetch's
+        copy is landing in them); :func:`mark_arriving` lifts it."""
+        ...
 
     def can_release_after(self, storage: torch.UntypedStorage) -> bool:
         """:meth:`release_after` can release ``storage`` before the copy reading it has run."""
@@ -131,12 +188,27 @@ class ResizeBackend:
             hold that many free bytes already (then they come from there).
         release_to_driver: after releasing, hand the freed blocks back to the driver
             (:meth:`settle`), so another process (an inference engine) can use them.
+        describe: the message a released storage raises when touched (see :data:`Describe`);
+            default: one that names no role.
+
+    A released storage keeps its size and is guarded (see the module docstring); without a
+    guard, release is ``resize_(0)``. Cost per storage: one call into the guard library each
+    way (about 0.5 us more than a bare ``resize_``, measured on an H100 with torch 2.11).
     """
 
-    def __init__(self, ops: DeviceOps, *, coalesce: bool = True, release_to_driver: bool = True) -> None:
+    def __init__(
+        self,
+        ops: DeviceOps,
+        *,
+        coalesce: bool = True,
+        release_to_driver: bool = True,
+        describe: Describe | None = None,
+    ) -> None:
         self.ops = ops
         self.coalesce = coalesce and ops.is_accelerator
         self.release_to_driver = release_to_driver
+        self.describe: Describe = describe or _generic
+        guard.warn_once()  # builds the guard now (once per process), not in the first transition
 
     def reserve(self, items: Sequence[tuple[torch.UntypedStorage, int]]) -> None:
         if not self.coalesce:
@@ -164,10 +236,14 @@ class ResizeBackend:
             pass  # fragmented: those storages fall back to one allocation each
 
     def restore(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        guard.unseal(storage, empty=True)  # size 0 again: resize_ allocates it
         storage.resize_(nbytes)
 
     def release(self, storage: torch.UntypedStorage) -> None:
-        storage.resize_(0)
+        guard.release(storage, self.describe(storage, "released"))
+
+    def seal(self, storage: torch.UntypedStorage) -> None:
+        guard.seal(storage, self.describe(storage, "arriving"))
 
     def can_release_after(self, storage: torch.UntypedStorage) -> bool:
         return self.ops.is_accelerator
@@ -176,7 +252,7 @@ class ResizeBackend:
         # The D2H copy queued on `stream` still reads the block: nothing else may be put there
         # before it has run (the allocator records an event at the free and polls it).
         self.ops.hold_until("free_behind_d2h", byte_view(storage), stream)
-        storage.resize_(0)
+        guard.release(storage, self.describe(storage, "released"))
 
     def settle(self, *, final: bool = True) -> int:
         # Whole free segments only: a segment a storage still copying out lies in stays.
@@ -204,8 +280,11 @@ class RegionBackend:
     Memory cost: none beyond the region's (its scratch guard while released).
     """
 
-    def __init__(self, fallback: ResidencyBackend) -> None:
+    def __init__(self, fallback: ResidencyBackend, *, describe: Describe | None = None) -> None:
         self.fallback = fallback
+        if describe is not None:
+            fallback.describe = describe  # type: ignore[attr-defined]
+        self.describe: Describe = describe or getattr(fallback, "describe", _generic)
         self._tags: list[RegionTag] = []
         self._pending: set[RegionTag] = set()  # tags with storages released since the last settle
         # storage key -> (tag, address, bytes, the storage): held, so no other storage can take
@@ -244,7 +323,7 @@ class RegionBackend:
         """The registered tag whose allocations hold ``storage``, if any."""
         if not self._tags:
             return None
-        ptr = storage.data_ptr()
+        ptr = guard.address(storage)  # guarded or not
         for t in self._tags:
             if t.find(ptr) is not None:
                 return t
@@ -257,14 +336,17 @@ class RegionBackend:
     def release(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
         if key in self._released:
+            guard.seal(storage, self.describe(storage, "released"))  # idempotent; a lost guard comes back
             return
         tag = self.tag_of(storage)
         if tag is None:
             self.fallback.release(storage)
             return
-        self._released[key] = (tag, storage.data_ptr(), storage.nbytes(), storage)
+        self._released[key] = (tag, guard.address(storage), storage.nbytes(), storage)
         _IN_PLACE_COUNT[0] += 1
         self._pending.add(tag)
+        # Its memory stays mapped until settle() unmaps the tag; from here on it is not its own.
+        guard.seal(storage, self.describe(storage, "released"))
 
     def can_release_after(self, storage: torch.UntypedStorage) -> bool:
         # A tag's memory is unmapped whole at settle: its storages go only once their copies ran.
@@ -284,6 +366,10 @@ class RegionBackend:
             tag.region.restore([tag.name])  # the whole tag, at the same addresses; no copy
         del self._released[storage._cdata]
         _IN_PLACE_COUNT[0] -= 1
+        guard.unseal(storage, empty=False)  # mapped again at its address; the store copies its bytes in
+
+    def seal(self, storage: torch.UntypedStorage) -> None:
+        guard.seal(storage, self.describe(storage, "arriving"))
 
     def settle(self, *, final: bool = True) -> int:
         if not final:

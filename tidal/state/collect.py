@@ -21,7 +21,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from tidal.state.backends import releasable_in_place
+from tidal.state.backends import counted_nbytes, releasable_in_place
 
 __all__ = [
     "GradPolicy",
@@ -46,13 +46,15 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 
 @dataclasses.dataclass
 class StateEntry:
-    """One storage of a role. ``nbytes`` is its size when resident."""
+    """One storage of a role. ``nbytes`` is its size when resident; ``owner`` names the role
+    (or other holder) it was collected for, for messages ("" when none was given)."""
 
     storage: torch.UntypedStorage
     key: int
     nbytes: int
     kind: Kind
     name: str
+    owner: str = ""
 
 
 def _plain_tensors(t: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]]:
@@ -76,7 +78,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class _Collector:
-    def __init__(self, device: torch.device | str, min_offload_bytes: int, include_empty: bool = False) -> None:
+    def __init__(
+        self, device: torch.device | str, min_offload_bytes: int, include_empty: bool = False, owner: str = ""
+    ) -> None:
         # Normalise: a str never equals a torch.device, and CPU tensors report "cpu" with no
         # index, so "cpu" or "cpu:0" as given would silently match nothing.
         dev = torch.device(device)
@@ -86,6 +90,7 @@ class _Collector:
         # freed by someone else (FSDP's unsharded params); callers that need to recognise the
         # former ask for them.
         self.include_empty = include_empty
+        self.owner = owner
         self.entries: dict[int, StateEntry] = {}
 
     def add(self, tensor: torch.Tensor, kind: Kind, name: str) -> None:
@@ -104,7 +109,7 @@ class _Collector:
         key = storage._cdata
         if key in self.entries:
             return
-        nbytes = storage.nbytes()
+        nbytes = counted_nbytes(storage)  # 0 for a released storage (it keeps its size while guarded)
         if nbytes == 0 and not self.include_empty:
             return
         if 0 < nbytes < self.min_offload_bytes:
@@ -115,7 +120,7 @@ class _Collector:
                 f"e.g. from numpy, DLPack or a CUDA IPC handle), so tidal cannot free it; "
                 f"clone it into a torch-owned tensor before adding the role"
             )
-        self.entries[key] = StateEntry(storage, key, nbytes, kind, name)
+        self.entries[key] = StateEntry(storage, key, nbytes, kind, name, self.owner)
 
 
 _STRUCTURE = [0]  # bumped whenever any module registers a module, parameter or buffer
@@ -226,7 +231,7 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor | None], device: torch.d
         if device is not None and local.device != device:
             continue
         st = local.untyped_storage()
-        seen[storage_key(st)] = st.nbytes()
+        seen[storage_key(st)] = counted_nbytes(st)
     return sum(seen.values())
 
 
@@ -236,10 +241,11 @@ def collect_tensors(
     *,
     min_offload_bytes: int = 0,
     include_empty: bool = False,
+    owner: str = "",
 ) -> list[StateEntry]:
     """Entries for (name, tensor, kind) as listed (a role's sources), each storage once, with
-    the same rules as :func:`collect_module_state`."""
-    col = _Collector(device, min_offload_bytes, include_empty)
+    the same rules as :func:`collect_module_state`; ``owner`` is recorded in each entry."""
+    col = _Collector(device, min_offload_bytes, include_empty, owner)
     for name, t, kind in tensors:
         col.add(t, kind, name)
     return list(col.entries.values())
@@ -304,13 +310,14 @@ def collect_optimizer_state(
     min_offload_bytes: int = 0,
     include_empty: bool = False,
     params: Iterable[torch.Tensor] | None = None,
+    owner: str = "",
 ) -> list[StateEntry]:
     """Entries for every tensor of ``optimizer.state`` on ``device`` (only the state of
     ``params``, when given), also inside lists and dicts. Raises ``TypeError`` for state tidal
     cannot move (sparse tensors, non-resizable storages, sets of tensors) before anything is
-    moved. Non-tensor values stay untouched."""
+    moved. Non-tensor values stay untouched. ``owner`` is recorded in each entry."""
     names = names or {}
-    col = _Collector(device, min_offload_bytes, include_empty)
+    col = _Collector(device, min_offload_bytes, include_empty, owner)
     for i, opt in enumerate(optimizers):
         items = opt.state.items() if params is None else ((p, opt.state[p]) for p in params if p in opt.state)
         for param, state in items:

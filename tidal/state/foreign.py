@@ -16,20 +16,50 @@ The hooks installed here make both directions right wherever the state lives:
   ``copy_`` would), and the live tensor keeps its identity; the next reload brings the loaded
   bytes in. Values for resident tensors load as torch loads them.
 
+Every other access to a moved-out tensor's bytes (``w.sum()``, ``print(w)``, ``w.numpy()``,
+``model.double()``, ``copy.deepcopy(model)``, an optimizer moment, a gradient) raises
+``RuntimeError`` with a message naming the role and the fix: the storage is guarded
+(:mod:`tidal.state.guard`), and :class:`MovedOutMessages` writes what it says.
+
 A *locator* is anything with ``host_tensor(t) -> Tensor | None`` (the host view of ``t`` if
-its storage is offloaded there): an :class:`~tidal.state.store.OffloadStore`.
+its storage is offloaded there): an :class:`~tidal.state.store.OffloadStore`. The hooks take
+the locator's lock (:func:`lock_of`) while they read it, so a ``state_dict()`` from another
+thread never reads the store in the middle of a timeshare's transition.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
+import weakref
 from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
 from tidal.state.backends import holds_memory
 
-__all__ = ["Locator", "readable", "install_module_hooks", "install_optimizer_hooks", "moved_out"]
+__all__ = [
+    "Locator",
+    "MovedOutMessages",
+    "install_module_hooks",
+    "install_optimizer_hooks",
+    "lock_of",
+    "moved_out",
+    "readable",
+]
+
+_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def lock_of(locator: Any) -> threading.RLock:
+    """The one re-entrant lock of ``locator`` (a store): held by the timeshare that owns it
+    around every transition and by the state-dict hooks while they read it."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(locator)
+        if lock is None:
+            lock = _LOCKS[locator] = threading.RLock()
+        return lock
 
 
 class Locator(Protocol):
@@ -138,11 +168,36 @@ def install_module_hooks(store: Locator, modules: Iterable[torch.nn.Module]) -> 
     return handles
 
 
-def _bind(fn: Callable, store: Locator) -> Callable:
-    def hook(*args):
-        return fn(store, *args)
+class _Bound:
+    """A hook calling ``fn(store, *args)`` under the store's lock. A module holding it can still
+    be pickled (``torch.save(model)``) or deep-copied: the copy gets an inert hook, since it is
+    no role's state (tidal does not move it)."""
 
-    return hook
+    def __init__(self, fn: Callable, store: Locator) -> None:
+        self.fn, self.store = fn, store
+
+    def __call__(self, *args: Any) -> Any:
+        with lock_of(self.store):
+            return self.fn(self.store, *args)
+
+    def __reduce__(self) -> tuple:
+        return (_inert_hook, ())
+
+    def __deepcopy__(self, memo: dict) -> Callable:
+        return _inert_hook()
+
+
+def _inert(*args: Any, **kwargs: Any) -> None:
+    """What a tidal hook becomes in a pickled or deep-copied module: nothing."""
+    return None
+
+
+def _inert_hook() -> Callable:
+    return _inert
+
+
+def _bind(fn: Callable, store: Locator) -> Callable:
+    return _Bound(fn, store)
 
 
 # ---- optimizers -------------------------------------------------------------------------------
@@ -198,3 +253,71 @@ def install_optimizer_hooks(
     if after_load is not None:
         handles.append(optimizer.register_load_state_dict_post_hook(after_load))
     return handles
+
+
+# ---- what a guarded storage says --------------------------------------------------------------
+class MovedOutMessages:
+    """The ``describe`` of a timeshare's residency backend (:data:`tidal.state.backends.Describe`):
+    the message every access to a moved-out storage raises, naming its role, the tensor, where
+    its bytes are and what to do. Built once per (role, tensor, reason) and kept.
+
+    ``timeshare`` is held weakly (the backend it serves belongs to it)."""
+
+    def __init__(self, timeshare: Any) -> None:
+        self._ts = weakref.ref(timeshare)
+        self._cache: dict[tuple, bytes] = {}
+
+    def __call__(self, storage: torch.UntypedStorage, why: str) -> bytes:
+        ts = self._ts()
+        entries = ts.store.offloaded_entries([storage._cdata]) if ts is not None else []
+        entry = entries[0] if entries else None
+        role = None
+        if ts is not None and entry is not None and entry.owner:
+            role = ts._roles.get(entry.owner)
+        key = (
+            entry.owner if entry is not None else "",
+            entry.kind if entry is not None else "",
+            entry.name if entry is not None else "",
+            why,
+            getattr(role, "optimizer_residency", None),
+            bool(getattr(role, "optimizer_locked", False)),
+        )
+        msg = self._cache.get(key)
+        if msg is None:
+            msg = self._cache[key] = _message(*key).encode()
+        return msg
+
+
+def _message(owner: str, kind: str, name: str, why: str, residency: str | None, locked: bool) -> str:
+    if not owner:
+        return (
+            "tidal: this tensor's bytes were moved to host memory by tidal, and its device storage holds none "
+            "of them now. Make its role resident first (`with ts.use(role):`), or read its values through "
+            "state_dict()"
+        )
+    what = {"param": "parameter", "buffer": "buffer", "grad": "gradient", "optim": "optimizer state"}.get(kind, kind)
+    tensor = f"{what} {name}" if name else what
+    use = f"`with ts.use({owner!r}):` (or after ts.load({owner!r}))"
+    if why == "arriving":
+        return (
+            f"tidal: role {owner!r} is being prefetched: the bytes of its {tensor} are still on their way to the "
+            f"device. Use it inside {use}, which waits for them; or read its values through state_dict()"
+        )
+    if kind == "optim":
+        read = "Read it through optimizer.state_dict() (the host copies, no reload)"
+        if locked:
+            return (
+                f"tidal: the {tensor} of role {owner!r} is in host memory for the offload_optimizer() block; "
+                f"it comes back when the block ends. {read}"
+            )
+        if residency in ("step", "stream"):
+            return (
+                f"tidal: the {tensor} of role {owner!r} is in host memory: with optimizer_residency={residency!r} "
+                f"it stays there between optimizer.step() calls, and while the role is offloaded. {read}, or add "
+                f"the role with optimizer_residency='role' to keep it on the device while the role is resident"
+            )
+        return f"tidal: role {owner!r} is offloaded: its {tensor} is in host memory. Use the role inside {use}. {read}"
+    return (
+        f"tidal: role {owner!r} is offloaded: its {tensor} has no device memory now (its bytes are in host "
+        f"memory). Use the role inside {use}; to read its values without loading it, use state_dict()"
+    )

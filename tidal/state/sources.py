@@ -27,7 +27,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from tidal.state.collect import Kind, ModuleSlots
-from tidal.state.foreign import install_module_hooks
+from tidal.state.foreign import _inert_hook, install_module_hooks
 
 __all__ = ["Guard", "ModuleSource", "StateSource"]
 
@@ -88,11 +88,26 @@ class ModuleSource:
         pass  # module state is written on the current stream only
 
 
-def _module_guard(guard: Guard):
-    def hook(module, args):
-        guard(
+class _ModuleGuard:
+    """The forward pre-hook that refuses a module's forward while its tensors are out. A module
+    holding it can still be pickled (``torch.save(model)``) or deep-copied: the copy is no
+    role's state, so it gets an inert hook."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.guard(
             module,
             [t for _, t in itertools.chain(module._parameters.items(), module._buffers.items()) if t is not None],
         )
 
-    return hook
+    def __reduce__(self) -> tuple:
+        return (_inert_hook, ())
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _inert_hook()
+
+
+def _module_guard(guard: Guard) -> _ModuleGuard:
+    return _ModuleGuard(guard)

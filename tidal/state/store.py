@@ -31,7 +31,7 @@ import torch
 from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError, StateCorruptionError
 from tidal.memory import snapshot
-from tidal.state.backends import ResidencyBackend, ResizeBackend, holds_memory, mark_arriving
+from tidal.state.backends import ResidencyBackend, ResizeBackend, guarded, holds_memory, mark_arriving
 from tidal.state.collect import StateEntry
 from tidal.state.digest import digest, digest_many
 from tidal.state.handover import ReleaseProgress, RoomSource
@@ -882,6 +882,8 @@ class OffloadStore:
             ((done, values),) = self._digest_segments([seg], [event], verify)
             for j, e in enumerate(take):
                 self._arriving[e.key].digest = (done, values, j)
+        for e in take:
+            self.backend.seal(e.storage)  # queued: until claimed, its memory holds none of its bytes
         return 1, alloc_seconds
 
     def _claim(self, claimed: Sequence[StateEntry], frozen: set[int], what: str) -> None:
@@ -1098,6 +1100,8 @@ class OffloadStore:
             if holds_memory(e.storage):
                 self.backend.release(e.storage)
                 freed.append(e)
+            elif not guarded(e.storage):
+                self.backend.release(e.storage)  # released, but interrupted before its guard was set
         self.engine.release_staging()
         self._in_flight = False
         return freed

@@ -42,8 +42,19 @@ def _standalone_store(
     store = context.owner_of(optimizer)
     if not isinstance(store, OffloadStore):
         store = OffloadStore(context.ops, config, context=context, owner=context.label("offload_optimizer"))
+        store.backend.describe = _describe_standalone  # type: ignore[attr-defined]
         context.claim(optimizer, store, what="optimizer")
     return store
+
+
+def _describe_standalone(storage: torch.UntypedStorage, why: str) -> bytes:
+    """What optimizer state (or a gradient) moved out by an offload_optimizer() block says
+    when touched."""
+    return (
+        b"tidal: this optimizer state (or gradient) is in host memory for an offload_optimizer() block; it "
+        b"comes back when the block ends (or, if it could not, at the next optimizer.step()). Read it through "
+        b"optimizer.state_dict() (the host copies, no reload)"
+    )
 
 
 class OptimizerOffload:

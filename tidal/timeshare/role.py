@@ -242,7 +242,9 @@ class Role:
             tensors.append((f"optimizer_param{i}", p, "param"))
             if with_grads and p.grad is not None:
                 tensors.append((f"optimizer_param{i}.grad", p.grad, "grad"))
-        return collect_tensors(tensors, device, min_offload_bytes=min_offload_bytes, include_empty=include_empty)
+        return collect_tensors(
+            tensors, device, min_offload_bytes=min_offload_bytes, include_empty=include_empty, owner=self.name
+        )
 
     def optim_entries(
         self, device: torch.device, min_offload_bytes: int, *, include_empty: bool = True
@@ -257,6 +259,7 @@ class Role:
             names=self.param_names(),
             min_offload_bytes=min_offload_bytes,
             include_empty=include_empty,
+            owner=self.name,
         )
 
     def device_optimizers(self) -> list[torch.optim.Optimizer]:

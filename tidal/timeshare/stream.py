@@ -69,6 +69,7 @@ def _entries(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer, params: 
         min_offload_bytes=ts.config.min_offload_bytes,
         include_empty=True,
         params=params,
+        owner=role.name,
     )
 
 

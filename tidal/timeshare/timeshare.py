@@ -26,7 +26,8 @@ import torch
 from tidal.units import format_bytes
 from tidal.state.backends import RegionBackend, ResizeBackend
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
-from tidal.state.foreign import install_optimizer_hooks, moved_out
+from tidal.state.foreign import MovedOutMessages, install_optimizer_hooks, moved_out
+from tidal.state.guard import address
 from tidal.state.handover import ReleaseProgress, RoomSource
 from tidal.state.sources import ModuleSource, StateSource
 from tidal.state.store import MoveResult, OffloadStore
@@ -201,7 +202,8 @@ class Timeshare:
                 self.ops,
                 coalesce=self.config.transfer.coalesce_allocations,
                 release_to_driver=self.config.release_to_driver,
-            )
+            ),
+            describe=MovedOutMessages(self),  # what a moved-out tensor says when foreign code touches it
         )
         self.store = OffloadStore(
             self.ops,
@@ -338,7 +340,7 @@ class Timeshare:
             )
             if not entries:
                 raise ValueError(f"role {name!r} has {self._why_no_state(role)}")
-            if region is not None and not any(region.find(e.storage.data_ptr()) is not None for e in entries):
+            if region is not None and not any(region.find(address(e.storage)) is not None for e in entries):
                 raise ValueError(
                     f"role {name!r}: none of its storages lies in region {region.region.name!r}, tag {region.name!r}; "
                     f"build the model inside `with region.allocate({region.name!r}, policy='discard'):`"

@@ -5,6 +5,7 @@ transformers = pytest.importorskip("transformers")
 
 from tidal_recipes.grpo import DigitTask, GRPOConfig, GRPOTrainer, LossConfig  # noqa: E402
 from tidal_recipes.grpo.tasks import TASK_VOCAB  # noqa: E402
+from tests.helpers import held_bytes  # noqa: E402
 
 
 def tiny_policy(seed: int = 0, vocab: int = 16):
@@ -133,7 +134,7 @@ def test_roles_take_turns_on_the_device():
 
     def fwd_hook(name):
         def hook(module, args):
-            seen.setdefault(name, (policy_w.untyped_storage().nbytes(), ref_w.untyped_storage().nbytes()))
+            seen.setdefault(name, (held_bytes(policy_w), held_bytes(ref_w)))
 
         return hook
 
