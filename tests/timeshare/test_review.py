@@ -1,7 +1,8 @@
 """Review findings: each test demonstrates one bug in tidal/timeshare or tidal/state.
 
-Careful: computing on a tensor whose storage was resized to 0 segfaults, so every test checks
-``untyped_storage().nbytes()`` before it reads a tensor (snapshot_state included).
+Careful: computing on a tensor whose storage was released raises (it segfaulted before the
+storage guard), so every test checks ``_nbytes`` (the bytes its storage holds) before it reads
+a tensor (snapshot_state included).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import torch
 import torch.nn as nn
 
 import tidal
-from tests.helpers import TinyLM, assert_same_state, lm_loss, make_trained, snapshot_state
+from tests.helpers import TinyLM, assert_same_state, held_bytes, lm_loss, make_trained, snapshot_state
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+    return held_bytes(t)  # 0 once tidal released the storage (it keeps its size while guarded)
 
 
 def _state_tensors(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:

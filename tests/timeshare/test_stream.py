@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tidal
-from tests.helpers import TinyLM, assert_same_state, is_out, lm_loss, snapshot_state
+from tests.helpers import TinyLM, assert_same_state, held_bytes, is_out, lm_loss, snapshot_state
 
 
 def _opt(model, kind):
@@ -69,7 +69,7 @@ def test_streamed_step_holds_one_chunk_of_state_at_a_time():
     def spy(o, args, kwargs):  # runs before every per-chunk step() too
         on_device.append(
             sum(
-                v.untyped_storage().nbytes()
+                held_bytes(v)
                 for st in o.state.values()
                 for v in st.values()
                 if isinstance(v, torch.Tensor) and v.numel() > 1

@@ -1,11 +1,13 @@
 """Strict access: any op that reads or writes a moved-out tensor raises a clear error.
 
 Outside it, touching the bytes of a tensor whose storage tidal has offloaded (``w.sum()``,
-``w.add_(1)``, ``w.numpy()``) is undefined: the storage has no memory, and the kernel reads or
-writes through a null pointer (a segfault on the CPU; on a GPU an illegal-address fault that
-leaves the CUDA context unusable). Module forwards, ``state_dict()`` and ``load_state_dict()``
-are guarded always (see ``tidal.state.foreign``); strict access extends the guard to every op,
-for debugging code that holds references to a role's tensors::
+``w.add_(1)``, ``w.numpy()``) raises ``RuntimeError`` with the same kind of message already,
+at no cost per op, wherever tidal's storage guard could be built (:mod:`tidal.state.guard`);
+without it such a read is undefined (a segfault on the CPU; on a GPU an illegal-address fault
+that leaves the CUDA context unusable). Module forwards, ``state_dict()`` and
+``load_state_dict()`` are guarded always (see ``tidal.state.foreign``); strict access checks
+every op in Python, for debugging code that holds references to a role's tensors where there
+is no storage guard, or to get :class:`StrictAccessError` (with the tensor's name) instead::
 
     with tidal.strict_access(ts):
         train_step()        # RuntimeError naming the role and the tensor, instead of a crash
@@ -104,7 +106,17 @@ class _StrictMode(TorchDispatchMode):
             for t in leaves:
                 if isinstance(t, torch.Tensor) and moved_out(t):
                     raise StrictAccessError(self._message(func, t))
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            # A view of a storage released to size 0 (no storage guard) fails torch's bounds
+            # check ("setStorage: ... out of bounds"): say what it is instead.
+            leaves, _ = tree_flatten((args, kwargs))
+            moved = next((t for t in leaves if isinstance(t, torch.Tensor) and moved_out(t)), None)
+            if moved is None:
+                raise
+            raise StrictAccessError(self._message(func, moved)) from e
 
     def _message(self, func, t: torch.Tensor) -> str:
         what = f"a tensor of shape {tuple(t.shape)} ({t.dtype}, {t.device})"

@@ -52,8 +52,9 @@ class Role:
     * residency: ``resident`` (all of its state on the device) or not. :meth:`came_in`,
       :meth:`went_out`, :meth:`found` (after an interrupted transition, from where its
       tensors are).
-    * use: ``in_use`` counts the open ``use()`` blocks (:meth:`enter_use`, :meth:`leave_use`);
-      a role in use is never evicted. ``last_used`` orders eviction.
+    * use: ``in_use`` counts the open ``use()`` blocks (:meth:`enter_use`, :meth:`leave_use`),
+      ``users`` the threads they are open in; a role in use is never evicted. ``last_used``
+      orders eviction.
     * optimizer phase (:class:`OptimizerPhase`): :meth:`optimizer_touched`,
       :meth:`optimizer_settled`, :meth:`lock_optimizer` / :meth:`unlock_optimizer`,
       :meth:`begin_stream` / :meth:`end_stream`.
@@ -81,6 +82,7 @@ class Role:
     hooks: list = dataclasses.field(default_factory=list)
     _resident: bool = dataclasses.field(default=True, repr=False)
     _in_use: int = dataclasses.field(default=0, repr=False)
+    _users: dict[int, int] = dataclasses.field(default_factory=dict, repr=False)  # thread id -> open use() blocks
     _last_used: int = dataclasses.field(default=0, repr=False)
     # UNSETTLED at registration: the end of the first use() checks where the state is.
     _phase: OptimizerPhase = dataclasses.field(default=OptimizerPhase.UNSETTLED, repr=False)
@@ -104,6 +106,11 @@ class Role:
     def in_use(self) -> int:
         """Open ``use()`` blocks of this role."""
         return self._in_use
+
+    @property
+    def users(self) -> set[int]:
+        """The threads (``threading.get_ident()``) inside a ``use()`` block of this role."""
+        return set(self._users)
 
     @property
     def last_used(self) -> int:
@@ -146,13 +153,23 @@ class Role:
         """Set from where the role's tensors are (registration, recovery, close)."""
         self._resident = resident
 
-    def enter_use(self) -> None:
+    def enter_use(self, thread: int | None = None) -> None:
+        """Open a ``use()`` block (in ``thread``, a ``threading.get_ident()``, when given)."""
         self._in_use += 1
+        if thread is not None:
+            self._users[thread] = self._users.get(thread, 0) + 1
 
-    def leave_use(self, clock: int) -> bool:
+    def leave_use(self, clock: int, thread: int | None = None) -> bool:
         """Close one ``use()`` block; returns whether the role is now idle."""
         assert self._in_use > 0
         self._in_use -= 1
+        if thread is not None:
+            left = self._users.get(thread, 0) - 1
+            assert left >= 0, f"role {self.name!r}: a use() block closed in a thread that did not open one"
+            if left:
+                self._users[thread] = left
+            else:
+                del self._users[thread]
         self._last_used = clock
         return self._in_use == 0
 

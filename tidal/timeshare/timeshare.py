@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import threading
 import time
 import warnings
 import weakref
@@ -26,7 +27,7 @@ import torch
 from tidal.units import format_bytes
 from tidal.state.backends import RegionBackend, ResizeBackend
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
-from tidal.state.foreign import MovedOutMessages, install_optimizer_hooks, moved_out
+from tidal.state.foreign import MovedOutMessages, install_optimizer_hooks, lock_of, moved_out
 from tidal.state.guard import address
 from tidal.state.handover import ReleaseProgress, RoomSource
 from tidal.state.sources import ModuleSource, StateSource
@@ -34,6 +35,7 @@ from tidal.state.store import MoveResult, OffloadStore
 from tidal.timeshare.role import OptimizerResidency, Role
 from tidal.timeshare.residency import policy_for
 from tidal.timeshare.stream import restore_groups
+from tidal.timeshare.threads import serialised, wait_for_room
 from tidal.timeshare.telemetry import TransitionRecord, format_report
 from tidal.transfer.context import TransferContext
 from tidal.transfer.engine import TransferConfig
@@ -214,6 +216,11 @@ class Timeshare:
             owner=self.context.label("Timeshare"),
         )
         self.store.collect_stalls = True  # read into the records' stall_seconds
+        # Every verb runs under this lock (the store's: its state-dict hooks take it too); the
+        # condition wakes use() calls waiting for another thread's use() blocks to end.
+        self._lock = lock_of(self.store)
+        self._idle = threading.Condition(self._lock)
+        self._waiting: dict[int, set[int]] = {}  # thread -> the threads its use() waits for
         self._roles: dict[str, Role] = {}
         self.records: list[TransitionRecord] = []
         self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory
@@ -231,6 +238,7 @@ class Timeshare:
     def device(self) -> torch.device:
         return self.ops.device
 
+    @serialised
     def add_role(
         self,
         name: str,
@@ -404,6 +412,7 @@ class Timeshare:
         except KeyError:
             raise ValueError(f"unknown role {name!r}; registered roles: {sorted(self._roles)}") from None
 
+    @serialised
     def role_bytes(self, name: str) -> int:
         """Bytes of the role's state that tidal moves, wherever each storage is now (shared
         storages included once)."""
@@ -414,21 +423,35 @@ class Timeshare:
 
     # ---- verbs ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def use(self, name: str) -> Iterator[Role]:
+    def use(self, name: str, *, timeout: float | None = None) -> Iterator[Role]:
         """Make ``name`` resident for the block (switching others out as the budget needs).
         The role cannot be offloaded while inside the block. It stays resident after the
-        block until another role needs the room."""
+        block until another role needs the room.
+
+        From several threads: blocks of the same role may be open in several threads at once.
+        A ``use()`` whose switch would move out a role that another thread is inside a block of
+        waits until those blocks end (at most ``timeout`` seconds, then ``TimeoutError``;
+        ``RuntimeError`` at once if that thread waits for this one). Within one thread, a
+        ``use()`` that would move out a role this thread is using raises ``RuntimeError``."""
         role = self.role(name)
-        self.load(name)
-        role.enter_use()
+        me = threading.get_ident()
+        with self._lock:
+            wait_for_room(self, role, me, timeout)
+            self.load(name)
+            role.enter_use(me)
         try:
             yield role
         finally:
-            if role.leave_use(self._tick()) and not self.closed:
-                for opt in role.optimizers:
-                    self._restore_groups(role, opt)
-                self._settle_optimizer(role)
+            with self._lock:
+                try:
+                    if role.leave_use(self._tick(), me) and not self.closed:
+                        for opt in role.optimizers:
+                            self._restore_groups(role, opt)
+                        self._settle_optimizer(role)
+                finally:
+                    self._idle.notify_all()  # a use() in another thread may wait for this role
 
+    @serialised
     def load(self, name: str, *, room_source: RoomSource | None = None) -> TransitionRecord | None:
         """Make ``name`` resident now; evicts the least recently used roles the budget cannot
         keep, overlapping their offload with this reload. Returns the transition, or None if
@@ -448,6 +471,7 @@ class Timeshare:
             return None
         return self._transition(evict, None if role.resident else role, room_source=room_source)
 
+    @serialised
     def prefetch(
         self,
         name: str,
@@ -522,6 +546,7 @@ class Timeshare:
         )
         return self.record_move("prefetch", tuple(r.name for r in evict) if out else (), name, move)
 
+    @serialised
     def prefetch_optimizer(
         self, name: str, *, leave_free_bytes: int | None = None, limit_bytes: int | None = None
     ) -> TransitionRecord | None:
@@ -573,6 +598,7 @@ class Timeshare:
                 raise ValueError(f"{what} must be >= 0, got {v}")
         return role, leave
 
+    @serialised
     def offload(self, name: str) -> TransitionRecord | None:
         """Move ``name``'s state to the host and return its device memory to the driver.
         Storages shared with a resident role stay. Returns None if already offloaded."""
@@ -586,6 +612,7 @@ class Timeshare:
         self._check_evictable(role, reason=f"offload({name!r})")
         return self._transition([role], None)
 
+    @serialised
     def offload_all(self, *, on_released: ReleaseProgress | None = None) -> TransitionRecord | None:
         """Offload every resident role that is not in use.
 
@@ -607,6 +634,7 @@ class Timeshare:
             )
         return self._transition(out, None, on_released=on_released) if out else None
 
+    @serialised
     def report(self, *, detail: bool = False) -> str:
         """Roles and transitions on this device: a summary per kind of transition and roles
         (count, bytes, seconds, GB/s); ``detail=True`` lists every transition."""
@@ -630,6 +658,7 @@ class Timeshare:
             detail=detail,
         )
 
+    @serialised
     def close(self) -> None:
         """Bring every offloaded storage back, remove tidal's hooks and free the host memory.
         Raises (and changes nothing) if they do not all fit on the device."""
@@ -649,6 +678,7 @@ class Timeshare:
                 self.context.release(opt)
         self.store.close()
         self.closed = True
+        self._idle.notify_all()  # waiting use() calls find it closed
 
     def __enter__(self) -> "Timeshare":
         return self
@@ -657,6 +687,7 @@ class Timeshare:
         self.close()
 
     # ---- optimizer state (used by the step hooks and offload_optimizer) ---------------------
+    @serialised
     def offload_optimizer_state(
         self, name: str, *, grads: bool = False, kind: str = "optim-out"
     ) -> TransitionRecord | None:
@@ -676,6 +707,7 @@ class Timeshare:
         move = self._guarded(lambda: self.store.offload(entries, wait=wait), touches_model=grads)
         return self.record_move(kind, (name,), None, move, note="optimizer state" + (" + grads" if grads else ""))
 
+    @serialised
     def reload_optimizer_state(
         self, name: str, *, grads: bool = False, kind: str = "optim-in"
     ) -> TransitionRecord | None:
@@ -729,10 +761,11 @@ class Timeshare:
             # torch's load_state_dict replaced the state tensors it could not load in place
             # with new ones on the device: the old ones' host copies are dead, the new ones
             # go where this role keeps its optimizer state now.
-            self.store.forget_unreferenced()
-            role.optimizer_touched()
-            if role.in_use == 0 or policy_for(role.optimizer_residency).moves_with_role:
-                self._settle_optimizer(role)
+            with self._lock:
+                self.store.forget_unreferenced()
+                role.optimizer_touched()
+                if role.in_use == 0 or policy_for(role.optimizer_residency).moves_with_role:
+                    self._settle_optimizer(role)
 
         return after_load
 
@@ -806,6 +839,7 @@ class Timeshare:
         optim = policy_for(role.optimizer_residency).moves_with_role or role.optim_unsettled
         return {e.key: e for e in self._live(role, optim=optim)}
 
+    @serialised
     def resident_keys(self, *, exclude: Sequence[Role] = ()) -> set[int]:
         """Keys of the storages resident roles (but those in ``exclude``) hold on the device:
         what a move must not take out. For optimizer residency strategies."""
@@ -1120,7 +1154,9 @@ class Timeshare:
         def guard(where, tensors):
             # Called by the role's sources before their state is used (a module's forward).
             if self._interrupted:
-                self._recover()
+                with self._lock:
+                    if self._interrupted:
+                        self._recover()
             if role.resident:
                 return
             # The role is out; a module may still run if its own tensors are on the device
@@ -1140,6 +1176,10 @@ class Timeshare:
         def pre(opt, args, kwargs):
             if role.streaming:  # one chunk of a streamed step: its state is in already
                 return
+            with self._lock:
+                step_pre(opt)
+
+        def step_pre(opt):
             self._start_clock()
             self._recover_if_interrupted()
             self._restore_groups(role, opt)
@@ -1162,6 +1202,7 @@ class Timeshare:
         def post(opt, args, kwargs):
             if role.streaming:
                 return
-            policy_for(role.optimizer_residency).after_step(self, role, opt)
+            with self._lock:
+                policy_for(role.optimizer_residency).after_step(self, role, opt)
 
         return post

@@ -1,0 +1,211 @@
+"""Issue 27: a timeshare used from two threads. Before, two threads each in their own use() (a
+data loader or a logging callback thread is enough) raced: "role went out while in use",
+forwards on storages of size 0, roles' flags disagreeing with their storages, parameters left
+empty after close(). Now transitions are serialised and a use() that would move out a role in
+use in another thread waits for it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tidal
+from tests.faults import assert_consistent
+from tests.helpers import TinyLM, is_out
+
+
+def _models():
+    torch.manual_seed(0)
+    a = TinyLM().eval()  # eval: dropout off, so a forward's output is a fixed reference
+    torch.manual_seed(1)
+    b = TinyLM().eval()
+    return a, b
+
+
+def _two_threads_each_in_their_own_use(iters: int) -> list[str]:
+    """Thread 1 uses role "a", thread 2 role "b", alternating as fast as they can; a third
+    thread reads state_dict() of both (a logging callback). Returns every problem seen."""
+    a, b = _models()
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        want = {"a": a(ids), "b": b(ids)}
+    states = {
+        "a": {k: v.clone() for k, v in a.state_dict().items()},
+        "b": {k: v.clone() for k, v in b.state_dict().items()},
+    }
+    ts = tidal.Timeshare("cpu")
+    ts.add_role("a", model=a)
+    ts.add_role("b", model=b)
+    models = {"a": a, "b": b}
+    problems: list[str] = []
+    reads = {"ok": 0, "raced": 0}
+    stop = threading.Event()
+
+    def worker(name: str) -> None:
+        try:
+            for _ in range(iters):
+                with ts.use(name) as role:
+                    if not role.resident:
+                        problems.append(f"{name}: not resident inside use()")
+                    with torch.no_grad():
+                        got = models[name](ids)
+                    if not torch.equal(got, want[name]):
+                        problems.append(f"{name}: forward differs")
+        except BaseException as e:  # noqa: BLE001 (every failure is a finding)
+            problems.append(f"{name}: {type(e).__name__}: {e}")
+
+    def logger() -> None:
+        # state_dict() values alias the live state (as torch's do): a value read after the
+        # role went out raises tidal's error; it must never be wrong, nor any other error.
+        while not stop.is_set():
+            for name, m in models.items():
+                try:
+                    sd = m.state_dict()
+                    for k, v in states[name].items():
+                        if not torch.equal(sd[k], v):
+                            problems.append(f"logger: {name}.{k} differs")
+                    reads["ok"] += 1
+                except RuntimeError as e:
+                    if not str(e).startswith(f"tidal: role {name!r} is offloaded"):
+                        problems.append(f"logger: {e}")
+                    reads["raced"] += 1
+                except BaseException as e:  # noqa: BLE001
+                    problems.append(f"logger: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
+    log = threading.Thread(target=logger)
+    log.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    stop.set()
+    log.join(timeout=60)
+    if any(t.is_alive() for t in threads + [log]):
+        problems.append("a thread hung")
+        return problems
+    assert_consistent(ts, [a, b], [])
+    ts.close()
+    for name, m in models.items():
+        if any(is_out(t) for t in list(m.parameters()) + list(m.buffers())):
+            problems.append(f"{name}: a tensor stayed out after close()")
+        for k, v in m.state_dict().items():
+            if not torch.equal(v, states[name][k]):
+                problems.append(f"{name}.{k} changed")
+    if not reads["ok"]:
+        problems.append(f"the logger never read a whole state dict ({reads})")
+    return problems
+
+
+def test_two_threads_each_in_their_own_use_many_times():
+    for run in range(20):
+        problems = _two_threads_each_in_their_own_use(iters=15)
+        assert not problems, f"run {run}: {problems[:5]} ({len(problems)} problems)"
+
+
+def test_use_waits_for_the_other_threads_block_then_switches():
+    a, b = _models()
+    ts = tidal.Timeshare("cpu")
+    ts.add_role("a", model=a)
+    ts.add_role("b", model=b)
+    inside, leave = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def hold_a() -> None:
+        with ts.use("a"):
+            inside.set()
+            leave.wait(30)
+            assert not is_out(a.embed.weight)  # never pulled out from under this block
+            order.append("a left")
+
+    t = threading.Thread(target=hold_a)
+    t.start()
+    inside.wait(30)
+    threading.Timer(0.3, leave.set).start()
+    t0 = time.monotonic()
+    with ts.use("b"):  # waits for thread 1's block of "a" to end, then switches
+        order.append("b in")
+        assert time.monotonic() - t0 >= 0.25 and is_out(a.embed.weight)
+    t.join(30)
+    assert order == ["a left", "b in"]
+    ts.close()
+
+
+def test_use_gives_up_after_its_timeout():
+    a, b = _models()
+    ts = tidal.Timeshare("cpu")
+    ts.add_role("a", model=a)
+    ts.add_role("b", model=b)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold_a() -> None:
+        with ts.use("a"):
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=hold_a)
+    t.start()
+    inside.wait(30)
+    with pytest.raises(TimeoutError, match=r"use\('b'\) waited 0.2 s .*'a'"):
+        with ts.use("b", timeout=0.2):
+            pass
+    assert ts.is_resident("a") and not is_out(a.embed.weight)
+    leave.set()
+    t.join(30)
+    with ts.use("b"):
+        pass
+    ts.close()
+
+
+def test_two_threads_waiting_for_each_others_roles_raise_instead_of_hanging():
+    """Budget for two roles of three: thread 1 holds "a", thread 2 holds "b"; thread 1 asks for
+    "c" (waits for thread 2), then thread 2 asks for "c" too (it would wait for thread 1)."""
+    torch.manual_seed(0)
+    roles = {n: nn.Linear(64, 64) for n in "abc"}
+    size = sum(p.numel() * p.element_size() for p in roles["a"].parameters())
+    ts = tidal.Timeshare("cpu", config=tidal.TimeshareConfig(budget_bytes=2 * size))
+    for n, m in roles.items():
+        ts.add_role(n, model=m)
+    ts.offload("c")
+    a_in, b_in, b_done = threading.Event(), threading.Event(), threading.Event()
+    got: dict[str, object] = {}
+
+    def thread1() -> None:
+        with ts.use("a"):
+            a_in.set()
+            b_in.wait(30)
+            with pytest.raises(RuntimeError):
+                ts.load("c")  # a load never waits: it refuses, as always
+            got["t1"] = "waiting"
+            with ts.use("c"):  # same thread holds "a": after thread 2 lets go of "b", "b" goes
+                got["t1"] = "in c"
+                b_done.wait(30)
+
+    def thread2() -> None:
+        a_in.wait(30)
+        with ts.use("b"):
+            b_in.set()
+            deadline = time.monotonic() + 30
+            while got.get("t1") != "waiting" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)  # thread 1 is inside its wait now
+            try:
+                with ts.use("c"):
+                    got["t2"] = "entered"
+            except RuntimeError as e:
+                got["t2"] = str(e)
+        b_done.set()
+
+    threads = [threading.Thread(target=thread1), threading.Thread(target=thread2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert "could never end" in str(got.get("t2")), got
+    assert got["t1"] == "in c"
+    ts.close()

@@ -1,0 +1,100 @@
+"""A timeshare used from several threads (a data loader, a logging callback, a second
+trainer thread).
+
+Every verb of :class:`~tidal.Timeshare` that reads or changes where state is runs under one
+re-entrant lock (:func:`serialised`), so two transitions never interleave and a role's flags
+always agree with its storages. The lock is the store's (:func:`tidal.state.foreign.lock_of`),
+so ``state_dict()`` / ``load_state_dict()`` from another thread wait for a transition instead
+of reading the store half-way through it.
+
+``use()`` also knows which threads are inside a role's blocks: a ``use()`` whose switch would
+move out a role that another thread is using waits until that thread's blocks of it end
+(:func:`wait_for_room`), instead of pulling its state from under it. Waiting that can never end
+(two threads each waiting for the other's role) raises at once. Costs one lock acquisition per
+verb; nothing per op.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+if TYPE_CHECKING:
+    from tidal.timeshare.role import Role
+    from tidal.timeshare.timeshare import Timeshare
+
+__all__ = ["serialised", "wait_for_room"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def serialised(method: F) -> F:
+    """Run a timeshare method under the timeshare's lock."""
+
+    @functools.wraps(method)
+    def run(self: "Timeshare", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def _blockers(ts: "Timeshare", role: "Role", me: int) -> set[int]:
+    """The other threads whose use() blocks stand in the way of loading ``role`` now: the load
+    would have to move out a role they are using (or, with a budget, cannot fit beside it).
+    Empty when the load can go ahead, or fails for another reason (it then raises itself)."""
+    try:
+        ts._choose_evictions(role)
+        return set()
+    except RuntimeError:  # refused: a role in use would have to go out
+        return {t for r in ts._roles.values() if r is not role and r.resident for t in r.users if t != me}
+
+
+def _reaches(waits: dict[int, set[int]], start: set[int], target: int) -> bool:
+    seen, todo = set(), list(start)
+    while todo:
+        t = todo.pop()
+        if t == target:
+            return True
+        if t not in seen:
+            seen.add(t)
+            todo.extend(waits.get(t, ()))
+    return False
+
+
+def wait_for_room(ts: "Timeshare", role: "Role", me: int, timeout: float | None) -> None:
+    """Called with the lock held, before ``use(role)`` loads it: wait until no role that the
+    load would move out is in use by another thread.
+
+    Raises ``TimeoutError`` after ``timeout`` seconds (None: no limit), ``RuntimeError`` if the
+    threads waited for are themselves waiting for this one (the wait could never end), or if
+    the timeshare is closed meanwhile."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    waits: dict[int, set[int]] = ts._waiting
+    try:
+        while True:
+            ts._check_open()
+            busy = _blockers(ts, role, me)
+            if not busy:
+                return
+            if _reaches(waits, busy, me):
+                names = sorted(r.name for r in ts._roles.values() if r.in_use and not (r.users <= {me}))
+                raise RuntimeError(
+                    f"use({role.name!r}) in thread {threading.current_thread().name!r} would wait for roles in "
+                    f"use in other threads ({', '.join(map(repr, names))}), which wait for this thread's roles: "
+                    f"the wait could never end. Exit one of the use() blocks first, or raise "
+                    f"TimeshareConfig.budget_bytes so both roles can stay resident"
+                )
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                names = sorted(r.name for r in ts._roles.values() if r.users - {me})
+                raise TimeoutError(
+                    f"use({role.name!r}) waited {timeout} s for other threads to leave their use() blocks of "
+                    f"{', '.join(map(repr, names))}, which loading {role.name!r} would move out"
+                )
+            waits[me] = busy
+            ts._idle.wait(left)
+    finally:
+        waits.pop(me, None)
