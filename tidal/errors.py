@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tidal.units import format_bytes
 
-__all__ = ["InsufficientMemoryError", "StateCorruptionError"]
+__all__ = ["HostMemoryError", "InsufficientMemoryError", "StateCorruptionError"]
 
 
 class InsufficientMemoryError(RuntimeError):
@@ -34,4 +34,21 @@ class StateCorruptionError(RuntimeError):
             f"{what}: {len(names)} storage(s) came back with different bytes than they went out with "
             f"({shown}); the host copy or a transfer was corrupted. They stay offloaded; load a "
             f"checkpoint into the role (e.g. tidal.checkpoint.load) to restore them"
+        )
+
+
+class HostMemoryError(RuntimeError):
+    """The host could not give (or pin) the memory for the host copies of a transition. Raised
+    before anything of that move was copied or freed: the state is intact where it was."""
+
+    def __init__(self, what: str, *, needed_bytes: int, available_bytes: int, cause: str) -> None:
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        super().__init__(
+            f"{what} needs {format_bytes(needed_bytes)} ({needed_bytes} bytes) of host memory for its host "
+            f"copies, but the host could not give it: {format_bytes(available_bytes)} ({available_bytes} bytes) "
+            f"available (the kernel's MemAvailable, or what this process's address-space limit, `ulimit -v`, "
+            f"leaves, if lower; pinning is also bounded by `ulimit -l`). "
+            f"Nothing was moved and the state is intact. Free host memory, or move less state out "
+            f"(optimizer_residency='role' keeps the optimizer state with the role). Cause: {cause}"
         )

@@ -339,3 +339,82 @@ def test_timeshare_callbacks_offload_on_release(server):
     with pytest.raises(ValueError, match="unknown role|no role"):
         timeshare_callbacks(ts, "nope")
     ts.close()
+
+
+# ---- the TCP server against bad clients (issue 27) --------------------------------------------
+def _raw(server: LeaseServer):
+    import socket
+
+    host, port = server.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock, sock.makefile("rwb")
+
+
+def test_close_without_start_returns_at_once():
+    s = LeaseServer()
+    t = threading.Thread(target=s.close, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "LeaseServer().close() without start() hung"
+    s.close()  # idempotent
+
+
+def test_an_over_long_request_is_refused_without_holding_it(server):
+    """A 64 MiB line grew the server's memory by up to 64 MiB: now at most the limit is read,
+    the request is answered with an error and the connection closed; the server goes on."""
+    import tracemalloc
+
+    sock, f = _raw(server)
+    limit = server.max_request_bytes
+    chunk = b"x" * (256 << 10)
+    tracemalloc.start()
+    try:
+        sent = 0
+        with pytest.raises(OSError):  # the server drops the connection once it has read the limit
+            while sent < (64 << 20):
+                sock.sendall(chunk)
+                sent += len(chunk)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sent < (64 << 20)
+    assert peak < 4 * len(chunk) + 4 * limit, f"the server held {peak} bytes of one request"
+    sock.close()
+    lease = GPULease(server.address, holder="after")
+    with lease.hold(role="r"):
+        pass
+    lease.close()
+
+
+def test_an_over_long_request_gets_an_answer(server):
+    sock, f = _raw(server)
+    f.write(b"{" + b" " * (2 * server.max_request_bytes) + b"}\n")
+    f.flush()
+    reply = json.loads(f.readline())
+    assert reply["ok"] is False and f"longer than {server.max_request_bytes} bytes" in reply["message"]
+    assert f.readline() == b""  # closed
+    sock.close()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"[" * 30000 + b"]" * 30000,  # nested deeper than the parser's recursion limit
+        b'{"op": "status", "kwargs": [1, 2]}',
+        b'{"op": ["status"]}',
+        b"[1, 2]",
+        b"42",
+        b"not json",
+    ],
+)
+def test_a_malformed_request_is_answered_and_the_connection_stays_usable(server, line):
+    sock, f = _raw(server)
+    f.write(line + b"\n")
+    f.flush()
+    reply = json.loads(f.readline())
+    assert reply["ok"] is False and reply["error"] == "LeaseUsageError", reply
+    f.write(json.dumps({"op": "status", "kwargs": {"ticket": 0}}).encode() + b"\n")
+    f.flush()
+    again = json.loads(f.readline())  # the handler thread is alive and answers
+    assert "ok" in again
+    sock.close()

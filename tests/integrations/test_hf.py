@@ -161,5 +161,14 @@ def test_settings_tidal_cannot_work_with_are_refused(tmp_path):
 def test_activation_settings_without_activation_offload_warn_that_they_are_ignored():
     with pytest.warns(UserWarning, match="activation_min_offload_bytes ignored: activation_offload is off"):
         TidalTrainerConfig(cpu_adam=True, activation_min_offload_bytes=0)
+
+
+@pytest.mark.parametrize("field", ["cpu_adam", "activation_offload"])
+@pytest.mark.parametrize("value", ["false", "no", 0, 1, None])
+def test_a_bool_field_given_another_type_is_refused(field, value):
+    """A non-empty string is truthy: TidalTrainerConfig(cpu_adam="false") switched CPU Adam on."""
+    with pytest.raises(TypeError, match=rf"TidalTrainerConfig.{field} must be True or False, got {value!r}"):
+        TidalTrainerConfig(**{field: value})
+    assert getattr(TidalTrainerConfig(**{field: True}), field) is True
     with pytest.raises(ValueError, match="activation_min_offload_bytes"):
         TidalTrainerConfig(activation_offload=True, activation_min_offload_bytes=-5)

@@ -425,6 +425,10 @@ def test_a_wrong_tidal_argument_is_a_type_error(tiny, tmp_path):
         (dict(optimizer_residency="gpu"), ValueError, "optimizer_residency"),
         (dict(timeshare={"budget_bytes": 1}), TypeError, "TimeshareConfig"),
         (dict(activation_min_offload_bytes=-1), ValueError, "activation_min_offload_bytes"),
+        # A non-empty string is truthy: these switched the feature on before (issue 27).
+        (dict(prefetch="no"), TypeError, r"TidalConfig.prefetch must be True or False, got 'no'"),
+        (dict(activation_offload="no"), TypeError, r"TidalConfig.activation_offload must be True or False"),
+        (dict(activation_offload=1), TypeError, r"TidalConfig.activation_offload must be True or False"),
     ],
 )
 def test_a_bad_tidal_config_is_refused_when_it_is_made(bad, error, match):
@@ -435,6 +439,23 @@ def test_a_bad_tidal_config_is_refused_when_it_is_made(bad, error, match):
 def test_activation_settings_without_activation_offload_warn_that_they_are_ignored():
     with pytest.warns(UserWarning, match="activation_layers ignored: activation_offload is off"):
         TidalConfig(activation_layers="model.layers")
+
+
+def test_wrong_activation_layers_are_refused_when_the_trainer_is_built(tiny, tmp_path):
+    """As TidalTrainer does: at construction, not at the first loss after a whole generation,
+    the reference and the reward scoring (issue 27)."""
+    cfg = TidalConfig(activation_offload=True, activation_layers="model.nope")
+    with pytest.raises(ValueError, match=r"no list of transformer blocks .* at 'model.nope'"):
+        TidalGRPOTrainer(model=tiny, reward_funcs=reward_sevens, args=_args(tmp_path), train_dataset=_data(), tidal=cfg)
+    # "auto" finds the blocks of the char-level Qwen2 policy, also at construction.
+    trainer = TidalGRPOTrainer(
+        model=tiny,
+        reward_funcs=reward_sevens,
+        args=_args(tmp_path),
+        train_dataset=_data(),
+        tidal=TidalConfig(activation_offload=True),
+    )
+    trainer.timeshare.close()
 
 
 def _rloo(cls, tiny, out, *, tidal_config=None, rewards=None, **kw):

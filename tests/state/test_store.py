@@ -7,7 +7,7 @@ from torch import nn
 from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError
 from tidal.state import MoveResult, OffloadStore, collect_module_state, collect_optimizer_state, storage_key
-from tidal.state import guard
+from tidal import guard
 from tidal.state.collect import collect_tensors
 from tidal.transfer import TransferConfig, TransferContext
 from tests.transfer.fakes import FakeAccelOps, assert_bits_equal, bits

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import tidal
 from tests.helpers import TinyLM, assert_same_state, is_out, lm_loss, make_trained, snapshot_state
-from tidal.state import guard
+from tidal import guard
 from tidal.state.strict import strict_access
 
 

@@ -34,19 +34,38 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         server: LeaseServer = self.server.lease_server  # type: ignore[attr-defined]
-        for line in self.rfile:
-            try:
-                msg = json.loads(line)
-                op, kwargs = msg["op"], msg.get("kwargs", {})
-            except (ValueError, KeyError, TypeError) as e:
-                out = {"ok": False, "error": "LeaseUsageError", "message": f"bad request: {e}"}
+        limit = server.max_request_bytes
+        while True:
+            # Bounded: a line longer than the limit is never held whole in memory.
+            line = self.rfile.readline(limit + 1)
+            if not line:
+                return
+            too_long = len(line) > limit
+            if too_long:
+                out = {
+                    "ok": False,
+                    "error": "LeaseUsageError",
+                    "message": f"bad request: longer than {limit} bytes; the connection is closed",
+                }
             else:
-                out = server._serve(op, kwargs)
+                try:
+                    msg = json.loads(line)
+                    op, kwargs = msg["op"], msg.get("kwargs", {})
+                except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+                    # RecursionError: JSON nested deeper than the parser's recursion limit.
+                    out = {"ok": False, "error": "LeaseUsageError", "message": f"bad request: {type(e).__name__}: {e}"}
+                else:
+                    try:
+                        out = server._serve(op, kwargs)
+                    except Exception as e:  # noqa: BLE001 (answered, never a silent dead handler)
+                        out = {"ok": False, "error": "LeaseError", "message": f"server error: {type(e).__name__}: {e}"}
             try:
                 self.wfile.write(json.dumps(out).encode() + b"\n")
                 self.wfile.flush()
             except OSError:  # the client went away (killed, or closed mid-wait)
                 return
+            if too_long:
+                return  # the rest of that line would be read as requests: drop the connection
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):
@@ -59,7 +78,15 @@ class LeaseServer:
 
     ``LeaseServer(ttl_s=10).start()`` serves on ``address`` (``"host:port"``; port 0 picks a
     free one) from a daemon thread until :meth:`close`.
+
+    A request is one JSON line of at most ``max_request_bytes`` (real ones are a few hundred
+    bytes): a longer one is answered with an error and its connection closed, so a client
+    cannot make the server hold more than that per connection. A malformed request (bad JSON,
+    JSON nested too deep to parse, wrong fields) is answered with ``LeaseUsageError`` and the
+    connection stays usable.
     """
+
+    max_request_bytes = 64 << 10
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 10.0) -> None:
         self.table = LeaseTable(ttl_s=ttl_s)
@@ -68,6 +95,7 @@ class LeaseServer:
         self._server.lease_server = self  # type: ignore[attr-defined]
         self._server.connections = set()  # type: ignore[attr-defined]
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     @property
     def address(self) -> str:
@@ -82,8 +110,14 @@ class LeaseServer:
         return self
 
     def close(self) -> None:
-        """Stop serving and drop every client connection (their next call raises LeaseError)."""
-        self._server.shutdown()
+        """Stop serving and drop every client connection (their next call raises LeaseError).
+        Idempotent; returns at once for a server that was never started."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            # shutdown() waits for serve_forever() to notice: never call it if that never ran.
+            self._server.shutdown()
         self._server.server_close()
         for conn in list(self._server.connections):  # type: ignore[attr-defined]
             with contextlib.suppress(OSError):

@@ -52,7 +52,59 @@ from transformers import Trainer, TrainerCallback
 from tidal.activations import offload_activations
 from tidal.optim import CPUAdam
 
-__all__ = ["ActivationFigures", "CPUAdamClipping", "TidalTrainer", "TidalTrainerConfig", "find_layers"]
+__all__ = [
+    "AUTO_LAYER_PATHS",
+    "ActivationFigures",
+    "CPUAdamClipping",
+    "TidalTrainer",
+    "TidalTrainerConfig",
+    "check_bool_fields",
+    "find_layers",
+]
+
+#: Where ``activation_layers="auto"`` looks for a model's list of transformer blocks, in this
+#: order: the first dotted path that names a non-empty ``nn.ModuleList`` wins. Together these
+#: cover the decoder stacks of the causal-LM families transformers ships (Llama, Qwen, Mistral,
+#: Gemma, Phi and most others: ``model.layers``; multimodal Gemma 3, Fuyu:
+#: ``model.language_model.layers``; OPT, BART, Marian, Whisper: ``model.decoder.layers``; GPT-2,
+#: GPT-J, GPT-Neo, Bloom, Falcon, CodeGen: ``transformer.h``; MPT: ``transformer.blocks``;
+#: GPT-NeoX, Pythia: ``gpt_neox.layers``; Mamba: ``backbone.layers``; RWKV: ``rwkv.blocks``;
+#: BERT-style models used as decoders: ``<model>.encoder.layer``), checked against every
+#: causal-LM class of the installed transformers by ``tests/integrations/test_layers_auto.py``.
+#: XLM keeps attention and feed-forward in separate lists and has none of blocks: pass its
+#: path yourself, or leave activation offload off. Paths are read from the model as given
+#: first, then from the model inside it: a PEFT ``PeftModel``'s base model
+#: (``get_base_model()``) or a wrapper's ``.module``, so a path written for the transformers
+#: model works for its PEFT wrapper too (explicit paths alike).
+AUTO_LAYER_PATHS: tuple[str, ...] = (
+    "model.layers",
+    "model.language_model.layers",
+    "model.decoder.layers",
+    "transformer.h",
+    "transformer.blocks",
+    "transformer.layer",
+    "gpt_neox.layers",
+    "gpt_neox_japanese.layers",
+    "backbone.layers",
+    "backbone.blocks",
+    "rwkv.blocks",
+    "biogpt.layers",
+    "cpmant.encoder.layers",
+    "prophetnet.decoder.layers",
+    "model.global_transformer.layers",
+    "model.L_module.layers",
+    "git.encoder.layer",
+    "bert.encoder.layer",
+    "roberta.encoder.layer",
+    "roberta_prelayernorm.encoder.layer",
+    "roc_bert.encoder.layer",
+    "roformer.encoder.layer",
+    "rembert.encoder.layer",
+    "electra.encoder.layer",
+    "ernie.encoder.layer",
+    "data2vec_text.encoder.layer",
+    "layers",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,8 +115,9 @@ class TidalTrainerConfig:
         cpu_adam: use :class:`tidal.CPUAdam` as the optimizer.
         activation_offload: offload the activations saved in each loss forward.
         activation_layers: dotted path from the model to its list of transformer blocks
-            (``"model.layers"`` for Llama/Qwen-style models); ``"auto"`` looks for
-            ``model.layers``, ``transformer.h`` and ``layers``, also inside a ``PeftModel``.
+            (``"model.layers"`` for Llama/Qwen-style models), or ``"auto"``: the paths of
+            :data:`AUTO_LAYER_PATHS`, in order (where a PEFT model's path is read: see there).
+            Checked when the trainer is built (``ValueError`` if nothing is found).
         activation_min_offload_bytes: saved tensors smaller than this stay on the device.
     """
 
@@ -74,7 +127,20 @@ class TidalTrainerConfig:
     activation_min_offload_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
+        check_bool_fields(self)
         check_activation_fields(self)
+
+
+def check_bool_fields(cfg: Any) -> None:
+    """``TypeError`` for a field declared ``bool`` that holds anything but ``True`` or
+    ``False``: a string such as ``"false"`` or ``"no"`` is truthy and would switch the feature on."""
+    for f in dataclasses.fields(cfg):
+        if f.type in ("bool", bool):
+            value = getattr(cfg, f.name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"{type(cfg).__name__}.{f.name} must be True or False, got {value!r} ({type(value).__name__})"
+                )
 
 
 def check_activation_fields(cfg: Any) -> None:
@@ -250,32 +316,33 @@ def take_figures(figures: dict[str, float], device: torch.device) -> dict[str, f
 
 
 def find_layers(model: torch.nn.Module, path: str) -> torch.nn.ModuleList:
-    """The model's transformer blocks, by dotted path or (``"auto"``) by the usual names, also
-    inside a PEFT model (``get_base_model()``) or a wrapper that holds the model as ``.module``.
+    """The model's transformer blocks: the non-empty ``nn.ModuleList`` at the dotted ``path``,
+    or (``"auto"``) at the first of :data:`AUTO_LAYER_PATHS` that has one. Each path is read
+    from ``model`` first, then from the model it wraps: a PEFT ``PeftModel``'s base model
+    (``get_base_model()``; the LoRA layers are inside the same blocks) or a wrapper's
+    ``.module`` (for ``"auto"``, every path is tried on the outer model before the inner one).
 
     Raises:
-        ValueError: nothing at ``path`` (or at any of the usual names) is a non-empty
-            ``ModuleList``; the message lists where it looked.
+        ValueError: nothing found; the message names the model's class and every path tried.
     """
-    paths = ("model.layers", "transformer.h", "layers", "model.decoder.layers") if path == "auto" else (path,)
+    paths = AUTO_LAYER_PATHS if path == "auto" else (path,)
     models = [model]
-    if path == "auto":
-        # PEFT's PeftModel keeps the transformer under base_model.model; get_base_model()
-        # returns it (the LoRA layers are inside its blocks, so the blocks are the same).
-        for _ in range(4):
-            inner = models[-1]
-            getter = getattr(inner, "get_base_model", None)
-            inner = getter() if callable(getter) else getattr(inner, "module", None)
-            if not isinstance(inner, torch.nn.Module) or inner is models[-1]:
-                break
-            models.append(inner)
+    for _ in range(4):
+        inner = models[-1]
+        getter = getattr(inner, "get_base_model", None)
+        inner = getter() if callable(getter) else getattr(inner, "module", None)
+        if not isinstance(inner, torch.nn.Module) or inner is models[-1]:
+            break
+        models.append(inner)
     for m in models:
         for p in paths:
             with contextlib.suppress(AttributeError):
                 found = operator.attrgetter(p)(m)
                 if isinstance(found, torch.nn.ModuleList) and len(found) > 0:
                     return found
+    where = " inside ".join(type(m).__name__ for m in reversed(models))
+    tried = "the paths of tidal.integrations.hf.AUTO_LAYER_PATHS" if path == "auto" else repr(path)
     raise ValueError(
-        f"activation_offload=True: no list of transformer blocks found in {type(model).__name__} at "
-        f"{', '.join(paths)}; pass activation_layers='<dotted path to the ModuleList>'"
+        f"activation_offload=True: no list of transformer blocks (a non-empty nn.ModuleList) found in {where} "
+        f"at {tried} ({', '.join(paths)}); pass activation_layers='<dotted path to the ModuleList>'"
     )

@@ -68,7 +68,13 @@ from trl import GRPOTrainer, RLOOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from tidal.activations import offload_activations
-from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, check_activation_fields, find_layers
+from tidal.integrations.hf import (
+    ActivationFigures,
+    CPUAdamClipping,
+    check_activation_fields,
+    check_bool_fields,
+    find_layers,
+)
 from tidal.state.foreign import moved_out
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.timeshare.role import OptimizerResidency
@@ -93,8 +99,10 @@ class TidalConfig:
             move). A ``TimeshareConfig`` given here is used as it is.
         activation_offload: offload the activations the loss forward saves for backward
             (:func:`tidal.offload_activations` over ``activation_layers``, a dotted path to the
-            policy's transformer blocks; ``"auto"``: ``model.layers`` and the usual names).
-            Saved tensors under ``activation_min_offload_bytes`` stay on the device.
+            policy's transformer blocks, or ``"auto"``: the paths of
+            :data:`tidal.integrations.hf.AUTO_LAYER_PATHS`, which also says where a PEFT
+            policy's path is read). Checked when the trainer is built. Saved tensors under
+            ``activation_min_offload_bytes`` stay on the device.
         prefetch: the next role comes in behind the current phase's compute
             (:meth:`tidal.Timeshare.prefetch`): generation starts bringing the reference in
             (and writes the policy's state back to the host, so the switch releases it without
@@ -123,6 +131,7 @@ class TidalConfig:
     prefetch_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        check_bool_fields(self)  # prefetch="no" is a truthy string: refused, not switched on
         if self.optimizer_residency not in ("step", "stream", "role"):
             raise ValueError(
                 f"TidalConfig.optimizer_residency must be 'step', 'stream' or 'role', got {self.optimizer_residency!r}"
@@ -162,6 +171,8 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         super().__init__(*args, **kwargs)
         self.tidal_config = tidal or TidalConfig()
         self._refuse_prepared()
+        if self.tidal_config.activation_offload:  # refused now, not at the first loss after a generation
+            find_layers(self.accelerator.unwrap_model(self.model), self.tidal_config.activation_layers)
         self.timeshare = Timeshare(self.accelerator.device, config=self.tidal_config.timeshare)
         if self.ref_model is not None:
             _own_storages(self.ref_model)

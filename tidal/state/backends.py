@@ -19,13 +19,14 @@ address. :class:`RegionBackend` keeps addresses for storages allocated in a
 :class:`~tidal.vmm.Region` tag (CUDA virtual memory unmapped and mapped again in place) and
 hands every other storage to a fallback (resize).
 
-Every storage a backend releases is *guarded* (:mod:`tidal.state.guard`): any access to its
+Every storage a backend releases is *guarded* (:mod:`tidal.guard`): any access to its
 bytes, by tidal or by code that does not know tidal, raises ``RuntimeError`` with the message
 the backend's ``describe`` gives (the role, and what to do), where it would otherwise read freed
 or unmapped memory (a segfault; on a GPU an illegal address that poisons the CUDA context).
 Nothing is checked per op: torch tests the guard's flag on every data access anyway. A storage
-whose bytes a prefetch is still copying in is guarded too (:meth:`seal`, until
-:func:`mark_arriving` clears it). Restoring a storage lifts its guard first.
+whose bytes are still being copied in is guarded too: a restored storage until the store
+calls :func:`landed`, a prefetched one until :func:`mark_arriving` clears it (the copies write
+through an alias of the memory, :func:`tidal.transfer.byte_view`).
 
 A storage released keeps its size (its tensors' views and slices stay valid, and reach the
 guard's message rather than torch's bounds check), as does one released in place or arriving,
@@ -43,7 +44,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from tidal.device import DeviceOps
-from tidal.state import guard
+from tidal import guard
 from tidal.transfer.engine import byte_view
 from tidal.vmm import RegionTag
 
@@ -54,13 +55,16 @@ __all__ = [
     "ResizeBackend",
     "counted_nbytes",
     "guarded",
+    "has_memory",
     "holds_memory",
+    "landed",
     "mark_arriving",
     "releasable_in_place",
 ]
 
 # What a guarded storage says when touched: ``describe(storage, why)`` with ``why`` one of
-# "released" (its bytes are on the host) or "arriving" (a prefetch is copying them in).
+# "released" (its bytes are on the host), "loading" (restored, its bytes being copied in by a
+# load) or "arriving" (a prefetch is copying them in).
 Describe = Callable[[torch.UntypedStorage, str], bytes]
 
 _GENERIC = (
@@ -119,6 +123,23 @@ def holds_memory(storage: torch.UntypedStorage) -> bool:
     return not any(key in b._released for b in list(_BACKENDS))
 
 
+def has_memory(storage: torch.UntypedStorage) -> bool:
+    """The storage has device memory, its bytes its own or not (guarded while they arrive): what
+    a recovery must free. Without a guard: :func:`holds_memory` less the arriving mark."""
+    if storage.nbytes() == 0:
+        return False
+    if not guard.available():
+        return storage._cdata in _ARRIVING or holds_memory(storage)
+    if guard.address(storage) == 0:
+        return False
+    return not any(storage._cdata in b._released for b in list(_BACKENDS))
+
+
+def landed(storage: torch.UntypedStorage) -> None:
+    """A restored storage's bytes are in (its copy has completed): lift its guard."""
+    guard.unseal(storage, empty=False)
+
+
 def guarded(storage: torch.UntypedStorage) -> bool:
     """Every access to the storage's bytes raises (or there is no guard to set: then True, as
     nothing more can be done for it)."""
@@ -142,7 +163,9 @@ class ResidencyBackend(Protocol):
     def reserve(self, items: Sequence[tuple[torch.UntypedStorage, int]]) -> None: ...
 
     def restore(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """Give ``storage`` memory for its ``nbytes`` again (its guard lifted first)."""
+        """Give ``storage`` memory for its ``nbytes`` again. It stays guarded (its bytes are
+        not in yet): the store copies them in through an alias of its memory and lifts the
+        guard once they have landed (:func:`landed`)."""
         ...
 
     def release(self, storage: torch.UntypedStorage) -> None:
@@ -238,6 +261,9 @@ class ResizeBackend:
     def restore(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         guard.unseal(storage, empty=True)  # size 0 again: resize_ allocates it
         storage.resize_(nbytes)
+        # Guarded again until its bytes have landed: a reader in another thread must not see the
+        # new block's old contents (the copy writes through an alias of the memory).
+        guard.seal(storage, self.describe(storage, "loading"))
 
     def release(self, storage: torch.UntypedStorage) -> None:
         guard.release(storage, self.describe(storage, "released"))
@@ -366,7 +392,8 @@ class RegionBackend:
             tag.region.restore([tag.name])  # the whole tag, at the same addresses; no copy
         del self._released[storage._cdata]
         _IN_PLACE_COUNT[0] -= 1
-        guard.unseal(storage, empty=False)  # mapped again at its address; the store copies its bytes in
+        # Mapped again at its address; guarded until the store's copy of its bytes has landed.
+        guard.seal(storage, self.describe(storage, "loading"))
 
     def seal(self, storage: torch.UntypedStorage) -> None:
         guard.seal(storage, self.describe(storage, "arriving"))

@@ -29,6 +29,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from tidal import guard
 from tidal.state import digest_kernel
 from tidal.transfer.engine import byte_view
 
@@ -102,7 +103,7 @@ def digest_many(items: Sequence[torch.Tensor | torch.UntypedStorage], mode: Veri
         spans = []
         for x in items:
             if isinstance(x, torch.UntypedStorage):
-                spans.append((x.data_ptr(), x.nbytes()))
+                spans.append((guard.address(x), x.nbytes()))  # guarded (arriving) or not
             else:
                 assert x.dtype == torch.uint8 and x.dim() == 1 and x.is_contiguous(), (x.dtype, x.shape)
                 spans.append((x.data_ptr(), x.numel()))

@@ -19,7 +19,7 @@ The hooks installed here make both directions right wherever the state lives:
 Every other access to a moved-out tensor's bytes (``w.sum()``, ``print(w)``, ``w.numpy()``,
 ``model.double()``, ``copy.deepcopy(model)``, an optimizer moment, a gradient) raises
 ``RuntimeError`` with a message naming the role and the fix: the storage is guarded
-(:mod:`tidal.state.guard`), and :class:`MovedOutMessages` writes what it says.
+(:mod:`tidal.guard`), and :class:`MovedOutMessages` writes what it says.
 
 A *locator* is anything with ``host_tensor(t) -> Tensor | None`` (the host view of ``t`` if
 its storage is offloaded there): an :class:`~tidal.state.store.OffloadStore`. The hooks take
@@ -298,9 +298,10 @@ def _message(owner: str, kind: str, name: str, why: str, residency: str | None, 
     what = {"param": "parameter", "buffer": "buffer", "grad": "gradient", "optim": "optimizer state"}.get(kind, kind)
     tensor = f"{what} {name}" if name else what
     use = f"`with ts.use({owner!r}):` (or after ts.load({owner!r}))"
-    if why == "arriving":
+    if why in ("arriving", "loading"):
+        how = "prefetched" if why == "arriving" else "loaded"
         return (
-            f"tidal: role {owner!r} is being prefetched: the bytes of its {tensor} are still on their way to the "
+            f"tidal: role {owner!r} is being {how}: the bytes of its {tensor} are still on their way to the "
             f"device. Use it inside {use}, which waits for them; or read its values through state_dict()"
         )
     if kind == "optim":

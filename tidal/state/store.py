@@ -31,7 +31,14 @@ import torch
 from tidal.device import DeviceOps
 from tidal.errors import InsufficientMemoryError, StateCorruptionError
 from tidal.memory import snapshot
-from tidal.state.backends import ResidencyBackend, ResizeBackend, guarded, holds_memory, mark_arriving
+from tidal.state.backends import (
+    ResidencyBackend,
+    ResizeBackend,
+    guarded,
+    has_memory,
+    landed,
+    mark_arriving,
+)
 from tidal.state.collect import StateEntry
 from tidal.state.digest import digest, digest_many
 from tidal.state.handover import ReleaseProgress, RoomSource
@@ -265,7 +272,8 @@ class OffloadStore:
             need.append(e)
         if need:
             dead = self._dead_slots
-            for e, slot in zip(need, self.arena.reserve([e.nbytes for e in need], owner=self.owner)):
+            slots = self.arena.reserve([e.nbytes for e in need], owner=self.owner, what=_holders(need))
+            for e, slot in zip(need, slots):
                 # The callback notes the key when the storage dies, so reclaiming looks at the
                 # dead ones only (not at every slot, at every transition).
                 self._slots[e.key] = (slot, weakref.ref(e.storage, lambda _, k=e.key: dead.append(k)))
@@ -681,6 +689,7 @@ class OffloadStore:
                 what,
             )
         for e in in_todo:
+            landed(e.storage)  # its bytes are in: its guard goes (it is still tracked until the next line)
             del self._offloaded[e.key]
             self._came_in(e.key, frozen)
             ops.point("reload_untracked")
@@ -1097,7 +1106,7 @@ class OffloadStore:
         self._arriving.clear()
         freed = []
         for e in self._offloaded.values():
-            if holds_memory(e.storage):
+            if has_memory(e.storage):  # its bytes its own or still arriving (guarded)
                 self.backend.release(e.storage)
                 freed.append(e)
             elif not guarded(e.storage):
@@ -1260,6 +1269,14 @@ def _give_back_slots(arena: Any, slots: dict, offloaded: dict, arriving: dict, o
             stacklevel=1,
         )
     arena.release_later([slot for slot, _ in slots.values()], disown=owner)
+
+
+def _holders(entries: Sequence[StateEntry]) -> str:
+    """Who host slots are reserved for, for an error message: the roles, else the store."""
+    roles = sorted({e.owner for e in entries if e.owner})
+    if not roles:
+        return f"reserving host copies of {len(entries)} storages"
+    return f"role{'s' if len(roles) > 1 else ''} {', '.join(map(repr, roles))}"
 
 
 def _event(digested: list, i: int) -> Any:

@@ -2,7 +2,7 @@
 
 Outside it, touching the bytes of a tensor whose storage tidal has offloaded (``w.sum()``,
 ``w.add_(1)``, ``w.numpy()``) raises ``RuntimeError`` with the same kind of message already,
-at no cost per op, wherever tidal's storage guard could be built (:mod:`tidal.state.guard`);
+at no cost per op, wherever tidal's storage guard could be built (:mod:`tidal.guard`);
 without it such a read is undefined (a segfault on the CPU; on a GPU an illegal-address fault
 that leaves the CUDA context unusable). Module forwards, ``state_dict()`` and
 ``load_state_dict()`` are guarded always (see ``tidal.state.foreign``); strict access checks

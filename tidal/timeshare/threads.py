@@ -17,6 +17,7 @@ verb; nothing per op.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["serialised", "wait_for_room"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+_TICKETS = itertools.count()  # the order in which use() calls began to wait
 
 
 def serialised(method: F) -> F:
@@ -52,7 +54,19 @@ def _blockers(ts: "Timeshare", role: "Role", me: int) -> set[int]:
         return {t for r in ts._roles.values() if r is not role and r.resident for t in r.users if t != me}
 
 
-def _reaches(waits: dict[int, set[int]], start: set[int], target: int) -> bool:
+def _waits_on(ts: "Timeshare", t: int) -> set[int]:
+    """The threads a waiting thread ``t`` waits on now: those whose blocks stand in the way of
+    its load, and the earlier waiters it yields to (read from the current state, not from when
+    it began to wait)."""
+    role, _, yields, _ = ts._waiting[t]
+    try:
+        blockers = _blockers(ts, ts._roles[role], t)
+    except ValueError:  # it cannot fit at all: its own load raises when it looks again
+        blockers = set()
+    return blockers | {w for w in yields if w in ts._waiting}
+
+
+def _reaches(ts: "Timeshare", start: set[int], target: int) -> bool:
     seen, todo = set(), list(start)
     while todo:
         t = todo.pop()
@@ -60,27 +74,41 @@ def _reaches(waits: dict[int, set[int]], start: set[int], target: int) -> bool:
             return True
         if t not in seen:
             seen.add(t)
-            todo.extend(waits.get(t, ()))
+            if t in ts._waiting:
+                todo.extend(_waits_on(ts, t))
     return False
 
 
 def wait_for_room(ts: "Timeshare", role: "Role", me: int, timeout: float | None) -> None:
     """Called with the lock held, before ``use(role)`` loads it: wait until no role that the
-    load would move out is in use by another thread.
+    load would move out is in use by another thread, and (first come, first served) until no
+    thread that waited earlier needs ``role`` moved out. Without the second rule a thread that
+    re-enters its role in a loop would starve the others for ever.
 
     Raises ``TimeoutError`` after ``timeout`` seconds (None: no limit), ``RuntimeError`` if the
     threads waited for are themselves waiting for this one (the wait could never end), or if
     the timeshare is closed meanwhile."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    waits: dict[int, set[int]] = ts._waiting
+    waits: dict[int, tuple[str, set[str], set[int], int]] = ts._waiting
     try:
         while True:
             ts._check_open()
             busy = _blockers(ts, role, me)
+            yields: set[int] = set()
+            if not busy and me not in role.users:
+                # Let those who began to wait earlier for this role to go out have their turn
+                # (earlier only: two threads never yield to each other).
+                mine = waits[me][3] if me in waits else None
+                yields = {
+                    t
+                    for t, (_, needs, _, ticket) in waits.items()
+                    if t != me and role.name in needs and (mine is None or ticket < mine)
+                }
+                busy = yields
             if not busy:
                 return
-            if _reaches(waits, busy, me):
-                names = sorted(r.name for r in ts._roles.values() if r.in_use and not (r.users <= {me}))
+            if _reaches(ts, busy, me):
+                names = sorted(r.name for r in ts._roles.values() if r.users - {me})
                 raise RuntimeError(
                     f"use({role.name!r}) in thread {threading.current_thread().name!r} would wait for roles in "
                     f"use in other threads ({', '.join(map(repr, names))}), which wait for this thread's roles: "
@@ -94,7 +122,13 @@ def wait_for_room(ts: "Timeshare", role: "Role", me: int, timeout: float | None)
                     f"use({role.name!r}) waited {timeout} s for other threads to leave their use() blocks of "
                     f"{', '.join(map(repr, names))}, which loading {role.name!r} would move out"
                 )
-            waits[me] = busy
+            if me in waits:
+                needs, ticket = waits[me][1], waits[me][3]
+            else:
+                needs = {r.name for r in ts._choose_evictions(role, ignore_use=True)}
+                ticket = next(_TICKETS)
+            waits[me] = (role.name, needs, yields, ticket)
             ts._idle.wait(left)
     finally:
-        waits.pop(me, None)
+        if waits.pop(me, None) is not None:
+            ts._idle.notify_all()  # those who yielded to this thread look again

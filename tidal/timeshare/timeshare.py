@@ -28,7 +28,7 @@ from tidal.units import format_bytes
 from tidal.state.backends import RegionBackend, ResizeBackend
 from tidal.state.collect import GradPolicy, StateEntry, storage_key
 from tidal.state.foreign import MovedOutMessages, install_optimizer_hooks, lock_of, moved_out
-from tidal.state.guard import address
+from tidal.guard import address
 from tidal.state.handover import ReleaseProgress, RoomSource
 from tidal.state.sources import ModuleSource, StateSource
 from tidal.state.store import MoveResult, OffloadStore
@@ -220,7 +220,8 @@ class Timeshare:
         # condition wakes use() calls waiting for another thread's use() blocks to end.
         self._lock = lock_of(self.store)
         self._idle = threading.Condition(self._lock)
-        self._waiting: dict[int, set[int]] = {}  # thread -> the threads its use() waits for
+        # thread -> (the role its use() waits to load, roles that load moves out, threads it yields to, ticket)
+        self._waiting: dict[int, tuple[str, set[str], set[int], int]] = {}
         self._roles: dict[str, Role] = {}
         self.records: list[TransitionRecord] = []
         self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory

@@ -29,7 +29,8 @@ from typing import Sequence
 
 import torch
 
-from tidal.device import DeviceOps
+from tidal.device import DeviceOps, host_available_bytes
+from tidal.errors import HostMemoryError
 
 __all__ = ["HostArena", "HostSlot"]
 
@@ -119,10 +120,14 @@ class HostArena:
         return self._alignment
 
     # ---- slots --------------------------------------------------------------------------------
-    def reserve(self, sizes: Sequence[int], *, owner: str = "") -> list[HostSlot]:
+    def reserve(self, sizes: Sequence[int], *, owner: str = "", what: str | None = None) -> list[HostSlot]:
         """Slots for ``sizes`` (bytes), in order, held by ``owner``. Free space is reused first
         (first fit); the rest come from one new chunk sized exactly for them, laid out
-        contiguously."""
+        contiguously.
+
+        Raises :class:`~tidal.errors.HostMemoryError` (naming ``what``, default ``owner``, the
+        bytes asked for and the host's available memory) if the host cannot give or pin the
+        new chunk; the arena is then exactly as it was."""
         if self._closed:
             raise RuntimeError("this HostArena was closed; create a new one")
         self._release_dead()
@@ -141,12 +146,19 @@ class HostArena:
             total = sum(_align_up(sizes[i], self._alignment) for i in missing)
             try:
                 chunk_id = self._new_chunk(total, owner)
-            except BaseException:
+            except BaseException as e:
                 # The host could not give (or pin) the memory: hand back the free ranges taken
                 # above, so a failed reserve leaves the arena exactly as it was.
                 for slot in slots:
                     if slot is not None:
                         self._give_back(slot)
+                if isinstance(e, (RuntimeError, MemoryError)):
+                    raise HostMemoryError(
+                        what or owner or "a host arena reservation",
+                        needed_bytes=total,
+                        available_bytes=_available_here(),
+                        cause=str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__,
+                    ) from e
                 raise
             offset = 0
             for i in missing:
@@ -301,6 +313,23 @@ class HostArena:
         self._free_offsets.append([])
         self._free_sizes.append([])
         return len(self._chunks) - 1
+
+
+def _available_here() -> int:
+    """Host memory a new allocation of this process can still get: the kernel's available
+    memory, or what the process's address-space limit leaves, if lower (Linux)."""
+    available = host_available_bytes()
+    try:
+        import resource  # noqa: PLC0415 (POSIX only; read on an error path)
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/status") as f:
+                used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+            available = min(available, max(0, soft - used))
+    except (ImportError, OSError, StopIteration, ValueError):
+        pass
+    return available
 
 
 class _ReleaseOnDeath:

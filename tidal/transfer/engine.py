@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from tidal import guard
 from tidal.device import DeviceOps
 from tidal.transfer.arena import HostArena, HostSlot, _align_up
 from tidal.transfer.batch import batch_copier
@@ -75,7 +76,15 @@ class TransferConfig:
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """The whole storage as a 1-D uint8 tensor (no copy). Every byte moves, so views,
-    strides and offsets of the tensors that share the storage all survive a round trip."""
+    strides and offsets of the tensors that share the storage all survive a round trip.
+
+    A storage tidal guards while its bytes arrive (:mod:`tidal.guard`) is viewed through an
+    alias of its memory that carries no guard, so tidal's own copies reach it while every
+    other access raises; the alias does not keep the storage alive (its owner does)."""
+    if guard.sealed_count() and guard.is_sealed(storage):
+        ptr = guard.address(storage)
+        if ptr:
+            storage = torch._C._construct_storage_from_data_pointer(ptr, storage.device, storage.nbytes())
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
@@ -230,7 +239,7 @@ class TransferEngine:
         with self.ops.on_stream(stream):
             copier = self._batch_copier()
             if copier is not None and items:
-                device_ptrs = [it.storage.data_ptr() for it in items]
+                device_ptrs = [guard.address(it.storage) for it in items]  # guarded or not
                 host_ptrs = [self.arena.address(it.slot) for it in items]
                 sizes = [it.nbytes for it in items]
                 if to_device:
