@@ -198,7 +198,8 @@ class ResidencyBackend(Protocol):
 
 
 class ResizeBackend:
-    """``storage.resize_(0)`` to release, ``resize_(nbytes)`` to restore, through torch's
+    """Release a storage's memory (the guard frees it and keeps the size; without a guard
+    ``resize_(0)``), ``resize_(nbytes)`` to restore, through torch's
     caching allocator.
 
     Args:
