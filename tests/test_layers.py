@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A package name covers its submodules.
 LAYERS: list[tuple[str, ...]] = [
-    ("tidal.units",),  # no tidal imports at all
+    ("tidal.units", "tidal.guard"),  # no tidal imports at all (guard: the storage guard's C++ seam)
     ("tidal.errors", "tidal.device"),
     ("tidal.memory", "tidal.timeline"),  # readings of device memory; a run's memory timeline
     ("tidal.transfer",),  # host arena, copy streams, staging

@@ -44,11 +44,11 @@ def _expect_tidal_error(fn, role: str, *fixes: str) -> str:
     return msg
 
 
-def _setup(residency: str = "step"):
-    model, opt = make_trained()
+def _setup(residency: str = "step", device: str = "cpu"):
+    model, opt = make_trained(device)
     torch.manual_seed(7)
-    ref = TinyLM()
-    ts = tidal.Timeshare("cpu", config=tidal.TimeshareConfig(optimizer_chunk_bytes=4096))
+    ref = TinyLM().to(device)
+    ts = tidal.Timeshare(device, config=tidal.TimeshareConfig(optimizer_chunk_bytes=4096))
     ts.add_role("actor", model=model, optimizer=opt, optimizer_residency=residency)
     ts.add_role("reference", model=ref)
     return ts, model, opt, ref
@@ -65,7 +65,7 @@ def _param_cases(p: torch.Tensor) -> dict:
         "data ops": lambda: p.data.add_(1),
         "data read": lambda: p.data.max(),
         "detach clone": lambda: p.detach().clone(),
-        "numpy": lambda: p.detach().numpy(),
+        "numpy": lambda: p.detach().cpu().numpy(),
         "tolist": lambda: p.tolist(),
         "index": lambda: p[0] + 1,
         "transpose": lambda: p.t().clone() if p.dim() == 2 else p.flip(0),
@@ -76,7 +76,13 @@ def _param_cases(p: torch.Tensor) -> dict:
 
 @pytest.mark.parametrize("residency", ["step", "stream", "role"])
 def test_every_foreign_access_of_an_offloaded_role_raises_tidal_error(residency):
-    ts, model, opt, ref = _setup(residency)
+    check_every_foreign_access(residency, "cpu")
+
+
+def check_every_foreign_access(residency: str, device: str) -> None:
+    """Each case of the issue on each kind of state of a role moved out on ``device``: tidal's
+    error (or, for ``model.to(device)``, nothing read); then the role comes back bit-exact."""
+    ts, model, opt, ref = _setup(residency, device)
     want = snapshot_state(model, opt)
     params = list(model.parameters())
     ts.load("reference")  # the actor goes out whole
@@ -107,9 +113,13 @@ def test_every_foreign_access_of_an_offloaded_role_raises_tidal_error(residency)
     _expect_tidal_error(lambda: model.double(), "actor")
     _expect_tidal_error(lambda: copy.deepcopy(model), "actor")
     _expect_tidal_error(lambda: torch.save(model, io.BytesIO()), "actor")
-    _expect_tidal_error(lambda: model.blocks[0](torch.zeros(2, 3, 32)), "actor")  # tidal's forward guard
-    _expect_tidal_error(lambda: nn.functional.linear(torch.ones(2, 32), model.blocks[0][1].weight), "actor")
-    assert model.to("cpu") is model  # on the CPU a no-op: nothing read, nothing moved
+    _expect_tidal_error(lambda: model.blocks[0](torch.zeros(2, 3, 32, device=device)), "actor")  # forward guard
+    x = torch.ones(2, 32, device=device)
+    _expect_tidal_error(lambda: nn.functional.linear(x, model.blocks[0][1].weight), "actor")
+    if device == "cpu":
+        assert model.to("cpu") is model  # on the CPU a no-op: nothing read, nothing moved
+    else:
+        _expect_tidal_error(lambda: model.to("cpu"), "actor")
     # Nothing above changed anything: same objects, bit-exact values once back.
     assert list(model.parameters()) == params and all(is_out(p) for p in params)
     ts.close()  # everything back (step/stream residency keep the optimizer state out until then)
