@@ -115,6 +115,7 @@ def test_auto_finds_each_familys_decoder_stack(model_type):
     assert found is model.get_submodule(want), (model_type, want)
 
 
+@pytest.mark.slow  # builds every causal-LM class transformers ships (~200, on the meta device)
 def test_auto_finds_a_stack_of_blocks_in_every_causal_lm_transformers_ships():
     """Every causal-LM class of the installed transformers that builds from its default config:
     "auto" returns its decoder stack (:func:`_decoder_stack`; XLM, which has none: refused,
