@@ -103,14 +103,12 @@ def enable_checkpointing(model: nn.Module, *, use_reentrant: bool | None = None)
 
 
 def is_out(x: torch.Tensor | torch.UntypedStorage) -> bool:
-    """Whether the bytes of a tensor (with elements) or of a storage are moved out by tidal: its
-    storage has no memory of its own (a released storage keeps its size while guarded, so this
-    is not ``nbytes() == 0``)."""
+    """Whether the storage of a tensor (or a storage) holds none of its bytes: moved out by tidal
+    (a released storage keeps its size while guarded, so this is not ``nbytes() == 0``), or
+    empty (a ZeRO-3 placeholder)."""
     from tidal.state.backends import holds_memory
 
-    if isinstance(x, torch.Tensor):
-        return x.numel() > 0 and not holds_memory(x.untyped_storage())
-    return not holds_memory(x)
+    return not holds_memory(x.untyped_storage() if isinstance(x, torch.Tensor) else x)
 
 
 def held_bytes(x: torch.Tensor | torch.UntypedStorage) -> int:
