@@ -313,9 +313,17 @@ def test_without_the_guard_release_falls_back_to_resize_and_warns():
             ts = tidal.Timeshare("cpu")
         assert any("storage guard" in str(w.message) for w in caught), [str(w.message) for w in caught]
         ts.add_role("actor", model=model, optimizer=opt, optimizer_residency="role")
+        # The forward pre-hooks are the only guard left: every submodule carries one.
+        assert all(len(m._forward_pre_hooks) == 1 for m in model.modules())
         ts.offload("actor")
         assert model.embed.weight.untyped_storage().nbytes() == 0
         assert model.state_dict()["embed.weight"].shape == (64, 32)
+        try:
+            model.blocks[0](torch.randn(2, 32))
+        except RuntimeError as e:
+            assert "role 'actor' is offloaded" in str(e), str(e)
+        else:
+            raise AssertionError("a block of an offloaded role ran")
         ts.load("actor")
         assert_same_state(snapshot_state(model, opt), want)
         ts.close()
@@ -325,3 +333,26 @@ def test_without_the_guard_release_falls_back_to_resize_and_warns():
     env = dict(os.environ, TIDAL_STORAGE_GUARD="off", PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-2000:]
+
+
+def test_with_the_guard_only_the_top_level_module_carries_a_forward_hook():
+    """Issue 26: a pre-hook on each of a model's submodules cost every decoding step of TRL's
+    generation a Python call per module (about 2 us each). With the storage guard the top-level
+    module's hook is enough: it checks all of the model's tensors (only while the role is out),
+    and a block called directly meets its storages' guard, which names the role."""
+    if not guard.available():
+        pytest.skip(f"storage guard unavailable: {guard.status()}")
+    model, opt = make_trained()
+    ts = tidal.Timeshare("cpu")
+    ts.add_role("actor", model=model, optimizer=opt)
+    assert len(model._forward_pre_hooks) == 1
+    assert not any(m._forward_pre_hooks for m in model.modules() if m is not model)
+    ts.offload("actor")
+    with pytest.raises(RuntimeError, match=r"role 'actor' is offloaded.*ts\.use\('actor'\)"):
+        model(torch.tensor([[1, 2]]))
+    with pytest.raises(RuntimeError, match=r"role 'actor' is offloaded.*ts\.use\('actor'\)"):
+        model.blocks[0](torch.randn(2, 32))
+    ts.load("actor")
+    model.blocks[0](torch.randn(2, 32))
+    ts.close()
+    assert not any(m._forward_pre_hooks for m in model.modules())  # close() removes it

@@ -14,7 +14,8 @@ its state. Modules are a source (:class:`ModuleSource`); so is a DeepSpeed engin
 
 ``guard(where, tensors)`` is the timeshare's check, to be called before the source's state is
 used: it raises if the role is out and any of ``tensors`` has no device memory (``tensors``
-None: if the role is out at all). ``tensors(grads)`` lists (name, tensor, kind) with kind
+None: if the role is out at all). ``tensors`` may be a generator: it is read only while the
+role is out, so a resident role's check costs one attribute test. ``tensors(grads)`` lists (name, tensor, kind) with kind
 "param", "buffer" or "grad"; the role's optimizer state comes from its optimizers, not from
 its sources.
 """
@@ -22,16 +23,17 @@ its sources.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
+from tidal import guard as storage_guard
 from tidal.state.collect import Kind, ModuleSlots
 from tidal.state.foreign import _inert_hook, install_module_hooks
 
 __all__ = ["Guard", "ModuleSource", "StateSource"]
 
-Guard = Callable[[Any, "Sequence[torch.Tensor] | None"], None]
+Guard = Callable[[Any, "Iterable[torch.Tensor] | None"], None]
 
 
 class StateSource(Protocol):
@@ -54,9 +56,15 @@ class ModuleSource:
     """One or more ``nn.Module``: their parameters, buffers and (by the role's policy) the
     parameters' gradients, read through cached slots (:class:`ModuleSlots`).
 
-    Guards: a forward pre-hook on every submodule, checking that module's own tensors (a
-    module shared with a resident role runs; its children check theirs), and the state-dict
-    hooks of ``tidal.state.foreign``."""
+    Guards: the state-dict hooks of ``tidal.state.foreign``, and forward pre-hooks that
+    refuse a forward whose tensors are out, naming the role, before anything runs (a module
+    shared with a resident role runs). With the storage guard (:mod:`tidal.guard`) only the
+    top-level modules carry one: every moved-out storage raises its role's message at its
+    first access anyway, so a block called directly is refused too, and nothing runs per
+    submodule call (a hook on each of a 1.5B model's ~400 modules costs about 2 us each per
+    forward: a few percent of a decoding step, where each generated token is one forward).
+    Without it (``TIDAL_STORAGE_GUARD=off``, no compiler) every submodule carries one,
+    checking its own tensors, as the only guard there is."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], *, verify: bool = False) -> None:
         """``verify``: debug mode, every read of the cached slots is checked against a module
@@ -74,6 +82,12 @@ class ModuleSource:
 
     def install(self, store: Any, guard: Guard) -> list:
         handles = []
+        if storage_guard.available():
+            # The top-level modules, checking all of their tensors (read only while the role
+            # is out); a block called directly meets its storages' guards.
+            for top in dict.fromkeys(self.modules):
+                handles.append(top.register_forward_pre_hook(_ModuleGuard(guard, deep=True)))
+            return handles + install_module_hooks(store, self.modules)
         seen: set[int] = set()
         for top in self.modules:
             # Every submodule: code that calls a block of the model directly is checked too,
@@ -81,7 +95,7 @@ class ModuleSource:
             for m in top.modules():
                 if id(m) not in seen:
                     seen.add(id(m))
-                    handles.append(m.register_forward_pre_hook(_module_guard(guard)))
+                    handles.append(m.register_forward_pre_hook(_ModuleGuard(guard, deep=False)))
         return handles + install_module_hooks(store, self.modules)
 
     def before_copy(self) -> None:
@@ -93,21 +107,21 @@ class _ModuleGuard:
     holding it can still be pickled (``torch.save(model)``) or deep-copied: the copy is no
     role's state, so it gets an inert hook."""
 
-    def __init__(self, guard: Guard) -> None:
+    def __init__(self, guard: Guard, *, deep: bool) -> None:
         self.guard = guard
+        self.deep = deep  # all of the module's tensors, or only its own (each submodule has a hook)
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        self.guard(
-            module,
-            [t for _, t in itertools.chain(module._parameters.items(), module._buffers.items()) if t is not None],
-        )
+        if self.deep:
+            tensors = itertools.chain(module.parameters(), module.buffers())
+        else:
+            tensors = (
+                t for t in itertools.chain(module._parameters.values(), module._buffers.values()) if t is not None
+            )
+        self.guard(module, tensors)
 
     def __reduce__(self) -> tuple:
         return (_inert_hook, ())
 
     def __deepcopy__(self, memo: dict) -> Any:
         return _inert_hook()
-
-
-def _module_guard(guard: Guard) -> _ModuleGuard:
-    return _ModuleGuard(guard)
