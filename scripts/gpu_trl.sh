@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # GPU passes for TRL's GRPOTrainer with tidal (issues 14, 26), with trl and datasets carried
 # as wheels in .whl/ (see scripts/gpu_wheels.sh); logs, JSON and rows ($OUT/RESULTS.md) go to $OUT.
-#   bash scripts/gpu_trl.sh [tests] [newtests] [final] [profile] [bench] [stress] [7b] [reward]
+#   bash scripts/gpu_trl.sh [tests] [newtests] [final] [profile] [profile-stress] [bench] [stress] [7b] [ds] [reward]
 # newtests: the GPU tests of the no-host-wait transitions, prefetch and TRL on a GPU.
 # final:   the headline workload, TRL alone beside the code before the change (before:, from the
 #          tidal package exported to .before/, carried) and after, one steady step profiled.
 # profile: one steady step of the headline workload (qwen2-1.5b fp32, 64 completions x 256 tokens)
-#          profiled for TRL alone and tidal's variants (VARIANTS), drawn to $OUT/profile_1.5b.png;
-#          then the stress workload (16 x 32) the same way.
+#          profiled for TRL alone and tidal's variants (VARIANTS), drawn to $OUT/profile_1.5b.png.
+# profile-stress: the stress workload (16 x 32) the same way.
 # bench:   the headline workload measured (no profiler), TRL alone beside tidal's variants.
 # stress:  16 x 32 on both presets.   7b: qwen2-7b bf16 64 x 256.   reward: with a reward model.
 # ds:      qwen2-7b bf16 64 x 256, DeepSpeed ZeRO-3 offload (through TRL) beside tidal (needs .whl).
@@ -48,10 +48,10 @@ for part in ${*:-tests bench}; do
             bench spread.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps ${STEPS:-6} \
               --variants ${VARIANTS:-trl,role+evict=as_needed,stream,stream+prefetch,trl} \
               --json "$OUT/trl_1.5b_64x256_spread_$tag.json" ;;
-    profile) bench profile.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 --profile-step 4 \
+    profile) bench profile.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps ${STEPS:-4} --profile-step ${STEPS:-4} \
                --variants ${VARIANTS:-trl,stream,stream+prefetch} --picture "$OUT/profile_1.5b_64x256_$tag.png" \
-               --json "$OUT/profile_1.5b_64x256_$tag.json"
-             bench profile_stress.log --preset qwen2-1.5b --dtype float32 --batch 16 --completion 32 --steps 5 --profile-step 5 \
+               --json "$OUT/profile_1.5b_64x256_$tag.json" ;;
+    profile-stress) bench profile_stress.log --preset qwen2-1.5b --dtype float32 --batch 16 --completion 32 --steps 5 --profile-step 5 \
                --variants ${VARIANTS:-trl,stream,stream+prefetch} --picture "$OUT/profile_1.5b_16x32_$tag.png" \
                --json "$OUT/profile_1.5b_16x32_$tag.json" ;;
     bench) bench bench.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 \

@@ -498,3 +498,46 @@ def test_rloo_refusals_name_the_rloo_trainer(tiny, tmp_path):
     args = trl.RLOOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], use_vllm=True)
     with pytest.raises(ValueError, match="TidalRLOOTrainer does not support use_vllm=True"):
         TidalRLOOTrainer(model=tiny, reward_funcs=reward_sevens, args=args, train_dataset=_data())
+
+
+class _FakeAllocator:
+    """The device's allocated bytes and peak counter, driven by the test."""
+
+    def __init__(self) -> None:
+        self.now = self.high = 0
+
+    def set(self, nbytes: int) -> None:
+        self.now = nbytes
+        self.high = max(self.high, nbytes)
+
+    def reset(self) -> None:
+        self.high = self.now
+
+
+def test_a_log_line_inside_a_phase_does_not_reset_what_the_phase_allocated():
+    """Issue 26: TRL logs after the optimizer step, inside the backward phase (which holds the
+    step). The log's reading restarted the phase, so the next step's optimizer-state prefetch
+    saw a backward that allocated nothing, left nothing free and brought in past
+    prefetch_peak_bytes (22.06 GiB measured against a 17 GiB bound on an H100)."""
+    from tidal.integrations.trl import _PhaseMemory
+
+    gib = 1 << 30
+    dev = _FakeAllocator()
+    memory = _PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    dev.set(6 * gib)
+    memory.start("generate")
+    dev.set(10 * gib)
+    dev.set(6 * gib)
+    memory.start("loss")
+    dev.set(13 * gib)  # the forward's activations
+    memory.start("backward")
+    memory.prefetched(1 * gib)  # optimizer state brought in ahead of the step
+    dev.set(17 * gib)  # + gradients and the streamed step's chunks, less the activations
+    dev.set(12 * gib)
+    peaks = memory.take_peaks()  # TRL's log line, after the step
+    assert peaks == {"generate": 10 * gib, "loss": 13 * gib, "backward": 17 * gib}
+    dev.set(6 * gib)  # gradients zeroed
+    memory.start("generate")  # the next step
+    assert memory.growth == {"generate": 4 * gib, "loss": 7 * gib, "backward": 3 * gib}
+    # The next log line: only what came since the last (the backward's tail after the step).
+    assert memory.take_peaks() == {"backward": 12 * gib, "generate": 6 * gib}

@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import TrainerCallback
@@ -205,14 +205,8 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             )
         self._tidal_logged = 0  # transitions already reported in a log line
         self._tidal_figures: dict[str, float] = {}  # activation offload since the last log
-        self._tidal_peaks: dict[str, int] = {}  # phase -> peak allocated bytes since the last log
-        self._tidal_phase: str | None = None  # the outermost phase the device's peak is attributed to
+        self._tidal_memory = _PhaseMemory.of(self.timeshare.device)
         self._tidal_depth = 0
-        # prefetch: what each phase allocated the last time it ran (its start, and what it
-        # brought in ahead for the next phase, not counted), so a prefetch leaves it free
-        self._tidal_growth: dict[str, int] = {}
-        self._tidal_phase_start = 0
-        self._tidal_phase_prefetched = 0
 
     # ---- roles --------------------------------------------------------------------------------
     def _policy_ready(self) -> bool:
@@ -278,18 +272,20 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         elif then not in ts.roles or len(ts.roles) < 2:
             return
         leave, limit = None, None
-        if ts.device.type != "cpu":
-            if phase not in self._tidal_growth:
+        memory = self._tidal_memory
+        if memory is not None:
+            growth = memory.growth.get(phase)
+            if growth is None:
                 return  # its needs are not known yet: measured this time, used the next
-            leave = int(1.1 * self._tidal_growth[phase]) + (256 << 20)
+            leave = int(1.1 * growth) + (256 << 20)
             if cfg.prefetch_peak_bytes is not None:
-                limit = max(0, cfg.prefetch_peak_bytes - torch.cuda.memory_allocated(ts.device) - leave)
+                limit = max(0, cfg.prefetch_peak_bytes - memory.allocated() - leave)
         if then == "optimizer":
             rec = ts.prefetch_optimizer("policy", leave_free_bytes=leave, limit_bytes=limit)
         else:
             rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit)
-        if rec is not None:
-            self._tidal_phase_prefetched += rec.bytes_in
+        if rec is not None and memory is not None:
+            memory.prefetched(rec.bytes_in)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         cfg = self.tidal_config
@@ -309,7 +305,8 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             # The backward (and the optimizer step after it: this is the accumulation's last
             # micro-batch) is a phase of its own: what it allocates decides how much optimizer
             # state can come in ahead of the step.
-            self._mark_phase("backward")
+            if self._tidal_memory is not None:
+                self._tidal_memory.start("backward")
             self._prefetch("backward", "optimizer")
         return out
 
@@ -334,23 +331,8 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
                 host.copy_(mixed)
 
     # ---- logging ------------------------------------------------------------------------------
-    def _mark_phase(self, phase: str | None) -> None:
-        """Attribute the device's peak since the last mark to the phase that was running."""
-        device = self.timeshare.device
-        if device.type != "cuda":
-            return
-        if self._tidal_phase is not None:
-            peak = torch.cuda.max_memory_allocated(device)
-            self._tidal_peaks[self._tidal_phase] = max(self._tidal_peaks.get(self._tidal_phase, 0), peak)
-            grown = peak - self._tidal_phase_start - self._tidal_phase_prefetched
-            self._tidal_growth[self._tidal_phase] = max(0, grown)
-        torch.cuda.reset_peak_memory_stats(device)
-        self._tidal_phase = phase
-        self._tidal_phase_start = torch.cuda.memory_allocated(device)
-        self._tidal_phase_prefetched = 0
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        self._mark_phase(self._tidal_phase)  # close the running phase's reading
+        peaks = self._tidal_memory.take_peaks() if self._tidal_memory is not None else {}
         records = self.timeshare.records[self._tidal_logged :]
         self._tidal_logged = len(self.timeshare.records)
         moved = sum(r.bytes_out + r.bytes_in for r in records)
@@ -361,9 +343,8 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         logs["tidal/gbps"] = moved / seconds / 1e9 if seconds > 0 else 0.0
         logs.update(self._tidal_figures)
         self._tidal_figures.clear()
-        for phase, peak in self._tidal_peaks.items():
+        for phase, peak in peaks.items():
             logs[f"tidal/peak_gib/{phase}"] = peak / 2**30
-        self._tidal_peaks.clear()
         super().log(logs, start_time)
 
     # ---- checks -------------------------------------------------------------------------------
@@ -409,8 +390,8 @@ class _Phase:
 
     def __enter__(self) -> None:
         tr = self.trainer
-        if tr._tidal_depth == 0:
-            tr._mark_phase(self.phase)
+        if tr._tidal_depth == 0 and tr._tidal_memory is not None:
+            tr._tidal_memory.start(self.phase)
         tr._tidal_depth += 1
         if self.role is not None:
             self._ctx = tr.timeshare.use(self.role)
@@ -424,6 +405,66 @@ class _Phase:
         self.trainer._tidal_depth -= 1
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
+
+
+class _PhaseMemory:
+    """The device's allocated bytes per phase of the step (generation, scoring, the loss, the
+    backward with the optimizer step after it): the peak of each, for the log lines, and what
+    each allocated the last time it ran, which a prefetch started in it leaves free.
+
+    A phase runs from its :meth:`start` to the next phase's. Its growth is its peak less what
+    was allocated at its start and less what prefetches started in it brought in (memory of
+    the next phase, not its own). A log line (:meth:`take_peaks`) in the middle of a phase
+    reads and resets the device's peak counter but not the phase: its growth is the highest
+    reading over the whole phase, however many log lines fall in it.
+
+    ``allocated``, ``peak`` and ``reset`` read the device's allocator (on CUDA:
+    ``torch.cuda.memory_allocated``, ``max_memory_allocated``, ``reset_peak_memory_stats``);
+    :meth:`of` builds it for a device, None where the device has no such counters."""
+
+    def __init__(self, allocated: Callable[[], int], peak: Callable[[], int], reset: Callable[[], None]) -> None:
+        self.allocated, self._peak, self._reset = allocated, peak, reset
+        self.growth: dict[str, int] = {}  # phase -> bytes it allocated the last time it ran
+        self._peaks: dict[str, int] = {}  # phase -> peak since the last take_peaks()
+        self._phase: str | None = None
+        self._start = 0  # allocated at the running phase's start
+        self._high = 0  # the running phase's highest peak reading so far
+        self._prefetched = 0  # brought in by prefetches started in the running phase
+
+    @classmethod
+    def of(cls, device: torch.device) -> "_PhaseMemory | None":
+        if device.type != "cuda":
+            return None
+        return cls(
+            lambda: torch.cuda.memory_allocated(device),
+            lambda: torch.cuda.max_memory_allocated(device),
+            lambda: torch.cuda.reset_peak_memory_stats(device),
+        )
+
+    def _read(self) -> None:
+        if self._phase is None:
+            return
+        peak = self._peak()
+        self._high = max(self._high, peak)
+        self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), peak)
+        self.growth[self._phase] = max(0, self._high - self._start - self._prefetched)
+        self._reset()
+
+    def start(self, phase: str) -> None:
+        """Close the running phase's reading and start ``phase``'s."""
+        self._read()
+        self._reset()
+        self._phase, self._start, self._high, self._prefetched = phase, self.allocated(), 0, 0
+
+    def prefetched(self, nbytes: int) -> None:
+        """A prefetch started in the running phase brought ``nbytes`` in."""
+        self._prefetched += nbytes
+
+    def take_peaks(self) -> dict[str, int]:
+        """Each phase's peak allocated bytes since the last call (the running one's so far)."""
+        self._read()
+        peaks, self._peaks = self._peaks, {}
+        return peaks
 
 
 class _SyncReference(TrainerCallback):
