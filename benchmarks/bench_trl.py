@@ -210,8 +210,14 @@ def _annotate_for_profile(trainer) -> None:
     trainer._bench_sync_policy = use_sync_policy(Named())
 
 
+_ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
 def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) -> None:
-    """One training run in this process; writes its measurements to ``out_json``."""
+    """One training run in this process; writes its measurements to ``out_json``.
+    ``+expandable`` on a variant: the caching allocator's expandable segments (the parent
+    sets PYTORCH_CUDA_ALLOC_CONF for this process); the rest of the name says the run."""
+    name, variant = variant, variant.replace("+expandable", "")
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -222,6 +228,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
 
     times: list[float] = []
     peaks: list[int] = []
+    allocator: list[dict] = []  # per measured step: the caching allocator's counters, and reserved bytes
     exposed: list[float] = []
     profiled: dict = {}
 
@@ -241,11 +248,30 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             for r in ts.records
         )
 
+    by_kind: list[dict] = []
+
+    def per_kind(trainer) -> dict:
+        """The measured step's transitions by kind: how many, bytes, the host's time in them
+        (``alloc_s``: the part spent allocating device memory) and the compute stream's waits."""
+        out: dict = {}
+        for r in trainer.timeshare.records[clock.seen :]:
+            k = out.setdefault(r.kind, {"count": 0, "gb": 0.0, "host_s": 0.0, "alloc_s": 0.0, "stall_s": 0.0})
+            k["count"] += 1
+            k["gb"] += (r.bytes_out + r.bytes_in) / 1e9
+            k["host_s"] += getattr(r, "host_seconds", 0.0) or r.seconds
+            k["alloc_s"] += getattr(r.move, "alloc_seconds", 0.0) or 0.0
+            k["stall_s"] += getattr(r, "stall_seconds", 0.0) or 0.0
+        return out
+
     class Clock(TrainerCallback):
         # state.global_step counts the steps done: the step starting now is global_step + 1.
+        # Step boundaries wait for the compute stream (all of TRL's work), not for the device:
+        # copies tidal queued without a host wait (an optimizer state's trip back to the host)
+        # run on into the next step behind its generation, as they do in a run without this
+        # clock; a device-wide synchronisation here would add their tail to every step.
         def on_step_begin(self, a, state, control, **kw):
             if cuda:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
                 if state.global_step == 1:  # after the warm-up step
                     torch.cuda.reset_peak_memory_stats()
             self.prof = None
@@ -259,11 +285,14 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 except Exception as e:  # a profiler this torch lacks costs the picture, not the run
                     profiled["error"] = f"profiler did not start: {e!r}"
             self.exposed0 = exposed_s(trainer)
+            self.counters0 = torch.cuda.memory_stats() if cuda else {}
+            ts = getattr(trainer, "timeshare", None)
+            self.seen = len(ts.records) if ts is not None else None
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
             if cuda:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             wall = time.perf_counter() - self.t0
             if profile_step and state.global_step == profile_step:
                 if self.prof is not None:
@@ -280,8 +309,16 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 return  # the profiled step's time is not a measurement
             if state.global_step > 1:
                 times.append(wall)
-                exposed.append(exposed_s(trainer) - self.exposed0)
+                exposed.append(exposed_s(trainer) - self.exposed0)  # settles the stalls per_kind reads
+                by_kind.append(per_kind(trainer) if self.seen is not None else {})
                 peaks.append(torch.cuda.max_memory_allocated() if cuda else 1)
+                if cuda:
+                    # cudaMalloc/cudaFree calls, and retries (a retry frees the cache after a
+                    # device-wide synchronisation) in the step: host time no tidal verb shows
+                    now = torch.cuda.memory_stats()
+                    row = {k: now.get(k, 0) - self.counters0.get(k, 0) for k in _ALLOCATOR_COUNTERS}
+                    row["reserved_bytes"] = torch.cuda.memory_reserved()
+                    allocator.append(row)
 
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
@@ -303,7 +340,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(256)]})
     reward_sevens = _char_task().reward_sevens
     rewards = [reward_sevens, args.reward_model_path] if args.reward_model_path else reward_sevens
-    common = dict(model=model_path, reward_funcs=rewards, args=cfg, train_dataset=data, callbacks=[Clock()])
+    clock = Clock()
+    common = dict(model=model_path, reward_funcs=rewards, args=cfg, train_dataset=data, callbacks=[clock])
     if variant == "trl":
         trainer = GRPOTrainer(**common)
     elif variant == "ds-zero3-offload":
@@ -351,11 +389,15 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         error = f"out of memory: {str(e).splitlines()[0]}"
     import tidal
 
-    res = {"variant": variant, "error": error, "wall_s": time.perf_counter() - t0, "tidal": tidal.__file__}
+    res = {"variant": name, "error": error, "wall_s": time.perf_counter() - t0, "tidal": tidal.__file__}
     if not error:
         res.update(step_s=statistics.median(times), peak_bytes=max(peaks), steps_measured=len(times))
         res["loss"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         res["exposed_s_per_step"] = statistics.median(exposed) if exposed else 0.0
+        res["step_times_s"] = times
+        res["exposed_s_steps"] = exposed
+        res["transitions_by_kind"] = by_kind
+        res["allocator_steps"] = allocator
         res["moved_gb_per_step"] = 0.0
         if variant != "trl":
             recs = trainer.timeshare.records
@@ -535,7 +577,10 @@ def main(argv=None) -> int:
             "--before",
             args.before,
         ] + (["--reward-model-path", reward_path] if reward_path else [])
-        rc = subprocess.run(cmd).returncode
+        env = dict(os.environ)
+        if "+expandable" in v:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        rc = subprocess.run(cmd, env=env).returncode
         res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
         results.append(res)
         print(json.dumps({k: x for k, x in res.items() if k != "profile"}), flush=True)
