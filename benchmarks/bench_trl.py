@@ -413,6 +413,27 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         json.dump(res, f)
 
 
+def _line_rate() -> dict | None:
+    """The PCIe line rate of this machine, measured here (``tidal bench``'s measurement): the
+    bound a step that must move its bytes cannot beat, bytes moved / both directions' rate."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from tidal.device import DeviceOps
+    from tidal_recipes.cli.bench import measure_line_rate
+
+    return measure_line_rate(DeviceOps(torch.device("cuda")), 1 << 30)
+
+
+def _bound(r: dict, base: dict | None, line: dict | None) -> float | None:
+    """max(TRL alone's step, bytes moved per step / the bidirectional line rate)."""
+    if base is None:
+        return None
+    copy_s = r.get("moved_gb_per_step", 0.0) / line["bidir_gbps"] if line else 0.0
+    return max(base["step_s"], copy_s)
+
+
 def _x(ratio: float | None) -> str:
     return f"{ratio:.2f}" if ratio is not None else "-"
 
@@ -442,10 +463,13 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             pr = r["peak_bytes"] / base["peak_bytes"] if base else None
             sr = r["step_s"] / base["step_s"] if base else None
             share = r.get("exposed_s_per_step", 0.0) / r["step_s"]
+            bound = _bound(r, base, getattr(args, "line_rate", None))
+            r["bound_s"] = bound
             line = (
                 f"  {r['variant']:8s} step {r['step_s']:.3f} s ({_x(sr)} TRL)  peak {r['peak_bytes'] / 2**30:.2f} GiB "
                 f"({_x(pr)} TRL)  exposed {share:.1%} of the step, {r.get('moved_gb_per_step', 0):.1f} GB/step "
                 f"at {r.get('transition_gbps', 0):.1f} GB/s"
+                + (f"  bound {bound:.3f} s ({r['step_s'] / bound:.2f}x)" if bound else "")
             )
             row = (
                 f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {what} | {args.batch}x{args.completion} | "
@@ -493,6 +517,7 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                     "trl": trl.__version__,
                     "commit": args.commit,
                     "date": date,
+                    "line_rate": getattr(args, "line_rate", None),
                     "variants": results,
                 },
                 f,
@@ -550,6 +575,14 @@ def main(argv=None) -> int:
     reward_path = os.path.join(work, args.preset + "-reward") if args.reward_model else None
     save_model(args.preset, model_path, reward_path)
     print(f"saved {args.preset} to {model_path} in {time.perf_counter() - t0:.1f} s", flush=True)
+    args.line_rate = _line_rate()
+    if args.line_rate:
+        lr = args.line_rate
+        print(
+            f"line rate in this run: D2H {lr['d2h_gbps']:.1f}, H2D {lr['h2d_gbps']:.1f}, "
+            f"both at once {lr['bidir_gbps']:.1f} GB/s (1 GiB pinned copies, median of 5)",
+            flush=True,
+        )
     results = []
     for v in args.variants.split(","):
         out = os.path.join(work, f"{v}.json")

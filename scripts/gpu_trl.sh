@@ -9,7 +9,7 @@
 #          profiled for TRL alone and tidal's variants (VARIANTS), drawn to $OUT/profile_1.5b.png.
 # profile-stress: the stress workload (16 x 32) the same way.
 # bench:   the headline workload measured (no profiler), TRL alone beside tidal's variants.
-# stress:  16 x 32 on both presets.   7b: qwen2-7b bf16 64 x 256.   reward: with a reward model.
+# stress:  16 x 32 on both presets (stress-1.5b, stress-7b: one of them; VARIANTS_STRESS).   7b: qwen2-7b bf16 64 x 256.   reward: with a reward model.
 # ds:      qwen2-7b bf16 64 x 256, DeepSpeed ZeRO-3 offload (through TRL) beside tidal (needs .whl).
 # spread:  the headline workload, TRL alone first and last, a tidal variant that moves nothing,
 #          stream and stream+prefetch, 6 steps each (what is noise, what is tidal).
@@ -56,10 +56,15 @@ for part in ${*:-tests bench}; do
                --json "$OUT/profile_1.5b_16x32_$tag.json" ;;
     bench) bench bench.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 \
              --variants ${VARIANTS:-trl,stream,stream+prefetch} --json "$OUT/trl_1.5b_64x256_$tag.json" ;;
-    stress) bench stress.log --preset qwen2-1.5b --dtype float32 --batch 16 --completion 32 --steps 6 \
-              --variants ${VARIANTS:-trl,stream,stream+prefetch} --json "$OUT/trl_1.5b_16x32_$tag.json"
-            bench stress7b.log --preset qwen2-7b --dtype bfloat16 --batch 16 --completion 32 --steps 6 \
-              --variants ${VARIANTS:-trl,stream,stream+prefetch} --json "$OUT/trl_7b_16x32_$tag.json" ;;
+    stress|stress-1.5b|stress-7b)
+            if [ $part != stress-7b ]; then
+              bench stress.log --preset qwen2-1.5b --dtype float32 --batch 16 --completion 32 --steps 6 \
+                --variants ${VARIANTS_STRESS:-trl,stream,stream+prefetch} --json "$OUT/trl_1.5b_16x32_$tag.json"
+            fi
+            if [ $part != stress-1.5b ]; then
+              bench stress7b.log --preset qwen2-7b --dtype bfloat16 --batch 16 --completion 32 --steps 6 \
+                --variants ${VARIANTS_STRESS:-trl,stream,stream+prefetch} --json "$OUT/trl_7b_16x32_$tag.json"
+            fi ;;
     7b) bench bench7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps 4 \
           --variants ${VARIANTS7B:-trl,stream,stream+prefetch} --json "$OUT/trl_7b_64x256_$tag.json" ;;
     ds) # The anchor a TRL user reaches for to fit 7B: DeepSpeed ZeRO-3 with optimizer and parameter
