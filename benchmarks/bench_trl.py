@@ -294,6 +294,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             if cuda:
                 torch.cuda.current_stream().synchronize()
             wall = time.perf_counter() - self.t0
+            # As it goes: a run cut by its time limit still shows each step it finished.
+            print(f"[bench_trl] {name} step {state.global_step}: {wall:.3f} s", flush=True)
             if profile_step and state.global_step == profile_step:
                 if self.prof is not None:
                     try:

@@ -65,7 +65,7 @@ for part in ${*:-tests bench}; do
               bench stress7b.log --preset qwen2-7b --dtype bfloat16 --batch 16 --completion 32 --steps 6 \
                 --variants ${VARIANTS_STRESS:-trl,stream,stream+prefetch} --json "$OUT/trl_7b_16x32_$tag.json"
             fi ;;
-    7b) bench bench7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps 4 \
+    7b) bench bench7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps ${STEPS:-4} \
           --variants ${VARIANTS7B:-trl,stream,stream+prefetch} --json "$OUT/trl_7b_64x256_$tag.json" ;;
     ds) # The anchor a TRL user reaches for to fit 7B: DeepSpeed ZeRO-3 with optimizer and parameter
         # offload (its CPU Adam is JIT-built on first use, about a minute there), beside tidal.
