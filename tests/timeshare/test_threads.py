@@ -86,8 +86,12 @@ def _two_threads_each_in_their_own_use(iters: int) -> list[str]:
         problems.append("a thread hung")
         return problems
     assert_consistent(ts, [a, b], [])
+    # The threads took turns on the device (each role came in while the other was out). How
+    # often is up to the scheduler: a worker may re-enter its role several times in a row on a
+    # busy machine (13 switches for 15 iterations was seen on 2 loaded cores), so the count
+    # is only required to show turns at all.
     switches = sum(r.kind == "switch" for r in ts.records)
-    if switches < iters:  # the threads took turns on the device, not one after the other
+    if switches < 2:
         problems.append(f"only {switches} switches")
     ts.close()
     for name, m in models.items():

@@ -226,7 +226,7 @@ class ActivationOffloader:
         if prev is not None and prev.peak is None:
             prev.peak = self._step_peak(prev)
         modes = self._modes_for_step(planning=True)
-        step = Step(self, modes)
+        step = Step(self._mover, self.ops, modes, prefetch_groups=self.config.prefetch_groups, lock=self._lock)
         if self._is_planner_reference():
             # The step the planner will plan from: it also measures each layer's own peak.
             step.windows = PeakWindows(self.ops)

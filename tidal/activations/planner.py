@@ -45,16 +45,25 @@ faster. Raises ``ValueError`` when even the most aggressive plan cannot fit.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
-from tidal.activations.config import LayerMode, StepReport
+import torch
+
+from tidal.activations.config import ActivationOffloadConfig, LayerMode, StepReport
 from tidal.activations.layers import user_checkpointed
 from tidal.units import format_bytes
 
-if TYPE_CHECKING:
-    from tidal.activations.offload import ActivationOffloader
+__all__ = ["ActivationPlan", "LayerProfile", "Measured", "plan_from_report", "plan_layers", "simulate"]
 
-__all__ = ["LayerProfile", "ActivationPlan", "simulate", "plan_layers", "plan_from_report"]
+
+class Measured(Protocol):
+    """What :func:`plan_from_report` reads of an offloader (an
+    :class:`~tidal.activations.offload.ActivationOffloader` is one): its layers, its settings
+    and the line rate it measured, (D2H, H2D) GB/s or None."""
+
+    layers: Sequence[torch.nn.Module]
+    config: ActivationOffloadConfig
+    line_rate: tuple[float, float] | None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -311,7 +320,7 @@ def plan_layers(
     )
 
 
-def plan_from_report(off: "ActivationOffloader", report: StepReport) -> ActivationPlan:
+def plan_from_report(off: Measured, report: StepReport) -> ActivationPlan:
     """Plan ``off``'s layers for ``off.config.budget_bytes`` from a step it measured."""
     n = len(off.layers)
     if len(report.modes) != n:

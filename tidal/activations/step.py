@@ -5,16 +5,15 @@ copies and stream waits are in :mod:`tidal.activations.mover`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import Any
 
 import torch
 
 from tidal.activations.config import LayerMode, StepReport
-from tidal.activations.mover import Batch
+from tidal.activations.mover import Batch, GroupMover
 from tidal.activations.saved import SavedStorage, storage_referenced_elsewhere
-
-if TYPE_CHECKING:
-    from tidal.activations.offload import ActivationOffloader
+from tidal.device import DeviceOps
 
 __all__ = ["Group", "PeakWindows", "Step"]
 
@@ -96,10 +95,22 @@ class Step:
     """One forward under the offloader and the backward passes over its graph. Views point
     here (not at the offloader), so a step outlives the context until its graph dies."""
 
-    def __init__(self, off: "ActivationOffloader", modes: list[LayerMode]) -> None:
-        self.off = off
-        self.mover = off._mover
+    def __init__(
+        self,
+        mover: GroupMover,
+        ops: DeviceOps,
+        modes: list[LayerMode],
+        *,
+        prefetch_groups: int,
+        lock: threading.RLock,
+    ) -> None:
+        """``mover`` moves the groups, ``ops`` reads the device's memory; ``prefetch_groups``:
+        how many layers ahead the backward reloads; ``lock``: the offloader's, taken where a
+        view's death (any thread) changes the step's records."""
+        self.mover = mover
         self.modes = modes
+        self.prefetch_groups = prefetch_groups
+        self.lock = lock
         self.groups: list[Group] = []
         self.batches: list[Batch] = []
         self.current: Group | None = None
@@ -123,7 +134,7 @@ class Step:
         self.peak: int | None = None
         # Set on the step the planner measures (ActivationOffloader.__enter__).
         self.windows: PeakWindows | None = None
-        self.start_allocated = off.ops.allocated_bytes() if off.ops.is_accelerator else None
+        self.start_allocated = ops.allocated_bytes() if ops.is_accelerator else None
         self.stalls: list = []
         self.d2h_intervals: list = []
         self.h2d_intervals: list = []
@@ -202,7 +213,7 @@ class Step:
             self.reload(group.batch, pid)
         # Prefetch the groups whose backward comes within the next prefetch_groups layers;
         # a farther one would sit on the device (and at the peak) before it is needed.
-        lowest = gi - self.off.config.prefetch_groups
+        lowest = gi - self.prefetch_groups
         for batch in reversed(self.batches):
             if batch.index < lowest:
                 break
@@ -225,7 +236,7 @@ class Step:
 
     # ---- views --------------------------------------------------------------------------------
     def view_died(self, rec: SavedStorage, view_id: int) -> None:
-        with self.off._lock:
+        with self.lock:
             rec.live_views -= 1
             rec.unpacked_views.discard(view_id)
             if rec.live_views == 0 and not rec.disposed:
@@ -236,7 +247,7 @@ class Step:
         """Give back the device copies and host slots of an aborted step whose graph will
         never run (PyTorch keeps some nodes of a backward that a ``KeyboardInterrupt`` stopped
         alive for good, with the views they saved)."""
-        with self.off._lock:
+        with self.lock:
             for rec in self.live.values():
                 if not rec.disposed:
                     self.mover.dispose(rec)

@@ -47,7 +47,7 @@ from tidal.distributed.deepspeed_state import (
 from tidal.memory import snapshot
 from tidal.state.store import MoveResult
 from tidal.timeshare.role import OptimizerResidency, Role
-from tidal.timeshare.timeshare import Timeshare, TimeshareConfig
+from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.transfer.context import TransferContext
 
 __all__ = ["DeepSpeedOffload", "Via", "add_deepspeed_role", "deepspeed_state_bytes", "describe_deepspeed_state"]

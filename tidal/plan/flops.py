@@ -21,21 +21,19 @@ step, not in this floor), LoRA adapters' own products.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tidal.plan.model import PlanConfig
+from tidal.plan.config import PlanConfig
 
 __all__ = ["step_flops"]
 
 
-def _layer_flops(c: "PlanConfig", tokens: int, avg_context: float) -> float:
+def _layer_flops(c: PlanConfig, tokens: int, avg_context: float) -> float:
     s = c.shape
     linear = sum(a * b for a, b in s.linear_shapes().values())
     return tokens * (2 * linear + 4 * avg_context * s.q_dim) * s.layers
 
 
-def step_flops(c: "PlanConfig") -> dict[str, float]:
+def step_flops(c: PlanConfig) -> dict[str, float]:
     """Matmul FLOPs of one step on one GPU, by phase: ``rollout``, ``reference`` (0 without a
     reference: ``kl_coef`` is not the planner's, so it is always counted), ``train`` (forward,
     recomputation and backward of every micro-batch) and ``total``."""

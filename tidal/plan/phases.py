@@ -1,5 +1,5 @@
 """Per-phase pieces of the memory model: each role's persistent state and each phase's
-largest transient, for a :class:`~tidal.plan.model.PlanConfig` (see that module for the
+largest transient, for a :class:`~tidal.plan.config.PlanConfig` (see that module for the
 contract and :mod:`tidal.plan.activations` for the per-token formulas).
 
 All functions return bytes per GPU; dicts map a component name (shown in reports) to bytes.
@@ -7,12 +7,10 @@ All functions return bytes per GPU; dicts map a component name (shown in reports
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from tidal.plan import activations as act
 
-if TYPE_CHECKING:
-    from tidal.plan.model import PlanConfig
+from tidal.plan.config import PlanConfig
 
 __all__ = [
     "role_state",
@@ -31,7 +29,7 @@ def _div(n: int, d: int) -> int:
     return -(-n // d)
 
 
-def role_state(c: "PlanConfig") -> dict[str, int]:
+def role_state(c: PlanConfig) -> dict[str, int]:
     """Per-GPU bytes of each role's persistent state, after ZeRO sharding."""
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
     le = act.dtype_bytes(c.lora_dtype) if c.lora_rank else e  # the trainable params' dtype
@@ -60,7 +58,7 @@ def role_state(c: "PlanConfig") -> dict[str, int]:
     }
 
 
-def gathered_params(c: "PlanConfig") -> dict[str, int]:
+def gathered_params(c: PlanConfig) -> dict[str, int]:
     if c.zero_stage < 3 or c.dp == 1:
         return {}
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
@@ -68,7 +66,7 @@ def gathered_params(c: "PlanConfig") -> dict[str, int]:
     return {"zero3 gathered params": (s.root_params() + layers * s.layer_params()) * e}
 
 
-def rollout_transient(c: "PlanConfig") -> dict[str, int]:
+def rollout_transient(c: PlanConfig) -> dict[str, int]:
     """Rollout transient: the larger of prefill, the last decode forward, the last sampling."""
     if c.sampling == "own":
         return _own_sampling_transient(c)
@@ -92,7 +90,7 @@ def rollout_transient(c: "PlanConfig") -> dict[str, int]:
     return max((forward, sample, _prefill(c)), key=lambda d: sum(d.values()))
 
 
-def _prefill(c: "PlanConfig") -> dict[str, int]:
+def _prefill(c: PlanConfig) -> dict[str, int]:
     """The prompt forward: prompt KV + one layer's no-grad workspace (+ the prompt mask)."""
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
     kv_e = act.dtype_bytes(c.kv_dtype or c.param_dtype)
@@ -104,7 +102,7 @@ def _prefill(c: "PlanConfig") -> dict[str, int]:
     }
 
 
-def _own_sampling_transient(c: "PlanConfig") -> dict[str, int]:
+def _own_sampling_transient(c: PlanConfig) -> dict[str, int]:
     """A sampling loop of one's own (tidal_recipes.grpo.rollout.sample_answers): prefill keeps the
     last position's logits only (``logits_to_keep=1``); each decode step feeds one token
     through a DynamicCache and the caller holds the previous step's model-dtype
@@ -133,13 +131,13 @@ def _own_sampling_transient(c: "PlanConfig") -> dict[str, int]:
     return max((at_head, at_cat, sample, _prefill(c), prefill_head), key=lambda d: sum(d.values()))
 
 
-def _logit_positions(c: "PlanConfig") -> int:
+def _logit_positions(c: PlanConfig) -> int:
     """Positions per sequence whose logits the forward computes: all, or the completion and
     the position before it (transformers' ``logits_to_keep=gen_len + 1``)."""
     return c.gen_len + 1 if c.completion_logits else c.seq_len
 
 
-def reference_transient(c: "PlanConfig") -> dict[str, int]:
+def reference_transient(c: PlanConfig) -> dict[str, int]:
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
     mb = c.reference_micro_batch or c.micro_batch
     t = mb * c.seq_len
@@ -154,7 +152,7 @@ def reference_transient(c: "PlanConfig") -> dict[str, int]:
     return {"layer workspace": layer}
 
 
-def _train_logits(c: "PlanConfig", st: dict[str, int]) -> int:
+def _train_logits(c: PlanConfig, st: dict[str, int]) -> int:
     """Largest logits-related transient of one micro-batch (forward end or backward start)."""
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
     mb = c.micro_batch
@@ -178,7 +176,7 @@ def _train_logits(c: "PlanConfig", st: dict[str, int]) -> int:
     return max(full, held + max(slices, full + head)) + narrow
 
 
-def _cpu_adam_inflight(c: "PlanConfig", st: dict[str, int]) -> dict[str, int]:
+def _cpu_adam_inflight(c: PlanConfig, st: dict[str, int]) -> dict[str, int]:
     """Device bytes of CPU Adam's gradient copies in flight (tidal.CPUAdam's
     ``max_inflight_bytes`` bound): each pending gradient holds its model-dtype tensor and its
     fp32 cast (first micro-batch; later ones copy the gradient as is). Past the bound a hook
@@ -208,7 +206,7 @@ def _cpu_adam_inflight(c: "PlanConfig", st: dict[str, int]) -> dict[str, int]:
     }
 
 
-def train_transient(c: "PlanConfig", st: dict[str, int]) -> tuple[dict[str, int], int]:
+def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], int]:
     """Train transient components at the peak, and the gradient bytes resident then."""
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
     t = c.micro_batch * c.seq_len
@@ -285,14 +283,14 @@ def train_transient(c: "PlanConfig", st: dict[str, int]) -> tuple[dict[str, int]
     return max(moments, key=lambda d: sum(d.values())), 0
 
 
-def _largest_trainable(c: "PlanConfig") -> int:
+def _largest_trainable(c: PlanConfig) -> int:
     s = c.shape
     if c.lora_rank:
         return max(c.lora_rank * max(a, b) for a, b in s.linear_shapes().values())
     return s.largest_param()
 
 
-def cpu_adam_step_transient(c: "PlanConfig") -> dict[str, int]:
+def cpu_adam_step_transient(c: PlanConfig) -> dict[str, int]:
     """CPU Adam's ``step()``: the fp32 masters return to the device one parameter at a time
     (``master.to(device)`` then a cast into the parameter); the previous one is still
     referenced when the next is allocated, within an update call of >= 64 MiB of masters (a

@@ -14,15 +14,14 @@ here, not branches in the timeshare.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 
 from tidal.timeshare.stream import restore_groups, streamed_step
 
-if TYPE_CHECKING:
-    from tidal.timeshare.role import Role
-    from tidal.timeshare.timeshare import Timeshare
+from tidal.timeshare.core import TimeshareCore
+
+from tidal.timeshare.role import Role
 
 __all__ = ["ResidencyPolicy", "policy_for"]
 
@@ -34,11 +33,11 @@ class ResidencyPolicy:
     #: whether a switch moves the optimizer state with the role's weights
     moves_with_role = True
 
-    def before_step(self, ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
+    def before_step(self, ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> None:
         """Run by the step pre-hook of a resident role, after the common checks."""
         ts.reload_optimizer_state(role.name)  # anything an offload_optimizer() block left out
 
-    def after_step(self, ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
+    def after_step(self, ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> None:
         """Run by the step post-hook."""
 
 
@@ -46,7 +45,7 @@ class StepResidency(ResidencyPolicy):
     name = "step"
     moves_with_role = False
 
-    def after_step(self, ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
+    def after_step(self, ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> None:
         ts.offload_optimizer_state(role.name)
         role.optimizer_settled()
 
@@ -55,12 +54,12 @@ class StreamResidency(ResidencyPolicy):
     name = "stream"
     moves_with_role = False
 
-    def before_step(self, ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
+    def before_step(self, ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> None:
         if getattr(opt, "tidal_state_on_host", False):
             return  # nothing of it is on the device to stream (CPUAdam)
         streamed_step(ts, role, opt)  # the real update, chunk by chunk; the outer step() finds empty groups
 
-    def after_step(self, ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
+    def after_step(self, ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> None:
         groups = role.take_hidden(opt)
         if groups is not None:
             restore_groups(opt, groups)  # the state went out chunk by chunk already

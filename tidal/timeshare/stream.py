@@ -22,15 +22,14 @@ are not copied again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 
 from tidal.state.collect import StateEntry, collect_optimizer_state
 
-if TYPE_CHECKING:
-    from tidal.timeshare.role import Role
-    from tidal.timeshare.timeshare import Timeshare
+from tidal.timeshare.core import TimeshareCore
+
+from tidal.timeshare.role import Role
 
 __all__ = ["streamed_step"]
 
@@ -59,7 +58,7 @@ def _chunks(opt: torch.optim.Optimizer, params: list[torch.Tensor], chunk_bytes:
     return out
 
 
-def _entries(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[StateEntry]:
+def _entries(ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[StateEntry]:
     # The state of these parameters only; include_empty: offloaded storages have size 0 and
     # must still be found.
     return collect_optimizer_state(
@@ -87,7 +86,7 @@ def restore_groups(opt: torch.optim.Optimizer, saved: list[list[torch.Tensor]]) 
         g["params"] = params
 
 
-def streamed_step(ts: "Timeshare", role: "Role", opt: torch.optim.Optimizer) -> None:
+def streamed_step(ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> None:
     """Run ``opt``'s update chunk by chunk (see the module docstring). Each chunk's ``step()``
     sees only that chunk's parameters in the param groups; the gradients are never touched.
     Leaves every state tensor of ``opt`` on the host and the param groups empty, saved with

@@ -20,11 +20,11 @@ import functools
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
-if TYPE_CHECKING:
-    from tidal.timeshare.role import Role
-    from tidal.timeshare.timeshare import Timeshare
+from tidal.timeshare.core import ThreadedTimeshare
+
+from tidal.timeshare.role import Role
 
 __all__ = ["serialised", "wait_for_room"]
 
@@ -36,14 +36,14 @@ def serialised(method: F) -> F:
     """Run a timeshare method under the timeshare's lock."""
 
     @functools.wraps(method)
-    def run(self: "Timeshare", *args: Any, **kwargs: Any) -> Any:
+    def run(self: ThreadedTimeshare, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             return method(self, *args, **kwargs)
 
     return run  # type: ignore[return-value]
 
 
-def _blockers(ts: "Timeshare", role: "Role", me: int) -> set[int]:
+def _blockers(ts: ThreadedTimeshare, role: Role, me: int) -> set[int]:
     """The other threads whose use() blocks stand in the way of loading ``role`` now: the load
     would have to move out a role they are using (or, with a budget, cannot fit beside it).
     Empty when the load can go ahead, or fails for another reason (it then raises itself)."""
@@ -54,7 +54,7 @@ def _blockers(ts: "Timeshare", role: "Role", me: int) -> set[int]:
         return {t for r in ts._roles.values() if r is not role and r.resident for t in r.users if t != me}
 
 
-def _waits_on(ts: "Timeshare", t: int) -> set[int]:
+def _waits_on(ts: ThreadedTimeshare, t: int) -> set[int]:
     """The threads a waiting thread ``t`` waits on now: those whose blocks stand in the way of
     its load, and the earlier waiters it yields to (read from the current state, not from when
     it began to wait)."""
@@ -66,7 +66,7 @@ def _waits_on(ts: "Timeshare", t: int) -> set[int]:
     return blockers | {w for w in yields if w in ts._waiting}
 
 
-def _reaches(ts: "Timeshare", start: set[int], target: int) -> bool:
+def _reaches(ts: ThreadedTimeshare, start: set[int], target: int) -> bool:
     seen, todo = set(), list(start)
     while todo:
         t = todo.pop()
@@ -79,7 +79,7 @@ def _reaches(ts: "Timeshare", start: set[int], target: int) -> bool:
     return False
 
 
-def wait_for_room(ts: "Timeshare", role: "Role", me: int, timeout: float | None) -> None:
+def wait_for_room(ts: ThreadedTimeshare, role: Role, me: int, timeout: float | None) -> None:
     """Called with the lock held, before ``use(role)`` loads it: wait until no role that the
     load would move out is in use by another thread, and (first come, first served) until no
     thread that waited earlier needs ``role`` moved out. Without the second rule a thread that

@@ -1,0 +1,57 @@
+"""What the parts of the timeshare below it use of a :class:`~tidal.Timeshare`, as protocols:
+the optimizer-residency strategies and the streamed step (:class:`TimeshareCore`), and the
+rules for threads (:class:`ThreadedTimeshare`). They name the timeshare's members they read,
+so those modules do not import the timeshare that imports them."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from tidal.state.store import MoveResult, OffloadStore
+from tidal.timeshare.config import TimeshareConfig
+from tidal.timeshare.role import Role
+from tidal.timeshare.telemetry import TransitionRecord
+
+__all__ = ["ThreadedTimeshare", "TimeshareCore"]
+
+
+class TimeshareCore(Protocol):
+    """The members of a timeshare that :mod:`tidal.timeshare.residency` and
+    :mod:`tidal.timeshare.stream` use: its settings, device and store, its records, and the
+    optimizer state's moves."""
+
+    config: TimeshareConfig
+    device: torch.device
+    store: OffloadStore
+
+    def record_move(
+        self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
+    ) -> TransitionRecord: ...
+
+    def resident_keys(self, *, exclude: Sequence[Role] = ()) -> set[int]: ...
+
+    def offload_optimizer_state(
+        self, name: str, *, grads: bool = False, kind: str = "optim-out"
+    ) -> TransitionRecord | None: ...
+
+    def reload_optimizer_state(
+        self, name: str, *, grads: bool = False, kind: str = "optim-in"
+    ) -> TransitionRecord | None: ...
+
+
+class ThreadedTimeshare(Protocol):
+    """The timeshare's internals that :mod:`tidal.timeshare.threads` reads and waits on: its
+    lock and the condition on it, its roles, the ``use()`` calls waiting for room (thread id ->
+    (role, roles it would move out, threads it waits on, ticket)), and its checks."""
+
+    _lock: threading.RLock
+    _idle: threading.Condition
+    _roles: dict[str, Role]
+    _waiting: dict[int, tuple[str, set[str], set[int], int]]
+
+    def _check_open(self) -> None: ...
+
+    def _choose_evictions(self, role: Role, *, ignore_use: bool = False, room_source: Any = None) -> list[Role]: ...
