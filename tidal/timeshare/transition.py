@@ -1,0 +1,217 @@
+"""A transition and its undo: :class:`Transitions`, the part of :class:`~tidal.Timeshare` that
+runs a store move for a set of roles, records it, and brings every role's flags back in line
+with its storages when an exception (``KeyboardInterrupt`` included) stopped a move."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Sequence
+
+from tidal.units import format_bytes
+from tidal.state.collect import StateEntry, storage_key
+from tidal.state.handover import ReleaseProgress, RoomSource
+from tidal.state.store import MoveResult
+from tidal.timeshare.role import Role
+from tidal.timeshare.residency import policy_for
+from tidal.timeshare.telemetry import TransitionRecord
+
+__all__ = ["Transitions"]
+
+
+class Transitions:
+    """Running, recording and recovering transitions, a mixin of :class:`~tidal.Timeshare`."""
+
+    def _transition(
+        self,
+        evict: list[Role],
+        incoming: Role | None,
+        *,
+        recovering: bool = False,
+        on_released: ReleaseProgress | None = None,
+        room_source: RoomSource | None = None,
+    ) -> TransitionRecord | None:
+        for r in [*evict, *([incoming] if incoming is not None else [])]:
+            r.before_copy()  # the copies wait for the current stream: it waits for the sources' own work
+        keep = self.resident_keys(exclude=evict)
+        in_entries: list[StateEntry] = []
+        if incoming is not None:
+            in_entries, inc = self._incoming(incoming)
+            keep.update(e.key for e in inc)
+        out_entries, check = self._outgoing(evict, keep)
+        what = f"loading role {incoming.name!r}" if incoming else "offload"
+        frozen: set[int] = set()
+        if incoming is not None and incoming.frozen:
+            # Its parameters and buffers, but none a trained role also holds (a shared module).
+            trained = {e.key for r in self._roles.values() if not r.frozen for e in self._live(r, optim=False)}
+            frozen = {e.key for e in in_entries if e.kind != "grad" and e.key not in trained}
+
+        def move_state() -> MoveResult:
+            # A prefetch of another role gives its memory back first (its storages stay out).
+            self._cancel_prefetch(keep={e.key for e in in_entries}, guarded=False)
+            return self.store.switch(
+                out_entries,
+                in_entries,
+                what=what,
+                headroom_bytes=self.config.headroom_bytes,
+                extra_bytes=self.config.switch_extra_bytes,
+                frozen=frozen,
+                check_unchanged=check,
+                on_released=on_released,
+                release_chunk_bytes=self.config.handover_chunk_bytes,
+                room_source=room_source,
+                wait=self.config.wait_for_copies,
+                # Runs no larger than a hand-over chunk: the next chunked offload returns them one by one.
+                reserve_max_bytes=self.config.handover_chunk_bytes if room_source is not None else None,
+            )
+
+        move = self._guarded(
+            move_state,
+            touches_model=True,
+            recovering=recovering,
+            settled_by_caller=True,
+        )
+        # Still marked interrupted (write-ahead) until the flags below are all set.
+        for r in evict:
+            r.went_out()
+            self._drop_grads(r, keep)
+        if incoming is not None:
+            incoming.came_in(self._tick())
+        if not recovering:  # a recovery clears the mark once all of it is done
+            self._interrupted = False
+        kind = "switch" if evict and incoming else ("reload" if incoming else "offload")
+        return self.record_move(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
+
+    def _incoming(self, role: Role) -> tuple[list[StateEntry], list[StateEntry]]:
+        """(the role's storages that are out, all it brings in) for a transition loading it.
+        Optimizer state comes in with the role only under "role" residency; otherwise it stays
+        where it is (the step hooks move it), so it need not be looked at."""
+        inc = self._live(role, optim=policy_for(role.optimizer_residency).moves_with_role)
+        return [e for e in inc if self.store.is_offloaded(e.key)], inc
+
+    def _outgoing(self, evict: Sequence[Role], keep: set[int]) -> tuple[list[StateEntry], set[int]]:
+        """(the storages moving out with ``evict`` but those in ``keep``, the keys among them
+        to copy only if changed: the parameters and buffers of skip_unchanged roles)."""
+        out_entries: list[StateEntry] = []
+        check: set[int] = set()
+        for r in evict:
+            # A role's optimizer state under step residency is on the host unless something
+            # put it on the device since it last settled; then it goes out with the role.
+            live = self._live(r, optim=policy_for(r.optimizer_residency).moves_with_role or r.optim_unsettled)
+            going = [e for e in live if e.key not in keep and not self.store.is_offloaded(e.key)]
+            out_entries += going
+            if r.skip_unchanged:
+                check.update(e.key for e in going if e.kind in ("param", "buffer"))
+        return out_entries, check
+
+    def _cancel_prefetch(self, *, keep: set[int], guarded: bool = True) -> None:
+        """Give back the memory of prefetched storages but those in ``keep``."""
+        gone = self.store.prefetched_keys() - keep
+        if gone:
+            cancel = lambda: self.store.cancel_prefetch(only=gone)  # noqa: E731
+            self._guarded(cancel, touches_model=True) if guarded else cancel()
+
+    def _guarded(self, move, *, touches_model: bool, recovering: bool = False, settled_by_caller: bool = False):
+        """Run a store move. If it raises (anything, ``KeyboardInterrupt`` included), the store
+        has already made every storage resident or tracked; when the move touched model state
+        (params, buffers, grads) the roles' flags are then brought in line with the store
+        (:meth:`_recover`) before the exception goes on. ``settled_by_caller``: the caller
+        still has flags to set after the move and clears the interrupted mark itself."""
+        if touches_model:
+            self._interrupted = True  # write-ahead: cleared only when the flags are right again
+        try:
+            result = move()
+        except BaseException:
+            if touches_model and not recovering:
+                self._recover()
+            raise
+        if touches_model and not recovering and not settled_by_caller:
+            self._interrupted = False
+        return result
+
+    def _recover_if_interrupted(self) -> None:
+        if self._interrupted or self.store.interrupted:
+            self._recover()
+
+    def _recover(self) -> None:
+        """Bring every role to a state its flag describes after an interrupted transition.
+
+        The store first frees whatever it tracked but had not freed (its host copies are the
+        truth). Then per role, from where its parameters and buffers actually are: all on the
+        device -> resident; all on the host -> not resident (what it still holds on the device,
+        its grads or optimizer state, goes out too); part-way -> finished the way that needs
+        no new device memory (out), unless the role is in use (then brought back in). A
+        resident role whose grads are out (outside ``offload_optimizer(grads=True)``) gets
+        them back, since a backward would accumulate into them. If that work raises too, the
+        timeshare stays marked interrupted and the next verb tries again; the flags are
+        already safe (a role counts as resident only when all of it is).
+        """
+        self._interrupted = True
+        self.store.recover()
+        out, back = [], []
+        for r in self._roles.values():
+            model = self._live(r, optim=False)
+            held = [e for e in model if e.kind != "grad"]
+            n_out = sum(self.store.is_offloaded(e.key) for e in held)
+            grads_out = any(self.store.is_offloaded(e.key) for e in model if e.kind == "grad")
+            r.found(n_out == 0 and (not grads_out or r.optimizer_locked))
+            if r.resident:
+                continue
+            if r.in_use or (n_out == 0 and grads_out):
+                back.append(r)
+            elif any(not self.store.is_offloaded(e.key) and e.nbytes > 0 for e in model):
+                out.append(r)
+        if out:
+            self._transition(out, None, recovering=True)
+        for r in back:
+            self._transition([], r, recovering=True)
+        self._interrupted = False
+
+    def _drop_grads(self, role: Role, keep: set[int]) -> None:
+        # grads="drop": free the role's grads once it is out, but never a grad that a role
+        # staying (or coming) on the device holds.
+        if role.grads != "drop":
+            return
+        for p, storage in role.grad_storages():
+            if storage_key(storage) not in keep:
+                p.grad = None
+
+    def record_move(
+        self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
+    ) -> TransitionRecord:
+        """Add a store move to the timeshare's records (and warn if the driver did not get the
+        freed memory back). For optimizer residency strategies, which move state themselves.
+        The record's host time runs from the verb's start, or the previous record of the
+        same verb, to now."""
+        now = time.perf_counter()
+        host_seconds, self._verb_t0 = now - self._verb_t0, now
+        self._settle_stalls()
+        stalls = self.store.take_stalls()
+        if stalls:
+            self._stalls.append((len(self.records), stalls))
+        rec = TransitionRecord.from_move(
+            len(self.records),
+            kind,
+            roles_out,
+            role_in,
+            move,
+            self.store.host_reserved_bytes,
+            measure_release=self.ops.is_accelerator and self.config.release_to_driver,
+            note=note,
+            host_seconds=host_seconds,
+        )
+        self.records.append(rec)
+        if rec.unreleased_bytes > self.config.release_tolerance_bytes and kind not in self._warned_unreleased:
+            # Once per kind of transition: a loop repeats the same cause every step; the records
+            # (and report()) keep every transition's figure.
+            self._warned_unreleased.add(kind)
+            warnings.warn(
+                f"transition {rec.index} ({kind}) freed {format_bytes(move.bytes_out)} but the driver "
+                f"got back {format_bytes(rec.unreleased_bytes)} less than expected: caching-allocator "
+                f"segments are shared with tensors outside the roles (activations, caches) and "
+                f"cannot be released. Free those tensors before switching, or set "
+                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. Later {kind} transitions are not "
+                f"warned about; each record's unreleased_bytes has its figure",
+                stacklevel=3,
+            )
+        return rec
