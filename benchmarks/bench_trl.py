@@ -252,14 +252,18 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
 
     def per_kind(trainer) -> dict:
         """The measured step's transitions by kind: how many, bytes, the host's time in them
-        (``alloc_s``: the part spent allocating device memory) and the compute stream's waits."""
+        (``alloc_s``: the part spent allocating device memory; ``queue_s``: inside the call that
+        queues a prefetch's or write-back's copies) and the compute stream's waits."""
         out: dict = {}
         for r in trainer.timeshare.records[clock.seen :]:
-            k = out.setdefault(r.kind, {"count": 0, "gb": 0.0, "host_s": 0.0, "alloc_s": 0.0, "stall_s": 0.0})
+            k = out.setdefault(
+                r.kind, {"count": 0, "gb": 0.0, "host_s": 0.0, "alloc_s": 0.0, "queue_s": 0.0, "stall_s": 0.0}
+            )
             k["count"] += 1
             k["gb"] += (r.bytes_out + r.bytes_in) / 1e9
             k["host_s"] += getattr(r, "host_seconds", 0.0) or r.seconds
             k["alloc_s"] += getattr(r.move, "alloc_seconds", 0.0) or 0.0
+            k["queue_s"] += getattr(r.move, "queue_seconds", 0.0) or 0.0  # inside the call queueing the copies
             k["stall_s"] += getattr(r, "stall_seconds", 0.0) or 0.0
         return out
 

@@ -55,6 +55,9 @@ def test_prefetched_role_comes_in_without_a_copy_and_bit_exact():
         rec = ts.prefetch("ref")
         assert rec.kind == "prefetch" and rec.role_in == "ref" and rec.queued
         assert rec.bytes_in == _nbytes(ref)
+        # The host's time inside the call that queued the copies is a part of the verb's
+        # (on the CPU that call does the copies, so it is not zero).
+        assert 0.0 < rec.move.queue_seconds <= rec.move.seconds
         assert not ts.is_resident("ref")  # not before use() claims it
         assert all(not holds_memory(p.untyped_storage()) for p in ref.parameters())
     with ts.use("ref"):

@@ -75,11 +75,11 @@ class StoreAhead:
             take.append(e)
             total += e.nbytes
         t0 = time.perf_counter()
-        segments, alloc_seconds = 0, 0.0
+        segments, alloc_seconds, queue_seconds = 0, 0.0, 0.0
         if take:
             self._in_flight = True  # cleared once every storage queued is recorded as arriving
             try:
-                segments, alloc_seconds = self._queue_arrivals(take)
+                segments, alloc_seconds, queue_seconds = self._queue_arrivals(take)
             except BaseException:
                 self.recover()
                 raise
@@ -96,12 +96,14 @@ class StoreAhead:
             driver_free_after=before.driver_free_bytes,  # not read again: nothing was released
             segments=segments,
             alloc_seconds=alloc_seconds,
+            queue_seconds=queue_seconds,
             queued=True,
         )
         return self.last_move
 
-    def _queue_arrivals(self, take: list[StateEntry]) -> tuple[int, float]:
-        """Allocate ``take`` and queue their H2D copies (see :meth:`prefetch`)."""
+    def _queue_arrivals(self, take: list[StateEntry]) -> tuple[int, float, float]:
+        """Allocate ``take`` and queue their H2D copies (see :meth:`prefetch`); returns the
+        segments, and the host seconds spent allocating and inside the queueing call."""
         engine, ops = self.engine, self.ops
         t0 = time.perf_counter()
         # Everything taken fits at once: its memory in one block where the backend can.
@@ -119,7 +121,9 @@ class StoreAhead:
         # Direct copies, one driver call where the driver batches them: the host's time to
         # queue them is what a prefetch costs the phase it runs in.
         items = self._items(take)
+        t1 = time.perf_counter()
         event = engine.queue_direct(items, to_device=True)
+        queue_seconds = time.perf_counter() - t1
         for e in take:
             self._arriving[e.key].event = event
         verify = self.config.verify
@@ -130,7 +134,7 @@ class StoreAhead:
                 self._arriving[e.key].digest = (done, values, j)
         for e in take:
             self.backend.seal(e.storage)  # queued: until claimed, its memory holds none of its bytes
-        return 1, alloc_seconds
+        return 1, alloc_seconds, queue_seconds
 
     def _claim(self, claimed: Sequence[StateEntry], frozen: set[int], what: str) -> None:
         """Count prefetched storages as resident: the current stream waits for their copies."""
@@ -213,7 +217,7 @@ class StoreAhead:
         todo = [e for e in todo.values() if e.nbytes > 0]
         before = snapshot(self.ops)
         t0 = time.perf_counter()
-        segments = 0
+        segments, queue_seconds = 0, 0.0
         if todo:
             self.prepare(todo)
             for e in todo:
@@ -224,7 +228,9 @@ class StoreAhead:
                 engine.begin_out()
                 with ops.on_stream(engine.d2h_stream):
                     pre = digest_many(storages)
+                t1 = time.perf_counter()
                 engine.queue_direct(self._items(todo), to_device=False)  # as prefetch() does
+                queue_seconds = time.perf_counter() - t1
                 with ops.on_stream(engine.d2h_stream):
                     post = digest_many(storages)
                     done = ops.new_event()
@@ -245,6 +251,7 @@ class StoreAhead:
             driver_free_before=before.driver_free_bytes,
             driver_free_after=before.driver_free_bytes,
             segments=segments,
+            queue_seconds=queue_seconds,
             queued=True,
         )
         return self.last_move

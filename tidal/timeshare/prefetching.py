@@ -90,6 +90,7 @@ class Prefetching:
             bytes_out=out.bytes_out if out is not None else 0,
             seconds=time.perf_counter() - t0,
             segments=inn.segments + (out.segments if out is not None else 0),
+            queue_seconds=inn.queue_seconds + (out.queue_seconds if out is not None else 0.0),
         )
         return self.record_move("prefetch", tuple(r.name for r in evict) if out else (), name, move)
 
