@@ -45,7 +45,7 @@ from tidal.distributed.deepspeed_state import (
     describe_deepspeed_state,
 )
 from tidal.memory import snapshot
-from tidal.state.store import MoveResult
+from tidal.state.result import MoveResult
 from tidal.timeshare.role import OptimizerResidency, Role
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.transfer.context import TransferContext

@@ -7,7 +7,8 @@ from tidal.state.collect import (
     storage_key,
     unique_storage_bytes,
 )
-from tidal.state.store import MoveResult, OffloadStore
+from tidal.state.result import MoveResult
+from tidal.state.store import OffloadStore
 
 __all__ = [
     "MoveResult",

@@ -10,7 +10,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from tidal.state.store import MoveResult, OffloadStore
+from tidal.state.result import MoveResult
+from tidal.state.store import OffloadStore
 from tidal.timeshare.config import TimeshareConfig
 from tidal.timeshare.role import Role
 from tidal.timeshare.telemetry import TransitionRecord

@@ -21,7 +21,8 @@ import torch
 
 from tidal.state.collect import StateEntry, collect_module_state, collect_optimizer_state
 from tidal.state.foreign import install_optimizer_hooks
-from tidal.state.store import MoveResult, OffloadStore
+from tidal.state.result import MoveResult
+from tidal.state.store import OffloadStore
 from tidal.timeshare.timeshare import timeshare_of
 from tidal.transfer.context import TransferContext
 from tidal.transfer.engine import TransferConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from tidal.units import format_bytes
-from tidal.state.store import MoveResult
+from tidal.state.result import MoveResult
 
 __all__ = ["TransitionRecord", "format_report"]
 

@@ -11,7 +11,7 @@ from typing import Sequence
 from tidal.units import format_bytes
 from tidal.state.collect import StateEntry, storage_key
 from tidal.state.handover import ReleaseProgress, RoomSource
-from tidal.state.store import MoveResult
+from tidal.state.result import MoveResult
 from tidal.timeshare.role import Role
 from tidal.timeshare.residency import policy_for
 from tidal.timeshare.telemetry import TransitionRecord
