@@ -50,6 +50,7 @@ class DemoSettings:
     grad_ckpt: bool = False
     rollout_graph: bool = False
     prefetch: bool = False
+    async_transitions: bool = False
     kl_coef: float = 0.02
     lora_rank: int = 0
     baseline_steps: int = 2
@@ -105,6 +106,11 @@ class DemoSettings:
         if self.prefetch and self.roles != "local":
             raise ValueError(
                 f"--prefetch brings the next role in within this process (--roles local), not roles={self.roles!r}"
+            )
+        if self.async_transitions and self.roles != "local":
+            raise ValueError(
+                f"--async-transitions keeps freed memory in this process, where every role lives with --roles local; with "
+                f"roles={self.roles!r} the other processes need it back from the driver: drop --async-transitions"
             )
         if self.rollout_graph and self.roles != "local":
             raise ValueError(
@@ -198,7 +204,12 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
         loss=LossConfig(kl_coef=s.kl_coef),
         timeshare=timeshare,
         timeshare_config=TimeshareConfig(
-            switch_extra_bytes=extra, evict=s.evict, headroom_bytes=(s.headroom_mib or 0) << 20
+            switch_extra_bytes=extra,
+            evict=s.evict,
+            headroom_bytes=(s.headroom_mib or 0) << 20,
+            # --async-transitions: what TidalGRPOTrainer does (every role in this process)
+            release_to_driver=not s.async_transitions,
+            wait_for_copies=not s.async_transitions,
         ),
         prefetch=s.prefetch and timeshare,
         seed=s.seed,

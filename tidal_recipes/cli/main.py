@@ -241,6 +241,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="each phase brings the next phase's role in behind its compute and writes its own role back "
         "ahead of the switch (Timeshare.prefetch), within the last step's highest phase peak",
     )
+    p.add_argument(
+        "--async-transitions",
+        action="store_true",
+        help="transitions return once their copies are queued and freed memory stays in this process's "
+        "allocator (as TidalGRPOTrainer does), so the host queues the next phase while the bytes move; "
+        "--roles local only (the driver then does not see the freed memory)",
+    )
     p.add_argument("--kl-coef", type=finite_float(0.0), default=0.02, help="KL to the reference (0: no reference role)")
     p.add_argument("--lora-rank", type=nonneg_int, default=0, help="train LoRA adapters of this rank (needs peft)")
     p.add_argument(
@@ -332,6 +339,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             rollout_graph=args.rollout_graph,
             prefetch=args.prefetch,
+            async_transitions=args.async_transitions,
             grad_accumulation=args.grad_accumulation or "device",
             optim_state_dtype=args.optim_state_dtype or "fp32",
             optimizer_residency=args.optimizer_residency or "stream",

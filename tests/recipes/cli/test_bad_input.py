@@ -131,6 +131,16 @@ def test_prefetch_with_remote_roles_refused_before_any_work(tmp_path, capsys, mo
     assert "--prefetch brings the next role in within this process" in capsys.readouterr().err
 
 
+def test_async_transitions_with_remote_roles_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tidal_recipes.cli.demo, "build_policy", _no_work)
+    out = tmp_path / "demo"
+    assert (
+        main(["demo", "--device", "cpu", "--async-transitions", "--roles", "processes", "--out", str(out)])
+        == EXIT_USAGE
+    )
+    assert "--async-transitions keeps freed memory in this process" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_demo_says_which_options_its_optimizer_ignores(tmp_path, capsys):
     pytest.importorskip("transformers")

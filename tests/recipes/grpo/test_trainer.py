@@ -3,6 +3,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tidal.timeshare import TimeshareConfig  # noqa: E402
 from tidal_recipes.grpo import DigitTask, GRPOConfig, GRPOTrainer, LossConfig  # noqa: E402
 from tidal_recipes.grpo.tasks import TASK_VOCAB  # noqa: E402
 from tests.helpers import held_bytes  # noqa: E402
@@ -47,6 +48,21 @@ def test_timeshare_does_not_change_training(kw):
     moved = sum(ph["moved_bytes"] for r in ra for ph in r.phases.values())
     assert moved > 0
     assert all(ph["moved_bytes"] == 0 for r in rb for ph in r.phases.values())
+
+
+@pytest.mark.slow
+def test_transitions_without_host_waits_do_not_change_training():
+    """``tidal demo --async-transitions``: transitions return once their copies are queued and
+    freed memory stays in the process (TidalGRPOTrainer's settings), with prefetch; bit-exact
+    against the default timeshare."""
+    cfg = TimeshareConfig(wait_for_copies=False, release_to_driver=False)
+    a, ra = run(3, timeshare_config=cfg, prefetch=True)
+    b, rb = run(3)
+    assert [r.reward_mean for r in ra] == [r.reward_mean for r in rb]
+    assert [r.stats for r in ra] == [r.stats for r in rb]
+    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
+        assert torch.equal(pa, pb), n
+    assert a.ts.config.wait_for_copies is False and any(rec.queued for rec in a.ts.records)
 
 
 @pytest.mark.parametrize("kw", [{}, {"optimizer": "cpu_adam"}])
