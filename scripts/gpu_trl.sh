@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU passes for TRL's GRPOTrainer with tidal (issues 14, 26), with trl and datasets carried
 # as wheels in .whl/ (see scripts/gpu_wheels.sh); logs, JSON and rows ($OUT/RESULTS.md) go to $OUT.
-#   bash scripts/gpu_trl.sh [tests] [newtests] [final] [profile] [profile-stress] [bench] [stress] [7b] [ds] [reward]
+#   bash scripts/gpu_trl.sh [tests] [newtests] [final] [profile] [profile-stress] [bench] [stress] [7b] [ds] [demo7b] [reward]
 # newtests: the GPU tests of the no-host-wait transitions, prefetch and TRL on a GPU.
 # final:   the headline workload, TRL alone beside the code before the change (before:, from the
 #          tidal package exported to .before/, carried) and after, one steady step profiled.
@@ -9,6 +9,7 @@
 #          profiled for TRL alone and tidal's variants (VARIANTS), drawn to $OUT/profile_1.5b.png.
 # profile-stress: the stress workload (16 x 32) the same way.
 # bench:   the headline workload measured (no profiler), TRL alone beside tidal's variants.
+# demo7b:  tidal demo --preset qwen2-7b --async-transitions --prefetch (DEMO_FLAGS) against its all-resident step.
 # stress:  16 x 32 on both presets (stress-1.5b, stress-7b: one of them; VARIANTS_STRESS).   7b: qwen2-7b bf16 64 x 256.   reward: with a reward model.
 # ds:      qwen2-7b bf16 64 x 256, DeepSpeed ZeRO-3 offload (through TRL) beside tidal (needs .whl).
 # spread:  the headline workload, TRL alone first and last, a tidal variant that moves nothing,
@@ -71,6 +72,12 @@ for part in ${*:-tests bench}; do
         # offload (its CPU Adam is JIT-built on first use, about a minute there), beside tidal.
         bench ds7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps 3 \
           --variants ${VARIANTSDS:-ds-zero3-offload,stream+prefetch} --json "$OUT/trl_7b_64x256_ds_$tag.json" ;;
+    demo7b) # issue 26 item 7: the demo at 7B with the mechanisms TidalGRPOTrainer uses, against its
+            # all-resident step (printed by the demo: step and peak beside the baseline)
+            timeout ${BENCH_TIMEOUT:-540} python3 -m tidal_recipes demo --preset qwen2-7b --steps ${STEPS:-4} \
+              --baseline-steps 1 --async-transitions ${DEMO_FLAGS:---prefetch} --out "$OUT/demo7b" \
+              > "$OUT/demo7b.log" 2>&1 || status=1
+            grep -vE "it/s\]|s/it\]|Warning|warnings.warn|^\s*$" "$OUT/demo7b.log" | tail -${TAIL:-40} ;;
     reward) bench reward.log --preset qwen2-1.5b --steps 4 --reward-model --variants ${VARIANTS:-trl,stream,stream+prefetch} ;;
   esac
   echo "$part: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/timing.txt"
