@@ -15,9 +15,9 @@ its state. Modules are a source (:class:`ModuleSource`); so is a DeepSpeed engin
 ``guard(where, tensors)`` is the timeshare's check, to be called before the source's state is
 used: it raises if the role is out and any of ``tensors`` has no device memory (``tensors``
 None: if the role is out at all). ``tensors`` may be a generator: it is read only while the
-role is out, so a resident role's check costs one attribute test. ``tensors(grads)`` lists (name, tensor, kind) with kind
-"param", "buffer" or "grad"; the role's optimizer state comes from its optimizers, not from
-its sources.
+role is out, so a resident role's check costs one attribute test. ``tensors(grads)`` lists
+(name, tensor, kind) with kind "param", "buffer" or "grad"; the role's optimizer state comes
+from its optimizers, not from its sources.
 """
 
 from __future__ import annotations
