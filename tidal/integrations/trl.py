@@ -442,18 +442,17 @@ class _PhaseMemory:
         )
 
     def _read(self) -> None:
-        if self._phase is None:
-            return
-        peak = self._peak()
-        self._high = max(self._high, peak)
-        self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), peak)
-        self.growth[self._phase] = max(0, self._high - self._start - self._prefetched)
+        """Take the running phase's reading, and restart the device's peak counter."""
+        if self._phase is not None:
+            peak = self._peak()
+            self._high = max(self._high, peak)
+            self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), peak)
+            self.growth[self._phase] = max(0, self._high - self._start - self._prefetched)
         self._reset()
 
     def start(self, phase: str) -> None:
         """Close the running phase's reading and start ``phase``'s."""
         self._read()
-        self._reset()
         self._phase, self._start, self._high, self._prefetched = phase, self.allocated(), 0, 0
 
     def prefetched(self, nbytes: int) -> None:
