@@ -248,6 +248,22 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             for r in ts.records
         )
 
+    def host_stall_s(trainer) -> float:
+        """The host's time in the verbs plus the compute stream's waits: what exposed_s was
+        before the device gap was measured, an upper bound (the device may still run queued
+        work while the host is in a verb)."""
+        ts = getattr(trainer, "timeshare", None)
+        if ts is None:
+            return 0.0
+        return sum(getattr(r, "host_seconds", 0.0) + getattr(r, "stall_seconds", 0.0) for r in ts.records)
+
+    sampler = None
+    if args.sample_stacks:
+        from host_samples import StackSampler
+
+        sampler = StackSampler(interval_s=0.002)
+    host_stall: list[float] = []
+
     by_kind: list[dict] = []
 
     def per_kind(trainer) -> dict:
@@ -257,7 +273,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         out: dict = {}
         for r in trainer.timeshare.records[clock.seen :]:
             k = out.setdefault(
-                r.kind, {"count": 0, "gb": 0.0, "host_s": 0.0, "alloc_s": 0.0, "queue_s": 0.0, "stall_s": 0.0}
+                r.kind,
+                {"count": 0, "gb": 0.0, "host_s": 0.0, "alloc_s": 0.0, "queue_s": 0.0, "stall_s": 0.0, "gap_s": 0.0},
             )
             k["count"] += 1
             k["gb"] += (r.bytes_out + r.bytes_in) / 1e9
@@ -265,6 +282,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             k["alloc_s"] += getattr(r.move, "alloc_seconds", 0.0) or 0.0
             k["queue_s"] += getattr(r.move, "queue_seconds", 0.0) or 0.0  # inside the call queueing the copies
             k["stall_s"] += getattr(r, "stall_seconds", 0.0) or 0.0
+            k["gap_s"] += getattr(r, "gap_seconds", None) or 0.0  # the compute stream's time in the verb
         return out
 
     class Clock(TrainerCallback):
@@ -289,15 +307,20 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 except Exception as e:  # a profiler this torch lacks costs the picture, not the run
                     profiled["error"] = f"profiler did not start: {e!r}"
             self.exposed0 = exposed_s(trainer)
+            self.host_stall0 = host_stall_s(trainer)
             self.counters0 = torch.cuda.memory_stats() if cuda else {}
             ts = getattr(trainer, "timeshare", None)
             self.seen = len(ts.records) if ts is not None else None
+            if sampler is not None and state.global_step >= 1 and self.prof is None:
+                sampler.start()  # the measured steps only
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
             if cuda:
                 torch.cuda.current_stream().synchronize()
             wall = time.perf_counter() - self.t0
+            if sampler is not None:
+                sampler.stop()
             # As it goes: a run cut by its time limit still shows each step it finished.
             print(f"[bench_trl] {name} step {state.global_step}: {wall:.3f} s", flush=True)
             if profile_step and state.global_step == profile_step:
@@ -316,6 +339,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             if state.global_step > 1:
                 times.append(wall)
                 exposed.append(exposed_s(trainer) - self.exposed0)  # settles the stalls per_kind reads
+                host_stall.append(host_stall_s(trainer) - self.host_stall0)
                 by_kind.append(per_kind(trainer) if self.seen is not None else {})
                 peaks.append(torch.cuda.max_memory_allocated() if cuda else 1)
                 if cuda:
@@ -402,6 +426,14 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["exposed_s_per_step"] = statistics.median(exposed) if exposed else 0.0
         res["step_times_s"] = times
         res["exposed_s_steps"] = exposed
+        res["host_stall_s_per_step"] = statistics.median(host_stall) if host_stall else 0.0
+        if sampler is not None:
+            res["host_samples"] = {
+                "interval_s": sampler.interval_s,
+                "steps": len(times),
+                "by_verb": sampler.by_verb(),
+                "top": sampler.top(15),
+            }
         res["transitions_by_kind"] = by_kind
         res["allocator_steps"] = allocator
         res["moved_gb_per_step"] = 0.0
@@ -473,7 +505,8 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             r["bound_s"] = bound
             line = (
                 f"  {r['variant']:8s} step {r['step_s']:.3f} s ({_x(sr)} TRL)  peak {r['peak_bytes'] / 2**30:.2f} GiB "
-                f"({_x(pr)} TRL)  exposed {share:.1%} of the step, {r.get('moved_gb_per_step', 0):.1f} GB/step "
+                f"({_x(pr)} TRL)  exposed {share:.1%} of the step (host+stall "
+                f"{r.get('host_stall_s_per_step', 0.0) / r['step_s']:.1%}), {r.get('moved_gb_per_step', 0):.1f} GB/step "
                 f"at {r.get('transition_gbps', 0):.1f} GB/s"
                 + (f"  bound {bound:.3f} s ({r['step_s'] / bound:.2f}x)" if bound else "")
             )
@@ -483,6 +516,12 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 f"{r.get('transition_gbps', 0):.1f} |"
             )
         print(line)
+        samples = r.get("host_samples")
+        if samples:
+            per = samples["steps"] or 1
+            print(f"    host time in verbs per step (sampled): {samples['by_verb']} / {per} steps")
+            for t in samples["top"][:6]:
+                print(f"      {t['seconds'] / per:7.3f} s  {t['verb']:<20} {t['tidal_frame']}  <- {t['frame']}")
         rows.append(row)
     print(
         "targets (64 x 256): 1.5B fp32 step <= 1.03x TRL at peak <= 0.5x; 7B bf16 exposed <= 3% of the step; "
@@ -563,6 +602,12 @@ def main(argv=None) -> int:
         help="a folder holding the tidal package of an earlier commit, for 'before:<variant>' variants "
         "(git archive <commit> tidal | tar -x -C .before)",
     )
+    p.add_argument(
+        "--sample-stacks",
+        action="store_true",
+        help="sample the host's Python stack every 2 ms in the measured steps: where the time inside tidal's "
+        "verbs goes (benchmarks/host_samples.py), in the JSON and printed",
+    )
     p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
@@ -592,30 +637,34 @@ def main(argv=None) -> int:
     results = []
     for v in args.variants.split(","):
         out = os.path.join(work, f"{v}.json")
-        cmd = [
-            sys.executable,
-            __file__,
-            "--_variant",
-            v,
-            "--_model",
-            model_path,
-            "--_out",
-            out,
-            "--steps",
-            str(args.steps),
-            "--batch",
-            str(args.batch),
-            "--num-generations",
-            str(args.num_generations),
-            "--completion",
-            str(args.completion),
-            "--dtype",
-            args.dtype,
-            "--profile-step",
-            str(args.profile_step if not args.profile_variants or v in args.profile_variants.split(",") else 0),
-            "--before",
-            args.before,
-        ] + (["--reward-model-path", reward_path] if reward_path else [])
+        cmd = (
+            [
+                sys.executable,
+                __file__,
+                "--_variant",
+                v,
+                "--_model",
+                model_path,
+                "--_out",
+                out,
+                "--steps",
+                str(args.steps),
+                "--batch",
+                str(args.batch),
+                "--num-generations",
+                str(args.num_generations),
+                "--completion",
+                str(args.completion),
+                "--dtype",
+                args.dtype,
+                "--profile-step",
+                str(args.profile_step if not args.profile_variants or v in args.profile_variants.split(",") else 0),
+                "--before",
+                args.before,
+            ]
+            + (["--sample-stacks"] if args.sample_stacks else [])
+            + (["--reward-model-path", reward_path] if reward_path else [])
+        )
         env = dict(os.environ)
         if "+expandable" in v:
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"

@@ -15,6 +15,7 @@
 # spread:  the headline workload, TRL alone first and last, a tidal variant that moves nothing,
 #          stream and stream+prefetch, 6 steps each (what is noise, what is tidal).
 # TIDAL_COMMIT names the commit in the logs (the device copy's git log may be stale).
+# BENCH_ARGS: more bench_trl.py arguments for every bench part (e.g. --sample-stacks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
@@ -27,7 +28,7 @@ status=0
 tag=${TAG:-run}
 bench() {  # bench <log> <args...>: one bench_trl.py run, its log under $OUT, the tail printed
   local log=$1; shift
-  timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_trl.py --results "$OUT/RESULTS.md" "$@" > "$OUT/$log" 2>&1 || status=1
+  timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_trl.py --results "$OUT/RESULTS.md" "$@" ${BENCH_ARGS:-} > "$OUT/$log" 2>&1 || status=1
   grep -vE "it/s\]|s/it\]|Warning|warnings.warn|^\s*$" "$OUT/$log" | tail -${TAIL:-40}
 }
 for part in ${*:-tests bench}; do

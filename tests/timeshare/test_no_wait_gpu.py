@@ -218,3 +218,25 @@ def test_a_records_stall_is_the_time_the_compute_stream_waited_for_its_copies():
         waited = start.elapsed_time(end) / 1e3
         assert 0.5 * waited <= ts.records[rec_index].stall_seconds <= 1.05 * waited + 1e-3
         assert ts.records[rec_index].exposed_seconds >= ts.records[rec_index].stall_seconds
+
+
+def test_a_records_gap_counts_the_device_idle_not_the_host_blocked_behind_queued_work():
+    """A blocking offload queued behind a sleep: the host waits the sleep and the copy, the
+    compute stream only the copy (it was busy with the sleep meanwhile), and the record's
+    gap_seconds, what ``exposed_seconds`` reports, says so. On an idle device the gap is the
+    host's time in the verb."""
+    model = _filled(1.0, mib=1024)
+    with tidal.Timeshare("cuda") as ts:
+        ts.add_role("a", model=model)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)  # the copy out waits for it; the host waits for the copy
+        busy = ts.offload("a").index
+        torch.cuda.synchronize()
+        idle = ts.load("a").index
+        ts.settle_stalls(wait=True)
+        b, i = ts.records[busy], ts.records[idle]
+        assert b.gap_seconds is not None and i.gap_seconds is not None
+        assert b.host_seconds > 0.15, b  # the sleep is about 0.2 s
+        assert b.gap_seconds < b.host_seconds - 0.1, b
+        assert b.exposed_seconds == b.gap_seconds
+        assert 0.7 * i.host_seconds <= i.gap_seconds <= i.host_seconds + 5e-3, i

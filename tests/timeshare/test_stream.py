@@ -1,6 +1,8 @@
 """optimizer_residency="stream": the optimizer's update runs a chunk of parameters at a time
 with only that chunk's state on the device, and computes exactly what one step() would."""
 
+import time
+
 import pytest
 import torch
 
@@ -168,4 +170,28 @@ def test_streamed_step_leaves_gradients_and_param_groups_as_they_were():
             opt.step()  # tidal's pre-hook streamed the update, then this one raised
         h.remove()
     assert [list(g["params"]) for g in opt.param_groups] == groups, "the end of use() put the groups back"
+    ts.close()
+
+
+def test_a_streamed_steps_records_leave_the_chunks_updates_out_of_their_host_time():
+    """Each optim-stream record's host time runs from the end of its chunk's update: the
+    optimizer's own work is not counted as the transition's."""
+    model, opt, ts = _stream_actor()
+    ids = torch.randint(0, 64, (4, 9))
+    lm_loss(model, ids).backward()
+    opt.step()  # creates the state; the next step streams it
+    opt.zero_grad()
+    lm_loss(model, ids).backward()
+    updates = []
+
+    def slow(o, args, kwargs):  # runs before every chunk's step() too: a 20 ms update
+        updates.append(1)
+        time.sleep(0.02)
+
+    opt.register_step_pre_hook(slow)
+    first = len(ts.records)
+    opt.step()
+    chunks = [r for r in ts.records[first:] if r.kind == "optim-stream"]
+    assert len(chunks) >= 4 and len(updates) > len(chunks)
+    assert all(r.host_seconds < 0.015 for r in chunks), [r.host_seconds for r in chunks]
     ts.close()

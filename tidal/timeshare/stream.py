@@ -122,6 +122,7 @@ def streamed_step(ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> 
                 opt.step()  # this chunk only: the hooks see role.streaming and stand aside
             finally:
                 restore_groups(opt, saved)
+            ts._start_clock()  # the chunk's update is the step's own work, not its transition
             stepped.extend(chunk)
             out = [e for e in _entries(ts, role, opt, chunk) if e.nbytes > 0 and e.key not in others]
             nxt = (

@@ -24,7 +24,16 @@ class TransitionRecord:
     ``stall_seconds`` the time the compute stream then waited for the move's copies (device
     events; 0 until :meth:`Timeshare.settle_stalls` has read them, and for moves it did not
     wait for).
-    Their sum, :attr:`exposed_seconds`, is what the transition cost the work around it.
+    ``gap_seconds`` is, on an accelerator, the compute stream's time from the verb's start
+    (or the previous record of the same verb) to this record, read from two device events: how
+    long the device's own work waited on the transition, for the host to queue past it or for
+    its copies. It is smaller than the host time when the device still had work queued while
+    the host was in the verb. None where not measured (CPU, a verb that changed streams) and
+    until :meth:`Timeshare.settle_stalls` has read it.
+
+    :attr:`exposed_seconds` is what the transition cost the work around it: ``gap_seconds``
+    where measured, else ``host_seconds + stall_seconds`` (an upper bound on a device with a
+    queue).
     """
 
     index: int
@@ -37,6 +46,7 @@ class TransitionRecord:
     note: str = ""
     host_seconds: float = 0.0
     stall_seconds: float = 0.0
+    gap_seconds: float | None = None
 
     # The move's own figures, read through (one record of them, in the MoveResult).
     bytes_out = property(lambda self: self.move.bytes_out)
@@ -55,6 +65,8 @@ class TransitionRecord:
 
     @property
     def exposed_seconds(self) -> float:
+        if self.gap_seconds is not None:
+            return self.gap_seconds
         return self.host_seconds + self.stall_seconds
 
     @classmethod

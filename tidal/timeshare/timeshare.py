@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -147,8 +147,11 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
         self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory
         self._clock = 0
         self._verb_t0 = time.perf_counter()  # see _start_clock
+        self._verb_mark: tuple[Any, Any] | None = None  # (stream, event) where the verb started
         # (record index, compute-stream wait event pairs) not yet read (see settle_stalls)
         self._stalls: list[tuple[int, list]] = []
+        # (record index, start, end): the compute stream's events around a record's window
+        self._gaps: list[tuple[int, Any, Any]] = []
         self.closed = False
         # Set before a transition changes anything and cleared once the roles' flags agree with
         # the store again: if it is still set, an exception interrupted one (see _recover).
@@ -501,8 +504,26 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
             )
 
     def _start_clock(self) -> None:
-        """A verb starts: the host time of the records it makes counts from here."""
+        """A verb starts: the host time of the records it makes counts from here, and on an
+        accelerator their device gap from an event recorded now on the current stream."""
         self._verb_t0 = time.perf_counter()
+        self._verb_mark = self._mark_stream()
+
+    def _mark_stream(self) -> tuple[Any, Any] | None:
+        """A timing event recorded on the current stream now (with the stream), or None on CPU."""
+        if not self.ops.is_accelerator:
+            return None
+        stream = self.ops.current_stream()
+        event = self.ops.new_event(timing=True)
+        event.record(stream)
+        return stream, event
+
+    def _close_gap(self, index: int) -> None:
+        """Record ``index`` ends its window now: pair the window's start event with one recorded
+        here (same stream only), to be read by :meth:`settle_stalls`."""
+        start, self._verb_mark = self._verb_mark, self._mark_stream()
+        if start is not None and self._verb_mark is not None and start[0] == self._verb_mark[0]:
+            self._gaps.append((index, start[1], self._verb_mark[1]))
 
     def settle_stalls(self, *, wait: bool = False) -> None:
         """Fill in the records' ``stall_seconds`` (how long the compute stream waited for
@@ -513,6 +534,8 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
             for _, pairs in self._stalls:
                 for _, after in pairs:
                     after.synchronize()  # the figures are read now: the waits must have run
+            for _, _, end in self._gaps:
+                end.synchronize()  # the figures are read now: the windows must have run
         self._settle_stalls()
 
     def _settle_stalls(self) -> None:
@@ -524,6 +547,13 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
             stall = sum(before.elapsed_time(after) for before, after in pairs) / 1e3
             self.records[index] = dataclasses.replace(self.records[index], stall_seconds=stall)
         self._stalls = pending
+        gaps = []
+        for index, start, end in self._gaps:
+            if not end.query():
+                gaps.append((index, start, end))
+                continue
+            self.records[index] = dataclasses.replace(self.records[index], gap_seconds=start.elapsed_time(end) / 1e3)
+        self._gaps = gaps
 
     def _tick(self) -> int:
         """The next value of the clock that orders eviction (least recently used first)."""

@@ -201,6 +201,7 @@ class Transitions:
             host_seconds=host_seconds,
         )
         self.records.append(rec)
+        self._close_gap(rec.index)
         if rec.unreleased_bytes > self.config.release_tolerance_bytes and kind not in self._warned_unreleased:
             # Once per kind of transition: a loop repeats the same cause every step; the records
             # (and report()) keep every transition's figure.
