@@ -196,3 +196,45 @@ def _switches(state):
 def test_fault_at_every_point_of_switches_without_host_waits_loses_nothing():
     points = sweep(_faulty, _switches, _check)
     assert "free_behind_d2h" in points
+
+
+def test_a_fused_optimizer_steps_the_state_that_arrived_ahead_in_one_call_and_computes_the_same():
+    """With ``fused=True`` (no temporaries the size of a chunk) the chunks whose state a
+    prefetch brought in are stepped and sent out as one; a chunk without state yet (the first
+    step) or not brought in keeps its own call. The values are those of the unmerged run."""
+
+    def train(prefetch_limit: int | None, fused: bool) -> tuple[dict, list[int]]:
+        torch.manual_seed(1)
+        model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        cfg = TimeshareConfig(min_offload_bytes=0, optimizer_chunk_bytes=4096)
+        ts = Timeshare("cpu", config=cfg)
+        ts.add_role("policy", model=model, optimizer=opt, optimizer_residency="stream")
+        calls: list[int] = []
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(sum(len(g["params"]) for g in o.param_groups)))
+        per_step = []
+        for i in range(3):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(i))
+            with ts.use("policy"):
+                loss = model(x).square().mean()
+                if prefetch_limit != 0:
+                    ts.prefetch_optimizer("policy", limit_bytes=prefetch_limit)
+                loss.backward()
+                calls.clear()
+                opt.step()
+                per_step.append(len(calls) - 1)  # the chunks' calls, not the outer one
+                opt.zero_grad()
+        ts.close()
+        return _values(model) | {f"opt{k}": v for k, v in _flat(opt).items()}, per_step
+
+    plain, chunked = train(0, fused=True)
+    ahead, merged = train(None, fused=True)
+    assert plain.keys() == ahead.keys() and all(torch.equal(plain[k], ahead[k]) for k in plain)
+    assert chunked[0] == merged[0] > 4  # the first step creates the state a chunk at a time
+    assert all(n == chunked[0] for n in chunked) and merged[1:] == [1, 1]
+    state = 6 * 2 * (32 * 32 + 32) * 4
+    part, partial = train(state // 2, fused=True)  # half of it ahead: one call, then the rest chunked
+    assert all(torch.equal(plain[k], part[k]) for k in plain)
+    assert 1 < partial[1] < chunked[1]
+    _, foreach = train(None, fused=False)  # temporaries the size of a chunk: never merged
+    assert foreach == chunked

@@ -100,8 +100,26 @@ def _kernel():
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    # From pinned memory, so the copy is queued behind the stream's work instead of waiting for it.
-    return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        # From pinned memory, so the copy is queued behind the stream's work instead of waiting for it.
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _packed(columns: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """The int64 ``columns`` on ``device`` in one copy, each as a slice that starts 16 bytes
+    aligned (each column padded to an even length). Triton specialises a kernel on whether
+    each pointer argument is 16-byte aligned: slices at odd offsets would compile (seconds,
+    on the host, inside a transition) a new kernel for each mix of counts."""
+    flat: list[int] = []
+    starts = []
+    for col in columns:
+        starts.append(len(flat))
+        flat.extend(col)
+        flat.extend([0] * (len(col) % 2))
+    meta = _to_device(flat, device)
+    return [meta[a : a + len(col)] for a, col in zip(starts, columns)]
 
 
 def digest_sampled(
@@ -117,11 +135,9 @@ def digest_sampled(
         strides.append(stride)
         phases.append((nwords * 2654435761) % stride)  # exact on the host: no 64-bit wrap
     ns = len(spans)
-    meta = _to_device([a for a, _ in spans] + [n for _, n in spans] + strides + phases, device)
+    addr_d, size_d, stride_d, phase_d = _packed([[a for a, _ in spans], [n for _, n in spans], strides, phases], device)
     out = torch.empty(ns, dtype=torch.int64, device=device)
-    _kernel()[1][(ns,)](
-        meta[:ns], meta[ns : 2 * ns], meta[2 * ns : 3 * ns], meta[3 * ns :], weights, out, COLS=cols, TAIL_MUL=tail_mul
-    )
+    _kernel()[1][(ns,)](addr_d, size_d, stride_d, phase_d, weights, out, COLS=cols, TAIL_MUL=tail_mul)
     return out
 
 
@@ -138,10 +154,8 @@ def digest_full(
         for start in range(0, max(nbytes // 8, 1), CHUNK_WORDS):
             chunk_of.append(si)
             starts.append(start)
-    meta = _to_device(addrs + sizes + chunk_of + starts, device)
+    addr_d, size_d, chunk_d, start_d = _packed([addrs, sizes, chunk_of, starts], device)
     ns, nc = len(spans), len(chunk_of)
-    addr_d, size_d = meta[:ns], meta[ns : 2 * ns]
-    chunk_d, start_d = meta[2 * ns : 2 * ns + nc], meta[2 * ns + nc :]
     parts = torch.empty(nc, dtype=torch.int64, device=device)
     _kernel()[0][(nc,)](
         addr_d,

@@ -270,7 +270,9 @@ class StoreMoves:
         t1 = time.perf_counter()
         if (out_todo or skip) and release is not False:
             self.backend.settle()
-        after = snapshot(self.ops)
+        # A move told to release nothing (a streamed step's chunk) is not read again: a driver
+        # reading costs the host a call per chunk, and its "after" is the reading before.
+        after = snapshot(self.ops) if release is not False else before
         self.last_move = MoveResult(
             bytes_out=freeable - skipped,
             bytes_in=need_in,

@@ -15,7 +15,9 @@ class MoveResult:
     """What one transfer did. ``seconds`` runs from the first copy queued to the last one
     finished (host-synchronised), excluding the allocator release that follows; for a move
     that only ``queued`` its copies (a prefetch, a write-back), it is the host time spent
-    queueing them, and nothing was released."""
+    queueing them, and nothing was released. ``driver_free_after`` is the driver's free memory
+    read after the move, or the reading before for a move that released nothing by design (a
+    prefetch, a write-back, a switch with ``release=False``)."""
 
     bytes_out: int
     bytes_in: int

@@ -17,18 +17,16 @@ Peak device memory of the step: params + grads + one chunk's state (two while th
 neighbouring chunks overlap; up to four with ``TimeshareConfig(wait_for_copies=False)``, where
 the copies out of two chunks may still run while the next two are stepped), instead of params
 + grads + all of it. Chunks a :meth:`~tidal.Timeshare.prefetch_optimizer` brought in ahead
-are not copied again.
+are not copied again; with an optimizer that updates in place (``fused=True``), consecutive
+chunks that arrived ahead are stepped and sent out as one.
 """
 
 from __future__ import annotations
 
-
 import torch
 
 from tidal.state.collect import StateEntry, collect_optimizer_state
-
 from tidal.timeshare.core import TimeshareCore
-
 from tidal.timeshare.role import Role
 
 __all__ = ["streamed_step"]
@@ -86,6 +84,33 @@ def restore_groups(opt: torch.optim.Optimizer, saved: list[list[torch.Tensor]]) 
         g["params"] = params
 
 
+def _in_place(opt: torch.optim.Optimizer) -> bool:
+    """The optimizer updates its state in place with no temporaries the size of a chunk (every
+    group ``fused``): stepping more parameters in one call costs no more memory."""
+    return all(g.get("fused") for g in opt.param_groups)
+
+
+def _merge_arrived(
+    ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer, chunks: list[list[torch.Tensor]]
+) -> list[list[torch.Tensor]]:
+    """Consecutive chunks whose state ``prefetch_optimizer`` has brought in ahead, as one chunk:
+    their memory is held anyway, and one ``step()`` and one copy out cost the host one call
+    each instead of one per chunk."""
+    out: list[list[torch.Tensor]] = []
+    merging = False
+    for chunk in chunks:
+        entries = ts.store.resolve(_entries(ts, role, opt, chunk))
+        # Only state a prefetch brought in: a chunk with no state yet creates it in step(), and
+        # creating it for many chunks at once is the memory streaming exists to bound.
+        here = bool(entries) and all(ts.store.is_arriving(e.key) for e in entries)
+        if here and merging:
+            out[-1] = out[-1] + chunk
+        else:
+            out.append(list(chunk))
+        merging = here
+    return out
+
+
 def streamed_step(ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> None:
     """Run ``opt``'s update chunk by chunk (see the module docstring). Each chunk's ``step()``
     sees only that chunk's parameters in the param groups; the gradients are never touched.
@@ -103,6 +128,8 @@ def streamed_step(ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> 
     ok = False
     try:
         chunks = _chunks(opt, params, ts.config.optimizer_chunk_bytes)
+        if _in_place(opt):
+            chunks = _merge_arrived(ts, role, opt, chunks)
         incoming = (
             [e for e in ts.store.resolve(_entries(ts, role, opt, chunks[0])) if ts.store.is_offloaded(e.key)]
             if chunks
