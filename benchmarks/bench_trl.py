@@ -213,37 +213,11 @@ def _annotate_for_profile(trainer) -> None:
 _ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
-def _copy_path(mode: str) -> None:
-    """A probe of how the copies queued behind compute reach the driver (``+copies=<mode>`` on a
-    variant; this process only): ``each``, one ``cudaMemcpyAsync`` per storage through torch
-    (the path where the driver has no batched copy); ``split<N>``, batched calls of at most N
-    copies each."""
-    from tidal.transfer import batch, engine
-
-    if mode == "each":
-        engine.batch_copier = lambda device: None
-        return
-    if not mode.startswith("split") or not mode[5:].isdigit():
-        raise ValueError(f"unknown copies={mode!r}: 'each' or 'split<N>'")
-    n = int(mode[5:])
-    whole = batch.BatchCopier.copy
-
-    def split(self, dsts, srcs, sizes, stream, *, to_device):
-        for i in range(0, len(sizes), n):
-            whole(self, dsts[i : i + n], srcs[i : i + n], sizes[i : i + n], stream, to_device=to_device)
-
-    batch.BatchCopier.copy = split
-
-
 def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) -> None:
     """One training run in this process; writes its measurements to ``out_json``.
     ``+expandable`` on a variant: the caching allocator's expandable segments (the parent
     sets PYTORCH_CUDA_ALLOC_CONF for this process); the rest of the name says the run."""
     name, variant = variant, variant.replace("+expandable", "")
-    copies = next((e.split("=", 1)[1] for e in variant.split("+") if e.startswith("copies=")), None)
-    if copies is not None:
-        variant = variant.replace(f"+copies={copies}", "")
-        _copy_path(copies)
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback

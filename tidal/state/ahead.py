@@ -35,7 +35,7 @@ class StoreAhead:
         In the order given (give them in the order their next user reads them), as many as fit
         in the device memory that is free (driver-free plus allocator-cached, less
         ``leave_free_bytes``, at most ``limit_bytes``) are allocated and their H2D copies queued
-        (direct copies, one driver call for all where the driver batches copies: see
+        (direct copies, one ``copy_`` each from its pinned slot: see
         :meth:`TransferEngine.queue_direct`); it stops at the first that does not fit. They stay tracked as
         offloaded until a :meth:`switch` (or :meth:`reload`) brings them in: their memory holds
         none of their bytes yet (:func:`~tidal.state.backends.holds_memory` is False), so every
@@ -118,8 +118,8 @@ class StoreAhead:
         alloc_seconds = time.perf_counter() - t0
         engine.begin_in()
         self._after_departures(engine.h2d_stream, take)
-        # Direct copies, one driver call where the driver batches them: the host's time to
-        # queue them is what a prefetch costs the phase it runs in.
+        # Direct copies: the host's time to queue them is what a prefetch costs the phase it
+        # runs in.
         items = self._items(take)
         t1 = time.perf_counter()
         event = engine.queue_direct(items, to_device=True)

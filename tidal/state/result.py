@@ -28,7 +28,7 @@ class MoveResult:
     segments: int
     alloc_seconds: float = 0.0
     # Of ``seconds``, for a queued move: the host's time inside the call that queues the
-    # copies (one batched driver call where the driver has one).
+    # copies.
     queue_seconds: float = 0.0
     # Bytes released without a D2H copy: their host copy was still valid (a frozen role).
     bytes_skipped: int = 0

@@ -25,7 +25,6 @@ import torch
 from tidal import guard
 from tidal.device import DeviceOps
 from tidal.transfer.arena import HostArena, HostSlot, _align_up
-from tidal.transfer.batch import batch_copier
 
 __all__ = ["TransferConfig", "TransferEngine", "CopyItem", "Segment", "byte_view"]
 
@@ -143,7 +142,6 @@ class TransferEngine:
         self.d2h_stream, self.h2d_stream = streams if streams is not None else (ops.new_stream(), ops.new_stream())
         self._staging_out: torch.Tensor | None = None
         self._staging_in: torch.Tensor | None = None
-        self._batch: Any = False  # the device's BatchCopier, None without one; False: not looked up yet
         self.bytes_out = 0
         self.bytes_in = 0
 
@@ -232,26 +230,17 @@ class TransferEngine:
         (:meth:`begin_in` / :meth:`begin_out`); returns the event marking them all done.
 
         For copies queued behind compute (a prefetch, a write-back), where the host's time to
-        queue them is what the phase waits for: on a CUDA driver that batches copies all of
-        them go in one driver call (:mod:`tidal.transfer.batch`), from pinned host memory; else
-        one ``copy_`` each, as :meth:`copy_in` / :meth:`copy_out` would."""
+        queue them is what the phase waits for: one ``copy_`` per storage from its pinned slot,
+        each returning once queued. (One ``cuMemcpyBatchAsync`` call for all of them held the
+        host about as long as the copies took once they were large: 0.26 s for 14.2 GB in 678
+        copies on an H100, against 0.01-0.016 s this way; benchmarks/RESULTS.md, 2026-11-26.)"""
         stream = self.h2d_stream if to_device else self.d2h_stream
         with self.ops.on_stream(stream):
-            copier = self._batch_copier()
-            if copier is not None and items:
-                device_ptrs = [guard.address(it.storage) for it in items]  # guarded or not
-                host_ptrs = [self.arena.address(it.slot) for it in items]
-                sizes = [it.nbytes for it in items]
+            for it in items:
                 if to_device:
-                    copier.copy(device_ptrs, host_ptrs, sizes, stream.cuda_stream, to_device=True)
+                    byte_view(it.storage).copy_(self.arena.view(it.slot), non_blocking=True)
                 else:
-                    copier.copy(host_ptrs, device_ptrs, sizes, stream.cuda_stream, to_device=False)
-            else:
-                for it in items:
-                    if to_device:
-                        byte_view(it.storage).copy_(self.arena.view(it.slot), non_blocking=True)
-                    else:
-                        self.arena.view(it.slot).copy_(byte_view(it.storage), non_blocking=True)
+                    self.arena.view(it.slot).copy_(byte_view(it.storage), non_blocking=True)
             nbytes = sum(it.nbytes for it in items)
             if to_device:
                 self.bytes_in += nbytes
@@ -260,11 +249,6 @@ class TransferEngine:
                 self.bytes_out += nbytes
                 self.ops.point("d2h_queued")
             return self._record(stream)
-
-    def _batch_copier(self) -> Any:
-        if self._batch is False:
-            self._batch = batch_copier(self.ops.device) if self.ops.is_accelerator and self.arena.pinned else None
-        return self._batch
 
     def publish(self, event: Any) -> None:
         """Make the compute stream wait for an H2D event (no host blocking)."""

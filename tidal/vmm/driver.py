@@ -15,14 +15,70 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import threading
 from typing import Protocol
 
 import torch
 
-from tidal.transfer.batch import PrimaryContext, libcuda
+__all__ = ["CudaDriver", "PrimaryContext", "VmmDriver", "VmmUnavailableError", "cuda_driver", "libcuda"]
 
-__all__ = ["CudaDriver", "VmmDriver", "VmmUnavailableError", "cuda_driver"]
+
+@functools.lru_cache(maxsize=None)
+def libcuda() -> ctypes.CDLL | None:
+    """The CUDA driver library, or None where there is none."""
+    for name in ("libcuda.so.1", ctypes.util.find_library("cuda")):
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+class PrimaryContext:
+    """Calls into the driver library on one device's primary context (the one torch uses).
+
+    Args:
+        lib: the driver library.
+        device_index: the device.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, device_index: int) -> None:
+        self.lib = lib
+        self.device_index = device_index
+        self._local = threading.local()
+        self._context: ctypes.c_void_p | None = None
+
+    def retain(self, cu_device: int) -> None:
+        """Take a reference on the device's primary context (``cu_device``: its ``CUdevice``)."""
+        ctx = ctypes.c_void_p()
+        self.check("cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), cu_device))
+        self._context = ctx
+
+    def make_current(self) -> None:
+        """Driver calls act on the calling thread's current context: make the primary context
+        current on a thread that may never have touched CUDA (autograd's), once per thread."""
+        if getattr(self._local, "ready", False):
+            return
+        assert self._context is not None, "retain() first"
+        ctx = ctypes.c_void_p()
+        self.check("cuCtxGetCurrent", self.lib.cuCtxGetCurrent(ctypes.byref(ctx)))
+        if ctx.value != self._context.value:
+            self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self._context))
+        self._local.ready = True
+
+    def check(self, call: str, err: int) -> None:
+        """Raise ``RuntimeError`` naming ``call`` and the driver's error unless ``err`` is 0."""
+        if err == 0:
+            return
+        name = ctypes.c_char_p()
+        self.lib.cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(
+            f"{call} failed on cuda:{self.device_index} with "
+            f"{name.value.decode() if name.value else 'CUDA error'} ({err})"
+        )
 
 
 class VmmUnavailableError(RuntimeError):
