@@ -56,7 +56,7 @@ for part in ${*:-tests bench}; do
     profile-stress) bench profile_stress.log --preset qwen2-1.5b --dtype float32 --batch 16 --completion 32 --steps 5 --profile-step 5 \
                --variants ${VARIANTS:-trl,stream,stream+prefetch} --picture "$OUT/profile_1.5b_16x32_$tag.png" \
                --json "$OUT/profile_1.5b_16x32_$tag.json" ;;
-    bench) bench bench.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps 4 \
+    bench) bench bench.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps ${STEPS:-4} \
              --variants ${VARIANTS:-trl,stream,stream+prefetch} --json "$OUT/trl_1.5b_64x256_$tag.json" ;;
     stress|stress-1.5b|stress-7b)
             if [ $part != stress-7b ]; then
