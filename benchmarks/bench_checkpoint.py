@@ -169,7 +169,7 @@ def _run(rank: int, world: int, args, root: str) -> dict:
     # The state to compare against lives on the host: clones kept on the device would share
     # caching-allocator segments with the role's storages (a reload fills their free space),
     # so later offloads could not give those segments back to the driver (the 73 MiB per rank
-    # that earlier runs of this benchmark left; scripts/probe_fsdp_release.py shows it).
+    # that earlier runs of this benchmark left; the probe at git show c91961b:scripts/probe_fsdp_release.py showed it).
     reference = {k: _local(v).to("cpu", copy=True) for k, v in _tensors(model, opt).items()}
 
     def zero_state() -> None:

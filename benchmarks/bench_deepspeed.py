@@ -322,7 +322,9 @@ def main(argv=None) -> int:
             env[pkg] = None
     log(f"bench_deepspeed: {env}")
     if env["deepspeed"] is None:
-        log("deepspeed is not installed; nothing measured (bash scripts/gpu_deepspeed.sh installs the carried wheels)")
+        log(
+            "deepspeed is not installed; nothing measured (bash benchmarks/gpu.sh deepspeed installs the carried wheels)"
+        )
         return 0
     runs = []
     port = 29610

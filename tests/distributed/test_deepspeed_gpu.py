@@ -4,7 +4,7 @@ an offloaded engine gives back, training identical with offloads between steps, 
 own offload_states on the same engines for comparison.
 
 Each test spawns its processes (as the CPU tests do): DeepSpeed's accelerator and process
-group are per process. Run with deepspeed importable, e.g. ``bash scripts/gpu_deepspeed.sh``.
+group are per process. Run with deepspeed importable, e.g. ``bash benchmarks/gpu.sh deepspeed``.
 """
 
 from __future__ import annotations

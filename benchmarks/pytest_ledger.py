@@ -5,8 +5,8 @@ With this plugin a run interrupted at its deadline (``timeout -s INT``) is conti
 same command in the next call: every test that reached an outcome is appended to a ledger
 file as it ends, and a later run with the same ledger deselects those tests.
 
-    TIDAL_TESTS_LEDGER=/tmp/ledger python3 -m pytest -p pytest_ledger -m gpu tests   # scripts/ on sys.path
-    python3 scripts/pytest_ledger.py /tmp/ledger       # the tally over every run of that ledger
+    TIDAL_TESTS_LEDGER=/tmp/ledger python3 -m pytest -p pytest_ledger -m gpu tests   # benchmarks/ on sys.path
+    python3 benchmarks/pytest_ledger.py /tmp/ledger    # the tally over every run of that ledger
 
 Ledger lines: ``nodeid<TAB>outcome<TAB>detail``; outcome is one of passed, failed, error,
 skipped, xfailed, xpassed (detail: the skip or xfail reason). A test that reached no outcome
@@ -109,5 +109,5 @@ def tally(path: str) -> list[str]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python scripts/pytest_ledger.py LEDGER")
+        raise SystemExit("usage: python benchmarks/pytest_ledger.py LEDGER")
     print("\n".join(tally(sys.argv[1])))

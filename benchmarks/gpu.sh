@@ -1,0 +1,561 @@
+#!/usr/bin/env bash
+# Every GPU run of tidal from one command: the GPU tests, and the benchmark behind each published
+# figure (benchmarks/RESULTS.md's "Current figures", the README's table), on a lent GPU machine
+# (torch and transformers there, no network; tidal runs from this checkout).
+#
+#   bash benchmarks/gpu.sh <suite>[:<part>] ...     e.g.  bash benchmarks/gpu.sh core trl:7b
+#   DRY=1 bash benchmarks/gpu.sh all                 print every command, run nothing
+#   bash benchmarks/gpu.sh --help                    this text
+#
+# A suite named alone runs its parts marked *; suite:part runs that part (several may be given).
+# `all` runs the marked parts of every suite, the suites' own test parts left to `tests`.
+#   core        *tests       GPU tests of the transfer, state and timeshare paths (VMM regions: vmm)
+#               *bench       tidal bench --preset qwen2-1.5b: offload / reload / switch
+#               *offload     benchmarks/bench_offload.py (1.5B, then 7B if it fits), then 1.5B with
+#                            freed blocks kept in torch's cache (--keep-cache)
+#               *reliability benchmarks/bench_reliability.py: verified restore against verify off
+#               *elision     benchmarks/bench_elision.py: offloads of frozen or unchanged roles
+#                overhead    benchmarks/bench_overhead.py (and the copy in .before/, if there)
+#                ckpt1       benchmarks/bench_checkpoint.py --world 1: an FSDP2 role's transitions
+#   trl         *tests       GPU tests of tests/integrations, tests/timeshare, tests/state
+#               *bench       bench_trl.py, Qwen2-1.5B fp32, 64 completions x 256 tokens (VARIANTS)
+#               *7b          the same at Qwen2-7B bf16 (VARIANTS7B)
+#                stress      16 x 32 at 1.5B and at 7B (VARIANTS_STRESS); stress-1.5b, stress-7b
+#                ds          7B, DeepSpeed ZeRO-3 offload through TRL beside tidal (VARIANTSDS)
+#                demo7b      tidal demo --preset qwen2-7b --async-transitions (DEMO_FLAGS)
+#                profile     bench's workload with one steady step profiled, drawn to a PNG
+#   vmm         *tests       tests/vmm and the region-role tests
+#               *bench       benchmarks/bench_vmm.py beside torch_memory_saver (VMM_ARGS)
+#   demo        *tests       GPU tests of recipes, timeshare, state, optim, plan (EXTRA_TESTS)
+#               *bench       benchmarks/bench_demo.py: the demo's GPU default, planner calibration
+#               *plan-small  tidal demo with the planner's levers, Qwen2-0.5B (PLAN_STEPS)
+#               *plan-7b     the same, Qwen2-7B full-parameter (BIG_STEPS)
+#               *prefetch    benchmarks/bench_prefetch.py (PREFETCH_STEPS, PREFETCH_ARGS)
+#               *timeline    $OUT/timeline.png for docs/timeline.png (TIMELINE_ARGS: demo flags)
+#   activations *tests       GPU tests of tests/activations
+#               *bench       benchmarks/bench_activations.py --configs qwen2-1.5b-16L (ACT_CONFIGS)
+#   cpu_adam    *tests       GPU tests of tests/optim
+#               *train       bench_cpu_adam.py --skip-throughput: the GPU train step (ADAM_ARGS)
+#               *host        the host step's throughput, extrapolated to 7.6 G params
+#               *accumulate  tidal demo, micro-batch gradients summed on the host, then the device
+#                bench       bench_cpu_adam.py: host throughput and the train step in one run
+#                precision   benchmarks/bench_cpu_adam_precision.py (a CPU benchmark)
+#   lease       *tests       the lease's GPU tests (sequential and overlapped), evict="as_needed"
+#               *bench       bench_lease.py --overlap at ROLE_GB (2 6): cross-process hand-overs
+#                processes   tidal demo --roles processes: the GRPO roles as separate processes
+#   deepspeed   *tests       DeepSpeed adapter tests (GPU, then CPU); needs the carried wheels
+#               *bench       benchmarks/bench_deepspeed.py --preset qwen2-0.5b; bench-1.5b
+#   guard       *tests       the storage guard's GPU tests and those of the transitions it touches
+#               *bench       tidal bench with TIDAL_STORAGE_GUARD off and on, ROUNDS (2) each
+#   two         *lease2      bench_lease.py --two-gpus: two processes, one GPU and lease each
+#               *ckpt        bench_checkpoint.py at world 2: an FSDP2 role, saves, loads
+#               *tests       the GPU tests, resumable (as `tests`), on the 2-GPU machine
+#   tests       *gpu         every GPU test (-m gpu tests), resumable across calls: see below
+#
+# Output, under $OUT (./out by default): env.txt (GPUs, driver, host, versions, the commit:
+# TIDAL_COMMIT names it where the device copy's git log is stale), one log per command line
+# (each command appended to its log with the line that ran it), the benchmarks' JSON, RESULTS.md
+# (the rows the benchmarks wrote, each under its section's heading: a fragment to copy into
+# benchmarks/RESULTS.md), timing.txt (each part's seconds and outcome) and summary.txt (the
+# same with each log's last lines, which are also printed). The exit status is 1 if any part
+# failed or was not run for lack of time, 2 for a usage error.
+#
+# Carried wheels (.whl/, built where there is network by benchmarks/fetch_wheels.sh, carried
+# with carry=[".whl"]) are installed once by benchmarks/gpu_setup.sh. A part that needs what is
+# not there (two GPUs, DeepSpeed, TRL) fails when named, and is skipped under `all`.
+#
+# Time: the `two` parts and the `tests` part end within BUDGET seconds of this command's start
+# (570: a device call may run 600; no limit by default with `all`), each benchmark part has its
+# own timeout. The tests record every outcome in a ledger (TESTS_LEDGER, by default
+# /tmp/tidal-gpu/tests.ledger, kept while the machine stays warm, copied to $OUT/tests.ledger);
+# the next call runs only the tests not in it, and tests.log ends with the tally over all calls.
+# TESTS_FRESH=1 starts a new ledger; on a fresh machine carry the returned ledger and pass
+# TESTS_LEDGER=<its path>.
+#
+# Knobs (environment): OUT, DRY, TAIL (log lines shown), BUDGET, TESTS (the paths of a tests
+# part), TESTS_TIMEOUT; trl: VARIANTS, VARIANTS7B, VARIANTS_STRESS, VARIANTSDS, STEPS,
+# BENCH_TIMEOUT, BENCH_ARGS (more bench_trl.py arguments), TAG (names the JSON), DEMO_FLAGS;
+# the others as named above, and SMALL_TIMEOUT, BIG_TIMEOUT, HOST_TIMEOUT, DEMO_TIMEOUT,
+# ACC_STEPS, LEASE_TIMEOUT, TURNS, CHUNK_MB, DEMO_STEPS, LEASE2_TIMEOUT, CKPT_TIMEOUT, NOTE.
+#
+# shellcheck disable=SC2086,SC2329  # knobs (TESTS, BENCH_ARGS) hold several words; parts run by name
+set -uo pipefail
+SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+cd "$(dirname "$SELF")/.." || exit 2
+DRY=${DRY:-0}
+
+usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$SELF" | sed '/^shellcheck/d'; }
+
+# ---- suites: the parts run when a suite is named alone, then the others --------------------
+declare -A DEFAULT=(
+  [core]="tests bench offload reliability elision"
+  [trl]="tests bench 7b"
+  [vmm]="tests bench"
+  [demo]="tests bench plan-small plan-7b prefetch timeline"
+  [activations]="tests bench"
+  [cpu_adam]="tests train host accumulate"
+  [lease]="tests bench"
+  [deepspeed]="tests bench"
+  [guard]="tests bench"
+  [two]="lease2 ckpt tests"
+  [tests]="gpu"
+)
+declare -A EXTRA=(
+  [core]="overhead ckpt1"
+  [trl]="stress stress-1.5b stress-7b ds demo7b profile"
+  [demo]=""
+  [cpu_adam]="bench precision"
+  [lease]="processes"
+  [deepspeed]="bench-1.5b"
+)
+ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two"
+
+# ---- the command line --------------------------------------------------------------------
+if [ $# = 0 ]; then usage >&2; exit 2; fi
+QUEUE=()
+queue() {  # queue SUITE PART VIA: once each
+  local item
+  for item in ${QUEUE[@]+"${QUEUE[@]}"}; do
+    if [ "${item% *}" = "$1 $2" ]; then return; fi
+  done
+  QUEUE+=("$1 $2 $3")
+}
+has_part() { case " ${DEFAULT[$1]} ${EXTRA[$1]:-} " in *" $2 "*) return 0 ;; *) return 1 ;; esac; }
+with_all=0
+for arg in "$@"; do
+  case $arg in
+    -h | --help | help) usage; exit 0 ;;
+    all)
+      with_all=1
+      for s in $ALL_ORDER; do
+        for p in ${DEFAULT[$s]}; do
+          if [ "$p" != tests ]; then queue "$s" "$p" all; fi
+        done
+      done ;;
+    *:*)
+      s=${arg%%:*} p=${arg#*:}
+      if [ -z "${DEFAULT[$s]+x}" ] || ! has_part "$s" "$p"; then
+        echo "gpu.sh: no part '$arg' (bash benchmarks/gpu.sh --help lists them)" >&2; exit 2
+      fi
+      queue "$s" "$p" named ;;
+    *)
+      if [ -z "${DEFAULT[$arg]+x}" ]; then
+        echo "gpu.sh: no suite '$arg' (bash benchmarks/gpu.sh --help lists them)" >&2; exit 2
+      fi
+      for p in ${DEFAULT[$arg]}; do queue "$arg" "$p" named; done ;;
+  esac
+done
+if [ $with_all = 1 ]; then BUDGET=${BUDGET:-1000000}; fi
+BUDGET=${BUDGET:-570}
+TAG=${TAG:-run}
+LEDGER=${TESTS_LEDGER:-/tmp/tidal-gpu/tests.ledger}
+T0=$(date +%s)
+
+# shellcheck source=benchmarks/gpu_setup.sh
+source benchmarks/gpu_setup.sh
+if [ "${TESTS_FRESH:-0}" = 1 ] && [ "$DRY" != 1 ]; then rm -f "$LEDGER"; fi
+
+# ---- helpers -----------------------------------------------------------------------------
+q() {  # a command's words, each quoted for a shell where it needs to be
+  local w line=""
+  for w in "$@"; do
+    if [[ $w =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then line+="$w "; else line+="$(printf '%q' "$w") "; fi
+  done
+  printf '%s' "${line% }"
+}
+PART_RC=0     # 1 once a command of the running part failed
+PART_LOGS=()  # the logs the running part wrote, for their tails
+SKIP=""       # why the running part did not run: what it needs is not here
+FAIL=""       # why the running part did not run: no time left
+TAILN=15      # lines of each log shown after the part
+note_log() {
+  local l
+  for l in ${PART_LOGS[@]+"${PART_LOGS[@]}"}; do if [ "$l" = "$1" ]; then return; fi; done
+  PART_LOGS+=("$1")
+}
+run() {  # run LOG CMD...: CMD's output appended to $OUT/LOG, after the line that ran it
+  local log=$1 rc
+  shift
+  note_log "$log"
+  if [ "$DRY" = 1 ]; then echo "  $(q "$@") >> $OUT/$log 2>&1"; return 0; fi
+  echo "\$ $(q "$@")" >> "$OUT/$log"
+  "$@" >> "$OUT/$log" 2>&1
+  rc=$?
+  if [ $rc != 0 ]; then PART_RC=1; echo "(exit status $rc)" >> "$OUT/$log"; fi
+  return $rc
+}
+x() {  # x CMD...: a command whose output is not worth a log
+  if [ "$DRY" = 1 ]; then echo "  $(q "$@")"; return 0; fi
+  "$@" || PART_RC=1
+}
+pyrun() {  # pyrun LOG WHAT CODE ARGS...: a short Python program kept in this file
+  local log=$1 what=$2 code=$3
+  shift 3
+  note_log "$log"
+  if [ "$DRY" = 1 ]; then echo "  python3 -c <$what> $(q "$@") >> $OUT/$log 2>&1"; return 0; fi
+  echo "\$ python3 -c <$what> $(q "$@")" >> "$OUT/$log"
+  python3 -c "$code" "$@" >> "$OUT/$log" 2>&1 || PART_RC=1
+}
+TIMED=()  # host peak RSS of the demo runs, where /usr/bin/time exists
+if [ -x /usr/bin/time ]; then TIMED=(/usr/bin/time -v); fi
+left() { echo $(( T0 + BUDGET - $(date +%s) )); }
+limit() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }  # a part's own limit, or what is left
+in_budget() {
+  if [ "$DRY" != 1 ] && [ "$(left)" -lt 30 ]; then
+    FAIL="not run: $(left) s left of BUDGET=$BUDGET"; return 1
+  fi
+}
+need_gpus() {
+  local n
+  if [ "$DRY" = 1 ]; then return 0; fi
+  n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  if [ "$n" -lt "$1" ]; then SKIP="needs $1 GPUs, $n here"; return 1; fi
+}
+need_module() {
+  if [ "$DRY" = 1 ]; then return 0; fi
+  if ! python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; then
+    SKIP="needs $1: carry .whl/ from benchmarks/fetch_wheels.sh"; return 1
+  fi
+}
+# Lines of a log not worth showing: progress bars, warnings, blank lines, /usr/bin/time's
+# lines (a tab first) other than the peak RSS.
+NOISE='it/s\]|s/it\]|Warning|warnings\.warn|forward_call|^\s*$|^'$'\t''(Command|User|System|Percent|Elapsed|Average|Major|Minor|Volun|Invol|Swaps|File|Socket|Signals|Page|Exit)'
+tails() {
+  local log
+  for log in ${PART_LOGS[@]+"${PART_LOGS[@]}"}; do
+    if [ -f "$OUT/$log" ]; then
+      echo "-- $log"
+      grep -vE "$NOISE" "$OUT/$log" | tail -n "${TAIL:-$TAILN}"
+    fi
+  done
+}
+
+# ---- what a suite sets up once, before its first part --------------------------------------
+declare -A READY=()
+setup_suite() {
+  if [ -n "${READY[$1]+x}" ]; then return; fi
+  READY[$1]=1
+  case $1 in
+    trl)
+      if [ "$DRY" != 1 ]; then
+        python3 -c "import trl, datasets; print('trl', trl.__version__, '| datasets', datasets.__version__)" 2>&1 \
+          | tail -1 | tee -a "$OUT/env.txt"
+      fi ;;
+    vmm) if [ "$DRY" = 1 ]; then install_tms; else install_tms 2>&1 | tee -a "$OUT/env.txt"; fi ;;
+    deepspeed)
+      if [ "$DRY" != 1 ]; then
+        if command -v nvcc >/dev/null; then nvcc --version | tail -1
+        else echo "no nvcc: DeepSpeed's FusedAdam (ZeRO-3 offload_states) cannot build"; fi | tee -a "$OUT/env.txt"
+      fi ;;
+  esac
+}
+
+# ---- core -------------------------------------------------------------------------------
+p_core_tests() {
+  run core_tests.log timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -m gpu ${TESTS:-tests/transfer tests/state tests/timeshare} \
+    --ignore=tests/timeshare/test_region_role_gpu.py --durations=8 -p no:cacheprovider -rs
+}
+p_core_bench() {
+  run tidal_bench.log timeout 240 python3 -m tidal_recipes bench --preset qwen2-1.5b --results "$OUT/RESULTS.md" \
+    --json "$OUT/bench.json"
+}
+p_core_offload() {
+  TAILN=25
+  run bench_offload.log python3 benchmarks/bench_offload.py --results "$OUT/RESULTS.md" --json-dir "$OUT"
+  run bench_offload.log python3 -m tidal_recipes bench --preset qwen2-1.5b --keep-cache --results "$OUT/RESULTS.md"
+}
+p_core_reliability() {
+  run bench_reliability.log timeout 250 python3 benchmarks/bench_reliability.py --results "$OUT/RESULTS.md"
+}
+p_core_elision() {
+  run bench_elision.log timeout 300 python3 benchmarks/bench_elision.py --results "$OUT/RESULTS.md"
+}
+p_core_overhead() {
+  if [ -d .before ]; then  # an earlier checkout, measured beside this one
+    run overhead_before.log env -C .before PYTHONPATH="$PWD/.before" timeout 120 python3 benchmarks/bench_overhead.py \
+      --results "$OUT/RESULTS.md" --note before
+  fi
+  run overhead.log timeout 120 python3 benchmarks/bench_overhead.py --results "$OUT/RESULTS.md" --note "${NOTE:-after}"
+}
+p_core_ckpt1() {
+  run ckpt1.log timeout 120 python3 benchmarks/bench_checkpoint.py --world 1 --cycles 12 --budget-s 0
+}
+
+# ---- trl --------------------------------------------------------------------------------
+trl_bench() {  # trl_bench LOG ARGS...: one bench_trl.py run
+  local log=$1
+  shift
+  TAILN=40
+  run "$log" timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_trl.py --results "$OUT/RESULTS.md" "$@" ${BENCH_ARGS:-}
+}
+p_trl_tests() {
+  run trl_tests.log timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/integrations tests/timeshare tests/state -rs \
+    --durations=5 -p no:cacheprovider
+}
+p_trl_bench() {
+  need_module trl || return 0
+  trl_bench trl_bench.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps "${STEPS:-4}" \
+    --variants "${VARIANTS:-trl,stream,stream+prefetch}" --json "$OUT/trl_1.5b_64x256_$TAG.json"
+}
+p_trl_7b() {
+  need_module trl || return 0
+  trl_bench trl_bench7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-4}" \
+    --variants "${VARIANTS7B:-trl,stream,stream+prefetch}" --json "$OUT/trl_7b_64x256_$TAG.json"
+}
+p_trl_stress_1_5b() {
+  need_module trl || return 0
+  trl_bench trl_stress.log --preset qwen2-1.5b --dtype float32 --batch 16 --completion 32 --steps 6 \
+    --variants "${VARIANTS_STRESS:-trl,stream,stream+prefetch}" --json "$OUT/trl_1.5b_16x32_$TAG.json"
+}
+p_trl_stress_7b() {
+  need_module trl || return 0
+  trl_bench trl_stress7b.log --preset qwen2-7b --dtype bfloat16 --batch 16 --completion 32 --steps 6 \
+    --variants "${VARIANTS_STRESS:-trl,stream,stream+prefetch}" --json "$OUT/trl_7b_16x32_$TAG.json"
+}
+p_trl_stress() {
+  p_trl_stress_1_5b
+  p_trl_stress_7b
+}
+p_trl_ds() {  # DeepSpeed ZeRO-3 with optimizer and parameter offload; its CPU Adam JIT-builds first (~1 min)
+  need_module trl && need_module deepspeed || return 0
+  trl_bench trl_ds7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps 3 \
+    --variants "${VARIANTSDS:-ds-zero3-offload,stream+prefetch}" --json "$OUT/trl_7b_64x256_ds_$TAG.json"
+}
+p_trl_demo7b() {  # the demo at 7B with the mechanisms TidalGRPOTrainer uses, against its all-resident step
+  TAILN=40
+  run trl_demo7b.log timeout "${BENCH_TIMEOUT:-540}" python3 -m tidal_recipes demo --preset qwen2-7b --steps "${STEPS:-4}" \
+    --baseline-steps 1 --async-transitions ${DEMO_FLAGS:---prefetch} --out "$OUT/demo7b"
+}
+p_trl_profile() {
+  need_module trl || return 0
+  trl_bench trl_profile.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps "${STEPS:-4}" \
+    --profile-step "${STEPS:-4}" --variants "${VARIANTS:-trl,stream,stream+prefetch}" \
+    --picture "$OUT/profile_1.5b_64x256_$TAG.png" --json "$OUT/profile_1.5b_64x256_$TAG.json"
+}
+
+# ---- vmm --------------------------------------------------------------------------------
+p_vmm_tests() {
+  run vmm_tests.log timeout 300 python3 -m pytest -q tests/vmm tests/timeshare/test_region_role_gpu.py \
+    tests/timeshare/test_region_role.py -p no:cacheprovider --durations=5
+}
+p_vmm_bench() {
+  TAILN=40
+  run bench_vmm.log timeout 400 python3 benchmarks/bench_vmm.py --results "$OUT/RESULTS.md" ${VMM_ARGS:-}
+}
+
+# ---- demo -------------------------------------------------------------------------------
+p_demo_tests() {
+  run demo_tests.log env TQDM_DISABLE=1 python3 -m pytest -q -m gpu tests/recipes tests/timeshare tests/state tests/optim \
+    tests/plan ${EXTRA_TESTS:-}
+}
+p_demo_bench() {
+  TAILN=60
+  run bench_demo.log env TQDM_DISABLE=1 python3 benchmarks/bench_demo.py --out "$OUT/demo" --results "$OUT/RESULTS.md"
+}
+p_demo_plan_small() {
+  TAILN=24
+  run demo_small.log timeout "${SMALL_TIMEOUT:-150}" ${TIMED[@]+"${TIMED[@]}"} python3 -m tidal_recipes demo \
+    --steps "${PLAN_STEPS:-5}" --baseline-steps 2 --out "$OUT/demo-small"
+}
+p_demo_plan_7b() {
+  TAILN=26
+  run demo_7b.log timeout "${BIG_TIMEOUT:-300}" ${TIMED[@]+"${TIMED[@]}"} python3 -m tidal_recipes demo --preset qwen2-7b \
+    --steps "${BIG_STEPS:-4}" --baseline-steps 1 --out "$OUT/demo-7b"
+}
+p_demo_prefetch() {
+  TAILN=30
+  run bench_prefetch.log timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_prefetch.py --steps "${PREFETCH_STEPS:-6}" \
+    ${PREFETCH_ARGS:-} --results "$OUT/RESULTS.md"
+}
+p_demo_timeline() {  # both panels on one memory scale: the timeshare, then every role resident
+  run timeline.log env TQDM_DISABLE=1 python3 -m tidal_recipes demo --steps "${TIMELINE_STEPS:-10}" \
+    --baseline-steps "${TIMELINE_BASELINE_STEPS:-3}" --out "$OUT/demo-timeline" ${TIMELINE_ARGS:-} || return 0
+  x cp "$OUT/demo-timeline/timeline.png" "$OUT/timeline.png"
+  x mv "$OUT/demo-timeline/demo.jsonl" "$OUT/timeline.jsonl"
+  x rm -rf "$OUT/demo-timeline"
+  if [ "$DRY" != 1 ]; then
+    echo "wrote $OUT/timeline.png: copy it to docs/timeline.png, naming the GPU and $(grep -o 'commit .*' "$OUT/env.txt")" \
+      >> "$OUT/timeline.log"
+  fi
+}
+
+# ---- activations ------------------------------------------------------------------------
+p_activations_tests() {
+  run activations_tests.log timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/activations --durations=5 \
+    -p no:cacheprovider -rs
+}
+p_activations_bench() {
+  TAILN=30
+  run bench_activations.log timeout 300 python3 benchmarks/bench_activations.py --configs "${ACT_CONFIGS:-qwen2-1.5b-16L}" \
+    --results "$OUT/RESULTS.md"
+}
+
+# ---- cpu_adam ---------------------------------------------------------------------------
+p_cpu_adam_tests() {
+  run cpu_adam_tests.log timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu ${TESTS:-tests/optim} --durations=5 \
+    -p no:cacheprovider
+}
+p_cpu_adam_train() {
+  TAILN=25
+  run bench_cpu_adam_train.log timeout 300 python3 benchmarks/bench_cpu_adam.py --skip-throughput ${ADAM_ARGS:-} \
+    --results "$OUT/RESULTS.md"
+}
+p_cpu_adam_host() {
+  run cpu_adam_host.log timeout "${HOST_TIMEOUT:-300}" python3 benchmarks/bench_cpu_adam.py --skip-train \
+    --throughput-params 1.5e9 --extrapolate-params 7.6e9 --results "$OUT/RESULTS.md"
+}
+p_cpu_adam_accumulate() {
+  local acc
+  for acc in host device; do
+    run demo_$acc.log timeout "${DEMO_TIMEOUT:-170}" python3 -m tidal_recipes demo --steps "${ACC_STEPS:-5}" --baseline-steps 2 \
+      --grad-accumulation $acc --out "$OUT/demo-$acc"
+  done
+}
+p_cpu_adam_bench() {
+  TAILN=25
+  run bench_cpu_adam.log python3 benchmarks/bench_cpu_adam.py --results "$OUT/RESULTS.md"
+}
+p_cpu_adam_precision() {
+  run bench_cpu_adam_precision.log python3 benchmarks/bench_cpu_adam_precision.py --steps 400 --results "$OUT/RESULTS.md"
+}
+
+# ---- lease ------------------------------------------------------------------------------
+p_lease_tests() {
+  run lease_tests.log timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu ${TESTS:-tests/distributed/test_lease_gpu.py \
+    tests/distributed/test_lease_overlap_gpu.py tests/timeshare/test_evict_gpu.py} --durations=5 -p no:cacheprovider
+}
+p_lease_bench() {  # about 3.8 GB and 12 GB moved per hand-over, sequential and overlapped
+  local gb
+  for gb in ${ROLE_GB:-2 6}; do
+    run bench_lease_$gb.log timeout "${LEASE_TIMEOUT:-200}" python3 benchmarks/bench_lease.py --overlap --role-gb "$gb" \
+      --turns "${TURNS:-6}" --chunk-mb "${CHUNK_MB:-256}" --results "$OUT/RESULTS.md"
+  done
+}
+p_lease_processes() {
+  run demo_processes.log timeout 300 python3 -m tidal_recipes demo --roles processes --steps "${DEMO_STEPS:-8}" \
+    --baseline-steps 0 --out "$OUT/demo-processes"
+}
+
+# ---- deepspeed --------------------------------------------------------------------------
+p_deepspeed_tests() {
+  need_module deepspeed || return 0
+  # -s: the spawned test processes print what they measured (bytes, GB/s, driver memory)
+  run deepspeed_gpu_tests.log python3 -m pytest -q -s -m gpu tests/distributed/test_deepspeed_gpu.py --durations=5
+  run deepspeed_cpu_tests.log python3 -m pytest -q tests/distributed/test_deepspeed.py
+}
+p_deepspeed_bench() {
+  need_module deepspeed || return 0
+  run bench_deepspeed.log python3 benchmarks/bench_deepspeed.py --preset qwen2-0.5b --out "$OUT/bench_deepspeed_qwen2-0.5b.json"
+}
+p_deepspeed_bench_1_5b() {
+  need_module deepspeed || return 0
+  run bench_deepspeed.log python3 benchmarks/bench_deepspeed.py --preset qwen2-1.5b --out "$OUT/bench_deepspeed_qwen2-1.5b.json"
+}
+
+# ---- guard ------------------------------------------------------------------------------
+p_guard_tests() {
+  pyrun guard_tests.log "the guard's status" "from tidal import guard; print('storage guard:', guard.status())"
+  run guard_tests.log python3 -m pytest -q -m gpu --durations=5 \
+    tests/timeshare/test_foreign_access_gpu.py tests/timeshare/test_region_role_gpu.py \
+    tests/vmm/test_region_gpu.py tests/timeshare/test_timeshare_gpu.py tests/timeshare/test_prefetch_gpu.py \
+    tests/timeshare/test_no_wait_gpu.py tests/timeshare/test_interrupt_gpu.py tests/state/test_release_gpu.py
+}
+GUARD_MEDIANS='
+import glob, json, statistics, sys
+
+out = sys.argv[1]
+runs = {m: [json.load(open(p)) for p in sorted(glob.glob(f"{out}/guard_{m}_*.json"))] for m in ("off", "on")}
+print("median over", {m: len(r) for m, r in runs.items()}, "runs; time ratio on/off (1.00 = same, < 1.01 the target)")
+for key in ("offload_cold_gbps", "offload_warm_gbps", "reload_cold_gbps", "reload_warm_gbps"):
+    off = statistics.median(r["tidal"][key] for r in runs["off"])
+    on = statistics.median(r["tidal"][key] for r in runs["on"])
+    print(f"  {key:20s} off {off:7.2f} GB/s  on {on:7.2f} GB/s  time on/off {off / on:.4f}")
+off = statistics.median(r["switch"]["switch_s"] for r in runs["off"])
+on = statistics.median(r["switch"]["switch_s"] for r in runs["on"])
+key = "switch_s"
+print(f"  {key:20s} off {off:7.3f} s     on {on:7.3f} s     time on/off {on / off:.4f}")
+print("bit_exact:", [r.get("bit_exact") for m in ("off", "on") for r in runs[m]])
+'
+p_guard_bench() {  # interleaved in one session, then the medians side by side
+  local i mode
+  for i in $(seq 1 "${ROUNDS:-2}"); do
+    for mode in off on; do
+      run guard_bench.log env TIDAL_STORAGE_GUARD=$mode python3 -m tidal_recipes bench --preset qwen2-1.5b \
+        --json "$OUT/guard_${mode}_$i.json"
+    done
+  done
+  pyrun guard_bench.log "medians of guard_{off,on}_*.json" "$GUARD_MEDIANS" "$OUT"
+}
+
+# ---- two (a 2-GPU machine) and tests --------------------------------------------------
+p_two_lease2() {  # ~60 s: two 12.3 GB roles built and pinned at once, 2 rounds x 3 phases x 6 turns
+  need_gpus 2 && in_budget || return 0
+  TAILN=12
+  run two_bench.log timeout -k 10 "$(limit "${LEASE2_TIMEOUT:-170}")" python3 benchmarks/bench_lease.py --two-gpus --cycles 6 \
+    --rounds 2 --timeout-s 160 --json "$OUT/lease2.json" --results "$OUT/RESULTS.md"
+}
+p_two_ckpt() {  # ~170 s on 2x H200: 8 transition cycles, 3 saves and 3 loads per case
+  need_gpus 2 && in_budget || return 0
+  TAILN=34
+  run two_bench.log timeout -k 10 "$(limit "${CKPT_TIMEOUT:-230}")" python3 benchmarks/bench_checkpoint.py --cycles 8 \
+    --repeats 3 --budget-s 170 --results "$OUT/RESULTS.md" --json "$OUT/ckpt.json"
+}
+gpu_tests() {  # gpu_tests LOG: the GPU tests not yet in the ledger, until the pass's deadline
+  local log=$1 before=0 rc
+  in_budget || return 0
+  TAILN=30
+  x mkdir -p "$(dirname "$LEDGER")"
+  if [ -f "$LEDGER" ]; then before=$(wc -l < "$LEDGER"); fi
+  if [ "$DRY" != 1 ]; then
+    echo "== $(date -u '+%H:%M:%S') pytest, $(left) s left; ledger $LEDGER has $before lines" >> "$OUT/$log"
+  fi
+  # SIGINT at the deadline: pytest stops inside the running test, prints its summary, and that
+  # test runs again in the next call.
+  run "$log" env TIDAL_TESTS_LEDGER="$LEDGER" PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" \
+    timeout -s INT -k 20 "$(( $(left) - 25 ))" python3 -m pytest -q -m gpu ${TESTS:-tests} -rsfE \
+    -p pytest_ledger -p no:cacheprovider --durations=30
+  rc=$?
+  if [ "$DRY" != 1 ]; then
+    if [ $rc = 124 ]; then echo "== stopped at the pass's deadline: run the tests part again to go on" >> "$OUT/$log"; fi
+    if [ $rc = 5 ]; then echo "== no test left to run: every gpu test is in the ledger" >> "$OUT/$log"; PART_RC=0; fi
+  fi
+  run "$log" python3 benchmarks/pytest_ledger.py "$LEDGER"
+  if [ "$DRY" = 1 ] || { [ -f "$LEDGER" ] && ! [ "$LEDGER" -ef "$OUT/tests.ledger" ]; }; then
+    x cp "$LEDGER" "$OUT/tests.ledger"
+  fi
+}
+p_two_tests() {
+  need_gpus 2 || return 0
+  gpu_tests tests.log
+}
+p_tests_gpu() { gpu_tests tests.log; }
+
+# ---- the pass ---------------------------------------------------------------------------
+FAILED=()
+for item in "${QUEUE[@]}"; do
+  read -r s p via <<< "$item"
+  PART_RC=0 PART_LOGS=() SKIP="" FAIL="" TAILN=15
+  if [ "$DRY" = 1 ]; then echo "== $s:$p"; else echo "== $s:$p, $(date -u '+%H:%M:%S'), $(left) s left of BUDGET"; fi
+  setup_suite "$s"
+  t=$(date +%s)
+  "p_${s}_${p//[-.]/_}"
+  secs=$(( $(date +%s) - t ))
+  if [ -n "$FAIL" ]; then
+    result=$FAIL
+  elif [ -n "$SKIP" ]; then
+    if [ "$via" = all ]; then result="skipped: $SKIP"; else result="not run: $SKIP"; PART_RC=1; fi
+  elif [ $PART_RC != 0 ]; then
+    result=failed
+  else
+    result=ok
+  fi
+  if [ -n "$FAIL" ] || [ $PART_RC != 0 ]; then FAILED+=("$s:$p"); fi
+  if [ "$DRY" = 1 ]; then continue; fi
+  echo "$s:$p: $secs s, $result" >> "$OUT/timing.txt"
+  { echo "== $s:$p: $secs s, $result"; tails; } | tee -a "$OUT/summary.txt"
+done
+status=0
+if [ ${#FAILED[@]} -gt 0 ]; then status=1; fi
+echo "gpu.sh $*: ${#QUEUE[@]} parts, $(( $(date +%s) - T0 )) s, failed: ${FAILED[*]:-none}; exit status $status" \
+  | if [ "$DRY" = 1 ]; then cat; else tee -a "$OUT/timing.txt" "$OUT/summary.txt"; fi
+exit $status
