@@ -30,8 +30,10 @@ What it does, on the trainer's one device:
 * With ``TidalConfig(activation_offload=True)`` the activations the loss forward saves wait
   on the host until its backward.
 * Every log line (console, TensorBoard, W&B: whatever ``report_to`` says) carries
-  ``tidal/transitions``, ``tidal/moved_gb``, ``tidal/transition_s``, ``tidal/gbps`` for the
-  transitions since the previous log; with activation offload, ``tidal/act_offloaded_gb``
+  ``tidal/transitions``, ``tidal/moved_gb``, ``tidal/transition_s``, ``tidal/gbps`` and
+  ``tidal/exposed_s`` (what the steps waited on them: on a GPU the compute stream's time
+  inside the transitions, from device events; see ``TransitionRecord.exposed_seconds``) for
+  the transitions since the previous log; with activation offload, ``tidal/act_offloaded_gb``
   and ``tidal/act_reloaded_gb`` (and on a GPU ``tidal/act_exposed_s``) for the same steps;
   and on a GPU ``tidal/peak_gib/<phase>``: the peak allocated from the start of a phase to
   the start of the next (``generate``; ``score``, the policy's log-probs of the samples;
@@ -333,6 +335,9 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
     # ---- logging ------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         peaks = self._tidal_memory.take_peaks() if self._tidal_memory is not None else {}
+        # The log comes after the step's loss was read on the host: the compute stream's events
+        # around the transitions have run, so reading them waits for nothing.
+        self.timeshare.settle_stalls(wait=True)
         records = self.timeshare.records[self._tidal_logged :]
         self._tidal_logged = len(self.timeshare.records)
         moved = sum(r.bytes_out + r.bytes_in for r in records)
@@ -341,6 +346,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         logs["tidal/moved_gb"] = moved / 1e9
         logs["tidal/transition_s"] = seconds
         logs["tidal/gbps"] = moved / seconds / 1e9 if seconds > 0 else 0.0
+        logs["tidal/exposed_s"] = sum(r.exposed_seconds for r in records)
         logs.update(self._tidal_figures)
         self._tidal_figures.clear()
         for phase, peak in peaks.items():
