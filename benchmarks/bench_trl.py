@@ -257,6 +257,10 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             return 0.0
         return sum(getattr(r, "host_seconds", 0.0) + getattr(r, "stall_seconds", 0.0) for r in ts.records)
 
+    from phase_clock import PhaseClock
+
+    phases = PhaseClock(cuda)
+    phase_steps: list[dict] = []
     sampler = None
     if args.sample_stacks:
         from host_samples import StackSampler
@@ -306,6 +310,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                     self.prof = prof
                 except Exception as e:  # a profiler this torch lacks costs the picture, not the run
                     profiled["error"] = f"profiler did not start: {e!r}"
+            phases.wrap_optimizer(trainer)  # the trainer makes its optimizer in train()
+            phases.take()  # a step's phases only
             self.exposed0 = exposed_s(trainer)
             self.host_stall0 = host_stall_s(trainer)
             self.counters0 = torch.cuda.memory_stats() if cuda else {}
@@ -340,6 +346,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 times.append(wall)
                 exposed.append(exposed_s(trainer) - self.exposed0)  # settles the stalls per_kind reads
                 host_stall.append(host_stall_s(trainer) - self.host_stall0)
+                phase_steps.append(phases.take())  # the compute stream has run the step's work
                 by_kind.append(per_kind(trainer) if self.seen is not None else {})
                 peaks.append(torch.cuda.max_memory_allocated() if cuda else 1)
                 if cuda:
@@ -407,6 +414,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         trainer = TidalGRPOTrainer(**common, tidal=tidal_cfg)
     if profile_step:
         _annotate_for_profile(trainer)
+    phases.wrap_trainer(trainer)
     t0 = time.perf_counter()
     error = None
     try:
@@ -430,6 +438,10 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["step_times_s"] = times
         res["exposed_s_steps"] = exposed
         res["host_stall_s_per_step"] = statistics.median(host_stall) if host_stall else 0.0
+        # Each phase's device seconds per measured step (benchmarks/phase_clock.py), and medians.
+        res["phase_s_steps"] = phase_steps
+        names = sorted({k for p in phase_steps for k in p})
+        res["phase_s"] = {k: statistics.median(p.get(k, 0.0) for p in phase_steps) for k in names}
         if sampler is not None:
             res["host_samples"] = {
                 "interval_s": sampler.interval_s,
@@ -521,6 +533,11 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 f"{r.get('transition_gbps', 0):.1f} |"
             )
         print(line)
+        if r.get("phase_s"):
+            print(
+                "    phases (s, median; device time on a GPU): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in r["phase_s"].items())
+            )
         samples = r.get("host_samples")
         if samples:
             per = samples["steps"] or 1
