@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from tests.faults import sweep
+from tests.policies import CountPoints
 from tests.timeshare.test_prefetch import _check
 from tests.timeshare.test_prefetch import _faulty as _faulty_timeshare
 from tests.transfer.fakes import FakeAccelOps
 from tidal import Timeshare, TimeshareConfig
+from tidal.device import use_sync_policy
 from tidal.transfer import TransferContext
 
 
@@ -238,3 +240,63 @@ def test_a_fused_optimizer_steps_the_state_that_arrived_ahead_in_one_call_and_co
     assert 1 < partial[1] < chunked[1]
     _, foreach = train(None, fused=False)  # temporaries the size of a chunk: never merged
     assert foreach == chunked
+
+
+def _fused_stream_role(cfg: TimeshareConfig, ops=None):
+    torch.manual_seed(1)
+    layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(6)])
+    model = nn.Sequential(*layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ts = Timeshare("cpu", config=cfg, **({"context": TransferContext(ops)} if ops is not None else {}))
+    ts.add_role("policy", model=model, optimizer=opt, optimizer_residency="stream")
+    return layers, model, opt, ts
+
+
+LAYER_STATE = 2 * (32 * 32 + 32) * 4  # AdamW's two moments of one Linear(32, 32)
+
+
+def test_a_merged_step_never_creates_state_for_more_than_a_chunk():
+    """Parameters without state yet (no gradient before: unrouted experts, layers unfrozen
+    later) keep their chunk's own step(): the merge takes only chunks whose every parameter's
+    state arrived ahead."""
+    cfg = TimeshareConfig(min_offload_bytes=0, optimizer_chunk_bytes=2 * LAYER_STATE)
+    layers, _, opt, ts = _fused_stream_role(cfg)
+    created: list[int] = []
+    opt.register_step_pre_hook(
+        lambda o, a, k: created.append(sum(1 for g in o.param_groups for p in g["params"] if not o.state.get(p)))
+    )
+    x = torch.randn(8, 32)
+    for used in (range(0, 6, 2), range(6), range(6)):  # the odd layers get gradients from step 2
+        with ts.use("policy"):
+            h = x
+            for i in used:
+                h = layers[i](h)
+            loss = h.square().mean()
+            ts.prefetch_optimizer("policy")
+            loss.backward()
+            created.clear()
+            opt.step()
+            opt.zero_grad()
+        assert max(created) <= 4, created  # a chunk: two layers, four tensors
+    ts.close()
+
+
+def test_after_a_merged_chunk_the_next_chunks_wait_for_its_copy_out():
+    """wait_for_copies=False: a merged chunk's copy out counts by its bytes, so the chunks after
+    it are not brought in while more than two chunks' bytes are still on their way out."""
+    cfg = TimeshareConfig(
+        min_offload_bytes=0, optimizer_chunk_bytes=LAYER_STATE, wait_for_copies=False, release_to_driver=False
+    )
+    _, model, opt, ts = _fused_stream_role(cfg, FakeAccelOps())
+    for _ in range(2):
+        with ts.use("policy"):
+            loss = model(torch.randn(8, 32)).square().mean()
+            ts.prefetch_optimizer("policy", limit_bytes=3 * LAYER_STATE)  # half: merged, then chunked
+            loss.backward()
+            with use_sync_policy(CountPoints()) as policy:
+                opt.step()
+            opt.zero_grad()
+    calls = [c for c in policy.calls if c in ("stream_chunk_departed", "h2d_queued")]
+    # the first chunk after the merged one comes in beside its copy out; the second only after it
+    assert calls[:3] == ["h2d_queued", "stream_chunk_departed", "h2d_queued"], calls
+    ts.close()

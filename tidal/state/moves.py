@@ -285,6 +285,7 @@ class StoreMoves:
             segments=segments,
             alloc_seconds=alloc_seconds,
             queued=not wait and bool(out_todo or in_todo),
+            released=release is not False,
         )
         return self.last_move
 

@@ -36,6 +36,9 @@ class MoveResult:
     bytes_prefetched: int = 0
     # The copies were queued behind compute, not waited for (prefetch, write_back).
     queued: bool = False
+    # The memory it freed was settled (handed to the driver where the backend does): False for
+    # a switch told release=False, whose driver reading after is the one before.
+    released: bool = True
 
     @property
     def bytes_moved(self) -> int:

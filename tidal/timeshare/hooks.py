@@ -19,6 +19,7 @@ class RoleHooks:
             if self._interrupted:
                 with self._lock:
                     if self._interrupted:
+                        self._start_clock()  # the recovery's record counts from here
                         self._recover()
             if role.resident:
                 return

@@ -18,7 +18,8 @@ neighbouring chunks overlap; up to four with ``TimeshareConfig(wait_for_copies=F
 the copies out of two chunks may still run while the next two are stepped), instead of params
 + grads + all of it. Chunks a :meth:`~tidal.Timeshare.prefetch_optimizer` brought in ahead
 are not copied again; with an optimizer that updates in place (``fused=True``), consecutive
-chunks that arrived ahead are stepped and sent out as one.
+chunks that arrived ahead are stepped and sent out as one, and the chunks after them are
+brought in only once that one's copy out leaves at most two chunks' bytes in flight.
 """
 
 from __future__ import annotations
@@ -94,15 +95,18 @@ def _merge_arrived(
     ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer, chunks: list[list[torch.Tensor]]
 ) -> list[list[torch.Tensor]]:
     """Consecutive chunks whose state ``prefetch_optimizer`` has brought in ahead, as one chunk:
-    their memory is held anyway, and one ``step()`` and one copy out cost the host one call
+    their memory is held anyway, and one ``step()`` and one switch out cost the host one call
     each instead of one per chunk."""
     out: list[list[torch.Tensor]] = []
     merging = False
     for chunk in chunks:
         entries = ts.store.resolve(_entries(ts, role, opt, chunk))
-        # Only state a prefetch brought in: a chunk with no state yet creates it in step(), and
-        # creating it for many chunks at once is the memory streaming exists to bound.
-        here = bool(entries) and all(ts.store.is_arriving(e.key) for e in entries)
+        # Only state a prefetch brought in, for every parameter of the chunk: a parameter with
+        # no state yet gets it in step(), and creating it for many chunks at once is the memory
+        # streaming exists to bound.
+        here = (
+            bool(entries) and all(opt.state.get(p) for p in chunk) and all(ts.store.is_arriving(e.key) for e in entries)
+        )
         if here and merging:
             out[-1] = out[-1] + chunk
         else:
@@ -121,7 +125,9 @@ def streamed_step(ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> 
     completes exactly this step."""
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
     stepped: list[torch.Tensor] = []
-    departing: list = []  # D2H events of the chunks copied out without a host wait, oldest first
+    # (D2H event, bytes) of the chunks copied out without a host wait, oldest first
+    departing: list[tuple[object, int]] = []
+    in_flight_bytes = _IN_FLIGHT * ts.config.optimizer_chunk_bytes
     others = ts.resident_keys(exclude=(role,))
     role.begin_stream()
     saved = [g["params"] for g in opt.param_groups]
@@ -158,11 +164,17 @@ def streamed_step(ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> 
                 else []
             )
             last = i + 1 == len(chunks)
-            if len(departing) >= _IN_FLIGHT and any(not ts.store.is_arriving(e.key) for e in nxt):
+            needs_memory = any(not ts.store.is_arriving(e.key) for e in nxt)
+            while (
+                needs_memory
+                and departing
+                and (len(departing) >= _IN_FLIGHT or sum(n for _, n in departing) > in_flight_bytes)
+            ):
                 # Copies out go on without the host (wait_for_copies=False); the next chunk needs
-                # new memory: bound what is on the device to the chunks in flight, the oldest's
-                # memory coming free once its copy out has run.
-                ts.store.engine.wait("stream_chunk_departed", departing.pop(0))
+                # new memory: bound what is on the device to the chunks in flight (by count, and
+                # by bytes for a merged chunk), the oldest's memory coming free once its copy
+                # out has run.
+                ts.store.engine.wait("stream_chunk_departed", departing.pop(0)[0])
             # Blocks freed here are what the next chunk reuses: return them to the driver
             # only once, after the last chunk.
             move = ts.store.switch(
@@ -174,7 +186,7 @@ def streamed_step(ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> 
             )
             ts.record_move("optim-stream", (role.name,), role.name if nxt else None, move, note="optimizer state chunk")
             if move.queued and ts.store.departure_event is not None:
-                departing.append(ts.store.departure_event)
+                departing.append((ts.store.departure_event, move.bytes_out))
                 del departing[:-_IN_FLIGHT]
         ok = True
     finally:

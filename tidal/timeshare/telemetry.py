@@ -20,20 +20,21 @@ class TransitionRecord:
     an accelerator.
 
     ``host_seconds`` is the host's wall time inside the verb that made the move (planning,
-    queueing, any host wait, the release), since the previous record of the same verb;
+    queueing, any host wait, the release), since the previous record of the same verb (in a
+    streamed optimizer step: since the end of the chunk's update);
     ``stall_seconds`` the time the compute stream then waited for the move's copies (device
     events; 0 until :meth:`Timeshare.settle_stalls` has read them, and for moves it did not
     wait for).
-    ``gap_seconds`` is, on an accelerator, the compute stream's time from the verb's start
-    (or the previous record of the same verb) to this record, read from two device events: how
+    ``gap_seconds`` is, on an accelerator, the compute stream's time over the same window, read from two device events: how
     long the device's own work waited on the transition, for the host to queue past it or for
     its copies. It is smaller than the host time when the device still had work queued while
     the host was in the verb. None where not measured (CPU, a verb that changed streams) and
     until :meth:`Timeshare.settle_stalls` has read it.
 
     :attr:`exposed_seconds` is what the transition cost the work around it: ``gap_seconds``
-    where measured, else ``host_seconds + stall_seconds`` (an upper bound on a device with a
-    queue).
+    where measured (at most ``host_seconds + stall_seconds``: on a stream shared with another
+    thread the gap also holds that thread's kernels), else ``host_seconds + stall_seconds``
+    (an upper bound on a device with a queue).
     """
 
     index: int
@@ -65,9 +66,10 @@ class TransitionRecord:
 
     @property
     def exposed_seconds(self) -> float:
-        if self.gap_seconds is not None:
-            return self.gap_seconds
-        return self.host_seconds + self.stall_seconds
+        bound = self.host_seconds + self.stall_seconds
+        # The gap may also hold another thread's kernels queued on a shared stream meanwhile;
+        # the transition cannot have cost more than the host's time in it and the waits.
+        return bound if self.gap_seconds is None else min(self.gap_seconds, bound)
 
     @classmethod
     def from_move(
@@ -86,8 +88,10 @@ class TransitionRecord:
         freed = move.bytes_out + move.bytes_skipped
         expected_gain = freed - move.bytes_in
         seen_gain = move.driver_free_after - move.driver_free_before
-        # A move that only queued its copies (a prefetch, a write-back) released nothing.
-        unreleased = max(0, expected_gain - seen_gain) if measure_release and freed and not move.queued else 0
+        # A move that only queued its copies (a prefetch, a write-back) released nothing; one told
+        # not to release (a streamed step's chunk) keeps its memory for the next chunk.
+        measured = measure_release and freed and not move.queued and move.released
+        unreleased = max(0, expected_gain - seen_gain) if measured else 0
         extra = []
         if move.bytes_skipped:
             extra.append(f"{format_bytes(move.bytes_skipped)} released without a copy (host copy still valid)")

@@ -212,6 +212,7 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
         the model inside ``with region.allocate(tag):``) or the tag's policy is ``"backup"``.
         """
         self._check_open()
+        self._start_clock()  # a recovery's record counts from here, not from the last verb
         self._recover_if_interrupted()
         if not isinstance(name, str) or not name:
             raise ValueError(f"role name must be a non-empty string, got {name!r}")
@@ -435,6 +436,8 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
     def report(self, *, detail: bool = False) -> str:
         """Roles and transitions on this device: a summary per kind of transition and roles
         (count, bytes, seconds, GB/s); ``detail=True`` lists every transition."""
+        with self._lock:
+            self._settle_stalls()  # what has run on the device is read: one measure where it can be
         rows = []
         for n, r in self._roles.items():
             total = self.role_bytes(n)
@@ -527,16 +530,18 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
 
     def settle_stalls(self, *, wait: bool = False) -> None:
         """Fill in the records' ``stall_seconds`` (how long the compute stream waited for
-        their copies) for the waits that have run on the device; ``wait``: block the host
-        until all of them have (call it after synchronising, or before reading the figures).
-        Cheap: a query of two events per transition that made the compute stream wait."""
+        their copies) and ``gap_seconds`` for the waits and windows that have run on the
+        device; ``wait``: block the host until all of them have (call it after synchronising,
+        or before reading the figures). Cheap: a query of one event per record not yet read,
+        and of two per wait."""
         if wait:
-            for _, pairs in self._stalls:
-                for _, after in pairs:
-                    after.synchronize()  # the figures are read now: the waits must have run
-            for _, _, end in self._gaps:
-                end.synchronize()  # the figures are read now: the windows must have run
-        self._settle_stalls()
+            with self._lock:
+                ends = [after for _, pairs in self._stalls for _, after in pairs]
+                ends += [end for _, _, end in self._gaps]
+            for end in ends:  # outside the lock: another thread's verbs need not wait for this
+                end.synchronize()  # the figures are read now: the waits and windows must have run
+        with self._lock:
+            self._settle_stalls()
 
     def _settle_stalls(self) -> None:
         pending = []

@@ -187,8 +187,6 @@ class Transitions:
         host_seconds, self._verb_t0 = now - self._verb_t0, now
         self._settle_stalls()
         stalls = self.store.take_stalls()
-        if stalls:
-            self._stalls.append((len(self.records), stalls))
         rec = TransitionRecord.from_move(
             len(self.records),
             kind,
@@ -201,6 +199,8 @@ class Transitions:
             host_seconds=host_seconds,
         )
         self.records.append(rec)
+        if stalls:  # only once the record exists: an interrupt before leaves nothing to settle
+            self._stalls.append((rec.index, stalls))
         self._close_gap(rec.index)
         if rec.unreleased_bytes > self.config.release_tolerance_bytes and kind not in self._warned_unreleased:
             # Once per kind of transition: a loop repeats the same cause every step; the records

@@ -230,8 +230,9 @@ class TransferEngine:
         (:meth:`begin_in` / :meth:`begin_out`); returns the event marking them all done.
 
         For copies queued behind compute (a prefetch, a write-back), where the host's time to
-        queue them is what the phase waits for: one ``copy_`` per storage from its pinned slot,
-        each returning once queued. (One ``cuMemcpyBatchAsync`` call for all of them held the
+        queue them is what the phase waits for: one ``copy_`` per storage from its host slot,
+        each returning once queued where the arena is pinned (from pageable memory the copy
+        holds the host until it is done). (One ``cuMemcpyBatchAsync`` call for all of them held the
         host about as long as the copies took once they were large: 0.26 s for 14.2 GB in 678
         copies on an H100, against 0.01-0.016 s this way; benchmarks/RESULTS.md, 2026-11-26.)"""
         stream = self.h2d_stream if to_device else self.d2h_stream
