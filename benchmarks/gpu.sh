@@ -49,7 +49,8 @@
 #               *bench       tidal bench with TIDAL_STORAGE_GUARD off and on, ROUNDS (2) each
 #   two         *lease2      bench_lease.py --two-gpus: two processes, one GPU and lease each
 #               *ckpt        bench_checkpoint.py at world 2: an FSDP2 role, saves, loads
-#               *tests       the GPU tests, resumable (as `tests`), on the 2-GPU machine
+#               *tests       the GPU tests, resumable (as `tests`), on the 2-GPU machine; SHARDS=2
+#                            runs the one-GPU files as two shards at once, one GPU each, first
 #   tests       *gpu         every GPU test (-m gpu tests), resumable across calls: see below
 #
 # Output, under $OUT (./out by default): env.txt (GPUs, driver, host, versions, the commit:
@@ -524,9 +525,53 @@ gpu_tests() {  # gpu_tests LOG: the GPU tests not yet in the ledger, until the p
     x cp "$LEDGER" "$OUT/tests.ledger"
   fi
 }
+SHARD_FILES='
+import collections, subprocess, sys
+
+# The -m gpu tests outside the whole-machine files, as file lists for N one-GPU shards, balanced
+# by test count (greedy, largest file first): one line of space-separated paths per shard.
+n, whole = int(sys.argv[1]), set(sys.argv[2:])
+ids = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "tests"],
+                     capture_output=True, text=True).stdout.splitlines()
+per_file = collections.Counter(i.split("::")[0] for i in ids if "::" in i)
+shards = [[0, []] for _ in range(n)]
+for path, count in sorted(per_file.items(), key=lambda kv: -kv[1]):
+    if path in whole:
+        continue
+    shard = min(shards, key=lambda s: s[0])
+    shard[0] += count
+    shard[1].append(path)
+for count, files in shards:
+    print(" ".join(sorted(files)))
+'
+gpu_tests_sharded() {  # gpu_tests_sharded LOG N: the one-GPU test files in N shards at once, one GPU
+  # each, then the files whose tests need every GPU (a skipif on device_count) with all of them.
+  # One ledger for all (each outcome is a line appended on its own), so a later call goes on.
+  local log=$1 n=$2 k whole shard_log
+  in_budget || return 0
+  TAILN=30
+  whole=$(grep -rlE 'device_count\(\) *< *[2-9]' tests --include='test_*.py' | sort | tr '\n' ' ')
+  x mkdir -p "$(dirname "$LEDGER")"
+  if [ "$DRY" = 1 ]; then
+    echo "  $n shards of the one-GPU test files at once (CUDA_VISIBLE_DEVICES=k), then with every GPU: $whole"
+    return 0
+  fi
+  mapfile -t SHARDS_OF < <(PYTHONPATH="$PWD:$PYTHONPATH" python3 -c "$SHARD_FILES" "$n" $whole)
+  echo "== $(date -u '+%H:%M:%S') $n shards, $(left) s left; ledger $LEDGER" >> "$OUT/$log"
+  for k in $(seq 0 $((n - 1))); do
+    shard_log="${log%.log}_shard$k.log"
+    note_log "$shard_log"
+    echo "\$ CUDA_VISIBLE_DEVICES=$k pytest -q -m gpu ${SHARDS_OF[$k]}" >> "$OUT/$shard_log"
+    env CUDA_VISIBLE_DEVICES=$k TIDAL_TESTS_LEDGER="$LEDGER" PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" \
+      timeout -s INT -k 20 "$(( $(left) - 120 ))" python3 -m pytest -q -m gpu ${SHARDS_OF[$k]} -rsfE \
+      -p pytest_ledger -p no:cacheprovider --durations=15 >> "$OUT/$shard_log" 2>&1 &
+  done
+  wait  # every shard, before the tests that take every GPU
+  TESTS="$whole" gpu_tests "$log"
+}
 p_two_tests() {
   need_gpus 2 || return 0
-  gpu_tests tests.log
+  if [ "${SHARDS:-1}" -gt 1 ]; then gpu_tests_sharded tests.log "$SHARDS"; else gpu_tests tests.log; fi
 }
 p_tests_gpu() { gpu_tests tests.log; }
 
