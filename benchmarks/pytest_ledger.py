@@ -7,6 +7,7 @@ file as it ends, and a later run with the same ledger deselects those tests.
 
     TIDAL_TESTS_LEDGER=/tmp/ledger python3 -m pytest -p pytest_ledger -m gpu tests   # benchmarks/ on sys.path
     python3 benchmarks/pytest_ledger.py /tmp/ledger    # the tally over every run of that ledger
+                                                       # (exit status 1 if any test failed)
 
 Ledger lines: ``nodeid<TAB>outcome<TAB>detail``; outcome is one of passed, failed, error,
 skipped, xfailed, xpassed (detail: the skip or xfail reason). A test that reached no outcome
@@ -107,7 +108,14 @@ def tally(path: str) -> list[str]:
     return lines
 
 
+def main(argv: list[str]) -> int:
+    """Print the tally; exit status 1 if a test failed or errored (the pass then failed too)."""
+    if len(argv) != 1:
+        print("usage: python benchmarks/pytest_ledger.py LEDGER", file=sys.stderr)
+        return 2
+    print("\n".join(tally(argv[0])))
+    return int(any(o in ("failed", "error") for o, _ in read(argv[0]).values()))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python benchmarks/pytest_ledger.py LEDGER")
-    print("\n".join(tally(sys.argv[1])))
+    sys.exit(main(sys.argv[1:]))

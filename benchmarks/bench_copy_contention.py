@@ -1,0 +1,145 @@
+"""What a large queued copy costs the compute stream's own small copies (issue 26).
+
+    python benchmarks/bench_copy_contention.py [--gib 8] [--pieces-mib 1024,256,64,16] [--json PATH]
+
+A step of Hugging Face generation ends with a small device-to-host read (is every sequence
+done?), so the host waits for one tiny copy per token. tidal's write-back and prefetch queue
+gigabytes of copies on side streams while generation runs. If the copy engine serves the tiny
+copy only after the large one in flight, each token waits for up to one large copy.
+
+Measured here, one process, one GPU: a loop standing in for a decode step (a few bf16 matmuls
+of a 7B layer's width on the compute stream, then ``.item()``) runs alone, then while ``--gib``
+GiB go out (device to host, pinned) or come in on a side stream, queued as copies of each
+``--pieces-mib`` size. Printed per case: the loop's median and 90th-percentile iteration time
+against the loop alone, and the side copy's rate against the line rate measured alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _decode_like(x: torch.Tensor, w: torch.Tensor, layers: int) -> float:
+    y = x
+    for _ in range(layers):
+        y = torch.tanh(y @ w)
+    return float(y[0, 0].item())  # the per-token device-to-host read
+
+
+def _loop_until(done, x, w, layers: int, min_iters: int) -> list[float]:
+    """Iteration times (s) of the decode-like loop until ``done()`` (and at least ``min_iters``)."""
+    times = []
+    while True:
+        t0 = time.perf_counter()
+        _decode_like(x, w, layers)
+        times.append(time.perf_counter() - t0)
+        if len(times) >= min_iters and done():
+            return times
+
+
+def _queue(dst: list[torch.Tensor], src: list[torch.Tensor], piece: int, stream) -> int:
+    """Queue dst[i] <- src[i] on ``stream`` as copies of at most ``piece`` bytes; the count."""
+    n = 0
+    with torch.cuda.stream(stream):
+        for d, s in zip(dst, src):
+            db, sb = d.view(torch.uint8).view(-1), s.view(torch.uint8).view(-1)
+            for start in range(0, db.numel(), piece):
+                db[start : start + piece].copy_(sb[start : start + piece], non_blocking=True)
+                n += 1
+    return n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=8.0, help="bytes moved by the side copy, in GiB")
+    ap.add_argument("--tensor-mib", type=int, default=1024, help="size of each tensor copied (a 7B embedding: ~1040)")
+    ap.add_argument("--pieces-mib", default="1024,256,64,16", help="copy sizes to queue the tensors as")
+    ap.add_argument("--width", type=int, default=3584, help="the decode-like loop's matmul width")
+    ap.add_argument("--layers", type=int, default=8, help="matmuls per iteration")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    pieces = [int(p) << 20 for p in args.pieces_mib.split(",")]
+    dev = torch.device("cuda")
+    tensor_bytes = args.tensor_mib << 20
+    count = max(1, int(args.gib * (1 << 30)) // tensor_bytes)
+    on_gpu = [torch.empty(tensor_bytes, dtype=torch.uint8, device=dev) for _ in range(count)]
+    on_host = [torch.empty(tensor_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
+    total = count * tensor_bytes
+    x = torch.randn(64, args.width, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(args.width, args.width, device=dev, dtype=torch.bfloat16) / args.width**0.5
+    side = torch.cuda.Stream()
+    for _ in range(20):  # warm-up: kernels, cuBLAS handles
+        _decode_like(x, w, args.layers)
+    alone = _loop_until(lambda: True, x, w, args.layers, 400)
+    base_med, base_p90 = statistics.median(alone), statistics.quantiles(alone, n=10)[-1]
+
+    rows = []
+    for direction in ("d2h", "h2d"):
+        dst, src = (on_host, on_gpu) if direction == "d2h" else (on_gpu, on_host)
+        # The line rate alone: the same bytes in whole-tensor copies, nothing else running.
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _queue(dst, src, tensor_bytes, side)
+        side.synchronize()
+        line_gbps = total / (time.perf_counter() - t0) / 1e9
+        for piece in pieces:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            with torch.cuda.stream(side):
+                start.record()
+            n = _queue(dst, src, piece, side)
+            with torch.cuda.stream(side):
+                end.record()
+            queued_s = time.perf_counter() - t0
+            times = _loop_until(end.query, x, w, args.layers, 5)
+            end.synchronize()
+            copy_gbps = total / (start.elapsed_time(end) / 1e3) / 1e9
+            med = statistics.median(times)
+            p90 = statistics.quantiles(times, n=10)[-1] if len(times) >= 10 else max(times)
+            row = dict(
+                direction=direction,
+                piece_mib=piece >> 20,
+                copies=n,
+                queue_s=queued_s,
+                copy_gbps=copy_gbps,
+                line_gbps=line_gbps,
+                iters=len(times),
+                iter_median_ms=med * 1e3,
+                iter_p90_ms=p90 * 1e3,
+                alone_median_ms=base_med * 1e3,
+                alone_p90_ms=base_p90 * 1e3,
+            )
+            rows.append(row)
+            print(
+                f"{direction} in {piece >> 20:>5} MiB copies ({n:>4}, queued in {queued_s * 1e3:6.1f} ms): "
+                f"copy {copy_gbps:5.1f} GB/s ({copy_gbps / line_gbps:.2f}x line {line_gbps:.1f}); "
+                f"decode-like iteration median {med * 1e3:6.2f} ms ({med / base_med:.2f}x alone "
+                f"{base_med * 1e3:.2f}), p90 {p90 * 1e3:6.2f} ms ({p90 / base_p90:.2f}x), {len(times)} iterations",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, gib=total / 2**30, rows=rows),
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
