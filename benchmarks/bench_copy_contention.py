@@ -1,6 +1,7 @@
 """What a large queued copy costs the compute stream's own small copies (issue 26).
 
-    python benchmarks/bench_copy_contention.py [--gib 8] [--pieces-mib 1024,256,64,16] [--json PATH]
+    python benchmarks/bench_copy_contention.py [--gib 8] [--pieces-mib 1024,256,64,16]
+        [--paced 64:1,64:2,16:2] [--json PATH]
 
 A step of Hugging Face generation ends with a small device-to-host read (is every sequence
 done?), so the host waits for one tiny copy per token. tidal's write-back and prefetch queue
@@ -12,6 +13,11 @@ of a 7B layer's width on the compute stream, then ``.item()``) runs alone, then 
 GiB go out (device to host, pinned) or come in on a side stream, queued as copies of each
 ``--pieces-mib`` size. Printed per case: the loop's median and 90th-percentile iteration time
 against the loop alone, and the side copy's rate against the line rate measured alone.
+
+``--paced PIECE_MIB:DEPTH,...``: the device-to-host copy fed by a host thread that keeps at most
+DEPTH copies of PIECE_MIB queued (it waits for the oldest before queueing the next): whether a
+bounded queue lets the loop's reads through, at what copy rate, and what the feeding thread
+costs the loop (the GIL).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -59,11 +66,56 @@ def _queue(dst: list[torch.Tensor], src: list[torch.Tensor], piece: int, stream)
     return n
 
 
+def _feed(dst: list[torch.Tensor], src: list[torch.Tensor], piece: int, depth: int, stream, done) -> None:
+    """Queue dst[i] <- src[i] on ``stream`` in ``piece``-byte copies, at most ``depth`` queued
+    at a time, then record ``done`` (a host thread's work)."""
+    inflight: list = []
+    with torch.cuda.stream(stream):
+        for d, s in zip(dst, src):
+            db, sb = d.view(torch.uint8).view(-1), s.view(torch.uint8).view(-1)
+            for start in range(0, db.numel(), piece):
+                while len(inflight) >= depth:
+                    inflight.pop(0).synchronize()  # releases the GIL while it waits
+                db[start : start + piece].copy_(sb[start : start + piece], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                inflight.append(ev)
+        done.record(stream)
+
+
+def _row(direction, label, n, queued_s, copy_gbps, line_gbps, times, base_med, base_p90) -> dict:
+    med = statistics.median(times)
+    p90 = statistics.quantiles(times, n=10)[-1] if len(times) >= 10 else max(times)
+    print(
+        f"{direction} {label} ({n:>4} copies, queued in {queued_s * 1e3:6.1f} ms): "
+        f"copy {copy_gbps:5.1f} GB/s ({copy_gbps / line_gbps:.2f}x line {line_gbps:.1f}); "
+        f"decode-like iteration median {med * 1e3:6.2f} ms ({med / base_med:.2f}x alone "
+        f"{base_med * 1e3:.2f}), p90 {p90 * 1e3:6.2f} ms ({p90 / base_p90:.2f}x), longest {max(times) * 1e3:6.2f} ms, "
+        f"{len(times)} iterations",
+        flush=True,
+    )
+    return dict(
+        direction=direction,
+        case=label,
+        copies=n,
+        queue_s=queued_s,
+        copy_gbps=copy_gbps,
+        line_gbps=line_gbps,
+        iters=len(times),
+        iter_median_ms=med * 1e3,
+        iter_p90_ms=p90 * 1e3,
+        iter_max_ms=max(times) * 1e3,
+        alone_median_ms=base_med * 1e3,
+        alone_p90_ms=base_p90 * 1e3,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=8.0, help="bytes moved by the side copy, in GiB")
     ap.add_argument("--tensor-mib", type=int, default=1024, help="size of each tensor copied (a 7B embedding: ~1040)")
     ap.add_argument("--pieces-mib", default="1024,256,64,16", help="copy sizes to queue the tensors as")
+    ap.add_argument("--paced", default="64:1,64:2,16:2", help="PIECE_MIB:DEPTH cases of a fed D2H copy")
     ap.add_argument("--width", type=int, default=3584, help="the decode-like loop's matmul width")
     ap.add_argument("--layers", type=int, default=8, help="matmuls per iteration")
     ap.add_argument("--json", default=None)
@@ -108,29 +160,25 @@ def main() -> int:
             times = _loop_until(end.query, x, w, args.layers, 5)
             end.synchronize()
             copy_gbps = total / (start.elapsed_time(end) / 1e3) / 1e9
-            med = statistics.median(times)
-            p90 = statistics.quantiles(times, n=10)[-1] if len(times) >= 10 else max(times)
-            row = dict(
-                direction=direction,
-                piece_mib=piece >> 20,
-                copies=n,
-                queue_s=queued_s,
-                copy_gbps=copy_gbps,
-                line_gbps=line_gbps,
-                iters=len(times),
-                iter_median_ms=med * 1e3,
-                iter_p90_ms=p90 * 1e3,
-                alone_median_ms=base_med * 1e3,
-                alone_p90_ms=base_p90 * 1e3,
-            )
-            rows.append(row)
-            print(
-                f"{direction} in {piece >> 20:>5} MiB copies ({n:>4}, queued in {queued_s * 1e3:6.1f} ms): "
-                f"copy {copy_gbps:5.1f} GB/s ({copy_gbps / line_gbps:.2f}x line {line_gbps:.1f}); "
-                f"decode-like iteration median {med * 1e3:6.2f} ms ({med / base_med:.2f}x alone "
-                f"{base_med * 1e3:.2f}), p90 {p90 * 1e3:6.2f} ms ({p90 / base_p90:.2f}x), {len(times)} iterations",
-                flush=True,
-            )
+            label = f"in {piece >> 20:>5} MiB copies, all queued"
+            rows.append(_row(direction, label, n, queued_s, copy_gbps, line_gbps, times, base_med, base_p90))
+        if direction != "d2h" or not args.paced:
+            continue
+        for case in args.paced.split(","):
+            piece_mib, depth = (int(v) for v in case.split(":"))
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(side):
+                start.record()
+            feeder = threading.Thread(target=_feed, args=(dst, src, piece_mib << 20, depth, side, end), daemon=True)
+            feeder.start()
+            times = _loop_until(lambda: not feeder.is_alive() and end.query(), x, w, args.layers, 5)
+            feeder.join()
+            end.synchronize()
+            copy_gbps = total / (start.elapsed_time(end) / 1e3) / 1e9
+            n = total // (piece_mib << 20)
+            label = f"in {piece_mib:>5} MiB copies, fed {depth} at a time"
+            rows.append(_row(direction, label, n, 0.0, copy_gbps, line_gbps, times, base_med, base_p90))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -25,6 +27,7 @@ __all__ = [
     "SyncPolicy",
     "host_available_bytes",
     "host_memory",
+    "register_private_pool",
     "sync_policy",
     "use_sync_policy",
 ]
@@ -153,6 +156,53 @@ def host_memory(*, meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/c
     return HostMemory(total_bytes=total, available_bytes=available, cgroup_limit_bytes=limit)
 
 
+# Private memory pools (``torch.cuda.MemPool``: an address-stable region's tags, the CUDA graphs
+# captured into them). The caching allocator counts their segments in ``memory_reserved``, but a
+# free block in one serves only allocations made inside that pool, and a region's released
+# segments hold no memory at all. Room for ordinary allocations must leave them out.
+_private_pools: dict[int, Any] = {}  # id(pool) -> weakref to it (or the pool, where no weakref)
+_private_lock = threading.Lock()
+
+
+def register_private_pool(pool: Any) -> None:
+    """Count ``pool`` (a ``torch.cuda.MemPool``, or anything with ``snapshot()`` giving the
+    allocator's segment records of that pool) as private: its free blocks are left out of
+    :meth:`DeviceOps.cached_free_bytes`. Held weakly; a pool that is gone stops counting."""
+    try:
+        ref: Any = weakref.ref(pool)
+    except TypeError:
+        ref = lambda pool=pool: pool  # noqa: E731 (held for the life of the process)
+    with _private_lock:
+        _private_pools[id(pool)] = ref
+
+
+def _private_free_bytes(device_index: int | None) -> int:
+    """Bytes free inside the registered private pools' segments on ``device_index``."""
+    with _private_lock:
+        refs = list(_private_pools.items())
+    total = 0
+    for key, ref in refs:
+        pool = ref()
+        if pool is None:
+            with _private_lock:
+                if _private_pools.get(key) is ref:
+                    del _private_pools[key]
+            continue
+        try:
+            segments = pool.snapshot(include_traces=False)
+        except TypeError:  # a torch whose snapshot() takes no such argument
+            segments = pool.snapshot()
+        pool_id = getattr(pool, "id", None)
+        for seg in segments:
+            if device_index is not None and seg.get("device", device_index) != device_index:
+                continue
+            # Only this pool's segments (a torch whose pool snapshot lists every pool).
+            if pool_id is not None and "segment_pool_id" in seg and tuple(seg["segment_pool_id"]) != tuple(pool_id):
+                continue
+            total += int(seg["total_size"]) - int(seg["allocated_size"])
+    return total
+
+
 class DeviceOps:
     """Streams, events, memory queries and host pinning for one device.
 
@@ -267,8 +317,17 @@ class DeviceOps:
             self.module.reset_peak_memory_stats(self.device)
 
     def cached_free_bytes(self) -> int:
-        """Bytes the caching allocator holds but has not handed out (reusable in-process)."""
-        return self.reserved_bytes() - self.allocated_bytes()
+        """Bytes the caching allocator holds but has not handed out, less those free inside
+        private pools (:func:`register_private_pool`): what an ordinary allocation of this
+        process can reuse."""
+        return self.reserved_bytes() - self.allocated_bytes() - self.private_free_bytes()
+
+    def private_free_bytes(self) -> int:
+        """Bytes free inside the registered private pools (0 on CPU or with none): reserved
+        by this process, usable only by allocations made in those pools."""
+        if not self.is_accelerator or not _private_pools:
+            return 0
+        return _private_free_bytes(self.device.index)
 
     def empty_cache(self) -> None:
         """Return the caching allocator's unused blocks to the driver.

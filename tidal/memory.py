@@ -36,11 +36,13 @@ class MemorySnapshot:
     allocated_bytes: int
     reserved_bytes: int
     nvml_used_bytes: int | None
+    private_free_bytes: int = 0  # free inside private pools (a region's tags, their graphs)
 
     @property
     def cached_free_bytes(self) -> int:
-        """Held by the caching allocator, not in use: reusable here, invisible to others."""
-        return self.reserved_bytes - self.allocated_bytes
+        """Held by the caching allocator, not in use, outside private pools: reusable here by
+        an ordinary allocation, invisible to others."""
+        return self.reserved_bytes - self.allocated_bytes - self.private_free_bytes
 
 
 def nvml_used_bytes(ops: DeviceOps) -> int | None:
@@ -75,6 +77,7 @@ def snapshot(ops: DeviceOps, *, with_nvml: bool = False) -> MemorySnapshot:
         allocated_bytes=ops.allocated_bytes(),
         reserved_bytes=ops.reserved_bytes(),
         nvml_used_bytes=nvml_used_bytes(ops) if with_nvml else None,
+        private_free_bytes=ops.private_free_bytes(),
     )
 
 

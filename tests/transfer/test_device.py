@@ -57,3 +57,68 @@ def test_insufficient_memory_error_names_both_numbers():
         and format_bytes(5 << 50) == "5.00 PiB"
         and format_bytes(5 << 60) == "5120.00 PiB"
     )
+
+
+class _FakePool:
+    """A stand-in for ``torch.cuda.MemPool``: its id and the allocator's segment records."""
+
+    def __init__(self, pool_id, segments, *, old_torch=False):
+        self.id = pool_id
+        self._segments = segments
+        self._old_torch = old_torch
+
+    def snapshot(self, **kwargs):
+        if self._old_torch and kwargs:
+            raise TypeError("snapshot() got an unexpected keyword argument 'include_traces'")
+        return self._segments
+
+
+def _seg(device, pool_id, total, allocated):
+    return {"device": device, "segment_pool_id": pool_id, "total_size": total, "allocated_size": allocated}
+
+
+def test_private_pools_free_blocks_are_counted_per_device_and_pool_and_forgotten_with_the_pool():
+    import gc
+
+    from tidal import device as dev
+
+    before = dict(dev._private_pools)
+    dev._private_pools.clear()
+    try:
+        pool = _FakePool(
+            (0, 1),
+            [
+                _seg(0, (0, 1), 1000, 300),  # 700 free in this pool on device 0
+                _seg(1, (0, 1), 500, 0),  # another device
+                _seg(0, (0, 0), 4000, 0),  # the default pool (a torch listing every pool)
+            ],
+        )
+        old = _FakePool((0, 2), [_seg(0, (0, 2), 64, 0)], old_torch=True)
+        dev.register_private_pool(pool)
+        dev.register_private_pool(old)
+        assert dev._private_free_bytes(0) == 700 + 64
+        assert dev._private_free_bytes(1) == 500
+        del pool
+        gc.collect()
+        assert dev._private_free_bytes(0) == 64  # a pool that is gone stops counting
+        assert len(dev._private_pools) == 1
+    finally:
+        dev._private_pools.clear()
+        dev._private_pools.update(before)
+
+
+def test_a_snapshots_cached_free_leaves_out_the_private_pools_free_blocks():
+    from tidal.memory import MemorySnapshot
+
+    s = MemorySnapshot(
+        time_s=0.0,
+        driver_free_bytes=1 << 30,
+        driver_total_bytes=2 << 30,
+        allocated_bytes=100,
+        reserved_bytes=1100,
+        nvml_used_bytes=None,
+        private_free_bytes=700,
+    )
+    assert s.cached_free_bytes == 300
+    # CPU: nothing is reserved, nothing private, whatever is registered.
+    assert DeviceOps("cpu").private_free_bytes() == 0

@@ -10,7 +10,7 @@ from typing import Any, Literal, Protocol, Sequence
 
 import torch
 
-from tidal.device import DeviceOps
+from tidal.device import DeviceOps, register_private_pool
 from tidal.transfer.arena import HostSlot
 from tidal.units import gbps
 from tidal.vmm.driver import VmmDriver
@@ -150,6 +150,9 @@ class RegionTag:
                     f"the region is on {self.region.ops.device}"
                 )
             self._pool = torch.cuda.MemPool(self._torch_allocator())
+            # Its free blocks serve only allocations inside it; released, its segments hold
+            # nothing: neither is room for the timeshare's moves.
+            register_private_pool(self._pool)
         return self._pool
 
     # ---- internals --------------------------------------------------------------------------
