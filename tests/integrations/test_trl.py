@@ -543,3 +543,75 @@ def test_a_log_line_inside_a_phase_does_not_reset_what_the_phase_allocated():
     assert memory.growth == {"generate": 4 * gib, "loss": 7 * gib, "backward": 3 * gib}
     # The next log line: only what came since the last (the backward's tail after the step).
     assert memory.take_peaks() == {"backward": 12 * gib, "generate": 6 * gib}
+
+
+@pytest.mark.slow
+def test_generations_prefetch_is_queued_once_its_first_forward_runs(tiny, tmp_path):
+    """The reference's prefetch behind generation is queued after generate() has put its inputs
+    on the device (at the first module forward), not before: a small host-to-device copy queued
+    behind gigabytes of prefetch waits for all of them. Still bit-identical to TRL alone."""
+    events: list[tuple] = []
+    built: list = []
+
+    class Recording(TidalGRPOTrainer):
+        def _policy_ready(self):
+            ready = super()._policy_ready()
+            if ready and not built:
+                built.append(True)
+                ts, model = self.timeshare, self.accelerator.unwrap_model(self.model)
+                prefetch, generate = ts.prefetch, model.generate
+
+                def recorded_prefetch(name, **kw):
+                    events.append(("prefetch", name))
+                    return prefetch(name, **kw)
+
+                def recorded_generate(*a, **kw):
+                    events.append(("generate",))
+                    return generate(*a, **kw)
+
+                ts.prefetch, model.generate = recorded_prefetch, recorded_generate
+            return ready
+
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    ours = _run(Recording, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
+    assert _history(ours) == _history(plain)
+    to_ref = [i for i, e in enumerate(events) if e == ("prefetch", "reference")]
+    assert len(to_ref) >= 2, events  # every step after the first measured the generation's growth
+    assert all(i > 0 and events[i - 1] == ("generate",) for i in to_ref), events
+    switches = [r for r in ours.timeshare.records if r.kind == "switch" and r.role_in == "reference"]
+    assert sum(r.bytes_prefetched > 0 for r in switches) == len(to_ref)
+
+
+def test_at_first_forward_runs_once_at_the_first_forward_or_at_the_end_and_never_after_a_raise():
+    import threading
+
+    from tidal.integrations.trl import _at_first_forward
+
+    calls: list[str] = []
+    lin = torch.nn.Linear(2, 2)
+    with _at_first_forward(lambda: calls.append("fn")):
+        calls.append("before")
+        lin(torch.zeros(1, 2))
+        calls.append("after")
+        lin(torch.zeros(1, 2))
+    assert calls == ["before", "fn", "after"]
+
+    calls.clear()
+    with _at_first_forward(lambda: calls.append("fn")):
+        calls.append("no forward")
+    assert calls == ["no forward", "fn"]  # at the end, late but not lost
+
+    calls.clear()
+    with pytest.raises(KeyError):
+        with _at_first_forward(lambda: calls.append("fn")):
+            raise KeyError("boom")
+    lin(torch.zeros(1, 2))  # the hook is gone
+    assert calls == []
+
+    calls.clear()
+    with _at_first_forward(lambda: calls.append("fn")):
+        other = threading.Thread(target=lambda: lin(torch.zeros(1, 2)))
+        other.start()
+        other.join()
+        calls.append("other thread ran")
+    assert calls == ["other thread ran", "fn"]  # another thread's module did not fire it

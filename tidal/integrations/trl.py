@@ -59,7 +59,9 @@ one process, and ``torch_compile=True``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import warnings
 import weakref
 from typing import Any, Callable
@@ -245,8 +247,12 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
         with self._turn("policy").named("generate"):
-            self._prefetch("generate", self._after("policy"))
-            return super()._generate(prompts)
+            # Queued once the generation's first forward starts, not before: a small
+            # host-to-device copy (the prompts, what generate() builds from them) queued behind
+            # gigabytes of prefetch waits for all of them (0.30 s of a Qwen2-7B step's generation
+            # on an H200, the compute stream idle; benchmarks/RESULTS.md, issue 26).
+            with _at_first_forward(lambda: self._prefetch("generate", self._after("policy"))):
+                return super()._generate(prompts)
 
     def _get_per_token_logps_and_entropies(self, model, *args: Any, **kwargs: Any):
         role = "reference" if self.ref_model is not None and model is self.ref_model else "policy"
@@ -379,6 +385,34 @@ class TidalRLOOTrainer(TidalRLTrainer, RLOOTrainer):
     """``trl.RLOOTrainer`` (REINFORCE leave-one-out; a reference by default, ``beta=0.05``)
     whose policy, reference and reward models take turns on the device, as
     :class:`TidalGRPOTrainer`. Takes RLOOTrainer's arguments, plus ``tidal=TidalConfig(...)``."""
+
+
+@contextlib.contextmanager
+def _at_first_forward(fn: Callable[[], None]):
+    """Run ``fn`` as the first module forward inside the block starts (by then the inputs the
+    block prepared are on the device), or as the block ends if no module ran; not if it raised.
+
+    A process-wide forward pre-hook (any module: a PEFT wrapper's generate() calls its base
+    model's forward, not its own), removed when it fires: no cost for the rest of the block."""
+    fired = False
+    owner = threading.get_ident()  # another thread's modules do not start this block's work
+
+    def hook(module, args):
+        nonlocal fired
+        if fired or threading.get_ident() != owner:
+            return
+        fired = True
+        handle.remove()
+        fn()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+    if not fired:
+        fired = True
+        fn()
 
 
 class _Phase:
