@@ -98,9 +98,22 @@ def spans_from_events(events) -> list[Span]:
     out = []
     for lane, name, s, e, n in raw:
         if lane.startswith("stream"):
-            lane = lanes.get(int(lane[6:]), "other")
+            lane = _copy_lane(name) or lanes.get(int(lane[6:]), "other")
         out.append(Span(lane, name, (s - t0) / 1e9, (e - t0) / 1e9, n))
     return sorted(out, key=lambda sp: sp.start)
+
+
+def _copy_lane(name: str) -> str | None:
+    """A copy's lane from its own direction: a stream carries both kinds when small uploads (a
+    digest kernel's metadata) share the stream of the large copies out."""
+    lower = name.lower()
+    if "memcpy" not in lower:
+        return None
+    if "dtoh" in lower:
+        return "d2h"
+    if "htod" in lower:
+        return "h2d"
+    return None
 
 
 def _union(spans: Iterable[Span]) -> list[tuple[float, float]]:
