@@ -1,7 +1,7 @@
 """What a large queued copy costs the compute stream's own small copies (issue 26).
 
     python benchmarks/bench_copy_contention.py [--gib 8] [--pieces-mib 1024,256,64,16]
-        [--paced 64:1,64:2,16:2] [--json PATH]
+        [--paced 64:1,64:2,16:2] [--gated 64,16] [--loops read,upload] [--json PATH]
 
 A step of Hugging Face generation ends with a small device-to-host read (is every sequence
 done?), so the host waits for one tiny copy per token. tidal's write-back and prefetch queue
@@ -18,6 +18,14 @@ against the loop alone, and the side copy's rate against the line rate measured 
 DEPTH copies of PIECE_MIB queued (it waits for the oldest before queueing the next): whether a
 bounded queue lets the loop's reads through, at what copy rate, and what the feeding thread
 costs the loop (the GIL).
+
+``--gated PIECE_MIB,...``: every copy queued at once, each behind a device-side wait on a pinned
+host word (``cuStreamWaitValue32``) that a host thread raises by one as each copy finishes: one
+copy released at a time with no host queueing in between.
+
+``--loops``: ``read`` is the loop above; ``upload`` starts each iteration with a small
+host-to-device copy from pageable memory (inputs built on the host), to see what queued
+host-to-device copies cost it. Every case runs in both directions for each loop.
 """
 
 from __future__ import annotations
@@ -36,22 +44,76 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _decode_like(x: torch.Tensor, w: torch.Tensor, layers: int) -> float:
+def _decode_like(x: torch.Tensor, w: torch.Tensor, layers: int, upload: bool = False) -> float:
     y = x
+    if upload:  # a small host-to-device copy from pageable memory, as inputs built on the host are
+        y = y + torch.tensor([0.0], device=x.device, dtype=x.dtype)
     for _ in range(layers):
         y = torch.tanh(y @ w)
     return float(y[0, 0].item())  # the per-token device-to-host read
 
 
-def _loop_until(done, x, w, layers: int, min_iters: int) -> list[float]:
+def _loop_until(done, x, w, layers: int, min_iters: int, upload: bool = False) -> list[float]:
     """Iteration times (s) of the decode-like loop until ``done()`` (and at least ``min_iters``)."""
     times = []
     while True:
         t0 = time.perf_counter()
-        _decode_like(x, w, layers)
+        _decode_like(x, w, layers, upload)
         times.append(time.perf_counter() - t0)
         if len(times) >= min_iters and done():
             return times
+
+
+class _Gate:
+    """Copies queued all at once, each behind a ``cuStreamWaitValue32`` on a pinned host word
+    that a host thread raises one step per finished copy: the stream holds one copy released
+    at a time, with nothing to queue from the host in between (whether the copy engine then
+    serves other streams' copies between them is what this measures)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+        self.wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        get_dptr = lib.cuMemHostGetDevicePointer_v2
+        get_dptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        dptr = ctypes.c_uint64()
+        if get_dptr(ctypes.byref(dptr), ctypes.c_void_p(self.word.data_ptr()), 0) != 0:
+            raise RuntimeError("cuMemHostGetDevicePointer failed")
+        self.dptr = dptr.value
+        self.value = ctypes.c_uint32.from_address(self.word.data_ptr())
+
+    def queue(self, dst, src, piece: int, stream) -> list:
+        """Queue every piece behind its gate; the per-piece events."""
+        import ctypes
+
+        self.value.value = 0
+        events = []
+        with torch.cuda.stream(stream):
+            for d, s in zip(dst, src):
+                db, sb = d.view(torch.uint8).view(-1), s.view(torch.uint8).view(-1)
+                for start in range(0, db.numel(), piece):
+                    # CU_STREAM_WAIT_VALUE_GEQ: the stream waits until the word reaches this piece's number
+                    rc = self.wait(ctypes.c_void_p(stream.cuda_stream), self.dptr, len(events) + 1, 0)
+                    if rc != 0:
+                        self.value.value = 1 << 30  # open every gate queued so far
+                        raise RuntimeError(f"cuStreamWaitValue32 failed ({rc})")
+                    db[start : start + piece].copy_(sb[start : start + piece], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events.append(ev)
+        return events
+
+    def open_one_by_one(self, events: list) -> None:
+        """A host thread's work: let the next copy go once the one before it has finished."""
+        try:
+            for k, ev in enumerate(events, 1):
+                self.value.value = k
+                ev.synchronize()
+        finally:
+            self.value.value = 1 << 30  # nothing may stay gated
 
 
 def _queue(dst: list[torch.Tensor], src: list[torch.Tensor], piece: int, stream) -> int:
@@ -116,6 +178,10 @@ def main() -> int:
     ap.add_argument("--tensor-mib", type=int, default=1024, help="size of each tensor copied (a 7B embedding: ~1040)")
     ap.add_argument("--pieces-mib", default="1024,256,64,16", help="copy sizes to queue the tensors as")
     ap.add_argument("--paced", default="64:1,64:2,16:2", help="PIECE_MIB:DEPTH cases of a fed D2H copy")
+    ap.add_argument("--gated", default="64,16", help="PIECE_MIB cases of a D2H copy gated piece by piece on the device")
+    ap.add_argument(
+        "--loops", default="read,upload", help="loop kinds: read (.item()), upload (a small upload, then .item())"
+    )
     ap.add_argument("--width", type=int, default=3584, help="the decode-like loop's matmul width")
     ap.add_argument("--layers", type=int, default=8, help="matmuls per iteration")
     ap.add_argument("--json", default=None)
@@ -134,51 +200,69 @@ def main() -> int:
     w = torch.randn(args.width, args.width, device=dev, dtype=torch.bfloat16) / args.width**0.5
     side = torch.cuda.Stream()
     for _ in range(20):  # warm-up: kernels, cuBLAS handles
-        _decode_like(x, w, args.layers)
-    alone = _loop_until(lambda: True, x, w, args.layers, 400)
-    base_med, base_p90 = statistics.median(alone), statistics.quantiles(alone, n=10)[-1]
+        _decode_like(x, w, args.layers, upload=True)
+    gate = _Gate() if args.gated else None
 
     rows = []
-    for direction in ("d2h", "h2d"):
-        dst, src = (on_host, on_gpu) if direction == "d2h" else (on_gpu, on_host)
-        # The line rate alone: the same bytes in whole-tensor copies, nothing else running.
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        _queue(dst, src, tensor_bytes, side)
-        side.synchronize()
-        line_gbps = total / (time.perf_counter() - t0) / 1e9
-        for piece in pieces:
+    for loop in args.loops.split(","):
+        upload = loop == "upload"
+        alone = _loop_until(lambda: True, x, w, args.layers, 400, upload)
+        base_med, base_p90 = statistics.median(alone), statistics.quantiles(alone, n=10)[-1]
+        print(f"loop '{loop}' alone: median {base_med * 1e3:.3f} ms, p90 {base_p90 * 1e3:.3f} ms", flush=True)
+
+        def measure(direction, label, n, queued_s, start, end, done, line_gbps):
+            times = _loop_until(done, x, w, args.layers, 5, upload)
+            end.synchronize()
+            copy_gbps = total / (start.elapsed_time(end) / 1e3) / 1e9
+            row = _row(f"{loop}: {direction}", label, n, queued_s, copy_gbps, line_gbps, times, base_med, base_p90)
+            rows.append(dict(row, loop=loop))
+
+        for direction in ("d2h", "h2d"):
+            dst, src = (on_host, on_gpu) if direction == "d2h" else (on_gpu, on_host)
+            # The line rate alone: the same bytes in whole-tensor copies, nothing else running.
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
-            with torch.cuda.stream(side):
-                start.record()
-            n = _queue(dst, src, piece, side)
-            with torch.cuda.stream(side):
-                end.record()
-            queued_s = time.perf_counter() - t0
-            times = _loop_until(end.query, x, w, args.layers, 5)
-            end.synchronize()
-            copy_gbps = total / (start.elapsed_time(end) / 1e3) / 1e9
-            label = f"in {piece >> 20:>5} MiB copies, all queued"
-            rows.append(_row(direction, label, n, queued_s, copy_gbps, line_gbps, times, base_med, base_p90))
-        if direction != "d2h" or not args.paced:
-            continue
-        for case in args.paced.split(","):
-            piece_mib, depth = (int(v) for v in case.split(":"))
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(side):
-                start.record()
-            feeder = threading.Thread(target=_feed, args=(dst, src, piece_mib << 20, depth, side, end), daemon=True)
-            feeder.start()
-            times = _loop_until(lambda: not feeder.is_alive() and end.query(), x, w, args.layers, 5)
-            feeder.join()
-            end.synchronize()
-            copy_gbps = total / (start.elapsed_time(end) / 1e3) / 1e9
-            n = total // (piece_mib << 20)
-            label = f"in {piece_mib:>5} MiB copies, fed {depth} at a time"
-            rows.append(_row(direction, label, n, 0.0, copy_gbps, line_gbps, times, base_med, base_p90))
+            _queue(dst, src, tensor_bytes, side)
+            side.synchronize()
+            line_gbps = total / (time.perf_counter() - t0) / 1e9
+            for piece in pieces:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                with torch.cuda.stream(side):
+                    start.record()
+                n = _queue(dst, src, piece, side)
+                with torch.cuda.stream(side):
+                    end.record()
+                label = f"in {piece >> 20:>5} MiB copies, all queued"
+                measure(direction, label, n, time.perf_counter() - t0, start, end, end.query, line_gbps)
+            for case in args.paced.split(",") if args.paced else []:
+                piece_mib, depth = (int(v) for v in case.split(":"))
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(side):
+                    start.record()
+                feeder = threading.Thread(target=_feed, args=(dst, src, piece_mib << 20, depth, side, end), daemon=True)
+                feeder.start()
+                label = f"in {piece_mib:>5} MiB copies, fed {depth} at a time"
+                done = lambda f=feeder, e=end: not f.is_alive() and e.query()  # noqa: E731
+                measure(direction, label, total // (piece_mib << 20), 0.0, start, end, done, line_gbps)
+                feeder.join()
+            for piece_mib in (int(v) for v in args.gated.split(",")) if gate is not None else []:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(side):
+                    start.record()
+                t0 = time.perf_counter()
+                events = gate.queue(dst, src, piece_mib << 20, side)
+                with torch.cuda.stream(side):
+                    end.record()
+                queued_s = time.perf_counter() - t0
+                opener = threading.Thread(target=gate.open_one_by_one, args=(events,), daemon=True)
+                opener.start()
+                label = f"in {piece_mib:>5} MiB copies, all queued, gated one at a time"
+                measure(direction, label, len(events), queued_s, start, end, end.query, line_gbps)
+                opener.join()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

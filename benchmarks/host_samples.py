@@ -35,14 +35,33 @@ VERBS = frozenset(
         "offload_optimizer_state",
     }
 )
-_TIDAL = os.sep + "tidal" + os.sep
+
+
+def _package_dir() -> str:
+    """The directory of the tidal package imported here (a checkout may itself be named tidal:
+    a path's last "/tidal/" is not enough to tell the package's files)."""
+    import tidal
+
+    return os.path.dirname(os.path.abspath(tidal.__file__)) + os.sep
+
+
+_TIDAL = _package_dir()
+_SHORT: dict[str, str | None] = {}  # a code file's path -> its path inside tidal (None: not tidal's)
+
+
+def _in_package(path: str) -> str | None:
+    """``tidal/...`` for a file of the tidal package, else None (cached per path)."""
+    short = _SHORT.get(path, "")
+    if short == "":
+        full = os.path.abspath(path)
+        short = "tidal" + os.sep + full[len(_TIDAL) :] if full.startswith(_TIDAL) else None
+        _SHORT[path] = short
+    return short
 
 
 def _where(frame) -> str:
     code = frame.f_code
-    path = code.co_filename
-    i = path.rfind(_TIDAL)
-    short = path[i + 1 :] if i >= 0 else os.path.basename(path)
+    short = _in_package(code.co_filename) or os.path.basename(code.co_filename)
     return f"{short}:{frame.f_lineno} {code.co_name}"
 
 
@@ -87,7 +106,7 @@ class StackSampler:
             f = frame
             while f is not None:
                 path = f.f_code.co_filename
-                if _TIDAL in path:
+                if _in_package(path) is not None:
                     if inner_tidal is None:
                         inner_tidal = _where(f)
                     if f.f_code.co_name in VERBS and (os.sep + "timeshare" + os.sep) in path:

@@ -40,3 +40,19 @@ def test_the_sampler_charges_a_slow_call_inside_a_verb_to_that_verb_and_that_cal
     assert heaviest["frame"].endswith("slow_switch") and heaviest["verb"] == "load", heaviest
     assert heaviest["tidal_frame"].startswith("tidal/timeshare/"), heaviest
     ts.close()
+
+
+def test_a_checkout_named_tidal_does_not_make_its_other_files_tidal_frames():
+    """Found running the tests from a clone in a directory named tidal: the test file's own frame
+    counted as tidal's, since its path has a "/tidal/" in it."""
+    import os
+
+    import host_samples
+
+    package = os.path.dirname(tidal.__file__)
+    assert host_samples._in_package(os.path.join(package, "timeshare", "timeshare.py")) == os.path.join(
+        "tidal", "timeshare", "timeshare.py"
+    )
+    checkout = os.path.dirname(package)
+    assert host_samples._in_package(os.path.join(checkout, "tidal_like", "x.py")) is None
+    assert host_samples._in_package(os.path.join("/elsewhere", "tidal", "tests", "test_x.py")) is None
