@@ -267,6 +267,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
 
         sampler = StackSampler(interval_s=0.002)
     host_stall: list[float] = []
+    copy_tail: list[dict] = []  # per measured step: seconds tidal's copies ran on into it, by direction
 
     by_kind: list[dict] = []
 
@@ -319,6 +320,19 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             self.seen = len(ts.records) if ts is not None else None
             if sampler is not None and state.global_step >= 1 and self.prof is None:
                 sampler.start()  # the measured steps only
+            self.tail = None
+            if cuda and ts is not None:
+                # Copies tidal queued before the step and still running when it starts (a
+                # write-back of the last step's optimizer state): an event behind them on each
+                # copy stream, timed against one on the compute stream now.
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record()
+                ends = {}
+                for name in ("d2h_stream", "h2d_stream"):
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record(getattr(ts.store.engine, name))
+                    ends[name[:3]] = end
+                self.tail = (begin, ends)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
@@ -347,6 +361,13 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 exposed.append(exposed_s(trainer) - self.exposed0)  # settles the stalls per_kind reads
                 host_stall.append(host_stall_s(trainer) - self.host_stall0)
                 phase_steps.append(phases.take())  # the compute stream has run the step's work
+                if self.tail is not None:
+                    begin, ends = self.tail
+                    tails = {}
+                    for direction, end in ends.items():
+                        end.synchronize()  # read now: the step is over, the copies long done
+                        tails[direction] = max(0.0, begin.elapsed_time(end) / 1e3)
+                    copy_tail.append(tails)
                 by_kind.append(per_kind(trainer) if self.seen is not None else {})
                 peaks.append(torch.cuda.max_memory_allocated() if cuda else 1)
                 if cuda:
@@ -442,6 +463,9 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["phase_s_steps"] = phase_steps
         names = sorted({k for p in phase_steps for k in p})
         res["phase_s"] = {k: statistics.median(p.get(k, 0.0) for p in phase_steps) for k in names}
+        if copy_tail:
+            res["copy_tail_s_steps"] = copy_tail
+            res["copy_tail_s"] = {d: statistics.median(t[d] for t in copy_tail) for d in copy_tail[0]}
         if sampler is not None:
             res["host_samples"] = {
                 "interval_s": sampler.interval_s,
@@ -537,6 +561,11 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             print(
                 "    phases (s, median; device time on a GPU): "
                 + ", ".join(f"{k} {v:.3f}" for k, v in r["phase_s"].items())
+            )
+        if r.get("copy_tail_s"):
+            print(
+                "    tidal's copies still running as the step began (s, median): "
+                + ", ".join(f"{k.upper()} {v:.3f}" for k, v in r["copy_tail_s"].items())
             )
         samples = r.get("host_samples")
         if samples:
