@@ -92,18 +92,16 @@ class _Gate:
         self.value.value = 0
         events = []
         with torch.cuda.stream(stream):
-            for d, s in zip(dst, src):
-                db, sb = d.view(torch.uint8).view(-1), s.view(torch.uint8).view(-1)
-                for start in range(0, db.numel(), piece):
-                    # CU_STREAM_WAIT_VALUE_GEQ: the stream waits until the word reaches this piece's number
-                    rc = self.wait(ctypes.c_void_p(stream.cuda_stream), self.dptr, len(events) + 1, 0)
-                    if rc != 0:
-                        self.value.value = 1 << 30  # open every gate queued so far
-                        raise RuntimeError(f"cuStreamWaitValue32 failed ({rc})")
-                    db[start : start + piece].copy_(sb[start : start + piece], non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    events.append(ev)
+            for d, s in _pieces(dst, src, piece):
+                # CU_STREAM_WAIT_VALUE_GEQ: the stream waits until the word reaches this piece's number
+                rc = self.wait(ctypes.c_void_p(stream.cuda_stream), self.dptr, len(events) + 1, 0)
+                if rc != 0:
+                    self.value.value = 1 << 30  # open every gate queued so far
+                    raise RuntimeError(f"cuStreamWaitValue32 failed ({rc})")
+                d.copy_(s, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events.append(ev)
         return events
 
     def open_one_by_one(self, events: list) -> None:
@@ -116,15 +114,21 @@ class _Gate:
             self.value.value = 1 << 30  # nothing may stay gated
 
 
+def _pieces(dst: list[torch.Tensor], src: list[torch.Tensor], piece: int):
+    """(destination, source) byte slices of at most ``piece`` bytes covering dst[i] <- src[i]."""
+    for d, s in zip(dst, src):
+        db, sb = d.view(torch.uint8).view(-1), s.view(torch.uint8).view(-1)
+        for start in range(0, db.numel(), piece):
+            yield db[start : start + piece], sb[start : start + piece]
+
+
 def _queue(dst: list[torch.Tensor], src: list[torch.Tensor], piece: int, stream) -> int:
     """Queue dst[i] <- src[i] on ``stream`` as copies of at most ``piece`` bytes; the count."""
     n = 0
     with torch.cuda.stream(stream):
-        for d, s in zip(dst, src):
-            db, sb = d.view(torch.uint8).view(-1), s.view(torch.uint8).view(-1)
-            for start in range(0, db.numel(), piece):
-                db[start : start + piece].copy_(sb[start : start + piece], non_blocking=True)
-                n += 1
+        for d, s in _pieces(dst, src, piece):
+            d.copy_(s, non_blocking=True)
+            n += 1
     return n
 
 
@@ -133,15 +137,13 @@ def _feed(dst: list[torch.Tensor], src: list[torch.Tensor], piece: int, depth: i
     at a time, then record ``done`` (a host thread's work)."""
     inflight: list = []
     with torch.cuda.stream(stream):
-        for d, s in zip(dst, src):
-            db, sb = d.view(torch.uint8).view(-1), s.view(torch.uint8).view(-1)
-            for start in range(0, db.numel(), piece):
-                while len(inflight) >= depth:
-                    inflight.pop(0).synchronize()  # releases the GIL while it waits
-                db[start : start + piece].copy_(sb[start : start + piece], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                inflight.append(ev)
+        for d, s in _pieces(dst, src, piece):
+            while len(inflight) >= depth:
+                inflight.pop(0).synchronize()  # releases the GIL while it waits
+            d.copy_(s, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            inflight.append(ev)
         done.record(stream)
 
 
