@@ -1,7 +1,8 @@
 """What a large queued copy costs the compute stream's own small copies (issue 26).
 
     python benchmarks/bench_copy_contention.py [--gib 8] [--pieces-mib 1024,256,64,16]
-        [--paced 64:1,64:2,16:2] [--gated 64,16] [--loops read,upload] [--json PATH]
+        [--paced 64:1,64:2,16:2] [--gated 64,16] [--chained 64:1,32:2] [--loops read,upload,busy]
+        [--json PATH]
 
 A step of Hugging Face generation ends with a small device-to-host read (is every sequence
 done?), so the host waits for one tiny copy per token. tidal's write-back and prefetch queue
@@ -19,13 +20,19 @@ DEPTH copies of PIECE_MIB queued (it waits for the oldest before queueing the ne
 bounded queue lets the loop's reads through, at what copy rate, and what the feeding thread
 costs the loop (the GIL).
 
-``--gated PIECE_MIB,...``: every copy queued at once, each behind a device-side wait on a pinned
-host word (``cuStreamWaitValue32``) that a host thread raises by one as each copy finishes: one
-copy released at a time with no host queueing in between.
+``--gated PIECE_MIB[:DEPTH],...``: every copy queued at once, each behind a device-side wait on
+a pinned host word (``cuStreamWaitValue32``) that a host thread raises by one as each copy
+finishes: DEPTH copies (default 1) released at a time with no host queueing in between.
+
+``--chained PIECE_MIB:DEPTH,...``: every copy queued at once, with no host thread: the pieces
+take turns on DEPTH + 1 side streams, each piece's stream waiting (an event) for the piece DEPTH
+places before it, so the copy engine receives a piece only once that one has finished.
 
 ``--loops``: ``read`` is the loop above; ``upload`` starts each iteration with a small
 host-to-device copy from pageable memory (inputs built on the host), to see what queued
-host-to-device copies cost it. Every case runs in both directions for each loop.
+host-to-device copies cost it; ``busy`` spends ``--busy-ms`` of pure Python on the host each
+iteration before its kernels (a launch-heavy host, as Hugging Face generation is), holding the
+GIL that a gating thread needs. Every case runs in both directions for each loop.
 """
 
 from __future__ import annotations
@@ -44,7 +51,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _decode_like(x: torch.Tensor, w: torch.Tensor, layers: int, upload: bool = False) -> float:
+def _spin(seconds: float) -> None:
+    """Pure Python on the host for ``seconds``, holding the GIL (a launch-heavy host)."""
+    end = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < end:
+        n += 1
+
+
+def _decode_like(x: torch.Tensor, w: torch.Tensor, layers: int, upload: bool = False, busy_s: float = 0.0) -> float:
+    if busy_s:
+        _spin(busy_s)
     y = x
     if upload:  # a small host-to-device copy from pageable memory, as inputs built on the host are
         y = y + torch.tensor([0.0], device=x.device, dtype=x.dtype)
@@ -53,12 +70,12 @@ def _decode_like(x: torch.Tensor, w: torch.Tensor, layers: int, upload: bool = F
     return float(y[0, 0].item())  # the per-token device-to-host read
 
 
-def _loop_until(done, x, w, layers: int, min_iters: int, upload: bool = False) -> list[float]:
+def _loop_until(done, x, w, layers: int, min_iters: int, upload: bool = False, busy_s: float = 0.0) -> list[float]:
     """Iteration times (s) of the decode-like loop until ``done()`` (and at least ``min_iters``)."""
     times = []
     while True:
         t0 = time.perf_counter()
-        _decode_like(x, w, layers, upload)
+        _decode_like(x, w, layers, upload, busy_s)
         times.append(time.perf_counter() - t0)
         if len(times) >= min_iters and done():
             return times
@@ -104,12 +121,13 @@ class _Gate:
                 events.append(ev)
         return events
 
-    def open_one_by_one(self, events: list) -> None:
-        """A host thread's work: let the next copy go once the one before it has finished."""
+    def open_one_by_one(self, events: list, depth: int = 1) -> None:
+        """A host thread's work: let copy k go once copy k - depth has finished."""
         try:
-            for k, ev in enumerate(events, 1):
+            for k in range(1, len(events) + 1):
+                if k > depth:
+                    events[k - 1 - depth].synchronize()
                 self.value.value = k
-                ev.synchronize()
         finally:
             self.value.value = 1 << 30  # nothing may stay gated
 
@@ -147,6 +165,27 @@ def _feed(dst: list[torch.Tensor], src: list[torch.Tensor], piece: int, depth: i
         done.record(stream)
 
 
+def _chain(dst: list[torch.Tensor], src: list[torch.Tensor], piece: int, depth: int, streams: list, after) -> tuple:
+    """Queue dst[i] <- src[i] in ``piece``-byte copies taking turns on ``streams`` (depth + 1 of
+    them), each behind the event of the copy ``depth`` places before it; every stream first waits
+    for ``after``, and ``after`` then waits for all of them. Returns the number of copies."""
+    for s in streams:
+        s.wait_stream(after)
+    done: list = []
+    for k, (d, s) in enumerate(_pieces(dst, src, piece)):
+        stream = streams[k % len(streams)]
+        with torch.cuda.stream(stream):
+            if k >= depth:
+                stream.wait_event(done[k - depth])  # the copy engine gets this piece once that one has run
+            d.copy_(s, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            done.append(ev)
+    for s in streams:
+        after.wait_stream(s)
+    return len(done)
+
+
 def _row(direction, label, n, queued_s, copy_gbps, line_gbps, times, base_med, base_p90) -> dict:
     med = statistics.median(times)
     p90 = statistics.quantiles(times, n=10)[-1] if len(times) >= 10 else max(times)
@@ -180,10 +219,18 @@ def main() -> int:
     ap.add_argument("--tensor-mib", type=int, default=1024, help="size of each tensor copied (a 7B embedding: ~1040)")
     ap.add_argument("--pieces-mib", default="1024,256,64,16", help="copy sizes to queue the tensors as")
     ap.add_argument("--paced", default="64:1,64:2,16:2", help="PIECE_MIB:DEPTH cases of a fed D2H copy")
-    ap.add_argument("--gated", default="64,16", help="PIECE_MIB cases of a D2H copy gated piece by piece on the device")
     ap.add_argument(
-        "--loops", default="read,upload", help="loop kinds: read (.item()), upload (a small upload, then .item())"
+        "--gated", default="64,16,32:2", help="PIECE_MIB[:DEPTH] cases of a D2H copy gated piece by piece on the device"
     )
+    ap.add_argument(
+        "--chained", default="64:1,32:2", help="PIECE_MIB:DEPTH cases of a D2H copy chained on side streams"
+    )
+    ap.add_argument(
+        "--loops",
+        default="read,upload,busy",
+        help="loop kinds: read (.item()), upload (a small upload, then .item()), busy (host Python, then read)",
+    )
+    ap.add_argument("--busy-ms", type=float, default=3.0, help="host Python per iteration of the busy loop")
     ap.add_argument("--width", type=int, default=3584, help="the decode-like loop's matmul width")
     ap.add_argument("--layers", type=int, default=8, help="matmuls per iteration")
     ap.add_argument("--json", default=None)
@@ -201,6 +248,7 @@ def main() -> int:
     x = torch.randn(64, args.width, device=dev, dtype=torch.bfloat16)
     w = torch.randn(args.width, args.width, device=dev, dtype=torch.bfloat16) / args.width**0.5
     side = torch.cuda.Stream()
+    chain_streams = [torch.cuda.Stream() for _ in range(4)]
     for _ in range(20):  # warm-up: kernels, cuBLAS handles
         _decode_like(x, w, args.layers, upload=True)
     gate = None
@@ -213,12 +261,13 @@ def main() -> int:
     rows = []
     for loop in args.loops.split(","):
         upload = loop == "upload"
-        alone = _loop_until(lambda: True, x, w, args.layers, 400, upload)
+        busy_s = args.busy_ms / 1e3 if loop == "busy" else 0.0
+        alone = _loop_until(lambda: True, x, w, args.layers, 400 if not busy_s else 50, upload, busy_s)
         base_med, base_p90 = statistics.median(alone), statistics.quantiles(alone, n=10)[-1]
         print(f"loop '{loop}' alone: median {base_med * 1e3:.3f} ms, p90 {base_p90 * 1e3:.3f} ms", flush=True)
 
         def measure(direction, label, n, queued_s, start, end, done, line_gbps):
-            times = _loop_until(done, x, w, args.layers, 5, upload)
+            times = _loop_until(done, x, w, args.layers, 5, upload, busy_s)
             end.synchronize()
             copy_gbps = total / (start.elapsed_time(end) / 1e3) / 1e9
             row = _row(f"{loop}: {direction}", label, n, queued_s, copy_gbps, line_gbps, times, base_med, base_p90)
@@ -255,7 +304,8 @@ def main() -> int:
                 done = lambda f=feeder, e=end: not f.is_alive() and e.query()  # noqa: E731
                 measure(direction, label, total // (piece_mib << 20), 0.0, start, end, done, line_gbps)
                 feeder.join()
-            for piece_mib in (int(v) for v in args.gated.split(",")) if gate is not None else []:
+            for case in args.gated.split(",") if gate is not None else []:
+                piece_mib, depth = (int(v) for v in (case + ":1").split(":")[:2])
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 with torch.cuda.stream(side):
@@ -270,11 +320,25 @@ def main() -> int:
                 with torch.cuda.stream(side):
                     end.record()
                 queued_s = time.perf_counter() - t0
-                opener = threading.Thread(target=gate.open_one_by_one, args=(events,), daemon=True)
+                opener = threading.Thread(target=gate.open_one_by_one, args=(events, depth), daemon=True)
                 opener.start()
-                label = f"in {piece_mib:>5} MiB copies, all queued, gated one at a time"
+                label = f"in {piece_mib:>5} MiB copies, all queued, gated {depth} at a time"
                 measure(direction, label, len(events), queued_s, start, end, end.query, line_gbps)
                 opener.join()
+            for case in args.chained.split(",") if args.chained else []:
+                piece_mib, depth = (int(v) for v in case.split(":"))
+                if not 1 <= depth < len(chain_streams):
+                    raise SystemExit(f"--chained depth must be 1..{len(chain_streams) - 1}, got {depth}")
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(side):
+                    start.record()
+                t0 = time.perf_counter()
+                n = _chain(dst, src, piece_mib << 20, depth, chain_streams[: depth + 1], side)
+                with torch.cuda.stream(side):
+                    end.record()
+                label = f"in {piece_mib:>5} MiB copies, all queued, chained {depth} ahead"
+                measure(direction, label, n, time.perf_counter() - t0, start, end, end.query, line_gbps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -325,7 +325,7 @@ p_trl_ds() {  # DeepSpeed ZeRO-3 with optimizer and parameter offload; its CPU A
     --variants "${VARIANTSDS:-ds-zero3-offload,stream+prefetch}" --json "$OUT/trl_7b_64x256_ds_$TAG.json"
 }
 p_trl_contention() {
-  run trl_contention.log timeout 120 python3 benchmarks/bench_copy_contention.py ${CONTENTION_ARGS:---gib 16} \
+  run trl_contention.log timeout "${CONTENTION_TIMEOUT:-300}" python3 benchmarks/bench_copy_contention.py ${CONTENTION_ARGS:---gib 16} \
     --json "$OUT/contention_$TAG.json"
 }
 p_trl_demo7b() {  # the demo at 7B with the mechanisms TidalGRPOTrainer uses, against its all-resident step
