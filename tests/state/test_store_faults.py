@@ -19,11 +19,15 @@ KiB = 1024
 def _store(kind: str) -> OffloadStore:
     if kind == "cpu":
         return OffloadStore(DeviceOps("cpu"))
-    # Small buckets: the model's storages go in several buckets and several direct copies.
-    return OffloadStore(FakeAccelOps(), TransferConfig(bucket_bytes=2 * KiB, small_tensor_bytes=512))
+    # Small buckets: the model's storages go in several buckets and several direct copies; with
+    # "paced", every device-to-host copy of more than 256 bytes goes in chained pieces.
+    paced = 256 if kind == "fake-accel-paced" else 0
+    return OffloadStore(
+        FakeAccelOps(), TransferConfig(bucket_bytes=2 * KiB, small_tensor_bytes=512, paced_piece_bytes=paced)
+    )
 
 
-@pytest.mark.parametrize("kind", ["cpu", "fake-accel"])
+@pytest.mark.parametrize("kind", ["cpu", "fake-accel", "fake-accel-paced"])
 @pytest.mark.parametrize("move", ["offload", "reload", "switch"])
 @pytest.mark.slow
 def test_fault_at_every_point_of_a_store_move_keeps_every_storage_resident_or_tracked(kind, move):
@@ -70,3 +74,5 @@ def test_fault_at_every_point_of_a_store_move_keeps_every_storage_resident_or_tr
 
     points = sweep(make, act, check)
     assert len(points) >= 10, points
+    if kind == "fake-accel-paced" and move != "reload":
+        assert "pace_piece_after_piece" in points and "pace_relay_after_piece" in points, points

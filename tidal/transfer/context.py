@@ -18,7 +18,8 @@ importing tidal touches no device). A context built directly is private to whoev
 tests and users who want isolated accounting pass it explicitly (``Timeshare(...,
 context=ctx)``).
 
-Memory cost: the arenas' host RAM (``host_bytes()``); two streams per device.
+Memory cost: the arenas' host RAM (``host_bytes()``); three streams per device (the D2H
+stream's pacer has a relay stream, :mod:`tidal.transfer.pacing`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from tidal.device import DeviceOps
 from tidal.transfer.arena import HostArena
 from tidal.transfer.engine import TransferConfig, TransferEngine
+from tidal.transfer.pacing import CopyPacer
 
 __all__ = ["TransferContext"]
 
@@ -51,6 +53,8 @@ class TransferContext:
         self.ops = DeviceOps(device) if isinstance(device, (str, torch.device)) else device
         self.d2h_stream = self.ops.new_stream()
         self.h2d_stream = self.ops.new_stream()
+        # Every engine's device-to-host pieces on the one D2H stream are chained as one.
+        self.d2h_pacer = CopyPacer(self.ops, self.d2h_stream) if self.d2h_stream is not None else None
         self._arenas: dict[bool, HostArena] = {}
         self._labels = itertools.count(1)
         # object -> the owner managing its state (weak keys: a claim never keeps an object alive)
@@ -86,7 +90,11 @@ class TransferContext:
         arena). Each engine has its own staging buffers and counters."""
         config = config or TransferConfig()
         return TransferEngine(
-            self.ops, self.arena(pin=config.pin_host), config, streams=(self.d2h_stream, self.h2d_stream)
+            self.ops,
+            self.arena(pin=config.pin_host),
+            config,
+            streams=(self.d2h_stream, self.h2d_stream),
+            pacer=self.d2h_pacer,
         )
 
     def label(self, kind: str) -> str:
