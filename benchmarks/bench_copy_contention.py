@@ -1,8 +1,8 @@
 """What a large queued copy costs the compute stream's own small copies (issue 26).
 
     python benchmarks/bench_copy_contention.py [--gib 8] [--pieces-mib 1024,256,64,16]
-        [--paced 64:1,64:2,16:2] [--gated 64,16] [--chained 64:1,32:2] [--loops read,upload,busy]
-        [--json PATH]
+        [--paced 64:1,64:2,16:2] [--gated 64,16] [--chained 64:1,32:2] [--tidal 64,0]
+        [--loops read,upload,busy] [--json PATH]
 
 A step of Hugging Face generation ends with a small device-to-host read (is every sequence
 done?), so the host waits for one tiny copy per token. tidal's write-back and prefetch queue
@@ -28,6 +28,10 @@ finishes: DEPTH copies (default 1) released at a time with no host queueing in b
 take turns on DEPTH + 1 side streams, each piece's stream waiting (an event) for the piece DEPTH
 places before it, so the copy engine receives a piece only once that one has finished.
 
+``--tidal PIECE_MIB,...``: the device-to-host copy as tidal queues a write-back
+(``TransferEngine.queue_direct`` with ``TransferConfig(paced_piece_bytes=PIECE_MIB MiB)``; 0:
+unpaced), the mechanism the cases above chose (:mod:`tidal.transfer.pacing`). Device-to-host only.
+
 ``--loops``: ``read`` is the loop above; ``upload`` starts each iteration with a small
 host-to-device copy from pageable memory (inputs built on the host), to see what queued
 host-to-device copies cost it; ``busy`` spends ``--busy-ms`` of pure Python on the host each
@@ -49,6 +53,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from tidal.device import DeviceOps  # noqa: E402
+from tidal.transfer import CopyItem, HostArena, TransferConfig, TransferEngine  # noqa: E402
 
 
 def _spin(seconds: float) -> None:
@@ -225,6 +232,7 @@ def main() -> int:
     ap.add_argument(
         "--chained", default="64:1,32:2", help="PIECE_MIB:DEPTH cases of a D2H copy chained on side streams"
     )
+    ap.add_argument("--tidal", default="64,0", help="PIECE_MIB cases of tidal's write-back (0: unpaced)")
     ap.add_argument(
         "--loops",
         default="read,upload,busy",
@@ -259,6 +267,9 @@ def main() -> int:
             print(f"gated cases skipped: {e!r}", flush=True)
 
     rows = []
+    engines: dict = {}  # tidal's engines, by piece MiB
+    arena_items = None  # (tidal's host arena, the copy items of on_gpu)
+    tidal_ops = DeviceOps(dev)
     for loop in args.loops.split(","):
         upload = loop == "upload"
         busy_s = args.busy_ms / 1e3 if loop == "busy" else 0.0
@@ -325,6 +336,31 @@ def main() -> int:
                 label = f"in {piece_mib:>5} MiB copies, all queued, gated {depth} at a time"
                 measure(direction, label, len(events), queued_s, start, end, end.query, line_gbps)
                 opener.join()
+            for piece_mib in (int(v) for v in args.tidal.split(",")) if args.tidal and direction == "d2h" else []:
+                eng = engines.get(piece_mib)
+                if eng is None:
+                    if arena_items is None:  # one host arena (pinned once) for every case
+                        arena = HostArena(tidal_ops)
+                        slots = arena.reserve([tensor_bytes] * count)
+                        arena_items = (
+                            arena,
+                            [CopyItem(t.untyped_storage(), sl, tensor_bytes) for t, sl in zip(on_gpu, slots)],
+                        )
+                    arena = arena_items[0]
+                    eng = TransferEngine(tidal_ops, arena, TransferConfig(paced_piece_bytes=piece_mib << 20))
+                    engines[piece_mib] = eng
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                eng.begin_out()
+                start.record(eng.d2h_stream)
+                t0 = time.perf_counter()
+                n0 = eng.pacer.pieces
+                eng.queue_direct(arena_items[1], to_device=False)
+                n = eng.pacer.pieces - n0 or count
+                end.record(eng.d2h_stream)
+                how = f"paced in {piece_mib:>3} MiB pieces" if piece_mib else "unpaced"
+                label = f"tidal's write-back, {how}"
+                measure(direction, label, n, time.perf_counter() - t0, start, end, end.query, line_gbps)
             for case in args.chained.split(",") if args.chained else []:
                 piece_mib, depth = (int(v) for v in case.split(":"))
                 if not 1 <= depth < len(chain_streams):
