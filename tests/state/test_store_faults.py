@@ -75,4 +75,4 @@ def test_fault_at_every_point_of_a_store_move_keeps_every_storage_resident_or_tr
     points = sweep(make, act, check)
     assert len(points) >= 10, points
     if kind == "fake-accel-paced" and move != "reload":
-        assert "pace_piece_after_piece" in points and "pace_relay_after_piece" in points, points
+        assert "pace_piece_after_piece" in points and "pace_piece_after_stream" in points, points

@@ -1,5 +1,5 @@
 """The pacing of device-to-host copies (tidal.transfer.pacing) on the fake accelerator: which
-pieces a copy is cut into, that each piece waits (through the relay stream) for the one before,
+pieces a copy is cut into, that they take turns on two streams each behind the one before,
 that every byte arrives, and what is left unpaced. Its effect on a real copy engine is measured
 in tests/transfer/test_pacing_gpu.py."""
 
@@ -28,9 +28,10 @@ def _items(arena: HostArena, sizes: list[int], seed: int = 0) -> list[CopyItem]:
 
 
 def _pacing_log(ops: FakeAccelOps, pacer: CopyPacer) -> list[tuple]:
-    """The records and event waits on the copy stream and the relay, with the streams named
-    "copy" and "relay" and the event ids renumbered 1, 2, ... in order of first appearance."""
-    names = {pacer.stream.name: "copy", pacer.relay.name: "relay"}
+    """The records and event waits on the copy stream and the pacer's second stream, the
+    streams named "copy" and "second" and the event ids renumbered 1, 2, ... in order of first
+    appearance."""
+    names = {pacer.stream.name: "copy", pacer.second.name: "second"}
     ids: dict[int, int] = {}
     out = []
     for e in ops.log:
@@ -39,10 +40,10 @@ def _pacing_log(ops: FakeAccelOps, pacer: CopyPacer) -> list[tuple]:
     return out
 
 
-def _gate(before: int, gate: int) -> list[tuple]:
-    """What a piece's gate looks like: the relay waits for the piece before, records, and the
-    copy stream waits for that record."""
-    return [("wait_event", "relay", before), ("record", "relay", gate), ("wait_event", "copy", gate)]
+def _on_second(here: int, piece: int) -> list[tuple]:
+    """A piece on the second stream: the copy stream's position is recorded, the second stream
+    waits for it (so for the piece before, queued there), then the piece and its event."""
+    return [("record", "copy", here), ("wait_event", "second", here), ("record", "second", piece)]
 
 
 def _copied(eng: TransferEngine, items: list[CopyItem]) -> bool:
@@ -53,30 +54,31 @@ def _bytes(it: CopyItem) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(it.storage, 0, (it.nbytes,), (1,))
 
 
-def test_a_copy_goes_in_pieces_each_behind_the_one_before():
+def test_a_copy_goes_in_pieces_taking_turns_each_behind_the_one_before():
     ops = FakeAccelOps()
     eng = _engine(ops, bucket_bytes=4096, small_tensor_bytes=0, paced_piece_bytes=1000)
     items = _items(eng.arena, [2500])
     (seg,) = eng.plan(items)
     eng.begin_out()
     eng.copy_out(seg)
-    # Three pieces (1000, 1000, 500): the first goes at once (nothing before it), each other
-    # behind the first's and then the second's event, then the segment's own event.
+    # Three pieces (1000, 1000, 500): the first on the copy stream at once (nothing before it),
+    # the second on the second stream behind it, the third on the copy stream behind the
+    # second; then the segment's own event.
     assert _pacing_log(ops, eng.pacer) == [
         ("record", "copy", 1),
-        *_gate(1, 2),
-        ("record", "copy", 3),
-        *_gate(3, 4),
+        *_on_second(2, 3),
+        ("wait_event", "copy", 3),
+        ("record", "copy", 4),
         ("record", "copy", 5),
-        ("record", "copy", 6),
     ]
     assert eng.pacer.pieces == 3
     assert _copied(eng, items)
 
 
-def test_the_chain_runs_across_copies_and_buckets():
-    # Two direct copies and a bucket: the next copy's first piece waits for the last piece of
-    # the copy before it (not for the engine's segment event), whatever the copy.
+def test_the_turns_run_across_copies_and_buckets_and_the_copy_stream_waits_for_the_last():
+    # Two direct copies and a bucket: the turns go on from one copy to the next, and a copy
+    # whose last piece ran on the second stream has the copy stream wait for it before the
+    # engine's segment event (which must mark every byte done).
     ops = FakeAccelOps()
     eng = _engine(ops, bucket_bytes=4096, small_tensor_bytes=1024, paced_piece_bytes=1500)
     items = _items(eng.arena, [2000, 300, 400, 1600], seed=1)
@@ -86,18 +88,17 @@ def test_the_chain_runs_across_copies_and_buckets():
     for seg in segs:
         eng.copy_out(seg)
     assert _pacing_log(ops, eng.pacer) == [
-        ("record", "copy", 1),  # 2000 bytes: pieces of 1500 and 500
-        *_gate(1, 2),
-        ("record", "copy", 3),
+        ("record", "copy", 1),  # 2000 bytes: 1500 on the copy stream, 500 on the second
+        *_on_second(2, 3),
+        ("wait_event", "copy", 3),  # the copy stream after the last piece
         ("record", "copy", 4),  # segment 1 done
-        *_gate(3, 5),  # the bucket (700 bytes staged): one piece, behind the last piece
-        ("record", "copy", 6),
-        ("record", "copy", 7),  # segment 2 done
-        *_gate(6, 8),  # 1600 bytes: 1500 and 100
+        ("wait_event", "copy", 3),  # the bucket (700 bytes staged): one piece, behind the last
+        ("record", "copy", 5),
+        ("record", "copy", 6),  # segment 2 done
+        *_on_second(7, 8),  # 1600 bytes: 1500 on the second stream, 100 on the copy stream
+        ("wait_event", "copy", 8),
         ("record", "copy", 9),
-        *_gate(9, 10),
-        ("record", "copy", 11),
-        ("record", "copy", 12),
+        ("record", "copy", 10),
     ]
     assert eng.pacer.pieces == 5
     assert _copied(eng, items)
@@ -130,17 +131,18 @@ def test_engines_of_one_context_share_one_chain():
         eng.begin_out()
         eng.queue_direct(items, to_device=False)
     log = _pacing_log(ops, ctx.d2h_pacer)
-    # b's first piece waits for a's last (event 3); each engine's queue event (4, 7) is its own.
+    # a's two pieces, its queue event (4), then b's two pieces going on with the turns: its first
+    # on the copy stream behind a's last (3), its second on the second stream.
     assert log == [
         ("record", "copy", 1),
-        *_gate(1, 2),
-        ("record", "copy", 3),
+        *_on_second(2, 3),
+        ("wait_event", "copy", 3),
         ("record", "copy", 4),
-        *_gate(3, 5),
-        ("record", "copy", 6),
-        *_gate(6, 7),
+        ("wait_event", "copy", 3),
+        ("record", "copy", 5),
+        *_on_second(6, 7),
+        ("wait_event", "copy", 7),
         ("record", "copy", 8),
-        ("record", "copy", 9),
     ]
 
 

@@ -87,7 +87,11 @@ class GroupMover:
     def __init__(self, context: TransferContext, *, bucket_bytes: int, small_copy_bytes: int, measure: bool) -> None:
         self.context = context
         self.ops = ops = context.ops
-        cfg = TransferConfig(bucket_bytes=bucket_bytes, small_tensor_bytes=small_copy_bytes, pin_host=True)
+        # Unpaced (tidal.transfer.pacing): the forward that saves activations queues no small
+        # reads for pacing to let through, and the measured figures of this path are of whole copies.
+        cfg = TransferConfig(
+            bucket_bytes=bucket_bytes, small_tensor_bytes=small_copy_bytes, pin_host=True, paced_piece_bytes=0
+        )
         self.engine = context.engine(cfg)
         self.arena = self.engine.arena
         self.owner = context.label("ActivationOffloader")

@@ -19,7 +19,7 @@ tests and users who want isolated accounting pass it explicitly (``Timeshare(...
 context=ctx)``).
 
 Memory cost: the arenas' host RAM (``host_bytes()``); three streams per device (the D2H
-stream's pacer has a relay stream, :mod:`tidal.transfer.pacing`).
+stream's pacer takes turns with a second stream, :mod:`tidal.transfer.pacing`).
 """
 
 from __future__ import annotations

@@ -286,6 +286,8 @@ class TransferEngine:
         for stream in (self.d2h_stream, self.h2d_stream):
             if stream is not None:
                 stream.synchronize()
+        if self.pacer is not None:
+            self.pacer.synchronize()  # pieces on its second stream that the D2H stream never waited for
 
     def release_staging(self) -> None:
         """Drop the staging buffers (their blocks return to the copy streams' pools)."""
