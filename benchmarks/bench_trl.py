@@ -567,6 +567,13 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 "    tidal's copies still running as the step began (s, median): "
                 + ", ".join(f"{k.upper()} {v:.3f}" for k, v in r["copy_tail_s"].items())
             )
+        if r.get("host_peak_rss_bytes"):
+            avail = r.get("host_min_available_bytes")
+            print(
+                f"    host memory: the variant's processes peaked at {r['host_peak_rss_bytes'] / 2**30:.1f} GiB resident"
+                + (f"; the host's available memory fell to {avail / 2**30:.1f} GiB" if avail is not None else "")
+                + (f" of {r['host_total_bytes'] / 2**30:.1f} GiB" if r.get("host_total_bytes") else "")
+            )
         samples = r.get("host_samples")
         if samples:
             per = samples["steps"] or 1
@@ -719,13 +726,64 @@ def main(argv=None) -> int:
         env = dict(os.environ)
         if "+expandable" in v:
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        rc = subprocess.run(cmd, env=env).returncode
+        rc, host = _run_watching_host_memory(cmd, env)
         res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
+        res.update(host)
         results.append(res)
         print(json.dumps({k: x for k, x in res.items() if k != "profile"}), flush=True)
         _report_so_far(args, results, reward_path)  # a run cut short keeps what it measured
     _report_so_far(args, results, reward_path, final=True)
     return 0
+
+
+def _tree_rss_bytes(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (``/proc``; 0 where unreadable)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _run_watching_host_memory(cmd: list[str], env: dict, interval_s: float = 0.5) -> tuple[int, dict]:
+    """Run a variant's process; return its exit status and the host memory seen while it ran:
+    its process tree's peak resident bytes and the lowest ``MemAvailable`` (or cgroup room), read
+    every ``interval_s``. A variant killed by the kernel (exit -9) with the available memory near
+    0 ran the host out of memory."""
+    from tidal.device import host_memory
+
+    proc = subprocess.Popen(cmd, env=env)
+    peak_rss, min_avail = 0, None
+    while proc.poll() is None:
+        peak_rss = max(peak_rss, _tree_rss_bytes(proc.pid))
+        try:
+            avail = host_memory().available_bytes
+            min_avail = avail if min_avail is None else min(min_avail, avail)
+        except OSError:
+            pass
+        time.sleep(interval_s)
+    return proc.returncode, {
+        "host_peak_rss_bytes": peak_rss,
+        "host_min_available_bytes": min_avail,
+        "host_total_bytes": _host_total(),
+    }
+
+
+def _host_total() -> int | None:
+    from tidal.device import host_memory
+
+    try:
+        return host_memory().total_bytes
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""bench_trl.py's watch on the host memory of each variant's process (what tells a variant
+killed by the host's out-of-memory killer from one that crashed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+bench_trl = pytest.importorskip("bench_trl")
+
+MiB = 1 << 20
+
+
+def test_the_watch_sees_a_childs_resident_memory_and_its_exit_status():
+    code = "import time; x = bytearray(300 << 20); time.sleep(1.0)"
+    rc, host = bench_trl._run_watching_host_memory([sys.executable, "-c", code], dict(os.environ), interval_s=0.1)
+    assert rc == 0
+    assert host["host_peak_rss_bytes"] >= 290 * MiB, host
+    assert host["host_total_bytes"] > 0 and 0 < host["host_min_available_bytes"] <= host["host_total_bytes"]
+
+
+def test_a_child_of_a_child_counts_and_a_kill_shows_as_its_signal():
+    code = (
+        "import os, signal, subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; x = bytearray(200 << 20); time.sleep(1.5)']); "
+        "time.sleep(1.0); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    rc, host = bench_trl._run_watching_host_memory([sys.executable, "-c", code], dict(os.environ), interval_s=0.1)
+    assert rc == -signal.SIGKILL
+    assert host["host_peak_rss_bytes"] >= 190 * MiB, host
