@@ -40,6 +40,7 @@ second stream: it first waits for the copy stream's position); no device memory.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ class CopyPacer:
         self._last_piece_done: Any = None
         self._last_on_second = False
         self.pieces = 0  # paced pieces queued so far (telemetry)
+        self._lock = threading.Lock()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, piece_bytes: int) -> None:
         """Queue ``dst.copy_(src)`` (two 1-D uint8 tensors of one length, one on the host) as
@@ -77,6 +79,10 @@ class CopyPacer:
         the copy stream's later work runs after every piece."""
         assert dst.dtype == torch.uint8 and src.dtype == torch.uint8 and dst.dim() == 1 and src.dim() == 1
         assert dst.numel() == src.numel() and piece_bytes > 0
+        with self._lock:
+            self._copy(dst, src, piece_bytes)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, piece_bytes: int) -> None:
         ops, n = self.ops, dst.numel()
         for start in range(0, n, piece_bytes):
             end = min(n, start + piece_bytes)
