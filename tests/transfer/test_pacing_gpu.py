@@ -70,3 +70,51 @@ def test_a_paced_write_back_lets_the_compute_streams_reads_through():
     assert paced_s < 1.15 * whole_s, (paced_s, whole_s)  # the copy keeps (near) its rate
     for t, s in zip(dev, slots):
         assert torch.equal(arena.view(s), t.cpu()), "a paced copy lost bytes"
+
+
+SLEEP_CYCLES = int(4e8)  # about 0.2-0.3 s on an H100: far longer than the copies
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropped", [None, "pace_piece_after_stream", "pace_stream_after_copy"])
+def test_race_a_piece_on_the_second_stream_reads_after_the_copy_stream_and_is_waited_for(dropped):
+    """Two pieces: the first on the copy stream, the second on the pacer's second stream. The
+    second must read the source only after what the copy stream waited for (the compute that
+    wrote it: ``pace_piece_after_stream``), and the copy stream's next event must come after it
+    (``pace_stream_after_copy``: the engine's event says the copy is done). A GPU sleep in front
+    of the write (and, for the second wait, in front of the second stream's piece) makes each
+    missing wait show in every run."""
+    from tests.policies import SkipWaits
+    from tidal.device import SyncPolicy, use_sync_policy
+
+    ops = DeviceOps("cuda")
+    arena = HostArena(ops)
+    piece = 256 * MiB
+    (slot,) = arena.reserve([2 * piece])
+    src = torch.zeros(2 * piece, dtype=torch.uint8, device="cuda")
+    item = CopyItem(src.untyped_storage(), slot, 2 * piece)
+    eng = TransferEngine(
+        ops, arena, TransferConfig(paced_piece_bytes=piece)
+    )  # its own pacer: first piece on the copy stream
+    (seg,) = eng.plan([item])
+    arena.view(slot).fill_(0xAA)
+    torch.cuda.synchronize()
+    policy = SkipWaits([dropped]) if dropped else SyncPolicy()
+    with use_sync_policy(policy):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the write below lands late
+        src.fill_(1)
+        if dropped == "pace_stream_after_copy":
+            with torch.cuda.stream(eng.pacer.second):
+                torch.cuda._sleep(2 * SLEEP_CYCLES)  # the second piece runs late
+        eng.begin_out()
+        done = eng.copy_out(seg)
+    done.synchronize()  # the engine's word that the copy has run
+    got = arena.view(slot)
+    whole = bool((got == 1).all())
+    torch.cuda.synchronize()
+    if dropped is None:
+        assert whole, "a paced copy read stale bytes or was not waited for"
+        assert eng.pacer.pieces == 2
+    else:
+        assert policy.skipped == [dropped], "the wait was never reached"
+        assert not whole, f"without {dropped} the test must see the race"
