@@ -239,8 +239,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "--prefetch",
         action="store_true",
         help="each phase brings the next phase's role in behind its compute and writes its own role back "
-        "ahead of the switch (Timeshare.prefetch), within the last step's highest phase peak; in training "
-        "the optimizer state comes in behind the micro-batches before its step (Timeshare.prefetch_optimizer)",
+        "ahead of the switch (Timeshare.prefetch), within the last step's highest phase peak",
     )
     p.add_argument(
         "--async-transitions",

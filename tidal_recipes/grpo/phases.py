@@ -145,10 +145,9 @@ class RoleTurns:
             "left_allocated_bytes": alloc_end - alloc_start,
             "start_allocated_bytes": alloc_start,
             "moved_bytes": sum(r.bytes_in + r.bytes_out for r in recs),
-            # Of moved_bytes, what ran behind the phase's compute: the next role (or the
-            # optimizer state, ahead of its step) brought in ahead, this role written back
-            # ahead of its offload.
-            "prefetched_bytes": sum(r.bytes_in for r in recs if r.kind in ("prefetch", "optim-prefetch")),
+            # Of moved_bytes, what ran behind the phase's compute: the next role brought in
+            # ahead, this role written back ahead of its offload.
+            "prefetched_bytes": sum(r.bytes_in for r in recs if r.kind == "prefetch"),
             "written_back_bytes": sum(r.bytes_out for r in recs if r.kind == "prefetch"),
             "transition_seconds": turn.load_s + in_step_s + turn.release_s,
             # the process's peak resident host memory during the phase (pinned copies included);

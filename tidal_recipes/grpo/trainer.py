@@ -102,10 +102,7 @@ class GRPOConfig:
             nothing. It trades peak memory for time: the next role is brought in as far as
             free device memory allows once what the phase itself allocated in the step before
             (plus 10% and 256 MiB) is left to it; the first step prefetches nothing on an
-            accelerator (it measures those needs). In training, the policy's optimizer state
-            (``"stream"``/``"step"`` residency) starts coming in before the second micro-batch
-            (before the only one, from the second step), as far as what the first micro-batch
-            needed leaves free, so ``step()`` finds it arrived.
+            accelerator (it measures those needs).
         seed: seeds prompts, sampling and dropout, so a run is reproducible.
     """
 
@@ -507,24 +504,6 @@ class GRPOTrainer:
         }
         return res
 
-    def _optimizer_ahead(self, transient: int | None) -> None:
-        """With ``prefetch``: the policy's optimizer state (``"stream"``/``"step"`` residency)
-        starts coming in behind the micro-batches still to run (:meth:`tidal.Timeshare.prefetch_optimizer`),
-        so ``step()`` finds it arrived. Called before the second micro-batch, once the first has
-        shown what a micro-batch needs free (``transient``: its peak less what stays, the
-        gradients), or before the only one, leaving what the training phase allocated in the
-        step before; on an accelerator the first step's only micro-batch prefetches nothing. The
-        same as TidalGRPOTrainer does behind the backward (tidal.integrations.trl)."""
-        if not self.config.prefetch or self.ts is None:
-            return
-        leave = None  # the timeshare's headroom (CPU: no memory to measure)
-        if self.ops.is_accelerator:
-            need = transient if transient is not None else self._last_growth.get("train")
-            if need is None:
-                return
-            leave = int(1.1 * need) + (256 << 20)
-        self.ts.prefetch_optimizer("actor_train", leave_free_bytes=leave)
-
     def _train(
         self,
         seqs: torch.Tensor,
@@ -540,12 +519,9 @@ class GRPOTrainer:
         norms: list[float] = []
         count = 0
         on_device = isinstance(self.optimizer, CPUAdam) and cfg.grad_accumulation == "device"
-        transient = None  # what the first micro-batch allocated and freed again (see _optimizer_ahead)
         for m0 in range(0, cfg.batch_size, mini):
-            for k, i in enumerate(range(m0, m0 + mini, cfg.micro_batch)):
+            for i in range(m0, m0 + mini, cfg.micro_batch):
                 j = min(i + cfg.micro_batch, m0 + mini)
-                if k == min(1, -(-mini // cfg.micro_batch) - 1):
-                    self._optimizer_ahead(transient)
                 chunk = seqs[i:j]
                 logits = self.policy(input_ids=chunk, use_cache=False, **kw).logits[:, -n_ans - 1 : -1]
                 logp, ent = action_logprobs(logits, chunk[:, -n_ans:], ACTION_IDS, with_entropy=True)
@@ -562,11 +538,6 @@ class GRPOTrainer:
                     scaled.backward()
                 del scaled
                 del logp, ent, loss
-                if transient is None and self.ops.is_accelerator:
-                    # The first micro-batch's peak (the phase's peak so far, reset at its start)
-                    # less what stays (its gradients; optimizer state brought in meanwhile is in
-                    # both): what each micro-batch needs free.
-                    transient = self.ops.peak_allocated_bytes() - self.ops.allocated_bytes()
                 self.timeline.sample()
                 for k, v in st.items():
                     totals[k] = totals.get(k, 0.0) + v
