@@ -532,7 +532,11 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
     )
     rows = []
     date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    for r in results:
+    trl_runs = [r for r in results if r["variant"] == "trl" and not r.get("error")]
+    for n, r in enumerate(results):
+        # With several TRL-alone processes (variants "trl,X,trl,X"), each variant against the one
+        # run just before it too: steps vary between processes more than between neighbours.
+        before = next((b for b in reversed(results[:n]) if b["variant"] == "trl" and not b.get("error")), None)
         if r.get("error"):
             line = f"  {r['variant']:8s} {r['error'][:120]}"
             row = f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {what} | {args.batch}x{args.completion} | {r['variant']} | {r['error'][:80]} | - | - | - | - | - |"
@@ -550,6 +554,11 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 f"at {r.get('transition_gbps', 0):.1f} GB/s"
                 + (f"  bound {bound:.3f} s ({r['step_s'] / bound:.2f}x)" if bound else "")
                 + (f"  fastest step {r['step_min_s']:.3f} s ({_x(fastest)} TRL's)" if "step_min_s" in r else "")
+                + (
+                    f"  ({r['step_s'] / before['step_s']:.2f}x the TRL process before it)"
+                    if len(trl_runs) > 1 and before is not None and before is not base
+                    else ""
+                )
             )
             row = (
                 f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {what} | {args.batch}x{args.completion} | "

@@ -33,3 +33,21 @@ def test_a_child_of_a_child_counts_and_a_kill_shows_as_its_signal():
     rc, host = bench_trl._run_watching_host_memory([sys.executable, "-c", code], dict(os.environ), interval_s=0.1)
     assert rc == -signal.SIGKILL
     assert host["host_peak_rss_bytes"] >= 190 * MiB, host
+
+
+def test_with_several_trl_processes_each_variant_is_also_set_against_the_one_before_it(capsys):
+    pytest.importorskip("trl")
+    import types
+
+    args = types.SimpleNamespace(
+        preset="tiny", dtype="float32", batch=4, completion=8, results=None, json=None, picture=None, line_rate=None
+    )
+
+    def result(variant, step_s):
+        return dict(variant=variant, error=None, step_s=step_s, step_min_s=step_s, peak_bytes=1 << 30)
+
+    runs = [result("trl", 8.0), result("stream", 9.0), result("trl", 10.0), result("stream", 9.5)]
+    bench_trl._report_so_far(args, runs, None)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  stream")]
+    assert "(1.12 TRL)" in lines[0] and "process before it" not in lines[0]  # its TRL is the first one
+    assert "(1.19 TRL)" in lines[1] and "(0.95x the TRL process before it)" in lines[1]
