@@ -14,7 +14,10 @@ model, DeepSpeedCPUAdam JIT-built on first use: set ``TORCH_EXTENSIONS_DIR`` to 
 ``+prefetch`` suffix (``stream+prefetch``) adds ``TidalConfig(prefetch=True)``, and
 ``+budget=<GiB>``, ``+headroom=<GiB>``, ``+evict=as_needed`` set the timeshare
 (``stream+prefetch+budget=14``: room for the policy's weights and the reference together keeps
-the policy resident while the reference scores). ``--reward-model``: every variant also scores
+the policy resident while the reference scores); ``+peak=<GiB>`` bounds what prefetches bring
+in; ``+unpaced`` queues copies to the host whole (``TransferConfig(paced_piece_bytes=0)``, the
+A/B of tidal.transfer.pacing). Per step it also records the host's time between generated
+tokens (``token_gap_s``: one long gap is a token that waited). ``--reward-model``: every variant also scores
 with a reward model of the policy's shape (TRL alone keeps it on the device; tidal makes it a
 role).
 Measured after the first step (warm-up): peak allocated device memory
@@ -257,10 +260,12 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             return 0.0
         return sum(getattr(r, "host_seconds", 0.0) + getattr(r, "stall_seconds", 0.0) for r in ts.records)
 
-    from phase_clock import PhaseClock
+    from phase_clock import PhaseClock, TokenGaps
 
     phases = PhaseClock(cuda)
     phase_steps: list[dict] = []
+    tokens = TokenGaps()
+    token_steps: list[dict | None] = []  # per measured step: the gaps between generated tokens
     sampler = None
     if args.sample_stacks:
         from host_samples import StackSampler
@@ -361,6 +366,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 exposed.append(exposed_s(trainer) - self.exposed0)  # settles the stalls per_kind reads
                 host_stall.append(host_stall_s(trainer) - self.host_stall0)
                 phase_steps.append(phases.take())  # the compute stream has run the step's work
+                token_steps.append(tokens.take())
                 if self.tail is not None:
                     begin, ends = self.tail
                     tails = {}
@@ -409,7 +415,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         # key=value suffixes: budget / headroom in GiB and evict set the timeshare, peak (GiB)
         # bounds what prefetches bring in
         settings = dict(e.split("=", 1) for e in extras if "=" in e)
-        if any(e != "prefetch" and "=" not in e for e in extras) or set(settings) - {
+        if any(e not in ("prefetch", "unpaced") and "=" not in e for e in extras) or set(settings) - {
             "budget",
             "headroom",
             "evict",
@@ -417,10 +423,11 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         }:
             raise ValueError(
                 f"unknown variant {variant!r}: [before:]<residency>, optionally with '+prefetch', '+budget=<GiB>', "
-                f"'+headroom=<GiB>', '+evict=as_needed' and '+peak=<GiB>'"
+                f"'+headroom=<GiB>', '+evict=as_needed', '+peak=<GiB>' and '+unpaced' (copies to the host "
+                f"queued whole: TransferConfig(paced_piece_bytes=0))"
             )
         kw = {}
-        if settings.keys() & {"budget", "headroom", "evict"}:
+        if settings.keys() & {"budget", "headroom", "evict"} or "unpaced" in extras:
             ts_kw = dict(
                 budget_bytes=int(float(settings["budget"]) * 2**30) if "budget" in settings else None,
                 headroom_bytes=int(float(settings.get("headroom", 0)) * 2**30),
@@ -428,6 +435,10 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             )
             if not variant.startswith("before:"):  # the trainer's own defaults, with these changed
                 ts_kw.update(release_to_driver=False, wait_for_copies=False)
+            if "unpaced" in extras:
+                from tidal.transfer import TransferConfig
+
+                ts_kw["transfer"] = TransferConfig(paced_piece_bytes=0)
             kw["timeshare"] = TimeshareConfig(**ts_kw)
         if "peak" in settings:
             kw["prefetch_peak_bytes"] = int(float(settings["peak"]) * 2**30)
@@ -436,6 +447,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     if profile_step:
         _annotate_for_profile(trainer)
     phases.wrap_trainer(trainer)
+    tokens.wrap_trainer(trainer)
     t0 = time.perf_counter()
     error = None
     try:
@@ -463,6 +475,10 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["phase_s_steps"] = phase_steps
         names = sorted({k for p in phase_steps for k in p})
         res["phase_s"] = {k: statistics.median(p.get(k, 0.0) for p in phase_steps) for k in names}
+        if any(token_steps):
+            res["token_gap_s_steps"] = token_steps
+            got = [t for t in token_steps if t]
+            res["token_gap_s"] = {k: statistics.median(t[k] for t in got) for k in ("longest", "median", "excess")}
         if copy_tail:
             res["copy_tail_s_steps"] = copy_tail
             res["copy_tail_s"] = {d: statistics.median(t[d] for t in copy_tail) for d in copy_tail[0]}
@@ -570,6 +586,12 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             print(
                 "    phases (s, median; device time on a GPU): "
                 + ", ".join(f"{k} {v:.3f}" for k, v in r["phase_s"].items())
+            )
+        if r.get("token_gap_s"):
+            g = r["token_gap_s"]
+            print(
+                f"    between generated tokens (host, median of steps): longest {g['longest'] * 1e3:.1f} ms, "
+                f"median {g['median'] * 1e3:.1f} ms, beyond twice the median {g['excess']:.3f} s a step"
             )
         if r.get("copy_tail_s"):
             print(

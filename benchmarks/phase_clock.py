@@ -88,3 +88,51 @@ class PhaseClock:
     def wrap_optimizer(self, trainer: Any) -> None:
         if getattr(trainer, "optimizer", None) is not None:
             self.wrap(trainer.optimizer, "step", "optimizer")
+
+
+class TokenGaps:
+    """The host's time between the policy's forwards inside generation: one per generated token
+    (the prefill first), so a token that waited (for a copy queued ahead of its ``.item()``, say)
+    shows as one long gap beside the usual ones, within one process, whatever the process's own
+    speed. :meth:`wrap_trainer` hooks a TRL trainer's ``_generate`` and its policy's forward;
+    :meth:`take` returns the gaps since the last call, summarised."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._times: list[float] = []
+        self._gaps: list[float] = []
+
+    def wrap_trainer(self, trainer: Any) -> None:
+        fn = trainer._generate
+
+        @functools.wraps(fn)
+        def generating(*args, **kwargs):
+            self._active += 1
+            self._times = []
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._active -= 1
+                self._gaps += [b - a for a, b in zip(self._times, self._times[1:])]
+
+        trainer._generate = generating
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model.register_forward_pre_hook(self._forward)
+
+    def _forward(self, module: Any, args: Any) -> None:
+        if self._active:
+            self._times.append(time.perf_counter())
+
+    def take(self) -> dict[str, float] | None:
+        """``longest``, ``median`` and ``count`` of the gaps since the last call (None if there
+        were none), and ``excess``: the time of the gaps beyond twice the median."""
+        gaps, self._gaps = self._gaps, []
+        if not gaps:
+            return None
+        med = sorted(gaps)[len(gaps) // 2]
+        return {
+            "longest": max(gaps),
+            "median": med,
+            "count": len(gaps),
+            "excess": sum(g - 2 * med for g in gaps if g > 2 * med),
+        }

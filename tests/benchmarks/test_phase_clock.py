@@ -31,3 +31,33 @@ def test_each_call_counts_once_under_its_outermost_phase():
     assert set(got) == {"loss", "logps:ref"}, got
     assert 0.05 <= got["loss"] < 0.2 and 0.04 <= got["logps:ref"] < 0.2, got
     assert clock.take() == {}  # taken: the next step starts empty
+
+
+def test_token_gaps_show_the_one_token_that_waited_and_only_inside_generation():
+    import types
+
+    import torch
+
+    from phase_clock import TokenGaps
+
+    class Trainer:
+        def __init__(self):
+            self.model = torch.nn.Linear(2, 2)
+            self.accelerator = types.SimpleNamespace(unwrap_model=lambda m: m)
+
+        def _generate(self, slow_at: int):
+            x = torch.zeros(1, 2)
+            for i in range(8):  # a prefill and 7 tokens, one of which waits
+                time.sleep(0.2 if i == slow_at else 0.01)
+                self.model(x)
+
+    tr = Trainer()
+    gaps = TokenGaps()
+    gaps.wrap_trainer(tr)
+    tr.model(torch.zeros(1, 2))  # outside generation: not a token
+    tr._generate(slow_at=4)
+    got = gaps.take()
+    assert got["count"] == 7
+    assert 0.19 <= got["longest"] < 0.4 and 0.009 <= got["median"] < 0.05
+    assert 0.1 < got["excess"] < 0.4
+    assert gaps.take() is None  # taken: nothing since
