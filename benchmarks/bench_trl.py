@@ -792,29 +792,22 @@ def _run_watching_host_memory(cmd: list[str], env: dict, interval_s: float = 0.5
     from tidal.device import host_memory
 
     proc = subprocess.Popen(cmd, env=env)
-    peak_rss, min_avail = 0, None
+    peak_rss, min_avail, total = 0, None, None
     while proc.poll() is None:
         peak_rss = max(peak_rss, _tree_rss_bytes(proc.pid))
         try:
-            avail = host_memory().available_bytes
-            min_avail = avail if min_avail is None else min(min_avail, avail)
+            mem = host_memory()
         except OSError:
-            pass
+            mem = None
+        if mem is not None:
+            total = mem.total_bytes
+            min_avail = mem.available_bytes if min_avail is None else min(min_avail, mem.available_bytes)
         time.sleep(interval_s)
     return proc.returncode, {
         "host_peak_rss_bytes": peak_rss,
         "host_min_available_bytes": min_avail,
-        "host_total_bytes": _host_total(),
+        "host_total_bytes": total,
     }
-
-
-def _host_total() -> int | None:
-    from tidal.device import host_memory
-
-    try:
-        return host_memory().total_bytes
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":
