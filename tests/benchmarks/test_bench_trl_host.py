@@ -51,3 +51,25 @@ def test_with_several_trl_processes_each_variant_is_also_set_against_the_one_bef
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  stream")]
     assert "(1.12 TRL)" in lines[0] and "process before it" not in lines[0]  # its TRL is the first one
     assert "(1.19 TRL)" in lines[1] and "(0.95x the TRL process before it)" in lines[1]
+
+
+def test_deepspeeds_offload_is_the_anchor_each_tidal_variant_is_set_against(capsys):
+    """Run h1 (2x H100): the DeepSpeed ZeRO-3 offload variant has no timeshare and moves bytes
+    the bench does not count (null): the report sets each tidal variant's step and peak against
+    it, with no TRL-alone run (it runs out of memory at 7B on an H100)."""
+    pytest.importorskip("trl")
+    import types
+
+    args = types.SimpleNamespace(
+        preset="tiny", dtype="bfloat16", batch=4, completion=8, results=None, json=None, picture=None, line_rate=None
+    )
+    ds = dict(variant="ds-zero3-offload", error=None, step_s=16.0, step_min_s=15.7, peak_bytes=40 << 30)
+    ds["moved_gb_per_step"] = None
+    ours = dict(variant="stream+prefetch", error=None, step_s=9.6, step_min_s=9.3, peak_bytes=60 << 30)
+    ours["moved_gb_per_step"] = 81.2
+    bench_trl._report_so_far(args, [ds, ours], None)
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("  stream+prefetch"))
+    assert "against DeepSpeed ZeRO-3 offload: step 0.60x, peak 1.50x" in line
+    ds_line = next(ln for ln in out.splitlines() if ln.startswith("  ds-zero3-offload"))
+    assert "bytes moved not counted" in ds_line and "against DeepSpeed" not in ds_line

@@ -615,3 +615,58 @@ def test_at_first_forward_runs_once_at_the_first_forward_or_at_the_end_and_never
         other.join()
         calls.append("other thread ran")
     assert calls == ["other thread ran", "fn"]  # another thread's module did not fire it
+
+
+def _with_counters(reference_growth: int | None = None):
+    """tidal's trainer with the device memory counters a GPU has, on the CPU: every phase
+    allocates nothing beyond what it starts with (a fake allocator), or, with
+    ``reference_growth``, the reference's scoring reads as allocating that many bytes."""
+    from tidal.integrations.trl import _PhaseMemory
+
+    class Memory(_PhaseMemory):
+        def _read(self) -> None:
+            super()._read()
+            if reference_growth is not None and "reference" in self.growth:
+                self.growth["reference"] = reference_growth
+
+    class Counted(TidalGRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            dev = _FakeAllocator()
+            self._tidal_memory = Memory(lambda: dev.now, lambda: dev.high, dev.reset)
+
+    return Counted
+
+
+@pytest.mark.slow
+def test_prefetch_keeps_the_policy_in_while_the_reference_scores_where_it_has_room(tiny, tmp_path):
+    """Issue 26: with prefetch, the reference's turn keeps the policy on the device where the
+    free memory covers what scoring allocated the last time (from the second step, once that
+    is measured), so the policy needs no copy back in for the loss; the loss's turn drops the
+    frozen reference without a copy. Where the room is lacking (scoring read as allocating
+    more than the device has), the policy goes out as before. TRL's results do not change."""
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    cfg = TidalConfig(prefetch=True)
+    kept = _run(_with_counters(), tiny, tmp_path / "kept", tidal_config=cfg)
+    short = _run(_with_counters(reference_growth=1 << 60), tiny, tmp_path / "short", tidal_config=cfg)
+    for ours in (kept, short):
+        assert _history(ours) == _history(plain)
+        want, got = _weights(plain), _weights(ours)
+        assert all(torch.equal(want[k], got[k]) for k in want)
+    moves = lambda t: [(r.kind, r.roles_out, r.role_in) for r in t.timeshare.records]  # noqa: E731
+    kept_moves, short_moves = moves(kept), moves(short)
+    # The first step measures the scoring: the policy goes out then, and never after.
+    assert sum("policy" in out for kind, out, _ in kept_moves if kind != "optim-out") == 1, kept_moves
+    to_ref = [r for r in kept.timeshare.records if r.kind in ("switch", "reload") and r.role_in == "reference"]
+    assert [r.roles_out for r in to_ref] == [("policy",), (), ()]
+    # Generation measured, its prefetch brings the reference in behind it (from the second
+    # step), writing nothing back: the policy stays.
+    assert all(r.bytes_prefetched > 0 and r.bytes_in == 0 for r in to_ref[1:])
+    ahead = [r for r in kept.timeshare.records if r.kind == "prefetch" and r.role_in == "reference"]
+    assert len(ahead) == 2 and all(r.bytes_in > 0 and r.bytes_out == 0 for r in ahead)
+    # The loss's turn drops the reference, frozen: nothing copied out (after its first
+    # offload at construction).
+    dropped = [r for r in kept.timeshare.records if r.roles_out == ("reference",) and r.index > 0]
+    assert len(dropped) == 3 and all(r.bytes_out == 0 for r in dropped)
+    # No room: the policy takes turns with the reference in every step, as without counters.
+    assert sum(k == ("switch", ("policy",), "reference") for k in short_moves) == 3, short_moves

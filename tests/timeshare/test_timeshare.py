@@ -380,6 +380,92 @@ def test_evict_as_needed_counts_memory_still_handed_over_as_free():
     ts.close()
 
 
+def _moves(ts, since=0):
+    return [(r.kind, r.roles_out, r.role_in) for r in ts.records[since:]]
+
+
+def test_keep_free_bytes_keeps_the_role_before_where_there_is_room_and_only_there():
+    """use(name, keep_free_bytes=N) under the default evict="others": the switch moves out only
+    what it takes to have ``name`` in and N bytes free, so the role before stays where the
+    device has room (and goes where it has not); the next plain use() moves the others out as
+    before. No state changes on the way."""
+    ts, ops = _linear_roles("ab", used="a")
+    ts.config = dataclasses.replace(ts.config, evict="others")
+    want = {n: {k: v.clone() for k, v in ts.role(n).modules[0].state_dict().items()} for n in "ab"}
+    one, keep = ts.role_bytes("b"), 1 << 20
+    staging = ts.store.staging_bytes(1)  # a bucket in; nothing goes out
+    ops.free_bytes = one + staging + keep  # room for b and the bytes asked, exactly
+    n = len(ts.records)
+    with ts.use("b", keep_free_bytes=keep):
+        assert sorted(ts.resident_roles) == ["a", "b"]
+    assert _moves(ts, n) == [("reload", (), "b")]
+    ops.free_bytes = 1 << 40
+    with ts.use("a"):  # the config's "others": b goes, though there is room
+        assert ts.resident_roles == ["a"]
+    ops.free_bytes = one + staging + keep - 1  # one byte short: a must go for b
+    n = len(ts.records)
+    with ts.use("b", keep_free_bytes=keep):
+        assert ts.resident_roles == ["b"]
+    assert _moves(ts, n) == [("switch", ("a",), "b")]
+    ops.free_bytes = 1 << 40
+    ts.close()
+    for name in "ab":
+        got = ts.role(name).modules[0].state_dict()
+        assert all(torch.equal(v, want[name][k]) for k, v in got.items()), name
+
+
+def test_keep_free_bytes_counts_also_when_the_role_arrived_ahead():
+    """A role a prefetch brought in needs no room of its own, but keep_free_bytes still asks
+    for free memory beside it: where the device lacks it, the role before goes out, and only
+    then. The prefetch with the same keep_free_bytes writes back nothing where the switch
+    will keep everything, and the role before where it will not."""
+    ts, ops = _linear_roles("ab", used="a")
+    ts.config = dataclasses.replace(ts.config, evict="others")
+    one, keep = ts.role_bytes("b"), 1 << 20
+    ops.free_bytes = one + ts.store.staging_bytes(1) + keep
+    rec = ts.prefetch("b", keep_free_bytes=keep)
+    assert rec.bytes_in == one and rec.bytes_out == 0 and rec.roles_out == ()  # a stays: nothing written back
+    ops.free_bytes = keep  # what is free once b holds its memory
+    with ts.use("b", keep_free_bytes=keep):
+        assert sorted(ts.resident_roles) == ["a", "b"]
+    ops.free_bytes = 1 << 40
+    with ts.use("a"):
+        pass
+    ops.free_bytes = one + ts.store.staging_bytes(1) + keep
+    rec = ts.prefetch("b", keep_free_bytes=2 * keep)  # the switch will not keep a: a is written back
+    assert rec.bytes_in == one and rec.bytes_out == one and rec.roles_out == ("a",)
+    ops.free_bytes = keep  # b arrived; not the 2 * keep asked beside it
+    n = len(ts.records)
+    with ts.use("b", keep_free_bytes=2 * keep):
+        assert ts.resident_roles == ["b"]
+    ((kind, out, came),) = _moves(ts, n)
+    assert (kind, out, came) == ("switch", ("a",), "b") and ts.records[-1].bytes_out == 0  # written back ahead
+    ops.free_bytes = 1 << 40
+    ts.close()
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (-1, ValueError, "keep_free_bytes must be >= 0"),
+        ("1", TypeError, "keep_free_bytes must be an int"),
+        (True, TypeError, "keep_free_bytes must be an int"),
+    ],
+)
+def test_keep_free_bytes_refuses_bad_values_before_any_work(bad, error, match):
+    ts, _ = _linear_roles("ab", used="a")
+    n = len(ts.records)
+    with pytest.raises(error, match=match):
+        with ts.use("b", keep_free_bytes=bad):
+            pass
+    with pytest.raises(error, match=match):
+        ts.load("b", keep_free_bytes=bad)
+    assert ts.resident_roles == ["a"] and len(ts.records) == n and not ts.role("b").in_use
+    with pytest.raises(ValueError, match="keep_free_bytes must be >= 0"):
+        ts.prefetch("b", keep_free_bytes=-1)
+    ts.close()
+
+
 def test_stream_residency_settles_after_a_step_so_the_budget_does_not_count_its_state():
     """After a streamed step the moments are all on the host: a reference loaded inside the
     actor's use() block, after step(), fits a budget for both roles' weights."""

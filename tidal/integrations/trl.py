@@ -108,12 +108,18 @@ class TidalConfig:
             policy's path is read). Checked when the trainer is built. Saved tensors under
             ``activation_min_offload_bytes`` stay on the device.
         prefetch: the next role comes in behind the current phase's compute
-            (:meth:`tidal.Timeshare.prefetch`): generation starts bringing the reference in
-            (and writes the policy's state back to the host, so the switch releases it without
-            a copy if nothing wrote it), reference scoring starts bringing the reward model in
-            (if there is one), and the last of them the policy back. On an accelerator each
-            phase leaves free what it allocated the last time it ran (plus 10% and 256 MiB), so
-            the first generation and scoring prefetch nothing; it trades peak memory for time.
+            (:meth:`tidal.Timeshare.prefetch`): generation starts bringing the reference in,
+            reference scoring starts bringing the reward model in (if there is one), and the
+            last of them the policy back. On an accelerator each phase leaves free what it
+            allocated the last time it ran (plus 10% and 256 MiB), so the first generation and
+            scoring prefetch nothing; it trades peak memory for time. The reference's (and a
+            reward model's) turn keeps the policy on the device where the free memory covers
+            what that scoring allocated the last time (plus 10% and 256 MiB; within
+            ``prefetch_peak_bytes`` if set), so the loss needs no copy of the policy back in,
+            and the loss's turn drops the frozen role without a copy; where the room is
+            lacking (and in the first step, before scoring was measured), generation's
+            prefetch writes the policy back to the host and the switch releases it without a
+            copy if nothing wrote it since.
             The policy's optimizer state (``"step"``/``"stream"`` residency) starts coming in
             as the backward starts (:meth:`tidal.Timeshare.prefetch_optimizer`), as much as the
             backward leaves free, so its step finds it arrived.
@@ -236,7 +242,29 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             return _Phase(self, None, "generate")
         if role != "policy" and "policy" not in self.timeshare.roles:
             self._policy_ready()
-        return _Phase(self, role, role if role in ("reference", "reward") else "score")
+        phase = role if role in ("reference", "reward") else "score"
+        return _Phase(self, role, phase, keep_free_bytes=self._keep_free(role))
+
+    def _keep_free(self, role: str) -> int | None:
+        """With ``prefetch``: the bytes the turn of ``role`` (the reference, a reward model)
+        keeps free beside it instead of switching the policy out: what its phase allocated the
+        last time it ran, plus 10% and 256 MiB. The policy then stays on the device through
+        the scoring and needs no copy back in for the loss (whose switch drops the frozen role
+        without a copy). None (the policy goes out, as without prefetch) for the policy's own
+        turns, before the phase has run once, or where ``prefetch_peak_bytes`` leaves no room
+        for the role beside what is allocated now."""
+        cfg, memory, ts = self.tidal_config, self._tidal_memory, self.timeshare
+        if not cfg.prefetch or memory is None or role not in ("reference", "reward") or role not in ts.roles:
+            return None
+        growth = memory.growth.get(role)
+        if growth is None:
+            return None
+        keep = int(1.1 * growth) + (256 << 20)
+        if cfg.prefetch_peak_bytes is not None:
+            coming = 0 if ts.is_resident(role) else ts.role_bytes(role)  # a prefetched part counted twice: safe
+            if memory.allocated() + coming + keep > cfg.prefetch_peak_bytes:
+                return None
+        return keep
 
     def _after(self, role: str) -> str:
         """The role TRL computes with after ``role``'s phase: generation (policy), reference
@@ -291,7 +319,9 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         if then == "optimizer":
             rec = ts.prefetch_optimizer("policy", leave_free_bytes=leave, limit_bytes=limit)
         else:
-            rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit)
+            # Written back ahead: only what the turn of `then` will move out.
+            keep = self._keep_free(then)
+            rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit, keep_free_bytes=keep)
         if rec is not None and memory is not None:
             memory.prefetched(rec.bytes_in)
 
@@ -420,8 +450,11 @@ class _Phase:
     device's peak is attributed: from its start until the next outermost phase starts (so the
     loss phase's peak includes the backward and the optimizer step that follow it)."""
 
-    def __init__(self, trainer: TidalRLTrainer, role: str | None, phase: str) -> None:
+    def __init__(
+        self, trainer: TidalRLTrainer, role: str | None, phase: str, *, keep_free_bytes: int | None = None
+    ) -> None:
         self.trainer, self.role, self.phase = trainer, role, phase
+        self.keep_free_bytes = keep_free_bytes
         self._ctx = None
 
     def named(self, phase: str) -> "_Phase":
@@ -434,7 +467,7 @@ class _Phase:
             tr._tidal_memory.start(self.phase)
         tr._tidal_depth += 1
         if self.role is not None:
-            self._ctx = tr.timeshare.use(self.role)
+            self._ctx = tr.timeshare.use(self.role, keep_free_bytes=self.keep_free_bytes)
             try:
                 self._ctx.__enter__()
             except BaseException:

@@ -48,13 +48,21 @@ class TimeshareCore(Protocol):
 class ThreadedTimeshare(Protocol):
     """The timeshare's internals that :mod:`tidal.timeshare.threads` reads and waits on: its
     lock and the condition on it, its roles, the ``use()`` calls waiting for room (thread id ->
-    (role, roles it would move out, threads it waits on, ticket)), and its checks."""
+    (role, roles it would move out, threads it waits on, ticket, the bytes it keeps free)), and its
+    checks."""
 
     _lock: threading.RLock
     _idle: threading.Condition
     _roles: dict[str, Role]
-    _waiting: dict[int, tuple[str, set[str], set[int], int]]
+    _waiting: dict[int, tuple[str, set[str], set[int], int, int | None]]
 
     def _check_open(self) -> None: ...
 
-    def _choose_evictions(self, role: Role, *, ignore_use: bool = False, room_source: Any = None) -> list[Role]: ...
+    def _choose_evictions(
+        self,
+        role: Role,
+        *,
+        ignore_use: bool = False,
+        room_source: Any = None,
+        keep_free_bytes: int | None = None,
+    ) -> list[Role]: ...

@@ -15,14 +15,23 @@ class EvictionChoice:
     """Which roles a transition moves out, a mixin of :class:`~tidal.Timeshare`."""
 
     def _choose_evictions(
-        self, role: Role, *, ignore_use: bool = False, room_source: RoomSource | None = None
+        self,
+        role: Role,
+        *,
+        ignore_use: bool = False,
+        room_source: RoomSource | None = None,
+        keep_free_bytes: int | None = None,
     ) -> list[Role]:
         """The resident roles that bringing ``role`` in moves out. ``ignore_use``: as if no
         role were in use (what ``prefetch`` writes back ahead of the switch); no error then.
-        ``room_source``: memory another process is still handing over counts as free."""
+        ``room_source``: memory another process is still handing over counts as free.
+        ``keep_free_bytes``: this transition evicts as needed to leave that many bytes free
+        beside ``role`` (the config's ``evict`` and ``headroom_bytes`` set aside), also when
+        nothing of ``role`` must come in."""
         others = [r for r in self._roles.values() if r.resident and r is not role]
         budget = self.config.budget_bytes
-        as_needed = self.config.evict == "as_needed"
+        as_needed = self.config.evict == "as_needed" or keep_free_bytes is not None
+        headroom = self.config.headroom_bytes if keep_free_bytes is None else keep_free_bytes
         if budget is None and not as_needed:
             for r in others:
                 if not ignore_use:
@@ -51,9 +60,11 @@ class EvictionChoice:
         coming = 0
         if not role.resident:
             coming = sum(e.nbytes for k, e in incoming.items() if self.store.is_offloaded(k) and k not in prefetched)
+        # Room is made for what comes in; with keep_free_bytes, for the free bytes asked too.
+        room_asked = bool(coming) or keep_free_bytes is not None
         free = 0
-        if as_needed and coming:
-            free = self.ops.driver_free_bytes()[0] + self.ops.cached_free_bytes() - self.config.headroom_bytes
+        if as_needed and room_asked:
+            free = self.ops.driver_free_bytes()[0] + self.ops.cached_free_bytes() - headroom
             # Another role's prefetch is cancelled before the move: its memory counts as free.
             free += sum(e.nbytes for e in self.store.offloaded_entries(sorted(prefetched - set(incoming))))
             if room_source is not None:
@@ -73,10 +84,10 @@ class EvictionChoice:
 
         def short(roles: list[Role]) -> bool:
             over_budget = budget is not None and resident_bytes(roles) > budget
-            if over_budget or not as_needed or not coming:
+            if over_budget or not as_needed or not room_asked:
                 return over_budget
             # A staging bucket for the copies in, and one for those out if anything goes out.
-            staging = self.store.staging_bytes(1 + int(len(roles) < len(others)))
+            staging = self.store.staging_bytes(int(bool(coming)) + int(len(roles) < len(others)))
             return coming > free - staging + freed_by_evicting(roles)
 
         def gains(rest: list[Role]) -> bool:
@@ -113,8 +124,8 @@ class EvictionChoice:
         if as_needed and busy and short(staying) and not ignore_use:
             raise RuntimeError(
                 f"role {role.name!r} ({format_bytes(coming)} to load) does not fit in the device's free memory "
-                f"({format_bytes(max(0, free))} less headroom_bytes={self.config.headroom_bytes}) next to the "
-                f"roles in use {busy}; exit their use() blocks first or lower headroom_bytes"
+                f"({format_bytes(max(0, free))} after leaving {format_bytes(headroom)} free) next to the "
+                f"roles in use {busy}; exit their use() blocks first or lower headroom_bytes (keep_free_bytes)"
             )
         # Short with every evictable role out: the move itself raises, naming the bytes.
         return evict

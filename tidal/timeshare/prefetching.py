@@ -26,6 +26,7 @@ class Prefetching:
         leave_free_bytes: int | None = None,
         limit_bytes: int | None = None,
         write_back: bool = True,
+        keep_free_bytes: int | None = None,
     ) -> TransitionRecord | None:
         """Start making ``name`` resident behind the work queued now, so that the ``use(name)``
         (or ``load(name)``) that follows finds its state arrived and its switch costs next to
@@ -48,7 +49,9 @@ class Prefetching:
           the device decides, see :meth:`OffloadStore.write_back`). With ``evict="as_needed"``
           they are those the free memory now cannot keep beside it. A role in use (the phase
           running now) is written back too: what it writes after this call is caught by the
-          digest and copied by the switch.
+          digest and copied by the switch. ``keep_free_bytes``: the roles a
+          ``use(name, keep_free_bytes=...)`` with the same value would move out, judged from
+          the free memory now (pass the value that ``use`` will get).
 
         A prefetch lasts until the next transition: ``use``/``load`` of ``name`` claims it, any
         other transition first gives its memory back (nothing lost).
@@ -63,10 +66,10 @@ class Prefetching:
         time spent queueing), or None when nothing was queued (the role is resident, or
         nothing fits).
         """
-        role, leave = self._begin_prefetch("prefetch", name, leave_free_bytes, limit_bytes)
+        role, leave = self._begin_prefetch("prefetch", name, leave_free_bytes, limit_bytes, keep_free_bytes)
         if role.resident:
             return None
-        evict = self._choose_evictions(role, ignore_use=True)
+        evict = self._choose_evictions(role, ignore_use=True, keep_free_bytes=keep_free_bytes)
         budget = self.config.budget_bytes
         if budget is not None:
             # Nothing goes out before use(): what comes in shares the budget with every resident role.
@@ -131,7 +134,7 @@ class Prefetching:
         return self.record_move("optim-prefetch", (), name, move, note="optimizer state, ahead of step()")
 
     def _begin_prefetch(
-        self, verb: str, name: str, leave_free_bytes: int | None, limit_bytes: int | None
+        self, verb: str, name: str, leave_free_bytes: int | None, limit_bytes: int | None, keep: int | None = None
     ) -> tuple[Role, int]:
         """The checks both prefetches make before any work; returns the role and the bytes to
         leave free."""
@@ -141,7 +144,7 @@ class Prefetching:
         self._recover_if_interrupted()
         role = self.role(name)
         leave = self.config.headroom_bytes if leave_free_bytes is None else leave_free_bytes
-        for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes)):
+        for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes), ("keep_free_bytes", keep)):
             if v is not None and v < 0:
                 raise ValueError(f"{what} must be >= 0, got {v}")
         return role, leave

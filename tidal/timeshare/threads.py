@@ -43,12 +43,12 @@ def serialised(method: F) -> F:
     return run  # type: ignore[return-value]
 
 
-def _blockers(ts: ThreadedTimeshare, role: Role, me: int) -> set[int]:
+def _blockers(ts: ThreadedTimeshare, role: Role, me: int, keep_free_bytes: int | None) -> set[int]:
     """The other threads whose use() blocks stand in the way of loading ``role`` now: the load
     would have to move out a role they are using (or, with a budget, cannot fit beside it).
     Empty when the load can go ahead, or fails for another reason (it then raises itself)."""
     try:
-        ts._choose_evictions(role)
+        ts._choose_evictions(role, keep_free_bytes=keep_free_bytes)
         return set()
     except RuntimeError:  # refused: a role in use would have to go out
         return {t for r in ts._roles.values() if r is not role and r.resident for t in r.users if t != me}
@@ -58,9 +58,9 @@ def _waits_on(ts: ThreadedTimeshare, t: int) -> set[int]:
     """The threads a waiting thread ``t`` waits on now: those whose blocks stand in the way of
     its load, and the earlier waiters it yields to (read from the current state, not from when
     it began to wait)."""
-    role, _, yields, _ = ts._waiting[t]
+    role, _, yields, _, keep = ts._waiting[t]
     try:
-        blockers = _blockers(ts, ts._roles[role], t)
+        blockers = _blockers(ts, ts._roles[role], t, keep)
     except ValueError:  # it cannot fit at all: its own load raises when it looks again
         blockers = set()
     return blockers | {w for w in yields if w in ts._waiting}
@@ -79,7 +79,9 @@ def _reaches(ts: ThreadedTimeshare, start: set[int], target: int) -> bool:
     return False
 
 
-def wait_for_room(ts: ThreadedTimeshare, role: Role, me: int, timeout: float | None) -> None:
+def wait_for_room(
+    ts: ThreadedTimeshare, role: Role, me: int, timeout: float | None, keep_free_bytes: int | None = None
+) -> None:
     """Called with the lock held, before ``use(role)`` loads it: wait until no role that the
     load would move out is in use by another thread, and (first come, first served) until no
     thread that waited earlier needs ``role`` moved out. Without the second rule a thread that
@@ -89,11 +91,11 @@ def wait_for_room(ts: ThreadedTimeshare, role: Role, me: int, timeout: float | N
     threads waited for are themselves waiting for this one (the wait could never end), or if
     the timeshare is closed meanwhile."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    waits: dict[int, tuple[str, set[str], set[int], int]] = ts._waiting
+    waits: dict[int, tuple[str, set[str], set[int], int, int | None]] = ts._waiting
     try:
         while True:
             ts._check_open()
-            busy = _blockers(ts, role, me)
+            busy = _blockers(ts, role, me, keep_free_bytes)
             yields: set[int] = set()
             if not busy and me not in role.users:
                 # Let those who began to wait earlier for this role to go out have their turn
@@ -101,7 +103,7 @@ def wait_for_room(ts: ThreadedTimeshare, role: Role, me: int, timeout: float | N
                 mine = waits[me][3] if me in waits else None
                 yields = {
                     t
-                    for t, (_, needs, _, ticket) in waits.items()
+                    for t, (_, needs, _, ticket, _) in waits.items()
                     if t != me and role.name in needs and (mine is None or ticket < mine)
                 }
                 busy = yields
@@ -125,9 +127,9 @@ def wait_for_room(ts: ThreadedTimeshare, role: Role, me: int, timeout: float | N
             if me in waits:
                 needs, ticket = waits[me][1], waits[me][3]
             else:
-                needs = {r.name for r in ts._choose_evictions(role, ignore_use=True)}
+                needs = {r.name for r in ts._choose_evictions(role, ignore_use=True, keep_free_bytes=keep_free_bytes)}
                 ticket = next(_TICKETS)
-            waits[me] = (role.name, needs, yields, ticket)
+            waits[me] = (role.name, needs, yields, ticket, keep_free_bytes)
             ts._idle.wait(left)
     finally:
         if waits.pop(me, None) is not None:

@@ -80,6 +80,15 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _check_free_bytes(keep_free_bytes: int | None) -> None:
+    if keep_free_bytes is None:
+        return
+    if isinstance(keep_free_bytes, bool) or not isinstance(keep_free_bytes, int):
+        raise TypeError(f"keep_free_bytes must be an int (bytes) or None, got {type(keep_free_bytes).__name__}")
+    if keep_free_bytes < 0:
+        raise ValueError(f"keep_free_bytes must be >= 0 or None, got {keep_free_bytes}")
+
+
 def _as_list(obj, cls, what: str) -> list:
     if obj is None:
         return []
@@ -141,7 +150,7 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
         self._lock = lock_of(self.store)
         self._idle = threading.Condition(self._lock)
         # thread -> (the role its use() waits to load, roles that load moves out, threads it yields to, ticket)
-        self._waiting: dict[int, tuple[str, set[str], set[int], int]] = {}
+        self._waiting: dict[int, tuple[str, set[str], set[int], int, int | None]] = {}
         self._roles: dict[str, Role] = {}
         self.records: list[TransitionRecord] = []
         self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory
@@ -348,10 +357,17 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
 
     # ---- verbs ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def use(self, name: str, *, timeout: float | None = None) -> Iterator[Role]:
+    def use(self, name: str, *, timeout: float | None = None, keep_free_bytes: int | None = None) -> Iterator[Role]:
         """Make ``name`` resident for the block (switching others out as the budget needs).
         The role cannot be offloaded while inside the block. It stays resident after the
         block until another role needs the room.
+
+        ``keep_free_bytes``: this switch moves out only the roles it takes (least recently
+        used first) to have ``name`` in and that many bytes free beside it, what the block
+        will allocate (``evict="as_needed"`` for this switch, with this headroom): other
+        roles stay resident where there is room, even if the config's ``evict="others"``
+        would move them out. With it a frozen role brought in by :meth:`prefetch` can be used
+        beside the role before it, which then needs no copy back in.
 
         From several threads: blocks of the same role may be open in several threads at once.
         A ``use()`` whose switch would move out a role that another thread is inside a block of
@@ -359,10 +375,11 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
         ``RuntimeError`` at once if that thread waits for this one). Within one thread, a
         ``use()`` that would move out a role this thread is using raises ``RuntimeError``."""
         role = self.role(name)
+        _check_free_bytes(keep_free_bytes)
         me = threading.get_ident()
         with self._lock:
-            wait_for_room(self, role, me, timeout)
-            self.load(name)
+            wait_for_room(self, role, me, timeout, keep_free_bytes)
+            self.load(name, keep_free_bytes=keep_free_bytes)
             role.enter_use(me)
         try:
             yield role
@@ -377,20 +394,24 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
                     self._idle.notify_all()  # a use() in another thread may wait for this role
 
     @serialised
-    def load(self, name: str, *, room_source: RoomSource | None = None) -> TransitionRecord | None:
+    def load(
+        self, name: str, *, room_source: RoomSource | None = None, keep_free_bytes: int | None = None
+    ) -> TransitionRecord | None:
         """Make ``name`` resident now; evicts the least recently used roles the budget cannot
         keep, overlapping their offload with this reload. Returns the transition, or None if
         nothing had to move.
 
         ``room_source``: memory another process is still handing over
         (:attr:`tidal.distributed.GPULease.room_source`); where the role does not fit in what
-        the driver has free, the load waits for it instead of raising."""
+        the driver has free, the load waits for it instead of raising. ``keep_free_bytes``: as
+        in :meth:`use`. Raises ``ValueError`` if it is negative."""
         self._check_open()
         self._start_clock()
         self._check_not_in_backward("load")
         self._recover_if_interrupted()
         role = self.role(name)
-        evict = self._choose_evictions(role, room_source=room_source)
+        _check_free_bytes(keep_free_bytes)
+        evict = self._choose_evictions(role, room_source=room_source, keep_free_bytes=keep_free_bytes)
         if role.resident and not evict:
             role.touched(self._tick())
             return None
