@@ -26,6 +26,8 @@
 #                profile     bench's workload with one steady step profiled, drawn to a PNG
 #                contention  benchmarks/bench_copy_contention.py: a decode-like loop's small reads
 #                            while GiBs are copied on a side stream, by copy size (CONTENTION_ARGS)
+#                decode      benchmarks/bench_decode.py: one policy's token time in each state tidal
+#                            puts it in, in one process (DECODE_ARGS)
 #   vmm         *tests       tests/vmm and the region-role tests
 #               *bench       benchmarks/bench_vmm.py beside torch_memory_saver (VMM_ARGS)
 #   demo        *tests       GPU tests of recipes, timeshare, state, optim, plan (EXTRA_TESTS)
@@ -78,8 +80,9 @@
 # Knobs (environment): OUT, DRY, TAIL (log lines shown), BUDGET, TESTS (the paths of a tests
 # part), TESTS_TIMEOUT; trl: VARIANTS, VARIANTS7B, VARIANTS_STRESS, VARIANTSDS, STEPS,
 # BENCH_TIMEOUT, BENCH_ARGS (more bench_trl.py arguments), TAG (names the JSON), DEMO_FLAGS;
-# CONTENTION_ARGS; the others as named above, and SMALL_TIMEOUT, BIG_TIMEOUT, HOST_TIMEOUT, DEMO_TIMEOUT,
-# ACC_STEPS, LEASE_TIMEOUT, TURNS, CHUNK_MB, DEMO_STEPS, LEASE2_TIMEOUT, CKPT_TIMEOUT, NOTE.
+# CONTENTION_ARGS, DECODE_ARGS, DECODE_TIMEOUT; the others as named above, and SMALL_TIMEOUT,
+# BIG_TIMEOUT, HOST_TIMEOUT, DEMO_TIMEOUT, ACC_STEPS, LEASE_TIMEOUT, TURNS, CHUNK_MB, DEMO_STEPS,
+# LEASE2_TIMEOUT, CKPT_TIMEOUT, NOTE.
 #
 # shellcheck disable=SC2086,SC2329  # knobs (TESTS, BENCH_ARGS) hold several words; parts run by name
 set -uo pipefail
@@ -105,7 +108,7 @@ declare -A DEFAULT=(
 )
 declare -A EXTRA=(
   [core]="overhead ckpt1"
-  [trl]="stress stress-1.5b stress-7b ds demo7b profile contention"
+  [trl]="stress stress-1.5b stress-7b ds demo7b profile contention decode"
   [demo]=""
   [cpu_adam]="bench precision"
   [lease]="processes"
@@ -323,6 +326,10 @@ p_trl_ds() {  # DeepSpeed ZeRO-3 with optimizer and parameter offload; its CPU A
   need_module trl && need_module deepspeed || return 0
   trl_bench trl_ds7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps 3 \
     --variants "${VARIANTSDS:-ds-zero3-offload,stream+prefetch}" --json "$OUT/trl_7b_64x256_ds_$TAG.json"
+}
+p_trl_decode() {
+  run trl_decode.log timeout "${DECODE_TIMEOUT:-300}" python3 benchmarks/bench_decode.py ${DECODE_ARGS:---preset qwen2-7b} \
+    --json "$OUT/decode_$TAG.json"
 }
 p_trl_contention() {
   run trl_contention.log timeout "${CONTENTION_TIMEOUT:-300}" python3 benchmarks/bench_copy_contention.py ${CONTENTION_ARGS:---gib 16} \
