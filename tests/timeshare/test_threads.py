@@ -213,3 +213,50 @@ def test_two_threads_waiting_for_each_others_roles_raise_instead_of_hanging():
     assert "could never end" in str(got.get("t2")), got
     assert got["t1"] == "in c"
     ts.close()
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_keep_free_bytes_waits_for_another_threads_role_only_where_it_must_go(room):
+    """use(name, keep_free_bytes=N) beside another thread's use() of a role: where the device
+    has room for name and N bytes, the switch keeps that role and goes ahead at once; where it
+    has not, it waits for the other thread's block to end, then moves that role out."""
+    from tests.transfer.fakes import FakeAccelOps
+    from tidal.transfer.context import TransferContext
+
+    a, b = _models()
+    ops = FakeAccelOps()
+    transfer = tidal.TransferConfig(bucket_bytes=4 << 10, small_tensor_bytes=1 << 10)
+    ts = tidal.Timeshare("cpu", context=TransferContext(ops), config=tidal.TimeshareConfig(transfer=transfer))
+    ts.add_role("a", model=a)
+    ts.add_role("b", model=b)
+    ts.offload("b")
+    keep = 1 << 20
+    ops.free_bytes = ts.role_bytes("b") + ts.store.staging_bytes(1) + keep - (0 if room else 1)
+    inside, leave = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def hold_a() -> None:
+        with ts.use("a"):
+            inside.set()
+            leave.wait(30)
+            assert not is_out(a.embed.weight)  # never pulled out from under this block
+            order.append("a left")
+
+    t = threading.Thread(target=hold_a)
+    t.start()
+    inside.wait(30)
+    timer = threading.Timer(0.3, leave.set)
+    timer.start()
+    t0 = time.monotonic()
+    with ts.use("b", keep_free_bytes=keep):
+        order.append("b in")
+        waited = time.monotonic() - t0
+        if room:
+            assert waited < 0.25 and sorted(ts.resident_roles) == ["a", "b"]
+        else:
+            assert waited >= 0.25 and ts.resident_roles == ["b"] and is_out(a.embed.weight)
+    t.join(30)
+    timer.join(30)
+    assert order == (["b in", "a left"] if room else ["a left", "b in"])
+    ops.free_bytes = 1 << 40
+    ts.close()
