@@ -553,9 +553,11 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
     # DeepSpeed ZeRO-3 offload, the anchor a TRL user reaches for when the model does not fit
     ds = next((r for r in results if r["variant"] == "ds-zero3-offload" and not r.get("error")), None)
     for n, r in enumerate(results):
-        # With several TRL-alone processes (variants "trl,X,trl,X"), each variant against the one
-        # run just before it too: steps vary between processes more than between neighbours.
+        # With several TRL-alone processes (variants "trl,X,trl,X" or "trl,X,X,trl"), each variant
+        # against the one run just before it and the one just after it too: steps vary between
+        # processes more than between neighbours.
         before = next((b for b in reversed(results[:n]) if b["variant"] == "trl" and not b.get("error")), None)
+        after = next((b for b in results[n + 1 :] if b["variant"] == "trl" and not b.get("error")), None)
         if r.get("error"):
             line = f"  {r['variant']:8s} {r['error'][:120]}"
             row = f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {what} | {args.batch}x{args.completion} | {r['variant']} | {r['error'][:80]} | - | - | - | - | - |"
@@ -580,6 +582,11 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 + (
                     f"  ({r['step_s'] / before['step_s']:.2f}x the TRL process before it)"
                     if len(trl_runs) > 1 and before is not None and before is not base
+                    else ""
+                )
+                + (
+                    f"  ({r['step_s'] / after['step_s']:.2f}x the TRL process after it)"
+                    if len(trl_runs) > 1 and after is not None and r["variant"] != "trl"
                     else ""
                 )
                 + (

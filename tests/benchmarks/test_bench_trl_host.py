@@ -50,7 +50,28 @@ def test_with_several_trl_processes_each_variant_is_also_set_against_the_one_bef
     bench_trl._report_so_far(args, runs, None)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  stream")]
     assert "(1.12 TRL)" in lines[0] and "process before it" not in lines[0]  # its TRL is the first one
+    assert "(0.90x the TRL process after it)" in lines[0]
     assert "(1.19 TRL)" in lines[1] and "(0.95x the TRL process before it)" in lines[1]
+    assert "after it" not in lines[1]  # no TRL process after the last
+
+
+def test_tidal_between_two_trl_processes_is_set_against_both(capsys):
+    """Run h6's order, TRL, tidal, tidal, TRL: the second tidal process's neighbour is the TRL
+    process after it."""
+    pytest.importorskip("trl")
+    import types
+
+    args = types.SimpleNamespace(
+        preset="tiny", dtype="float32", batch=4, completion=8, results=None, json=None, picture=None, line_rate=None
+    )
+    runs = [
+        dict(variant=v, error=None, step_s=t, step_min_s=t, peak_bytes=1 << 30)
+        for v, t in (("trl", 9.950), ("role+prefetch", 10.216), ("role+prefetch", 9.148), ("trl", 9.180))
+    ]
+    bench_trl._report_so_far(args, runs, None)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  role")]
+    assert "(1.11x the TRL process after it)" in lines[0]
+    assert "(1.00x the TRL process after it)" in lines[1]
 
 
 def test_deepspeeds_offload_is_the_anchor_each_tidal_variant_is_set_against(capsys):
