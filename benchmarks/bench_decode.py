@@ -35,30 +35,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-PRESETS = {  # hidden, intermediate, layers, heads, kv heads (bench_trl.py's)
-    "tiny": (64, 128, 2, 4, 2),
-    "qwen2-1.5b": (1536, 8960, 28, 12, 2),
-    "qwen2-7b": (3584, 18944, 28, 28, 4),
-}
+from bench_trl import PRESETS, qwen2_config  # noqa: E402  (the same model shapes)
 
 
 def build(preset: str, device, seed: int):
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    h, i, n, a, kv = PRESETS[preset]
-    cfg = Qwen2Config(
-        vocab_size=151936 if preset != "tiny" else 256,
-        hidden_size=h,
-        intermediate_size=i,
-        num_hidden_layers=n,
-        num_attention_heads=a,
-        num_key_value_heads=kv,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
-        tie_word_embeddings=False,
-    )
+    cfg = qwen2_config(preset, pad_id=0, eos_id=1)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)

@@ -66,29 +66,36 @@ PRESETS = {
 CHARS = list("0123456789+= abcdefghijklmnopqrstuvwxyz")
 
 
-def save_model(preset: str, path: str, reward_path: str | None = None) -> None:
-    """The policy (a causal LM) at ``path``; with ``reward_path``, a reward model of the same
-    shape (a sequence classifier with one label) there too."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
+def qwen2_config(preset: str, *, pad_id: int, eos_id: int):
+    """The Qwen2 shape of ``preset`` (random weights are built from it), bf16."""
+    from transformers import Qwen2Config
 
-    task = _char_task()
-    task.char_tokenizer(CHARS).save_pretrained(path)
     h, i, n, a, kv = PRESETS[preset]
     # The real vocabulary size: the embedding and head are a large part of a small model's bytes.
-    cfg = Qwen2Config(
+    return Qwen2Config(
         vocab_size=151936 if preset != "tiny" else 256,
         hidden_size=h,
         intermediate_size=i,
         num_hidden_layers=n,
         num_attention_heads=a,
         num_key_value_heads=kv,
-        pad_token_id=task.PAD_ID,
-        eos_token_id=task.EOS_ID,
-        bos_token_id=task.EOS_ID,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
         tie_word_embeddings=False,
         dtype="bfloat16",
     )
+
+
+def save_model(preset: str, path: str, reward_path: str | None = None) -> None:
+    """The policy (a causal LM) at ``path``; with ``reward_path``, a reward model of the same
+    shape (a sequence classifier with one label) there too."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    task = _char_task()
+    task.char_tokenizer(CHARS).save_pretrained(path)
+    cfg = qwen2_config(preset, pad_id=task.PAD_ID, eos_id=task.EOS_ID)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)

@@ -111,25 +111,33 @@ def test_two_threads_each_in_their_own_use_many_times():
         assert not problems, f"run {run}: {problems[:5]} ({len(problems)} problems)"
 
 
+def _hold_in_a_thread(ts, name: str, model, order: list[str]) -> tuple[threading.Thread, threading.Timer]:
+    """A thread inside ``use(name)`` until 0.3 s from now, checking its role stays in; returns
+    once it is inside."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ts.use(name):
+            inside.set()
+            leave.wait(30)
+            assert not is_out(model.embed.weight)  # never pulled out from under this block
+            order.append(f"{name} left")
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(30)
+    timer = threading.Timer(0.3, leave.set)
+    timer.start()
+    return t, timer
+
+
 def test_use_waits_for_the_other_threads_block_then_switches():
     a, b = _models()
     ts = tidal.Timeshare("cpu")
     ts.add_role("a", model=a)
     ts.add_role("b", model=b)
-    inside, leave = threading.Event(), threading.Event()
     order: list[str] = []
-
-    def hold_a() -> None:
-        with ts.use("a"):
-            inside.set()
-            leave.wait(30)
-            assert not is_out(a.embed.weight)  # never pulled out from under this block
-            order.append("a left")
-
-    t = threading.Thread(target=hold_a)
-    t.start()
-    inside.wait(30)
-    threading.Timer(0.3, leave.set).start()
+    t, _ = _hold_in_a_thread(ts, "a", a, order)
     t0 = time.monotonic()
     with ts.use("b"):  # waits for thread 1's block of "a" to end, then switches
         order.append("b in")
@@ -232,21 +240,8 @@ def test_keep_free_bytes_waits_for_another_threads_role_only_where_it_must_go(ro
     ts.offload("b")
     keep = 1 << 20
     ops.free_bytes = ts.role_bytes("b") + ts.store.staging_bytes(1) + keep - (0 if room else 1)
-    inside, leave = threading.Event(), threading.Event()
     order: list[str] = []
-
-    def hold_a() -> None:
-        with ts.use("a"):
-            inside.set()
-            leave.wait(30)
-            assert not is_out(a.embed.weight)  # never pulled out from under this block
-            order.append("a left")
-
-    t = threading.Thread(target=hold_a)
-    t.start()
-    inside.wait(30)
-    timer = threading.Timer(0.3, leave.set)
-    timer.start()
+    t, timer = _hold_in_a_thread(ts, "a", a, order)
     t0 = time.monotonic()
     with ts.use("b", keep_free_bytes=keep):
         order.append("b in")

@@ -93,8 +93,10 @@ class TidalConfig:
     Attributes:
         optimizer_residency: where the policy's optimizer state lives between steps
             (``"step"``: on the host except inside ``step()``; ``"stream"``: the same, moved a
-            chunk at a time; ``"role"``: with the policy). Ignored for ``tidal.CPUAdam``, whose
-            state is on the host by design.
+            chunk at a time; ``"role"``: with the policy, so that with ``prefetch`` only the
+            reference moves, behind generation: the fastest where the policy's weights,
+            gradients and optimizer state fit beside the step's activations). Ignored for
+            ``tidal.CPUAdam``, whose state is on the host by design.
         timeshare: the timeshare's settings (budget, headroom, transfer). The default keeps
             freed memory in this process's caching allocator (``release_to_driver=False``: every
             role lives in the trainer's process, and a release to the driver synchronises the
