@@ -461,8 +461,9 @@ def test_keep_free_bytes_refuses_bad_values_before_any_work(bad, error, match):
     with pytest.raises(error, match=match):
         ts.load("b", keep_free_bytes=bad)
     assert ts.resident_roles == ["a"] and len(ts.records) == n and not ts.role("b").in_use
-    with pytest.raises(ValueError, match="keep_free_bytes must be >= 0"):
-        ts.prefetch("b", keep_free_bytes=-1)
+    with pytest.raises(error, match=match):
+        ts.prefetch("b", keep_free_bytes=bad)
+    assert not ts.store.prefetched_keys()
     ts.close()
 
 

@@ -8,7 +8,17 @@ from tidal.units import format_bytes
 from tidal.state.handover import RoomSource
 from tidal.timeshare.role import Role
 
-__all__ = ["EvictionChoice"]
+__all__ = ["EvictionChoice", "check_keep_free_bytes"]
+
+
+def check_keep_free_bytes(keep_free_bytes: int | None) -> None:
+    """Refuse a ``keep_free_bytes`` that is not None or an int >= 0 (before any work)."""
+    if keep_free_bytes is None:
+        return
+    if isinstance(keep_free_bytes, bool) or not isinstance(keep_free_bytes, int):
+        raise TypeError(f"keep_free_bytes must be an int (bytes) or None, got {type(keep_free_bytes).__name__}")
+    if keep_free_bytes < 0:
+        raise ValueError(f"keep_free_bytes must be >= 0 or None, got {keep_free_bytes}")
 
 
 class EvictionChoice:

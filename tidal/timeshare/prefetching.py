@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from tidal.timeshare.evict import check_keep_free_bytes
 from tidal.timeshare.role import Role
 from tidal.timeshare.residency import policy_for
 from tidal.timeshare.threads import serialised
@@ -60,13 +61,15 @@ class Prefetching:
         overlap the budget, ``leave_free_bytes`` and ``limit_bytes`` bound); no host memory
         beyond the roles' slots.
 
-        Raises ``ValueError`` for an unknown role or a negative byte count, ``RuntimeError``
-        inside a backward pass or after :meth:`close`. Returns the record (kind
+        Raises ``ValueError`` for an unknown role or a negative byte count (``TypeError`` for a
+        ``keep_free_bytes`` not an int), ``RuntimeError`` inside a backward pass or after
+        :meth:`close`. Returns the record (kind
         ``"prefetch"``: ``bytes_in`` queued, ``bytes_out`` written back, ``seconds`` the host
         time spent queueing), or None when nothing was queued (the role is resident, or
         nothing fits).
         """
-        role, leave = self._begin_prefetch("prefetch", name, leave_free_bytes, limit_bytes, keep_free_bytes)
+        check_keep_free_bytes(keep_free_bytes)
+        role, leave = self._begin_prefetch("prefetch", name, leave_free_bytes, limit_bytes)
         if role.resident:
             return None
         evict = self._choose_evictions(role, ignore_use=True, keep_free_bytes=keep_free_bytes)
@@ -134,7 +137,7 @@ class Prefetching:
         return self.record_move("optim-prefetch", (), name, move, note="optimizer state, ahead of step()")
 
     def _begin_prefetch(
-        self, verb: str, name: str, leave_free_bytes: int | None, limit_bytes: int | None, keep: int | None = None
+        self, verb: str, name: str, leave_free_bytes: int | None, limit_bytes: int | None
     ) -> tuple[Role, int]:
         """The checks both prefetches make before any work; returns the role and the bytes to
         leave free."""
@@ -144,7 +147,7 @@ class Prefetching:
         self._recover_if_interrupted()
         role = self.role(name)
         leave = self.config.headroom_bytes if leave_free_bytes is None else leave_free_bytes
-        for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes), ("keep_free_bytes", keep)):
+        for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes)):
             if v is not None and v < 0:
                 raise ValueError(f"{what} must be >= 0, got {v}")
         return role, leave

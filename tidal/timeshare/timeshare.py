@@ -32,7 +32,7 @@ from tidal.state.handover import ReleaseProgress, RoomSource
 from tidal.state.sources import ModuleSource, StateSource
 from tidal.state.store import OffloadStore
 from tidal.timeshare.config import TimeshareConfig
-from tidal.timeshare.evict import EvictionChoice
+from tidal.timeshare.evict import EvictionChoice, check_keep_free_bytes
 from tidal.timeshare.hooks import RoleHooks
 from tidal.timeshare.optim_state import OptimizerStateMoves
 from tidal.timeshare.prefetching import Prefetching
@@ -78,15 +78,6 @@ def timeshare_of(
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _check_free_bytes(keep_free_bytes: int | None) -> None:
-    if keep_free_bytes is None:
-        return
-    if isinstance(keep_free_bytes, bool) or not isinstance(keep_free_bytes, int):
-        raise TypeError(f"keep_free_bytes must be an int (bytes) or None, got {type(keep_free_bytes).__name__}")
-    if keep_free_bytes < 0:
-        raise ValueError(f"keep_free_bytes must be >= 0 or None, got {keep_free_bytes}")
 
 
 def _as_list(obj, cls, what: str) -> list:
@@ -149,7 +140,8 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
         # condition wakes use() calls waiting for another thread's use() blocks to end.
         self._lock = lock_of(self.store)
         self._idle = threading.Condition(self._lock)
-        # thread -> (the role its use() waits to load, roles that load moves out, threads it yields to, ticket)
+        # thread -> (the role its use() waits to load, roles that load moves out, threads it yields to, ticket,
+        # the bytes its switch keeps free)
         self._waiting: dict[int, tuple[str, set[str], set[int], int, int | None]] = {}
         self._roles: dict[str, Role] = {}
         self.records: list[TransitionRecord] = []
@@ -373,9 +365,11 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
         A ``use()`` whose switch would move out a role that another thread is inside a block of
         waits until those blocks end (at most ``timeout`` seconds, then ``TimeoutError``;
         ``RuntimeError`` at once if that thread waits for this one). Within one thread, a
-        ``use()`` that would move out a role this thread is using raises ``RuntimeError``."""
+        ``use()`` that would move out a role this thread is using raises ``RuntimeError``.
+        A negative ``keep_free_bytes`` raises ``ValueError``, one not an int ``TypeError``,
+        before any work."""
         role = self.role(name)
-        _check_free_bytes(keep_free_bytes)
+        check_keep_free_bytes(keep_free_bytes)
         me = threading.get_ident()
         with self._lock:
             wait_for_room(self, role, me, timeout, keep_free_bytes)
@@ -410,7 +404,7 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
         self._check_not_in_backward("load")
         self._recover_if_interrupted()
         role = self.role(name)
-        _check_free_bytes(keep_free_bytes)
+        check_keep_free_bytes(keep_free_bytes)
         evict = self._choose_evictions(role, room_source=room_source, keep_free_bytes=keep_free_bytes)
         if role.resident and not evict:
             role.touched(self._tick())
