@@ -61,8 +61,9 @@ class RoleTurns:
         self.turns: list[Turn] = []
 
     @contextlib.contextmanager
-    def turn(self, name: str) -> Iterator[Turn]:
-        """Role ``name`` resident for the block."""
+    def turn(self, name: str, *, keep_free_bytes: int | None = None) -> Iterator[Turn]:
+        """Role ``name`` resident for the block; ``keep_free_bytes``: its switch moves out only
+        what it takes to leave that much free beside it (:meth:`tidal.Timeshare.use`)."""
         turn = Turn(role=name)
         if self.ts is None:
             yield turn
@@ -76,11 +77,11 @@ class RoleTurns:
                 grant = stack.enter_context(self.lease.hold(name, **timeshare_callbacks(self.ts, name)))
                 turn.waited_s, turn.previous = grant.waited_s, grant.previous
             else:
-                self.ts.load(name)
+                self.ts.load(name, keep_free_bytes=keep_free_bytes)
             turn.load_s = time.perf_counter() - t0
             for rec in self.ts.records[start:]:
                 self.timeline.mark(f"{rec.kind} -> {name}", bytes=rec.bytes_in + rec.bytes_out, seconds=rec.seconds)
-            with self.ts.use(name):
+            with self.ts.use(name, keep_free_bytes=keep_free_bytes):
                 yield turn
             t_release = time.perf_counter()
         if self.lease is not None:
@@ -98,6 +99,8 @@ class RoleTurns:
         step: int = -1,
         then: str | None = None,
         then_leave_free_bytes: int = 0,
+        keep_free_bytes: int | None = None,
+        then_keep_free_bytes: int | None = None,
     ) -> Iterator[None]:
         """A phase run in a turn of ``role``; its figures go to ``into[name]``: seconds, the
         peaks (allocator: of the switch and of the compute; driver-level used), what the phase
@@ -109,11 +112,14 @@ class RoleTurns:
         ``then``: the role of the next phase, prefetched at the start of this one behind its
         compute (:meth:`tidal.Timeshare.prefetch`), leaving ``then_leave_free_bytes`` of the
         free device memory to this phase; ``"prefetched_bytes"`` in the figures, which the
-        peaks include, and ``"start_allocated_bytes"``, what was allocated before it.)"""
+        peaks include, and ``"start_allocated_bytes"``, what was allocated before it.)
+        ``keep_free_bytes``: the turn's switch moves out only what it takes to leave that much
+        free (:meth:`tidal.Timeshare.use`); ``then_keep_free_bytes``: the value the next
+        phase's turn will get, so the prefetch writes back only what that switch will move."""
         start = len(self.ts.records) if self.ts is not None else 0
         host_peak_reset = reset_host_peak_rss()
         t0 = time.perf_counter()
-        with self.timeline.phase(name, step=step) as span, self.turn(role) as turn:
+        with self.timeline.phase(name, step=step) as span, self.turn(role, keep_free_bytes=keep_free_bytes) as turn:
             # Separate the switch's peak from the phase's own, for the planner's calibration.
             switch_peak = self.ops.peak_allocated_bytes()
             self.ops.reset_peak()
@@ -121,7 +127,7 @@ class RoleTurns:
             if then is not None and self.ts is not None:
                 if self.lease is not None:
                     raise ValueError("prefetching the next role is not supported across processes (a lease)")
-                self.ts.prefetch(then, leave_free_bytes=then_leave_free_bytes)
+                self.ts.prefetch(then, leave_free_bytes=then_leave_free_bytes, keep_free_bytes=then_keep_free_bytes)
             yield
             self.ops.synchronize()  # the compute peak must include the phase's queued kernels
             compute_peak = self.ops.peak_allocated_bytes()

@@ -102,7 +102,10 @@ class GRPOConfig:
             nothing. It trades peak memory for time: the next role is brought in as far as
             free device memory allows once what the phase itself allocated in the step before
             (plus 10% and 256 MiB) is left to it; the first step prefetches nothing on an
-            accelerator (it measures those needs).
+            accelerator (it measures those needs). The reference's turn keeps the policy's
+            weights on the device where the free memory covers what the scoring allocated in
+            the step before (plus 10% and 256 MiB), so the training's turn drops the frozen
+            reference and brings nothing back; where it does not, the weights go out as before.
         seed: seeds prompts, sampling and dropout, so a run is reproducible.
     """
 
@@ -413,11 +416,27 @@ class GRPOTrainer:
         then = after.get(phase)
         if then is None:
             return {}
+        keep = {"then_keep_free_bytes": self._keep(then)} if then == "reference" else {}
         if not self.ops.is_accelerator:
-            return {"then": then}
+            return {"then": then, **keep}
         if phase not in self._last_growth:
             return {}
-        return {"then": then, "then_leave_free_bytes": int(1.1 * self._last_growth[phase]) + (256 << 20)}
+        return {"then": then, "then_leave_free_bytes": int(1.1 * self._last_growth[phase]) + (256 << 20), **keep}
+
+    def _keep(self, phase: str) -> int | None:
+        """With prefetch, the bytes the reference's turn keeps free beside it instead of
+        switching the policy out (:meth:`tidal.Timeshare.use`): what its phase allocated in the
+        last step, plus 10% and 256 MiB (on the CPU, which has no such counters: 256 MiB). The
+        policy's weights then stay through the scoring and the training's turn, which drops the
+        frozen reference without a copy, needs no copy of them back in. None (the policy goes
+        out) without prefetch, for other phases, and on an accelerator before the phase ran."""
+        if not self.config.prefetch or phase != "reference":
+            return None
+        if not self.ops.is_accelerator:
+            return 256 << 20
+        if phase not in self._last_growth:
+            return None
+        return int(1.1 * self._last_growth[phase]) + (256 << 20)
 
     def next_prompts(self) -> torch.Tensor:
         """The next step's prompts on the host (see :func:`draw_prompts`), drawn from the
@@ -453,7 +472,12 @@ class GRPOTrainer:
         model = self.reference if not self.lora else self.policy
         with (
             self.turns.phase(
-                "reference", role="reference", into=res.phases, step=self.step_index, **self._then("reference")
+                "reference",
+                role="reference",
+                into=res.phases,
+                step=self.step_index,
+                keep_free_bytes=self._keep("reference"),
+                **self._then("reference"),
             ),
             role_mode(model, "reference"),
         ):

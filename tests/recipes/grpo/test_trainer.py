@@ -68,9 +68,11 @@ def test_transitions_without_host_waits_do_not_change_training():
 @pytest.mark.parametrize("kw", [{}, {"optimizer": "cpu_adam"}])
 @pytest.mark.slow
 def test_prefetch_does_not_change_training_and_moves_less(kw):
-    """Each phase prefetching the next role: bit-exact against the same timeshare without it,
-    the reference and the policy's weights arrive ahead, and the policy's unchanged weights go
-    out without a copy (written back during the rollout)."""
+    """Each phase prefetching the next role: bit-exact against the same timeshare without it.
+    The reference arrives ahead (behind the rollout) and its turn keeps the policy's weights
+    on the device beside it (the CPU has room), so the training's turn drops the frozen
+    reference without a copy and brings nothing in: the policy's weights never move after the
+    start (issue 26, as in TidalGRPOTrainer)."""
     a, ra = run(3, prefetch=True, **kw)
     b, rb = run(3, **kw)
     assert [r.reward_mean for r in ra] == [r.reward_mean for r in rb]
@@ -80,10 +82,15 @@ def test_prefetch_does_not_change_training_and_moves_less(kw):
     kinds = [rec.kind for rec in a.ts.records]
     assert "prefetch" in kinds
     claimed = [rec for rec in a.ts.records if rec.bytes_prefetched]
-    assert {rec.role_in for rec in claimed} == {"reference", "actor_train"}
-    # after the first step, the policy's weights go out at the reference's turn with no copy
-    ref_in = [rec for rec in a.ts.records if rec.role_in == "reference" and rec.kind == "switch"]
-    assert ref_in[-1].bytes_out == 0 and ref_in[-1].bytes_skipped > 0 and ref_in[-1].bytes_in == 0
+    assert {rec.role_in for rec in claimed} == {"reference"}
+    ref_in = [rec for rec in a.ts.records if rec.role_in == "reference" and rec.kind != "prefetch"]
+    assert len(ref_in) == 3 and all(rec.kind == "reload" and rec.roles_out == () for rec in ref_in)
+    assert all(rec.bytes_in == 0 and rec.bytes_prefetched > 0 for rec in ref_in)
+    to_train = [rec for rec in a.ts.records if rec.role_in == "actor_train" and rec.kind == "switch"]
+    assert len(to_train) == 3 and all("reference" in rec.roles_out for rec in to_train)
+    assert all(rec.bytes_in == 0 and rec.bytes_out == 0 and rec.bytes_skipped > 0 for rec in to_train)
+    weights = [rec for rec in a.ts.records if rec.kind in ("switch", "offload", "prefetch") and rec.index > 0]
+    assert sum(rec.bytes_out for rec in weights) == 0  # nothing of the policy written back
     assert all("prefetched_bytes" in ph for r in ra for ph in r.phases.values())
     with pytest.raises(ValueError, match="timeshare=True"):
         GRPOConfig(prefetch=True, timeshare=False)
