@@ -306,17 +306,17 @@ p_trl_bench() {
 p_trl_7b() {
   need_module trl || return 0
   trl_bench trl_bench7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-4}" \
-    --variants "${VARIANTS7B:-trl,stream,stream+prefetch}" --json "$OUT/trl_7b_64x256_$TAG.json"
+    --variants "${VARIANTS7B:-trl,role+prefetch,stream+prefetch,trl}" --json "$OUT/trl_7b_64x256_$TAG.json"
 }
 p_trl_stress_1_5b() {
   need_module trl || return 0
   trl_bench trl_stress.log --preset qwen2-1.5b --dtype float32 --batch 16 --completion 32 --steps 6 \
-    --variants "${VARIANTS_STRESS:-trl,stream,stream+prefetch}" --json "$OUT/trl_1.5b_16x32_$TAG.json"
+    --variants "${VARIANTS_STRESS:-trl,stream,stream+prefetch,role+prefetch}" --json "$OUT/trl_1.5b_16x32_$TAG.json"
 }
 p_trl_stress_7b() {
   need_module trl || return 0
   trl_bench trl_stress7b.log --preset qwen2-7b --dtype bfloat16 --batch 16 --completion 32 --steps 6 \
-    --variants "${VARIANTS_STRESS:-trl,stream,stream+prefetch}" --json "$OUT/trl_7b_16x32_$TAG.json"
+    --variants "${VARIANTS_STRESS:-trl,stream,stream+prefetch,role+prefetch}" --json "$OUT/trl_7b_16x32_$TAG.json"
 }
 p_trl_stress() {
   p_trl_stress_1_5b
