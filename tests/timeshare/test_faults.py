@@ -29,6 +29,8 @@ def _timeshare(residency: str, *, start: str):
         ts.offload("actor")
     elif start == "reference_in":
         ts.load("reference")
+    elif start == "reference_out":
+        ts.offload("reference")
     state = {"ts": ts, "modules": [model, ref], "opts": [opt], "model": model, "opt": opt}
     state["before"] = snapshot(state["modules"], state["opts"], ts.store)
     return state
@@ -55,7 +57,22 @@ MOVES = {
     "use_block": ("actor_in", lambda s: _use(s["ts"], "reference")),
     "offload_all": ("actor_in", lambda s: s["ts"].offload_all()),
     "offload_all_handing_over": ("actor_in", lambda s: _hand_over(s["ts"])),
+    # keep_free_bytes: the reference comes in beside the actor (issue 26's kept policy),
+    # directly, or claimed from a prefetch that wrote nothing back
+    "load_beside": ("reference_out", lambda s: _load_beside(s["ts"])),
+    "prefetch_then_use_beside": ("reference_out", lambda s: _prefetch_then_use_beside(s["ts"])),
 }
+
+
+def _load_beside(ts):
+    ts.load("reference", keep_free_bytes=0)
+    assert ts.is_resident("actor") and ts.is_resident("reference")
+
+
+def _prefetch_then_use_beside(ts):
+    ts.prefetch("reference", keep_free_bytes=0)
+    with ts.use("reference", keep_free_bytes=0):
+        assert ts.is_resident("actor")
 
 
 def _hand_over(ts):
