@@ -416,7 +416,7 @@ class GRPOTrainer:
         then = after.get(phase)
         if then is None:
             return {}
-        keep = {"then_keep_free_bytes": self._keep(then)} if then == "reference" else {}
+        keep = {"then_keep_free_bytes": self._keep(then)}  # None but for the reference's turn
         if not self.ops.is_accelerator:
             return {"then": then, **keep}
         if phase not in self._last_growth:
