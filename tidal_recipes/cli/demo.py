@@ -419,26 +419,44 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     peak_ts = max(v["peak_allocated_bytes"] for v in rows.values())
 
     # The same loop with every role resident: with this run's optimizer, and the usual way
-    # (GPU AdamW), each measured in this process after the timeshare run is gone.
+    # (GPU AdamW), each measured in this process after the timeshare run is gone. Where it runs
+    # out of memory at this run's micro-batch, at the largest half of it that fits: what the
+    # device runs without the timeshare (the micro-batch changes no result, only the memory).
     baselines: dict[str, int | str] = {}
     baseline_step_s: dict[str, float] = {}  # their step seconds (steps after the first)
+    baseline_mb: dict[str, int] = {}  # the micro-batch each ran at
     baseline_timelines: list = []  # (title, timeline) of the one with this run's optimizer, for the picture
+    if s.baseline_steps == 1 and s.optimizer == "adamw":
+        log(
+            "all-resident baseline of 1 step: AdamW creates its state in that step's step(), after the forward and "
+            "backward, so the peak of a later step (the state beside the activations) is not measured"
+        )
     for which in dict.fromkeys(s.optimizer if b == "same" else b for b in s.baseline_optimizers):
         if s.baseline_steps == 0:
             break
-        try:
-            base = _trainer(dataclasses.replace(s, optimizer=which), timeshare=False)
-            base_results = [base.step() for _ in range(s.baseline_steps)]
-            baselines[which] = max(v["peak_allocated_bytes"] for v in _phase_rows(base_results).values())
-            baseline_step_s[which] = statistics.fmean(r.seconds for r in (base_results[1:] or base_results))
-            if which == s.optimizer:
-                baseline_timelines.append((f"the same loop, all roles resident ({which}, no timeshare)", base.timeline))
-            base.close()
-            del base
-        except torch.OutOfMemoryError as e:
-            baselines[which] = "OOM"
-            log(f"all-resident baseline ({which}) ran out of device memory: {str(e).splitlines()[0]}")
-        _free_device(s.device)
+        mb = s.micro_batch
+        while which not in baselines:
+            try:
+                base = _trainer(dataclasses.replace(s, optimizer=which, micro_batch=mb), timeshare=False)
+                base_results = [base.step() for _ in range(s.baseline_steps)]
+                baselines[which] = max(v["peak_allocated_bytes"] for v in _phase_rows(base_results).values())
+                baseline_step_s[which] = statistics.fmean(r.seconds for r in (base_results[1:] or base_results))
+                baseline_mb[which] = mb
+                if which == s.optimizer:
+                    title = f"the same loop, all roles resident ({which}, no timeshare"
+                    title += f", micro-batch {mb})" if mb != s.micro_batch else ")"
+                    baseline_timelines.append((title, base.timeline))
+                base.close()
+            except torch.OutOfMemoryError as e:
+                log(
+                    f"all-resident baseline ({which}) at micro-batch {mb} ran out of device memory: "
+                    f"{str(e).splitlines()[0]}"
+                )
+                if mb == 1:
+                    baselines[which] = "OOM"
+                mb = max(1, mb // 2)
+            base = base_results = None  # nothing of a failed attempt stays alive
+            _free_device(s.device)
     baseline_peak = baselines.get(s.optimizer)
 
     # ---- print ---------------------------------------------------------------------------
@@ -460,8 +478,9 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         if peak == "OOM":
             log(f"all roles resident ({how}, no timeshare): out of memory")
         else:
+            at = f", micro-batch {baseline_mb[which]}" if baseline_mb[which] != s.micro_batch else ""
             log(
-                f"all roles resident ({how}, no timeshare, {s.baseline_steps} steps): peak "
+                f"all roles resident ({how}, no timeshare{at}, {s.baseline_steps} steps): peak "
                 f"{format_bytes(peak)}; timeshare / all-resident = {peak_ts / peak:.2f}; step "
                 f"{baseline_step_s[which]:.3f} s, timeshare / all-resident = {step_s / baseline_step_s[which]:.3f}"
             )
@@ -508,6 +527,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         "peak_all_resident_bytes": baseline_peak,
         "peak_all_resident_by_optimizer": baselines,
         "step_all_resident_seconds_by_optimizer": baseline_step_s,
+        "micro_batch_all_resident_by_optimizer": baseline_mb,
         "reward_first": first,
         "reward_last": last,
         "rollout_left_allocated_bytes": rollout_left,

@@ -5,8 +5,10 @@ The demo applies four levers on top of AdamW with its state on the host, streame
 ``step()`` (the others need what its trainer does not do: activation offload, ZeRO over
 several GPUs, LoRA as a default): CPU Adam instead, gradient checkpointing, CPU Adam's moments
 in bf16, and CPU Adam summing gradients on the host; then the largest micro-batch that fits.
-``--optimizer-residency role`` (the state moving with the training role) is the user's choice. Levers the user set on the command line stay as set; the planner
-chooses the others, cheapest first, so that the step fits the GPU and the host.
+With ``--prefetch`` AdamW's state starts with the training role instead (``--optimizer-residency
+role``), kept on the device by each turn where it fits; without, that is the user's choice.
+Levers the user set on the command line stay as set; the planner chooses the others, cheapest
+first, so that the step fits the GPU and the host.
 """
 
 from __future__ import annotations
@@ -121,9 +123,8 @@ def choose_levers(
     ``fixed``: the settings the user chose (``"optimizer"``, ``"optimizer_residency"``,
     ``"grad_ckpt"``, ``"optim_state_dtype"``, ``"grad_accumulation"``, ``"micro_batch"``),
     kept as they are in ``s``; the others start off (AdamW with its state on the host and
-    streamed in during ``step()``, no checkpointing, fp32 moments, gradients summed on the
-    GPU) and the
-    planner turns on the cheapest set that fits ``gpu_mem_bytes`` and ``host_mem_bytes``
+    streamed in during ``step()``, or with ``s.prefetch`` moving with the training role; no
+    checkpointing, fp32 moments, gradients summed on the GPU) and the planner turns on the cheapest set that fits ``gpu_mem_bytes`` and ``host_mem_bytes``
     (None: the host is not checked), at ``s.micro_batch``. Then, unless fixed, the
     micro-batch grows (halving down from the whole batch) to the largest that still fits
     with those levers: fewer, larger forwards and backwards, the same result up to
@@ -134,11 +135,13 @@ def choose_levers(
     if unknown:
         raise ValueError(f"fixed names unknown settings {unknown}; the demo's planned settings are {allowed}")
     # AdamW's state starts on the host, streamed in during step(): measured at 1.05x the
-    # all-resident step at 0.5B (benchmarks/RESULTS.md); "role" moves the same bytes at the
-    # switches instead, unmeasured as a default, so only when the user asks for it.
+    # all-resident step at 0.5B (benchmarks/RESULTS.md). With prefetch it starts with the
+    # training role: each turn then keeps it on the device where the phase's measured need
+    # fits beside it, and where it does not, its moves run behind the rollout and the scoring
+    # instead of inside step() (7B on an H100: see benchmarks/RESULTS.md, issue 26).
     start = {
         "optimizer": "adamw",
-        "optimizer_residency": "stream",
+        "optimizer_residency": "role" if s.prefetch else "stream",
         "grad_ckpt": False,
         "optim_state_dtype": "fp32",
         "grad_accumulation": "device",

@@ -11,7 +11,8 @@ Roles (each registered with :class:`tidal.Timeshare`):
   checkpointing optional; ``torch.optim.AdamW`` or :class:`tidal.CPUAdam`).
 
 ``rollout`` and ``actor_train`` hold the same module, so their weights exist once and stay
-on the device across that switch; only the reference weights and the optimizer state move.
+on the device across that switch; only the reference weights and the optimizer state move
+(with ``prefetch``, only what the device has no room to keep).
 With ``timeshare=False`` the same loop runs with every role resident (the baseline).
 
 Memory of a step, with the timeshare: the largest of (rollout weights + KV cache),
@@ -52,6 +53,7 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "StepResult", "answer_logprobs", "draw_p
 WEIGHTS_TAG = "weights"  # the policy's weights in the rollout region (rollout_graph with a timeshare)
 ACTION_IDS = (DIGIT0, TASK_VOCAB)  # the policy's action space: the ten digit tokens
 OPTIMIZERS = ("adamw", "cpu_adam")
+PHASE_OF_ROLE = {"rollout": "rollout", "reference": "reference", "actor_train": "train"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,10 +104,12 @@ class GRPOConfig:
             nothing. It trades peak memory for time: the next role is brought in as far as
             free device memory allows once what the phase itself allocated in the step before
             (plus 10% and 256 MiB) is left to it; the first step prefetches nothing on an
-            accelerator (it measures those needs). The reference's turn keeps the policy's
-            weights on the device where the free memory covers what the scoring allocated in
-            the step before (plus 10% and 256 MiB), so the training's turn drops the frozen
-            reference and brings nothing back; where it does not, the weights go out as before.
+            accelerator (it measures those needs). Each turn then moves out only what it takes
+            to leave its phase's measured need free (least recently used first): the policy's
+            weights stay through the scoring, AdamW's state (``optimizer_residency="role"``)
+            through the rollout and the scoring, the frozen reference through the training,
+            wherever the device has the room; what does not fit goes as before, written back
+            by the prefetch behind the phase before.
         seed: seeds prompts, sampling and dropout, so a run is reproducible.
     """
 
@@ -408,7 +412,9 @@ class GRPOTrainer:
 
     def _then(self, phase: str) -> dict:
         """What ``phase`` prefetches (``RoleTurns.phase`` keywords): the next phase's role, leaving
-        free on an accelerator what the phase allocated in the last step (nothing in the first)."""
+        free on an accelerator what the phase allocated in the last step (nothing in the first),
+        and telling the prefetch what the next turn will keep free (:meth:`_keep`), so that it
+        writes back only what that turn's switch will move."""
         if not self.config.prefetch:
             return {}
         # The training phase prefetches nothing: the rollout role holds the same weights.
@@ -416,7 +422,7 @@ class GRPOTrainer:
         then = after.get(phase)
         if then is None:
             return {}
-        keep = {"then_keep_free_bytes": self._keep(then)}  # None but for the reference's turn
+        keep = {"then_keep_free_bytes": self._keep(PHASE_OF_ROLE[then])}
         if not self.ops.is_accelerator:
             return {"then": then, **keep}
         if phase not in self._last_growth:
@@ -424,13 +430,16 @@ class GRPOTrainer:
         return {"then": then, "then_leave_free_bytes": int(1.1 * self._last_growth[phase]) + (256 << 20), **keep}
 
     def _keep(self, phase: str) -> int | None:
-        """With prefetch, the bytes the reference's turn keeps free beside it instead of
-        switching the policy out (:meth:`tidal.Timeshare.use`): what its phase allocated in the
-        last step, plus 10% and 256 MiB (on the CPU, which has no such counters: 256 MiB). The
-        policy's weights then stay through the scoring and the training's turn, which drops the
-        frozen reference without a copy, needs no copy of them back in. None (the policy goes
-        out) without prefetch, for other phases, and on an accelerator before the phase ran."""
-        if not self.config.prefetch or phase != "reference":
+        """With prefetch, the bytes ``phase``'s turn keeps free beside its role instead of
+        switching every other role out (:meth:`tidal.Timeshare.use`): what the phase allocated
+        in the last step, plus 10% and 256 MiB (on the CPU, which has no such counters: 256
+        MiB). A role whose state fits beside that stays on the device: the policy's weights
+        through the reference's scoring, AdamW's state (``optimizer_residency="role"``)
+        through the rollout and the scoring, the frozen reference through the training where
+        the device has room for all three. Roles that do not fit go, least recently used first
+        (the frozen reference is dropped without a copy). None (every other role goes)
+        without prefetch, and on an accelerator before the phase ran once."""
+        if not self.config.prefetch:
             return None
         if not self.ops.is_accelerator:
             return 256 << 20
@@ -449,7 +458,14 @@ class GRPOTrainer:
         cfg, n_ans = self.config, self.config.task.answer_len
         prompts = prompts.to(self.device)
         with (
-            self.turns.phase("rollout", role="rollout", into=res.phases, step=self.step_index, **self._then("rollout")),
+            self.turns.phase(
+                "rollout",
+                role="rollout",
+                into=res.phases,
+                step=self.step_index,
+                keep_free_bytes=self._keep("rollout"),
+                **self._then("rollout"),
+            ),
             role_mode(self.policy, "rollout"),
         ):
             sample = self.decoder.sample if self.decoder is not None else functools.partial(sample_answers, self.policy)
@@ -501,7 +517,14 @@ class GRPOTrainer:
             return t.to(self.device) if t is not None else None
 
         with (
-            self.turns.phase("train", role="actor_train", into=res.phases, step=self.step_index, **self._then("train")),
+            self.turns.phase(
+                "train",
+                role="actor_train",
+                into=res.phases,
+                step=self.step_index,
+                keep_free_bytes=self._keep("train"),
+                **self._then("train"),
+            ),
             role_mode(self.policy, "actor_train"),
         ):
             res.stats = self._train(put(seqs), self.config.task.answer_len, put(adv), put(old_logp), put(ref_logp))

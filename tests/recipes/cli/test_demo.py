@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 
@@ -62,3 +63,39 @@ def test_demo_usage_errors(tmp_path, capsys):
         == 2
     )
     assert "even num_digits" in capsys.readouterr().err
+
+
+def test_the_all_resident_baseline_halves_its_micro_batch_until_it_fits(tmp_path, monkeypatch):
+    """Where every role resident at the run's micro-batch runs out of device memory (Qwen2-7B
+    at 128 on an H100: AdamW's state beside the activations), the baseline is measured at the
+    largest half that fits, and says so; where none fits, it is "OOM". Here the device's limit
+    is faked: the all-resident trainer's step raises torch's out-of-memory error above a
+    micro-batch of 16."""
+    import torch
+
+    from tidal_recipes.cli.demo import DemoSettings, run_demo
+    from tidal_recipes.grpo import GRPOTrainer
+
+    step = GRPOTrainer.step
+    limit = [16]
+
+    def fake_step(self):
+        if self.ts is None and self.config.micro_batch > limit[0]:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (faked above micro-batch {limit[0]})")
+        return step(self)
+
+    monkeypatch.setattr(GRPOTrainer, "step", fake_step)
+    s = DemoSettings(
+        preset="nano", device="cpu", steps=2, micro_batch=64, baseline_steps=2, baseline_optimizers=("same",)
+    )
+    lines: list[str] = []
+    summary = run_demo(dataclasses.replace(s, out_dir=str(tmp_path / "a")), log=lines.append)
+    assert summary["micro_batch_all_resident_by_optimizer"] == {"adamw": 16}
+    assert summary["step_all_resident_seconds_by_optimizer"]["adamw"] > 0
+    text = "\n".join(lines)
+    assert "at micro-batch 64 ran out of device memory" in text and "at micro-batch 32 ran out" in text
+    assert "no timeshare, micro-batch 16, 2 steps" in text
+    limit[0] = 0
+    summary = run_demo(dataclasses.replace(s, out_dir=str(tmp_path / "b")), log=lines.append)
+    assert summary["peak_all_resident_by_optimizer"] == {"adamw": "OOM"}
+    assert summary["micro_batch_all_resident_by_optimizer"] == {}

@@ -62,7 +62,7 @@ def test_a_small_gpu_gets_the_cheapest_levers_that_fit_and_they_are_needed():
 def test_seven_b_levers_follow_the_gpu_and_the_host():
     """Qwen2-7B, the demo's short sequences: on an 80 GB GPU AdamW with its (bf16) state
     streamed in during step() fits as configured, with a micro-batch of 256; with the state
-    moving with the training role (the user's choice) it still fits, at 128; on a 32 GiB GPU
+    moving with the training role (the user's choice, or prefetch's) it still fits, at 128; on a 32 GiB GPU
     only CPU Adam with gradients summed on the host fits the GPU, and with bf16 moments it
     holds 127.7 GiB of host memory: over a 128 GiB machine's 115 usable (refused), under a
     256 GiB one's."""
@@ -73,6 +73,18 @@ def test_seven_b_levers_follow_the_gpu_and_the_host():
     role = _gpu_demo(preset="qwen2-7b", optimizer_residency="role")
     s, rec = choose_levers(role, fixed=("optimizer_residency",), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB)
     assert rec.fits and s.optimizer_residency == "role" and s.micro_batch == 128
+    # With prefetch the state starts with the training role (each turn keeps it where it fits,
+    # and its moves run behind the rollout and the scoring): the same choice, at 128; and on a
+    # GPU where that does not fit (40 GiB), streamed in during step() as without prefetch.
+    pf, rec = choose_levers(
+        _gpu_demo(preset="qwen2-7b", prefetch=True), gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB
+    )
+    assert rec.fits and rec.levers == [] and (pf.optimizer_residency, pf.micro_batch) == ("role", 128)
+    assert dataclasses.replace(pf, prefetch=False) == s
+    pf, rec = choose_levers(
+        _gpu_demo(preset="qwen2-7b", prefetch=True), gpu_mem_bytes=40 * GIB, host_mem_bytes=128 * GIB
+    )
+    assert rec.fits and "optimizer_offload" in rec.levers and pf.optimizer_residency == "stream"
     _, small = choose_levers(_gpu_demo(preset="qwen2-7b"), gpu_mem_bytes=32 * GIB, host_mem_bytes=128 * GIB)
     assert not small.fits and small.host_miss_bytes > 0
     assert small.plan.device_peak_bytes <= small.usable_bytes

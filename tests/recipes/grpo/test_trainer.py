@@ -65,35 +65,99 @@ def test_transitions_without_host_waits_do_not_change_training():
     assert a.ts.config.wait_for_copies is False and any(rec.queued for rec in a.ts.records)
 
 
-@pytest.mark.parametrize("kw", [{}, {"optimizer": "cpu_adam"}])
+def fake_device(monkeypatch, capacity_bytes: int, trainers: list) -> None:
+    """The CPU read as a device of ``capacity_bytes``: free = the capacity less the bytes of the
+    trainers' storages (weights, buffers, optimizer state) that hold memory now, and of those a
+    prefetch allocated ahead. What the timeshare's keep and prefetch decisions read."""
+    from tidal import guard
+    from tidal.device import DeviceOps
+
+    def used() -> int:
+        held = {}
+        for tr in trainers:
+            tensors = [t for m in tr._modules() for t in [*m.parameters(), *m.buffers()]]
+            tensors += [v for st in tr.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+            for t in tensors:
+                st = t.untyped_storage()
+                if st.nbytes() and not guard.is_freed(st):
+                    held[st._cdata] = st.nbytes()
+            if tr.ts is not None:
+                ahead = tr.ts.store.offloaded_entries(sorted(tr.ts.store.prefetched_keys()))
+                held.update((("ahead", e.key), e.nbytes) for e in ahead)
+        return sum(held.values())
+
+    monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (capacity_bytes - used(), capacity_bytes))
+
+
+def role_moves(tr) -> list:
+    """The transitions that moved roles (switches, loads, prefetches), not the optimizer state
+    streamed inside ``step()``."""
+    return [rec for rec in tr.ts.records if not rec.kind.startswith("optim")]
+
+
+@pytest.mark.parametrize("kw", [{}, {"optimizer": "cpu_adam"}, {"optimizer_residency": "role"}])
 @pytest.mark.slow
-def test_prefetch_does_not_change_training_and_moves_less(kw):
-    """Each phase prefetching the next role: bit-exact against the same timeshare without it.
-    The reference arrives ahead (behind the rollout) and its turn keeps the policy's weights
-    on the device beside it (the CPU has room), so the training's turn drops the frozen
-    reference without a copy and brings nothing in: the policy's weights never move after the
-    start (issue 26, as in TidalGRPOTrainer)."""
+def test_prefetch_with_room_for_every_role_moves_none_and_trains_the_same(kw):
+    """Each turn keeps free what its phase needs (on the CPU 256 MiB) and moves out only what
+    that takes: with room for every role nothing ever moves (issue 26: where the device has the
+    room, memory for free costs no copy). Bit-exact against the timeshare without prefetch,
+    which moves the reference and the optimizer state every step."""
     a, ra = run(3, prefetch=True, **kw)
     b, rb = run(3, **kw)
     assert [r.reward_mean for r in ra] == [r.reward_mean for r in rb]
     assert [r.stats for r in ra] == [r.stats for r in rb]
     for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
         assert torch.equal(pa, pb), n
-    kinds = [rec.kind for rec in a.ts.records]
-    assert "prefetch" in kinds
-    claimed = [rec for rec in a.ts.records if rec.bytes_prefetched]
-    assert {rec.role_in for rec in claimed} == {"reference"}
-    ref_in = [rec for rec in a.ts.records if rec.role_in == "reference" and rec.kind != "prefetch"]
-    assert len(ref_in) == 3 and all(rec.kind == "reload" and rec.roles_out == () for rec in ref_in)
-    assert all(rec.bytes_in == 0 and rec.bytes_prefetched > 0 for rec in ref_in)
-    to_train = [rec for rec in a.ts.records if rec.role_in == "actor_train" and rec.kind == "switch"]
-    assert len(to_train) == 3 and all("reference" in rec.roles_out for rec in to_train)
-    assert all(rec.bytes_in == 0 and rec.bytes_out == 0 and rec.bytes_skipped > 0 for rec in to_train)
-    weights = [rec for rec in a.ts.records if rec.kind in ("switch", "offload", "prefetch") and rec.index > 0]
-    assert sum(rec.bytes_out for rec in weights) == 0  # nothing of the policy written back
+    assert all(rec.bytes_in == rec.bytes_out == 0 and rec.roles_out == () for rec in role_moves(a))
+    assert sum(rec.bytes_in + rec.bytes_out for rec in role_moves(b)) > 0
     assert all("prefetched_bytes" in ph for r in ra for ph in r.phases.values())
     with pytest.raises(ValueError, match="timeshare=True"):
         GRPOConfig(prefetch=True, timeshare=False)
+
+
+@pytest.mark.slow
+def test_prefetch_keeps_the_optimizer_state_where_it_fits_and_moves_it_behind_compute(monkeypatch):
+    """AdamW's state with the training role, prefetch on, on a device with room for the policy
+    (W), its state (2W) and 256 MiB beside, but not for the reference too (3.5W + 256 MiB): the
+    rollout's turn keeps the state; its prefetch brings the reference in and writes the state
+    back behind the rollout, so the reference's turn moves nothing; the scoring's prefetch
+    brings the state back, so the training's turn drops the frozen reference and copies
+    nothing. The policy's weights never move. Bit-exact against the timeshare without
+    prefetch."""
+    kw = dict(optimizer_residency="role")
+    w = sum(p.numel() * p.element_size() for p in tiny_policy().parameters())
+    cfg = GRPOConfig(
+        task=DigitTask(name="copy", num_digits=3), prompts_per_step=4, group_size=4, micro_batch=6, prefetch=True, **kw
+    )
+    a = GRPOTrainer(tiny_policy(), config=cfg)
+    fake_device(monkeypatch, (256 << 20) + 7 * w // 2, [a])
+    ra = [a.step() for _ in range(4)]
+    monkeypatch.undo()
+    b, rb = run(4, **kw)
+    assert [r.stats for r in ra] == [r.stats for r in rb]
+    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
+        assert torch.equal(pa, pb), n
+    recs = role_moves(a)
+    # Step 0 moves nothing (AdamW's state does not exist before its first step()); the next
+    # rollout's turn has no room for all three and copies the reference out once (its first
+    # host copy): the only time it is written.
+    first = recs[0]
+    assert first.kind == "offload" and first.roles_out == ("reference",) and w <= first.bytes_out < 2 * w
+    rest = recs[1:]
+    # No turn of the rollout moves anything: the state stays through it, the weights never move.
+    assert [(rec.kind, rec.role_in) for rec in rest] == 3 * [
+        ("prefetch", "reference"),  # behind the rollout: the reference in, the state written back
+        ("switch", "reference"),
+        ("prefetch", "actor_train"),  # behind the scoring: the state back in
+        ("switch", "actor_train"),
+    ]
+    for ahead_ref, to_ref, ahead_state, to_train in zip(*[iter(rest)] * 4):
+        assert ahead_ref.bytes_in >= w and 2 * w <= ahead_ref.bytes_out < 3 * w  # the state, not the weights
+        assert to_ref.roles_out == ("actor_train",) and to_ref.bytes_in == to_ref.bytes_out == 0
+        assert 2 * w <= ahead_state.bytes_in < 3 * w
+        # The frozen reference dropped without a copy, the state claimed from the prefetch.
+        assert to_train.roles_out == ("reference",) and to_train.bytes_in == to_train.bytes_out == 0
+    a.close()
 
 
 @pytest.mark.slow
