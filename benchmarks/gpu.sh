@@ -79,7 +79,8 @@
 #
 # Knobs (environment): OUT, DRY, TAIL (log lines shown), BUDGET, TESTS (the paths of a tests
 # part), TESTS_TIMEOUT; trl: VARIANTS, VARIANTS7B, VARIANTS_STRESS, VARIANTSDS, STEPS,
-# BENCH_TIMEOUT, BENCH_ARGS (more bench_trl.py arguments), TAG (names the JSON), DEMO_FLAGS;
+# BENCH_TIMEOUT, BENCH_ARGS (more bench_trl.py arguments), TAG (names the JSON), DEMO_FLAGS,
+# BASE_STEPS (the demo's all-resident steps), DEMO_TAG (names its log and folder);
 # CONTENTION_ARGS, DECODE_ARGS, DECODE_TIMEOUT; the others as named above, and SMALL_TIMEOUT,
 # BIG_TIMEOUT, HOST_TIMEOUT, DEMO_TIMEOUT, ACC_STEPS, LEASE_TIMEOUT, TURNS, CHUNK_MB, DEMO_STEPS,
 # LEASE2_TIMEOUT, CKPT_TIMEOUT, NOTE.
@@ -337,8 +338,11 @@ p_trl_contention() {
 }
 p_trl_demo7b() {  # the demo at 7B with the mechanisms TidalGRPOTrainer uses, against its all-resident step
   TAILN=40
-  run trl_demo7b.log timeout "${BENCH_TIMEOUT:-540}" python3 -m tidal_recipes demo --preset qwen2-7b --steps "${STEPS:-4}" \
-    --baseline-steps 1 --async-transitions ${DEMO_FLAGS:---prefetch} --out "$OUT/demo7b"
+  # Two all-resident steps: AdamW creates its state in the first one's step(), after the
+  # forward and backward; only the second holds it beside the activations.
+  run "trl_demo7b${DEMO_TAG:-}.log" timeout "${BENCH_TIMEOUT:-540}" python3 -m tidal_recipes demo --preset qwen2-7b \
+    --steps "${STEPS:-4}" --baseline-steps "${BASE_STEPS:-2}" --async-transitions ${DEMO_FLAGS:---prefetch} \
+    --out "$OUT/demo7b${DEMO_TAG:-}"
 }
 p_trl_profile() {
   need_module trl || return 0
