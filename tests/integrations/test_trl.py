@@ -617,17 +617,18 @@ def test_at_first_forward_runs_once_at_the_first_forward_or_at_the_end_and_never
     assert calls == ["other thread ran", "fn"]  # another thread's module did not fire it
 
 
-def _with_counters(reference_growth: int | None = None):
+def _with_counters(growth: dict[str, int] | None = None):
     """tidal's trainer with the device memory counters a GPU has, on the CPU: every phase
-    allocates nothing beyond what it starts with (a fake allocator), or, with
-    ``reference_growth``, the reference's scoring reads as allocating that many bytes."""
+    allocates nothing beyond what it starts with (a fake allocator), or, for the phases in
+    ``growth``, reads as allocating that many bytes."""
     from tidal.integrations.trl import _PhaseMemory
 
     class Memory(_PhaseMemory):
         def _read(self) -> None:
             super()._read()
-            if reference_growth is not None and "reference" in self.growth:
-                self.growth["reference"] = reference_growth
+            for phase, nbytes in (growth or {}).items():
+                if phase in self.growth:
+                    self.growth[phase] = nbytes
 
     class Counted(TidalGRPOTrainer):
         def __init__(self, *args, **kwargs):
@@ -639,34 +640,50 @@ def _with_counters(reference_growth: int | None = None):
 
 
 @pytest.mark.slow
-def test_prefetch_keeps_the_policy_in_while_the_reference_scores_where_it_has_room(tiny, tmp_path):
-    """Issue 26: with prefetch, the reference's turn keeps the policy on the device where the
-    free memory covers what scoring allocated the last time (from the second step, once that
-    is measured), so the policy needs no copy back in for the loss; the loss's turn drops the
-    frozen reference without a copy. Where the room is lacking (scoring read as allocating
-    more than the device has), the policy goes out as before. TRL's results do not change."""
+def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path):
+    """Issue 26: with prefetch, each turn keeps free what its phase allocated the last time
+    (from the second step, once measured) and moves out only what that takes. Three devices,
+    faked by the phases' readings, TRL's results the same on each:
+
+    * room for everything (TRL alone fits: the 16 x 32 stress case): after the first step
+      nothing moves;
+    * no room for the reference beside the loss (7B, 64 x 256 on an H100): the policy stays
+      through the scoring, the loss's turn drops the frozen reference without a copy, the
+      generation's prefetch brings it back writing nothing out;
+    * no room beside the scoring either: the policy takes turns with the reference."""
     plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
     cfg = TidalConfig(prefetch=True)
-    kept = _run(_with_counters(), tiny, tmp_path / "kept", tidal_config=cfg)
-    short = _run(_with_counters(reference_growth=1 << 60), tiny, tmp_path / "short", tidal_config=cfg)
-    for ours in (kept, short):
+    room = _run(_with_counters(), tiny, tmp_path / "room", tidal_config=cfg)
+    no_ref = _run(_with_counters({"loss": 1 << 60}), tiny, tmp_path / "no_ref", tidal_config=cfg)
+    short = _run(_with_counters({"loss": 1 << 60, "reference": 1 << 60}), tiny, tmp_path / "short", tidal_config=cfg)
+    for ours in (room, no_ref, short):
         assert _history(ours) == _history(plain)
         want, got = _weights(plain), _weights(ours)
         assert all(torch.equal(want[k], got[k]) for k in want)
     moves = lambda t: [(r.kind, r.roles_out, r.role_in) for r in t.timeshare.records]  # noqa: E731
-    kept_moves, short_moves = moves(kept), moves(short)
-    # The first step measures the scoring: the policy goes out then, and never after.
-    assert sum("policy" in out for kind, out, _ in kept_moves if kind != "optim-out") == 1, kept_moves
-    to_ref = [r for r in kept.timeshare.records if r.kind in ("switch", "reload") and r.role_in == "reference"]
+
+    # Room: the first step (nothing measured) moves the policy out for the reference and the
+    # reference out for the loss; the second's generation brings the reference back behind
+    # it (prefetch), and from then on no role moves at all.
+    first_loss = max(r.index for r in room.timeshare.records if r.role_in == "policy" and r.roles_out == ("reference",))
+    later = [r for r in room.timeshare.records if r.index > first_loss and not r.kind.startswith("optim")]
+    assert [(r.kind, r.roles_out, r.role_in) for r in later] == [
+        ("prefetch", (), "reference"),
+        ("reload", (), "reference"),
+    ], moves(room)
+    assert later[0].bytes_out == 0 and later[1].bytes_in == 0  # (the optimizer state moves around step(), "step")
+
+    # No room for the reference beside the loss: the policy goes out once (the first step),
+    # never after; the reference comes in by the generation's prefetch, writing nothing back.
+    assert sum("policy" in out for kind, out, _ in moves(no_ref) if kind != "optim-out") == 1, moves(no_ref)
+    to_ref = [r for r in no_ref.timeshare.records if r.kind in ("switch", "reload") and r.role_in == "reference"]
     assert [r.roles_out for r in to_ref] == [("policy",), (), ()]
-    # Generation measured, its prefetch brings the reference in behind it (from the second
-    # step), writing nothing back: the policy stays.
     assert all(r.bytes_prefetched > 0 and r.bytes_in == 0 for r in to_ref[1:])
-    ahead = [r for r in kept.timeshare.records if r.kind == "prefetch" and r.role_in == "reference"]
+    ahead = [r for r in no_ref.timeshare.records if r.kind == "prefetch" and r.role_in == "reference"]
     assert len(ahead) == 2 and all(r.bytes_in > 0 and r.bytes_out == 0 for r in ahead)
     # The loss's turn drops the reference, frozen: nothing copied out (after its first
     # offload at construction).
-    dropped = [r for r in kept.timeshare.records if r.roles_out == ("reference",) and r.index > 0]
+    dropped = [r for r in no_ref.timeshare.records if r.roles_out == ("reference",) and r.index > 0]
     assert len(dropped) == 3 and all(r.bytes_out == 0 for r in dropped)
-    # No room: the policy takes turns with the reference in every step, as without counters.
-    assert sum(k == ("switch", ("policy",), "reference") for k in short_moves) == 3, short_moves
+    # No room beside the scoring either: the policy takes turns with the reference every step.
+    assert sum(k == ("switch", ("policy",), "reference") for k in moves(short)) == 3, moves(short)

@@ -114,12 +114,14 @@ class TidalConfig:
             reference scoring starts bringing the reward model in (if there is one), and the
             last of them the policy back. On an accelerator each phase leaves free what it
             allocated the last time it ran (plus 10% and 256 MiB), so the first generation and
-            scoring prefetch nothing; it trades peak memory for time. The reference's (and a
-            reward model's) turn keeps the policy on the device where the free memory covers
-            what that scoring allocated the last time (plus 10% and 256 MiB; within
-            ``prefetch_peak_bytes`` if set), so the loss needs no copy of the policy back in,
-            and the loss's turn drops the frozen role without a copy; where the room is
-            lacking (and in the first step, before scoring was measured), generation's
+            scoring prefetch nothing; it trades peak memory for time. Each turn (generation,
+            scoring, the loss) then moves out only what it takes to leave free what its phase
+            allocated the last time (plus 10% and 256 MiB; within ``prefetch_peak_bytes`` if
+            set), least recently used first: the reference's (and a reward model's) turn keeps
+            the policy on the device where it fits, so the loss needs no copy of it back in;
+            the loss's turn keeps the frozen reference where the device has room for it too
+            (then nothing moves at all), and drops it without a copy where not. Where the room
+            is lacking (and in the first step, before the phases were measured), generation's
             prefetch writes the policy back to the host and the switch releases it without a
             copy if nothing wrote it since.
             The policy's optimizer state (``"step"``/``"stream"`` residency) starts coming in
@@ -238,27 +240,33 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         )
         return True
 
-    def _turn(self, role: str):
-        """The role on the device for a phase (a no-op before the policy is registered)."""
+    def _turn(self, role: str, phase: str | None = None):
+        """The role on the device for a phase (a no-op before the policy is registered).
+        ``phase`` names it (the policy's: ``"generate"``, ``"loss"``; default: the role's
+        name for the reference and a reward model, ``"score"`` for the policy)."""
         if role == "policy" and not self._policy_ready():
-            return _Phase(self, None, "generate")
+            return _Phase(self, None, phase or "generate")
         if role != "policy" and "policy" not in self.timeshare.roles:
             self._policy_ready()
-        phase = role if role in ("reference", "reward") else "score"
-        return _Phase(self, role, phase, keep_free_bytes=self._keep_free(role))
+        phase = phase or (role if role in ("reference", "reward") else "score")
+        return _Phase(self, role, phase, keep_free_bytes=self._keep_free(role, phase))
 
-    def _keep_free(self, role: str) -> int | None:
-        """With ``prefetch``: the bytes the turn of ``role`` (the reference, a reward model)
-        keeps free beside it instead of switching the policy out: what its phase allocated the
-        last time it ran, plus 10% and 256 MiB. The policy then stays on the device through
-        the scoring and needs no copy back in for the loss (whose switch drops the frozen role
-        without a copy). None (the policy goes out, as without prefetch) for the policy's own
-        turns, before the phase has run once, or where ``prefetch_peak_bytes`` leaves no room
-        for the role beside what is allocated now."""
+    def _keep_free(self, role: str, phase: str) -> int | None:
+        """With ``prefetch``: the bytes the turn of ``role`` for ``phase`` keeps free beside it
+        instead of switching every other role out: what the phase allocated the last time it
+        ran, plus 10% and 256 MiB. The roles that fit beside that stay on the device: the
+        policy through the reference's (and a reward model's) scoring, so the loss needs no
+        copy of it back in; the frozen reference through the loss and the next generation where
+        the device has room for it too (nothing moves then). The others go, least recently
+        used first (a frozen role dropped without a copy). None (every other role goes, as
+        without prefetch) before the phase has run once, or where ``prefetch_peak_bytes``
+        leaves no room for that beside what is allocated now."""
         cfg, memory, ts = self.tidal_config, self._tidal_memory, self.timeshare
-        if not cfg.prefetch or memory is None or role not in ("reference", "reward") or role not in ts.roles:
+        if not cfg.prefetch or memory is None or role not in ts.roles:
             return None
-        growth = memory.growth.get(role)
+        if self._tidal_depth > 0 and ts.is_resident(role):
+            return 0  # inside a phase that made the room already (the loss's policy log-probs): move nothing
+        growth = memory.growth.get(phase)
         if growth is None:
             return None
         keep = int(1.1 * growth) + (256 << 20)
@@ -276,7 +284,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
 
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
-        with self._turn("policy").named("generate"):
+        with self._turn("policy", "generate"):
             # Queued once the generation's first forward starts, not before: a small
             # host-to-device copy (the prompts, what generate() builds from them) queued behind
             # gigabytes of prefetch waits for all of them (0.30 s of a Qwen2-7B step's generation
@@ -321,15 +329,16 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         if then == "optimizer":
             rec = ts.prefetch_optimizer("policy", leave_free_bytes=leave, limit_bytes=limit)
         else:
-            # Written back ahead: only what the turn of `then` will move out.
-            keep = self._keep_free(then)
+            # Written back ahead: only what the turn of `then` will move out (the policy's
+            # after the scoring is the loss's).
+            keep = self._keep_free(then, "loss" if then == "policy" else then)
             rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit, keep_free_bytes=keep)
         if rec is not None and memory is not None:
             memory.prefetched(rec.bytes_in)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         cfg = self.tidal_config
-        with self._turn("policy").named("loss"):
+        with self._turn("policy", "loss"):
             if not cfg.activation_offload:
                 out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             else:
@@ -458,10 +467,6 @@ class _Phase:
         self.trainer, self.role, self.phase = trainer, role, phase
         self.keep_free_bytes = keep_free_bytes
         self._ctx = None
-
-    def named(self, phase: str) -> "_Phase":
-        self.phase = phase
-        return self
 
     def __enter__(self) -> None:
         tr = self.trainer
