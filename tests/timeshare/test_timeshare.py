@@ -444,6 +444,36 @@ def test_keep_free_bytes_counts_also_when_the_role_arrived_ahead():
     ts.close()
 
 
+def test_a_turn_of_a_resident_role_with_the_room_walks_no_tensors(monkeypatch):
+    """use()/load() of a resident role with keep_free_bytes the device has free move nothing,
+    and decide so from a free-memory reading alone: no role's tensors are walked (a 7B model's
+    three no-op turns cost 33 ms of host time before, on a 2-core CPU). One byte short, the
+    full choice runs and the role before goes, as before."""
+    ts, ops = _linear_roles("ab", used="a")
+    ts.config = dataclasses.replace(ts.config, evict="others")
+    keep = 1 << 20
+    ops.free_bytes = 1 << 40
+    with ts.use("b", keep_free_bytes=keep):
+        pass
+    assert sorted(ts.resident_roles) == ["a", "b"]
+    walks = []
+    live = type(ts)._live
+    monkeypatch.setattr(type(ts), "_live", lambda self, *a, **kw: (walks.append(1), live(self, *a, **kw))[1])
+    n = len(ts.records)
+    ops.free_bytes = keep  # exactly the room asked
+    ts.load("b", keep_free_bytes=keep)
+    with ts.use("b", keep_free_bytes=keep):
+        with ts.use("b", keep_free_bytes=0):
+            pass
+    assert walks == [] and len(ts.records) == n and sorted(ts.resident_roles) == ["a", "b"]
+    ops.free_bytes = keep - 1
+    with ts.use("b", keep_free_bytes=keep):
+        assert ts.resident_roles == ["b"]
+    assert walks and _moves(ts, n) == [("offload", ("a",), None)]
+    ops.free_bytes = 1 << 40
+    ts.close()
+
+
 @pytest.mark.parametrize(
     "bad, error, match",
     [

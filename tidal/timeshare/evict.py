@@ -24,6 +24,11 @@ def check_keep_free_bytes(keep_free_bytes: int | None) -> None:
 class EvictionChoice:
     """Which roles a transition moves out, a mixin of :class:`~tidal.Timeshare`."""
 
+    def _free_bytes(self) -> int:
+        """Device bytes an allocation of this process can get now: the driver's free memory
+        and what the caching allocator holds unused."""
+        return self.ops.driver_free_bytes()[0] + self.ops.cached_free_bytes()
+
     def _choose_evictions(
         self,
         role: Role,
@@ -47,6 +52,11 @@ class EvictionChoice:
                 if not ignore_use:
                     self._check_evictable(r, reason=f"use({role.name!r})")
             return others
+        if budget is None and role.resident and self._free_bytes() >= headroom:
+            # Nothing comes in and the room is there already: nothing goes (what the walk
+            # below finds, without walking every role's tensors; a turn that moves nothing
+            # costs the host a free-memory reading).
+            return []
         incoming = self._device_entries(role)
         incoming_bytes = sum(e.nbytes for e in incoming.values())
         if budget is not None and incoming_bytes > budget:
@@ -74,7 +84,7 @@ class EvictionChoice:
         room_asked = bool(coming) or keep_free_bytes is not None
         free = 0
         if as_needed and room_asked:
-            free = self.ops.driver_free_bytes()[0] + self.ops.cached_free_bytes() - headroom
+            free = self._free_bytes() - headroom
             # Another role's prefetch is cancelled before the move: its memory counts as free.
             free += sum(e.nbytes for e in self.store.offloaded_entries(sorted(prefetched - set(incoming))))
             if room_source is not None:
