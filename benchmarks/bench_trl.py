@@ -539,6 +539,24 @@ def _x(ratio: float | None) -> str:
     return f"{ratio:.2f}" if ratio is not None else "-"
 
 
+def _pooled(results: list) -> dict:
+    """Per variant run in more than one process: the median of every measured step of all its
+    processes, and how many processes and steps that is. Empty where no variant repeats."""
+    by: dict[str, list] = {}
+    for r in results:
+        if not r.get("error") and r.get("step_times_s"):
+            by.setdefault(r["variant"], []).append(r["step_times_s"])
+    return {
+        name: {
+            "median_s": statistics.median(t for steps in runs for t in steps),
+            "processes": len(runs),
+            "steps": sum(len(steps) for steps in runs),
+        }
+        for name, runs in by.items()
+        if len(runs) > 1
+    }
+
+
 def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> None:
     """Print (``final``: the table, profiles and rows) and write the JSON and picture of the
     variants measured so far."""
@@ -639,6 +657,19 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             for t in samples["top"][:6]:
                 print(f"      {t['seconds'] / per:7.3f} s  {t['verb']:<20} {t['tidal_frame']}  <- {t['frame']}")
         rows.append(row)
+    pooled = _pooled(results)
+    if pooled:
+        ref = pooled.get("trl")
+        print(
+            "  pooled over the processes of a variant (the median of every measured step of all of them; steps "
+            "vary between processes of the same code more than between neighbours): "
+            + "; ".join(
+                f"{name} {p['median_s']:.3f} s ({p['processes']} processes, {p['steps']} steps"
+                + (f", {p['median_s'] / ref['median_s']:.2f}x TRL's" if ref and name != "trl" else "")
+                + ")"
+                for name, p in pooled.items()
+            )
+        )
     print(
         "targets (64 x 256): 1.5B fp32 step <= 1.03x TRL at peak <= 0.5x; 7B bf16 exposed <= 3% of the step; "
         "prefetch never slower than without"
@@ -679,6 +710,7 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                     "commit": args.commit,
                     "date": date,
                     "line_rate": getattr(args, "line_rate", None),
+                    "pooled": pooled,
                     "variants": results,
                 },
                 f,

@@ -74,6 +74,31 @@ def test_tidal_between_two_trl_processes_is_set_against_both(capsys):
     assert "(1.00x the TRL process after it)" in lines[1]
 
 
+def test_a_variant_run_in_several_processes_is_also_pooled_over_all_their_steps(capsys):
+    """Run i3's 7B stress steps (trl, role+prefetch, trl, role+prefetch): the median of all ten
+    measured steps of each variant, and the ratio of those medians."""
+    pytest.importorskip("trl")
+    import types
+
+    args = types.SimpleNamespace(
+        preset="tiny", dtype="float32", batch=4, completion=8, results=None, json=None, picture=None, line_rate=None
+    )
+    steps = {
+        "trl": [[2.635, 1.259, 1.035, 1.344, 1.293], [3.599, 1.564, 1.37, 1.487, 1.267]],
+        "role+prefetch": [[2.929, 1.206, 1.296, 1.695, 1.653], [4.096, 1.26, 1.243, 1.427, 1.476]],
+    }
+    runs = [
+        dict(variant=v, error=None, step_s=sorted(t)[2], step_min_s=min(t), peak_bytes=1 << 30, step_times_s=t)
+        for i in range(2)
+        for v, t in ((name, steps[name][i]) for name in steps)
+    ]
+    bench_trl._report_so_far(args, runs, None)
+    out = capsys.readouterr().out
+    assert "trl 1.357 s (2 processes, 10 steps)" in out
+    assert "role+prefetch 1.452 s (2 processes, 10 steps, 1.07x TRL's)" in out
+    assert bench_trl._pooled(runs[:2]) == {}  # nothing repeats: nothing pooled
+
+
 def test_deepspeeds_offload_is_the_anchor_each_tidal_variant_is_set_against(capsys):
     """Run h1 (2x H100): the DeepSpeed ZeRO-3 offload variant has no timeshare and moves bytes
     the bench does not count (null): the report sets each tidal variant's step and peak against
