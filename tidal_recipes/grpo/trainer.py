@@ -53,7 +53,8 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "StepResult", "answer_logprobs", "draw_p
 WEIGHTS_TAG = "weights"  # the policy's weights in the rollout region (rollout_graph with a timeshare)
 ACTION_IDS = (DIGIT0, TASK_VOCAB)  # the policy's action space: the ten digit tokens
 OPTIMIZERS = ("adamw", "cpu_adam")
-PHASE_OF_ROLE = {"rollout": "rollout", "reference": "reference", "actor_train": "train"}
+ROLE_OF_PHASE = {"rollout": "rollout", "reference": "reference", "train": "actor_train"}
+PHASE_OF_ROLE = {role: phase for phase, role in ROLE_OF_PHASE.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -410,6 +411,18 @@ class GRPOTrainer:
             model, seqs, answer_len, micro_batch=self.config.micro_batch, on_chunk=self.timeline.sample
         )
 
+    def _phase(self, phase: str, res: StepResult):
+        """``phase``'s turn of its role, measured into ``res.phases``, keeping free what the
+        phase needs and prefetching the next phase's role (:meth:`_keep`, :meth:`_then`)."""
+        return self.turns.phase(
+            phase,
+            role=ROLE_OF_PHASE[phase],
+            into=res.phases,
+            step=self.step_index,
+            keep_free_bytes=self._keep(phase),
+            **self._then(phase),
+        )
+
     def _then(self, phase: str) -> dict:
         """What ``phase`` prefetches (``RoleTurns.phase`` keywords): the next phase's role, leaving
         free on an accelerator what the phase allocated in the last step (nothing in the first),
@@ -458,14 +471,7 @@ class GRPOTrainer:
         cfg, n_ans = self.config, self.config.task.answer_len
         prompts = prompts.to(self.device)
         with (
-            self.turns.phase(
-                "rollout",
-                role="rollout",
-                into=res.phases,
-                step=self.step_index,
-                keep_free_bytes=self._keep("rollout"),
-                **self._then("rollout"),
-            ),
+            self._phase("rollout", res),
             role_mode(self.policy, "rollout"),
         ):
             sample = self.decoder.sample if self.decoder is not None else functools.partial(sample_answers, self.policy)
@@ -487,14 +493,7 @@ class GRPOTrainer:
             raise ValueError("this trainer has no reference role (kl_coef=0 or remote_reference=True)")
         model = self.reference if not self.lora else self.policy
         with (
-            self.turns.phase(
-                "reference",
-                role="reference",
-                into=res.phases,
-                step=self.step_index,
-                keep_free_bytes=self._keep("reference"),
-                **self._then("reference"),
-            ),
+            self._phase("reference", res),
             role_mode(model, "reference"),
         ):
             ctx = self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
@@ -517,14 +516,7 @@ class GRPOTrainer:
             return t.to(self.device) if t is not None else None
 
         with (
-            self.turns.phase(
-                "train",
-                role="actor_train",
-                into=res.phases,
-                step=self.step_index,
-                keep_free_bytes=self._keep("train"),
-                **self._then("train"),
-            ),
+            self._phase("train", res),
             role_mode(self.policy, "actor_train"),
         ):
             res.stats = self._train(put(seqs), self.config.task.answer_len, put(adv), put(old_logp), put(ref_logp))

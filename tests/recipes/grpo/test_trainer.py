@@ -92,6 +92,30 @@ def role_moves(tr) -> list:
     return [rec for rec in tr.ts.records if not rec.kind.startswith("optim")]
 
 
+def run_role_state_on_fake_device(monkeypatch, capacity_in_w: float, train_needs_w: float = 0.0):
+    """4 steps of AdamW's state with the training role and prefetch on a device of
+    ``capacity_in_w`` times the policy's weights (W) plus 256 MiB, the training phase read as
+    needing ``train_needs_w`` W more than the others; returns (that trainer, W), checked
+    bit-exact against the same run without prefetch."""
+    kw = dict(optimizer_residency="role")
+    w = sum(p.numel() * p.element_size() for p in tiny_policy().parameters())
+    cfg = GRPOConfig(
+        task=DigitTask(name="copy", num_digits=3), prompts_per_step=4, group_size=4, micro_batch=6, prefetch=True, **kw
+    )
+    a = GRPOTrainer(tiny_policy(), config=cfg)
+    fake_device(monkeypatch, (256 << 20) + int(capacity_in_w * w), [a])
+    if train_needs_w:
+        extra = int(train_needs_w * w)
+        monkeypatch.setattr(GRPOTrainer, "_keep", lambda self, phase: (256 << 20) + (extra if phase == "train" else 0))
+    ra = [a.step() for _ in range(4)]
+    monkeypatch.undo()
+    b, rb = run(4, **kw)
+    assert [r.stats for r in ra] == [r.stats for r in rb]
+    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
+        assert torch.equal(pa, pb), n
+    return a, w
+
+
 @pytest.mark.parametrize("kw", [{}, {"optimizer": "cpu_adam"}, {"optimizer_residency": "role"}])
 @pytest.mark.slow
 def test_prefetch_with_room_for_every_role_moves_none_and_trains_the_same(kw):
@@ -120,20 +144,8 @@ def test_prefetch_keeps_the_optimizer_state_where_it_fits_and_moves_it_behind_co
     back behind the rollout, so the reference's turn moves nothing; the scoring's prefetch
     brings the state back, so the training's turn drops the frozen reference and copies
     nothing. The policy's weights never move. Bit-exact against the timeshare without
-    prefetch."""
-    kw = dict(optimizer_residency="role")
-    w = sum(p.numel() * p.element_size() for p in tiny_policy().parameters())
-    cfg = GRPOConfig(
-        task=DigitTask(name="copy", num_digits=3), prompts_per_step=4, group_size=4, micro_batch=6, prefetch=True, **kw
-    )
-    a = GRPOTrainer(tiny_policy(), config=cfg)
-    fake_device(monkeypatch, (256 << 20) + 7 * w // 2, [a])
-    ra = [a.step() for _ in range(4)]
-    monkeypatch.undo()
-    b, rb = run(4, **kw)
-    assert [r.stats for r in ra] == [r.stats for r in rb]
-    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
-        assert torch.equal(pa, pb), n
+    prefetch (in the helper)."""
+    a, w = run_role_state_on_fake_device(monkeypatch, 3.5)
     recs = role_moves(a)
     # Step 0 moves nothing (AdamW's state does not exist before its first step()); the next
     # rollout's turn has no room for all three and copies the reference out once (its first
@@ -163,21 +175,8 @@ def test_prefetch_keeps_the_optimizer_state_through_every_phase_where_only_train
     with 256 MiB beside (4.5W + 256 MiB), but not for the training's need too (read here as W
     more than the other phases', as its gradients and activations are). The state never moves;
     the training's turn drops the frozen reference (copied out once, the first time), the
-    rollout's prefetch brings it back, claimed by the scoring's turn. Bit-exact."""
-    kw = dict(optimizer_residency="role")
-    w = sum(p.numel() * p.element_size() for p in tiny_policy().parameters())
-    cfg = GRPOConfig(
-        task=DigitTask(name="copy", num_digits=3), prompts_per_step=4, group_size=4, micro_batch=6, prefetch=True, **kw
-    )
-    a = GRPOTrainer(tiny_policy(), config=cfg)
-    fake_device(monkeypatch, (256 << 20) + 9 * w // 2, [a])
-    monkeypatch.setattr(GRPOTrainer, "_keep", lambda self, phase: (256 << 20) + (w if phase == "train" else 0))
-    ra = [a.step() for _ in range(4)]
-    monkeypatch.undo()
-    b, rb = run(4, **kw)
-    assert [r.stats for r in ra] == [r.stats for r in rb]
-    for (n, pa), pb in zip(a.policy.named_parameters(), b.policy.parameters()):
-        assert torch.equal(pa, pb), n
+    rollout's prefetch brings it back, claimed by the scoring's turn. Bit-exact (in the helper)."""
+    a, w = run_role_state_on_fake_device(monkeypatch, 4.5, train_needs_w=1.0)
     recs = role_moves(a)
     # Step 0 moves nothing (no state yet); step 1's training turn writes the reference out once.
     assert (recs[0].kind, recs[0].roles_out) == ("offload", ("reference",)) and w <= recs[0].bytes_out < 2 * w
