@@ -647,15 +647,19 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
 
     * room for everything (TRL alone fits: the 16 x 32 stress case): after the first step
       nothing moves;
-    * no room for the reference beside the loss (7B, 64 x 256 on an H100): the policy stays
+    * no room for the reference beside the loss and its backward (7B, 64 x 256 on an H100): the policy stays
       through the scoring, the loss's turn drops the frozen reference without a copy, the
       generation's prefetch brings it back writing nothing out;
     * no room beside the scoring either: the policy takes turns with the reference."""
     plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
     cfg = TidalConfig(prefetch=True)
     room = _run(_with_counters(), tiny, tmp_path / "room", tidal_config=cfg)
-    no_ref = _run(_with_counters({"loss": 1 << 60}), tiny, tmp_path / "no_ref", tidal_config=cfg)
-    short = _run(_with_counters({"loss": 1 << 60, "reference": 1 << 60}), tiny, tmp_path / "short", tidal_config=cfg)
+    # The loss's forward allocates little; its backward (a phase of its own) more than the
+    # device has: the loss's turn must count both (run i4 ran out of memory where it did not).
+    no_ref = _run(_with_counters({"backward": 1 << 60}), tiny, tmp_path / "no_ref", tidal_config=cfg)
+    short = _run(
+        _with_counters({"backward": 1 << 60, "reference": 1 << 60}), tiny, tmp_path / "short", tidal_config=cfg
+    )
     for ours in (room, no_ref, short):
         assert _history(ours) == _history(plain)
         want, got = _weights(plain), _weights(ours)

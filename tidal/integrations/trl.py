@@ -254,7 +254,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
     def _keep_free(self, role: str, phase: str) -> int | None:
         """With ``prefetch``: the bytes the turn of ``role`` for ``phase`` keeps free beside it
         instead of switching every other role out: what the phase allocated the last time it
-        ran, plus 10% and 256 MiB. The roles that fit beside that stay on the device: the
+        ran (the loss's: with the backward and optimizer step after it), plus 10% and 256 MiB. The roles that fit beside that stay on the device: the
         policy through the reference's (and a reward model's) scoring, so the loss needs no
         copy of it back in; the frozen reference through the loss and the next generation where
         the device has room for it too (nothing moves then). The others go, least recently
@@ -266,10 +266,14 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             return None
         if self._tidal_depth > 0 and ts.is_resident(role):
             return 0  # inside a phase that made the room already (the loss's policy log-probs): move nothing
-        growth = memory.growth.get(phase)
-        if growth is None:
+        # The loss's turn also holds the policy through the backward and the optimizer step
+        # after it, a phase of its own: both count (their sum bounds what the turn allocates,
+        # as the backward starts with what the loss left allocated).
+        phases = ("loss", "backward") if phase == "loss" else (phase,)
+        growths = [memory.growth.get(p) for p in phases]
+        if None in growths:
             return None
-        keep = int(1.1 * growth) + (256 << 20)
+        keep = int(1.1 * sum(growths)) + (256 << 20)
         if cfg.prefetch_peak_bytes is not None:
             coming = 0 if ts.is_resident(role) else ts.role_bytes(role)  # a prefetched part counted twice: safe
             if memory.allocated() + coming + keep > cfg.prefetch_peak_bytes:
