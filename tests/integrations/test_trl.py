@@ -545,6 +545,29 @@ def test_a_log_line_inside_a_phase_does_not_reset_what_the_phase_allocated():
     assert memory.take_peaks() == {"backward": 12 * gib, "generate": 6 * gib}
 
 
+def test_a_phases_need_is_counted_from_what_its_switch_left():
+    """Run i5 (7B, 64 x 256, H100): the loss's turn dropped the reference (14 GiB) and the
+    forward's activations filled that room, so read from before the switch the loss allocated
+    nothing; the next step's loss then kept the reference beside a backward it had no room for,
+    and ran out of memory. Read from after the switch (rebase), the activations count."""
+    from tidal.integrations.trl import _PhaseMemory
+
+    gib = 1 << 30
+    dev = _FakeAllocator()
+    memory = _PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    dev.set(57 * gib)  # policy, its AdamW state and the reference after the scoring
+    memory.start("loss")
+    dev.set(43 * gib)  # the loss's switch drops the reference
+    memory.rebase()
+    dev.set(52 * gib)  # the forward's activations
+    memory.start("backward")
+    dev.set(61 * gib)  # + gradients, less activations
+    dev.set(43 * gib)
+    memory.start("generate")
+    assert memory.growth["loss"] == 9 * gib and memory.growth["backward"] == 9 * gib
+    assert memory.take_peaks()["loss"] == 57 * gib  # the switch's peak stays the phase's, for the log
+
+
 @pytest.mark.slow
 def test_generations_prefetch_is_queued_once_its_first_forward_runs(tiny, tmp_path):
     """The reference's prefetch behind generation is queued after generate() has put its inputs
@@ -624,11 +647,17 @@ def _with_counters(growth: dict[str, int] | None = None):
     from tidal.integrations.trl import _PhaseMemory
 
     class Memory(_PhaseMemory):
+        rebased: list[str] = []  # the phases counted from after their switch, in order
+
         def _read(self) -> None:
             super()._read()
             for phase, nbytes in (growth or {}).items():
                 if phase in self.growth:
                     self.growth[phase] = nbytes
+
+        def rebase(self) -> None:
+            self.rebased.append(self._phase)
+            super().rebase()
 
     class Counted(TidalGRPOTrainer):
         def __init__(self, *args, **kwargs):
@@ -640,7 +669,7 @@ def _with_counters(growth: dict[str, int] | None = None):
 
 
 @pytest.mark.slow
-def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path):
+def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path, monkeypatch):
     """Issue 26: with prefetch, each turn keeps free what its phase allocated the last time
     (from the second step, once measured) and moves out only what that takes. Three devices,
     faked by the phases' readings, TRL's results the same on each:
@@ -650,7 +679,10 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
     * no room for the reference beside the loss and its backward (7B, 64 x 256 on an H100): the policy stays
       through the scoring, the loss's turn drops the frozen reference without a copy, the
       generation's prefetch brings it back writing nothing out;
-    * no room beside the scoring either: the policy takes turns with the reference."""
+    * no room beside the scoring either: the policy takes turns with the reference;
+    * room only in the allocator's cached blocks (the driver's free memory one byte short of the
+      backward's need): the loss's turn drops the reference too (run i5: the cached blocks
+      could not hold the backward's)."""
     plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
     cfg = TidalConfig(prefetch=True)
     room = _run(_with_counters(), tiny, tmp_path / "room", tidal_config=cfg)
@@ -660,11 +692,21 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
     short = _run(
         _with_counters({"backward": 1 << 60, "reference": 1 << 60}), tiny, tmp_path / "short", tidal_config=cfg
     )
-    for ours in (room, no_ref, short):
+    from tidal.device import DeviceOps
+
+    need = int(1.1 * (1 << 30)) + (256 << 20)  # the backward read as allocating 1 GiB
+    monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (need - 1, 1 << 40))
+    monkeypatch.setattr(DeviceOps, "cached_free_bytes", lambda self: 1 << 40)
+    cached = _run(_with_counters({"backward": 1 << 30}), tiny, tmp_path / "cached", tidal_config=cfg)
+    monkeypatch.undo()
+    for ours in (room, no_ref, short, cached):
         assert _history(ours) == _history(plain)
         want, got = _weights(plain), _weights(ours)
         assert all(torch.equal(want[k], got[k]) for k in want)
     moves = lambda t: [(r.kind, r.roles_out, r.role_in) for r in t.timeshare.records]  # noqa: E731
+    # Every turn's need is counted from after its switch (run i5): generation, the reference's
+    # scoring and the loss, in each of the three steps.
+    assert room._tidal_memory.rebased == 3 * ["generate", "reference", "loss"], room._tidal_memory.rebased
 
     # Room: the first step (nothing measured) moves the policy out for the reference and the
     # reference out for the loss; the second's generation brings the reference back behind
@@ -689,5 +731,7 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
     # offload at construction).
     dropped = [r for r in no_ref.timeshare.records if r.roles_out == ("reference",) and r.index > 0]
     assert len(dropped) == 3 and all(r.bytes_out == 0 for r in dropped)
+    # Room only in the cached blocks: the loss drops the reference as where there is none.
+    assert moves(cached) == moves(no_ref), moves(cached)
     # No room beside the scoring either: the policy takes turns with the reference every step.
     assert sum(k == ("switch", ("policy",), "reference") for k in moves(short)) == 3, moves(short)

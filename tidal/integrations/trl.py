@@ -254,7 +254,8 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
     def _keep_free(self, role: str, phase: str) -> int | None:
         """With ``prefetch``: the bytes the turn of ``role`` for ``phase`` keeps free beside it
         instead of switching every other role out: what the phase allocated the last time it
-        ran (the loss's: with the backward and optimizer step after it), plus 10% and 256 MiB. The roles that fit beside that stay on the device: the
+        ran (the loss's: with the backward and optimizer step after it, and free at the driver),
+        plus 10% and 256 MiB. The roles that fit beside that stay on the device: the
         policy through the reference's (and a reward model's) scoring, so the loss needs no
         copy of it back in; the frozen reference through the loss and the next generation where
         the device has room for it too (nothing moves then). The others go, least recently
@@ -274,6 +275,11 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         if None in growths:
             return None
         keep = int(1.1 * sum(growths)) + (256 << 20)
+        if phase == "loss":
+            # The backward's large blocks need fresh memory: the allocator's cached free blocks
+            # do not count as room for keeping a role beside it (run i5: 2.71 GiB of them could
+            # not hold a 612 MiB block), only what the driver has free.
+            keep += ts.ops.cached_free_bytes()
         if cfg.prefetch_peak_bytes is not None:
             coming = 0 if ts.is_resident(role) else ts.role_bytes(role)  # a prefetched part counted twice: safe
             if memory.allocated() + coming + keep > cfg.prefetch_peak_bytes:
@@ -474,7 +480,8 @@ class _Phase:
 
     def __enter__(self) -> None:
         tr = self.trainer
-        if tr._tidal_depth == 0 and tr._tidal_memory is not None:
+        outermost = tr._tidal_depth == 0 and tr._tidal_memory is not None
+        if outermost:
             tr._tidal_memory.start(self.phase)
         tr._tidal_depth += 1
         if self.role is not None:
@@ -484,6 +491,12 @@ class _Phase:
             except BaseException:
                 tr._tidal_depth -= 1
                 raise
+            if outermost:
+                # The phase's need is what it allocates beside what its switch left: the loss's
+                # activations fill the room of the reference its switch dropped (read from before
+                # the switch, they counted as nothing, and the next loss kept the reference where
+                # they did not fit: run i5, out of memory at 7B 64 x 256 on an H100).
+                tr._tidal_memory.rebase()
 
     def __exit__(self, *exc) -> None:
         self.trainer._tidal_depth -= 1
@@ -538,6 +551,17 @@ class _PhaseMemory:
         """Close the running phase's reading and start ``phase``'s."""
         self._read()
         self._phase, self._start, self._high, self._prefetched = phase, self.allocated(), 0, 0
+
+    def rebase(self) -> None:
+        """Count the running phase's growth from what is allocated now: called once its turn's
+        switch has run, so that what the switch freed (a role moved out) or brought in is not
+        read as the phase's own need. The switch's peak stays in the phase's peak for the log;
+        the phase's growth is first published when it is next read (a phase running for the
+        first time has none yet: what is prefetched behind it waits for its measure)."""
+        if self._phase is not None:
+            self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), self._peak())
+        self._reset()
+        self._start = self._high = self.allocated()
 
     def prefetched(self, nbytes: int) -> None:
         """A prefetch started in the running phase brought ``nbytes`` in."""

@@ -446,10 +446,11 @@ class GRPOTrainer:
         """With prefetch, the bytes ``phase``'s turn keeps free beside its role instead of
         switching every other role out (:meth:`tidal.Timeshare.use`): what the phase allocated
         in the last step, plus 10% and 256 MiB (on the CPU, which has no such counters: 256
-        MiB). A role whose state fits beside that stays on the device: the policy's weights
-        through the reference's scoring, AdamW's state (``optimizer_residency="role"``)
-        through the rollout and the scoring, the frozen reference through the training where
-        the device has room for all three. Roles that do not fit go, least recently used first
+        MiB); the training's turn counts only the driver's free memory as room, not the
+        allocator's cached blocks. A role whose state fits beside that stays on the device:
+        the policy's weights through the reference's scoring, AdamW's state
+        (``optimizer_residency="role"``) through the rollout and the scoring, the frozen
+        reference through the training where the device has room for all three. Roles that do not fit go, least recently used first
         (the frozen reference is dropped without a copy). None (every other role goes)
         without prefetch, and on an accelerator before the phase ran once."""
         if not self.config.prefetch:
@@ -458,7 +459,13 @@ class GRPOTrainer:
             return 256 << 20
         if phase not in self._last_growth:
             return None
-        return int(1.1 * self._last_growth[phase]) + (256 << 20)
+        keep = int(1.1 * self._last_growth[phase]) + (256 << 20)
+        if phase == "train":
+            # The backward's large blocks need fresh memory: the allocator's cached free blocks
+            # do not count as room for keeping the reference beside it, only what the driver
+            # has free (TidalGRPOTrainer's loss ran out of memory counting them: run i5).
+            keep += self.ops.cached_free_bytes()
+        return keep
 
     def next_prompts(self) -> torch.Tensor:
         """The next step's prompts on the host (see :func:`draw_prompts`), drawn from the
