@@ -119,8 +119,10 @@ class TidalConfig:
             allocated the last time (plus 10% and 256 MiB; within ``prefetch_peak_bytes`` if
             set), least recently used first: the reference's (and a reward model's) turn keeps
             the policy on the device where it fits, so the loss needs no copy of it back in;
-            the loss's turn keeps the frozen reference where the device has room for it too
-            (then nothing moves at all), and drops it without a copy where not. Where the room
+            the loss's turn keeps the frozen reference where the driver has it free beside the
+            loss's and the backward's need (then nothing moves at all; the allocator's cached
+            blocks do not count, the backward's large blocks may not fit them), and drops it
+            without a copy where not. Where the room
             is lacking (and in the first step, before the phases were measured), generation's
             prefetch writes the policy back to the host and the switch releases it without a
             copy if nothing wrote it since.
