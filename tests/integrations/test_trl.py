@@ -545,6 +545,36 @@ def test_a_log_line_inside_a_phase_does_not_reset_what_the_phase_allocated():
     assert memory.take_peaks() == {"backward": 12 * gib, "generate": 6 * gib}
 
 
+@pytest.mark.slow
+def test_a_role_the_loss_kept_goes_before_a_backward_it_has_no_room_beside(tiny, tmp_path):
+    """The loss's turn keeps the reference on the last step's reading of the loss and backward;
+    a longer batch makes larger activations. Right before the backward, with them allocated,
+    the room is read again: here the loss's turn is made to keep everything and the backward
+    reads as needing more than the device has, so the reference goes before every backward
+    (dropped, frozen: nothing copied) and comes back behind the next generation. TRL's results
+    do not change."""
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+
+    class LossKeepsAll(_with_counters({"backward": 1 << 60})):
+        def _keep_free(self, role, phase):
+            return 0 if phase == "loss" else super()._keep_free(role, phase)
+
+    ours = _run(LossKeepsAll, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    # From the second step (the backward measured), the reference leaves before each backward
+    # by a load of the policy, never by the loss's switch (which keeps it); the first step's
+    # backward, not measured yet, keeps it.
+    drops = [r for r in ours.timeshare.records if r.roles_out == ("reference",) and r.index > 0]
+    assert [(r.kind, r.role_in) for r in drops] == 2 * [("offload", None)], [
+        (r.index, r.kind, r.roles_out, r.role_in) for r in ours.timeshare.records
+    ]
+    assert all(r.bytes_out == 0 for r in drops)
+    loss_switches = [r for r in ours.timeshare.records if r.role_in == "policy" and r.index > drops[0].index]
+    assert all("reference" not in r.roles_out for r in loss_switches)
+
+
 def test_a_phases_need_is_counted_from_what_its_switch_left():
     """Run i5 (7B, 64 x 256, H100): the loss's turn dropped the reference (14 GiB) and the
     forward's activations filled that room, so read from before the switch the loss allocated

@@ -367,9 +367,24 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             # micro-batch) is a phase of its own: what it allocates decides how much optimizer
             # state can come in ahead of the step.
             if self._tidal_memory is not None:
+                self._room_for_backward()
                 self._tidal_memory.start("backward")
             self._prefetch("backward", "optimizer")
         return out
+
+    def _room_for_backward(self) -> None:
+        """With ``prefetch``: right before the backward, the loss's activations now allocated,
+        move out what it takes to leave the backward's measured need (+10%, 256 MiB) free at
+        the driver. A role the loss's turn kept on the last step's reading (a longer batch
+        makes larger activations) goes now, a frozen one dropped without a copy; where the room
+        is there, this reads the free memory and moves nothing."""
+        cfg, memory, ts = self.tidal_config, self._tidal_memory, self.timeshare
+        if not cfg.prefetch or "policy" not in ts.roles or len(ts.resident_roles) < 2:
+            return
+        growth = memory.growth.get("backward")
+        if growth is None:
+            return
+        ts.load("policy", keep_free_bytes=int(1.1 * growth) + (256 << 20) + ts.ops.cached_free_bytes())
 
     def _sync_reference(self, alpha: float) -> None:
         """Mix the policy into the reference (see :class:`_SyncReference`)."""
