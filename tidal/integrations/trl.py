@@ -121,11 +121,11 @@ class TidalConfig:
             the policy on the device where it fits, so the loss needs no copy of it back in;
             the loss's turn keeps the frozen reference where the driver has it free beside the
             loss's and the backward's need (then nothing moves at all; the allocator's cached
-            blocks do not count, the backward's large blocks may not fit them), and drops it
-            without a copy where not. Where the room
-            is lacking (and in the first step, before the phases were measured), generation's
-            prefetch writes the policy back to the host and the switch releases it without a
-            copy if nothing wrote it since.
+            blocks do not count, the backward's large blocks may not fit them; the room is
+            read again right before the backward), and drops it without a copy where not.
+            Where the room is lacking (and in the first step, before the phases were measured),
+            generation's prefetch writes the policy back to the host and the switch releases it
+            without a copy if nothing wrote it since.
             The policy's optimizer state (``"step"``/``"stream"`` residency) starts coming in
             as the backward starts (:meth:`tidal.Timeshare.prefetch_optimizer`), as much as the
             backward leaves free, so its step finds it arrived.
@@ -260,7 +260,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         plus 10% and 256 MiB. The roles that fit beside that stay on the device: the
         policy through the reference's (and a reward model's) scoring, so the loss needs no
         copy of it back in; the frozen reference through the loss and the next generation where
-        the device has room for it too (nothing moves then). The others go, least recently
+        the driver has room for it too (nothing moves then). The others go, least recently
         used first (a frozen role dropped without a copy). None (every other role goes, as
         without prefetch) before the phase has run once, or where ``prefetch_peak_bytes``
         leaves no room for that beside what is allocated now."""
