@@ -79,6 +79,7 @@ from tidal.integrations.hf import (
     check_bool_fields,
     find_layers,
 )
+from tidal.memory import phase_need_bytes
 from tidal.state.foreign import moved_out
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.timeshare.role import OptimizerResidency
@@ -276,7 +277,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         growths = [memory.growth.get(p) for p in phases]
         if None in growths:
             return None
-        keep = int(1.1 * sum(growths)) + (256 << 20)
+        keep = phase_need_bytes(sum(growths))
         if phase == "loss":
             # The backward's large blocks need fresh memory: the allocator's cached free blocks
             # do not count as room for keeping a role beside it (run i5: 2.71 GiB of them could
@@ -335,7 +336,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             growth = memory.growth.get(phase)
             if growth is None:
                 return  # its needs are not known yet: measured this time, used the next
-            leave = int(1.1 * growth) + (256 << 20)
+            leave = phase_need_bytes(growth)
             if cfg.prefetch_peak_bytes is not None:
                 limit = max(0, cfg.prefetch_peak_bytes - memory.allocated() - leave)
         if then == "optimizer":
@@ -384,7 +385,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         growth = memory.growth.get("backward")
         if growth is None:
             return
-        ts.load("policy", keep_free_bytes=int(1.1 * growth) + (256 << 20) + ts.ops.cached_free_bytes())
+        ts.load("policy", keep_free_bytes=phase_need_bytes(growth) + ts.ops.cached_free_bytes())
 
     def _sync_reference(self, alpha: float) -> None:
         """Mix the policy into the reference (see :class:`_SyncReference`)."""

@@ -35,6 +35,7 @@ import torch
 
 from tidal.device import DeviceOps
 from tidal.distributed.lease import GPULease
+from tidal.memory import phase_need_bytes
 from tidal.optim import CPUAdam
 from tidal_recipes.grpo.graph_rollout import GraphDecoder
 from tidal_recipes.grpo.grpo import LossConfig, action_logprobs, group_advantages, grpo_loss
@@ -440,7 +441,7 @@ class GRPOTrainer:
             return {"then": then, **keep}
         if phase not in self._last_growth:
             return {}
-        return {"then": then, "then_leave_free_bytes": int(1.1 * self._last_growth[phase]) + (256 << 20), **keep}
+        return {"then": then, "then_leave_free_bytes": phase_need_bytes(self._last_growth[phase]), **keep}
 
     def _keep(self, phase: str) -> int | None:
         """With prefetch, the bytes ``phase``'s turn keeps free beside its role instead of
@@ -459,7 +460,7 @@ class GRPOTrainer:
             return 256 << 20
         if phase not in self._last_growth:
             return None
-        keep = int(1.1 * self._last_growth[phase]) + (256 << 20)
+        keep = phase_need_bytes(self._last_growth[phase])
         if phase == "train":
             # The backward's large blocks need fresh memory: the allocator's cached free blocks
             # do not count as room for keeping the reference beside it, only what the driver
