@@ -598,6 +598,36 @@ def test_a_phases_need_is_counted_from_what_its_switch_left():
     assert memory.take_peaks()["loss"] == 57 * gib  # the switch's peak stays the phase's, for the log
 
 
+def test_the_backwards_need_grows_with_what_the_loss_holds_as_it_starts():
+    """The backward's room (its second reading, and the optimizer state brought in behind it)
+    comes from the last step's backward. A batch of longer completions holds more activations
+    as the backward starts, and its backward allocates more (the activations' gradients): the
+    last reading is scaled up by how much more the loss's forward holds, never down."""
+    from tidal.integrations.trl import _PhaseMemory
+
+    gib = 1 << 30
+    dev = _FakeAllocator()
+    memory = _PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+
+    def step(held: int, backward: int) -> int | None:
+        dev.set(43 * gib)
+        memory.start("loss")
+        memory.rebase()
+        dev.set(43 * gib + held)  # the forward's activations
+        need = memory.backward_need()
+        memory.start("backward")
+        dev.set(43 * gib + held + backward)
+        dev.set(43 * gib)
+        memory.start("generate")
+        return need
+
+    assert step(8 * gib, 6 * gib) is None  # not measured yet
+    assert step(8 * gib, 6 * gib) == 6 * gib  # the same batch: the same need
+    assert step(16 * gib, 12 * gib) == 12 * gib  # twice the activations: twice the last need
+    assert step(4 * gib, 3 * gib) == 12 * gib  # a shorter batch: the last need, not scaled down
+    assert step(4 * gib, 3 * gib) == 3 * gib
+
+
 @pytest.mark.slow
 def test_generations_prefetch_is_queued_once_its_first_forward_runs(tiny, tmp_path):
     """The reference's prefetch behind generation is queued after generate() has put its inputs
@@ -765,3 +795,81 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
     assert moves(cached) == moves(no_ref), moves(cached)
     # No room beside the scoring either: the policy takes turns with the reference every step.
     assert sum(k == ("switch", ("policy",), "reference") for k in moves(short)) == 3, moves(short)
+
+
+def _out_of_memory_when_crowded(base):
+    """``base`` on a device with no room for any phase beside another role: from the second
+    forward of a generation (the first sampled a token), and at once for the scorings and the
+    loss, a forward of the policy or the reference raises ``torch.OutOfMemoryError`` while
+    another role's state (resident, or brought in by a prefetch) is on the device with it."""
+
+    class Crowded(base):
+        raised = 0
+
+        def _policy_ready(self):
+            ready = super()._policy_ready()
+            if ready and not getattr(self, "_crowding", False):
+                self._crowding = True
+                ts, policy = self.timeshare, self.accelerator.unwrap_model(self.model)
+                seen = {"generate": 0}
+
+                def crowded() -> bool:
+                    return len(ts.resident_roles) > 1 or bool(ts.store.prefetched_keys())
+
+                def check(module, args):
+                    if not crowded():
+                        seen["generate"] = 0
+                        return
+                    generating = module is policy and not torch.is_grad_enabled() and self._tidal_depth == 1
+                    seen["generate"] += generating
+                    if not generating or seen["generate"] >= 2:
+                        type(self).raised += 1
+                        raise torch.OutOfMemoryError("CUDA out of memory (faked by the test)")
+
+                policy.register_forward_pre_hook(check)
+                self.ref_model.register_forward_pre_hook(check)
+            return ready
+
+    return Crowded
+
+
+@pytest.mark.slow
+def test_a_phase_out_of_memory_beside_the_roles_its_turn_kept_runs_again_with_the_same_results(tiny, tmp_path):
+    """A phase that needs more than its last reading (a batch of longer prompts or completions)
+    runs out of memory beside the roles its turn kept: they go, the random generators are set
+    back, and it runs again. Here every phase runs out of memory with another role on the device
+    (the device has room for what the last step measured, nothing more): the generation after a
+    sampled token (the reference prefetched behind it), the reference's scoring (the policy
+    kept), the loss's forward (the reference kept). TRL's results do not change, and the log
+    counts the runs again."""
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain", temperature=1.0)
+    cls = _out_of_memory_when_crowded(_with_counters())
+    with pytest.warns(UserWarning, match="ran out of device memory beside the roles its turn kept"):
+        ours = _run(cls, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True), temperature=1.0)
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    # The first step measures (nothing kept, nothing raised); the second and third run the
+    # generation, the reference's scoring and the loss's forward again, once each.
+    retries = [h["tidal/oom_retries"] for h in ours.state.log_history if "loss" in h]
+    assert retries == [0, 3, 3] and cls.raised == 6, (retries, cls.raised)
+
+
+@pytest.mark.slow
+def test_out_of_memory_with_nothing_beside_the_role_goes_on_as_it_came(tiny, tmp_path):
+    """Where the turn kept nothing (no prefetch: every other role is out), an out-of-memory
+    error is the run's own: it is raised, not hidden by a second run."""
+
+    class Short(TidalGRPOTrainer):
+        def _generate(self, prompts):
+            policy = self.accelerator.unwrap_model(self.model)
+
+            def fail(*a, **kw):
+                raise torch.OutOfMemoryError("CUDA out of memory (faked by the test)")
+
+            policy.generate = fail
+            return super()._generate(prompts)
+
+    for cfg in (TidalConfig(), TidalConfig(prefetch=True)):
+        with pytest.raises(torch.OutOfMemoryError, match="faked by the test"):
+            _run(Short, tiny, tmp_path / f"short{cfg.prefetch}", tidal_config=cfg, max_steps=1)

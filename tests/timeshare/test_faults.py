@@ -61,6 +61,8 @@ MOVES = {
     # directly, or claimed from a prefetch that wrote nothing back
     "load_beside": ("reference_out", lambda s: _load_beside(s["ts"])),
     "prefetch_then_use_beside": ("reference_out", lambda s: _prefetch_then_use_beside(s["ts"])),
+    # a phase out of memory beside a kept role (issue 26): the others go, a prefetch given back
+    "evict_others": ("reference_out", lambda s: _evict_others_beside(s["ts"])),
 }
 
 
@@ -73,6 +75,13 @@ def _prefetch_then_use_beside(ts):
     ts.prefetch("reference", keep_free_bytes=0)
     with ts.use("reference", keep_free_bytes=0):
         assert ts.is_resident("actor")
+
+
+def _evict_others_beside(ts):
+    ts.load("reference", keep_free_bytes=0)
+    with ts.use("actor", keep_free_bytes=0):
+        assert ts.evict_others("actor") > 0
+        assert ts.resident_roles == ["actor"]
 
 
 def _hand_over(ts):

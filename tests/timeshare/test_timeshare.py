@@ -444,6 +444,33 @@ def test_keep_free_bytes_counts_also_when_the_role_arrived_ahead():
     ts.close()
 
 
+def test_evict_others_leaves_the_role_alone_with_those_in_use_and_gives_prefetches_back():
+    """evict_others(name): what a block out of memory beside kept roles does before it runs
+    again. Every other resident role not in use goes (its bytes counted), a prefetch not yet
+    claimed gives its memory back (its storages stay out), a role in use stays; nothing
+    changes value; with nothing beside the role it frees nothing."""
+    ts, ops = _linear_roles("abc", used="abc")  # all three resident (room for all)
+    want = {n: {k: v.clone() for k, v in ts.role(n).modules[0].state_dict().items()} for n in "abc"}
+    one = ts.role_bytes("a")
+    with ts.use("b"), ts.use("c", keep_free_bytes=0):
+        assert sorted(ts.resident_roles) == ["a", "b", "c"]
+        n = len(ts.records)
+        assert ts.evict_others("c") == one  # a goes; b is in use and stays
+        assert sorted(ts.resident_roles) == ["b", "c"] and _moves(ts, n) == [("offload", ("a",), None)]
+    with ts.use("c", keep_free_bytes=0):
+        ts.prefetch("a", keep_free_bytes=0)
+        assert ts.store.prefetched_keys()
+        assert ts.evict_others("c") == 2 * one  # b goes, a's prefetch gives its memory back
+        assert ts.resident_roles == ["c"] and not ts.store.prefetched_keys() and not ts.is_resident("a")
+        assert ts.evict_others("c") == 0  # nothing beside it
+    with pytest.raises(ValueError, match="not resident"):
+        ts.evict_others("a")
+    ts.close()
+    for name in "abc":
+        got = ts.role(name).modules[0].state_dict()
+        assert all(torch.equal(v, want[name][k]) for k, v in got.items()), name
+
+
 def test_a_turn_of_a_resident_role_with_the_room_walks_no_tensors(monkeypatch):
     """use()/load() of a resident role with keep_free_bytes the device has free move nothing,
     and decide so from a free-memory reading alone: no role's tensors are walked (a 7B model's

@@ -33,7 +33,8 @@ What it does, on the trainer's one device:
   ``tidal/transitions``, ``tidal/moved_gb``, ``tidal/transition_s``, ``tidal/gbps`` and
   ``tidal/exposed_s`` (what the steps waited on them: on a GPU the compute stream's time
   inside the transitions, from device events; see ``TransitionRecord.exposed_seconds``) for
-  the transitions since the previous log; with activation offload, ``tidal/act_offloaded_gb``
+  the transitions since the previous log; with ``prefetch``, ``tidal/oom_retries`` (phases
+  run again after running out of memory beside the roles their turn kept); with activation offload, ``tidal/act_offloaded_gb``
   and ``tidal/act_reloaded_gb`` (and on a GPU ``tidal/act_exposed_s``) for the same steps;
   and on a GPU ``tidal/peak_gib/<phase>``: the peak allocated from the start of a phase to
   the start of the next (``generate``; ``score``, the policy's log-probs of the samples;
@@ -124,6 +125,11 @@ class TidalConfig:
             loss's and the backward's need (then nothing moves at all; the allocator's cached
             blocks do not count, the backward's large blocks may not fit them; the room is
             read again right before the backward), and drops it without a copy where not.
+            A phase that needs more than its last reading (longer prompts or completions) and
+            runs out of memory beside the roles its turn kept (or a prefetch brought in) runs
+            again once they are out, its random generators set back: the same results (the
+            generation, the scorings and the loss's forward; not a forward whose activations
+            are offloaded, nor the backward, which reads the room again instead).
             Where the room is lacking (and in the first step, before the phases were measured),
             generation's prefetch writes the policy back to the host and the switch releases it
             without a copy if nothing wrote it since.
@@ -224,6 +230,8 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         self._tidal_figures: dict[str, float] = {}  # activation offload since the last log
         self._tidal_memory = _PhaseMemory.of(self.timeshare.device)
         self._tidal_depth = 0
+        self._tidal_retries = 0  # phases run again after running out of memory beside kept roles
+        self._tidal_retries_logged = 0
 
     # ---- roles --------------------------------------------------------------------------------
     def _policy_ready(self) -> bool:
@@ -297,7 +305,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
 
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
-        with self._turn("policy", "generate"):
+        with self._turn("policy", "generate"), self._generate_again_if_out_of_memory():
             # Queued once the generation's first forward starts, not before: a small
             # host-to-device copy (the prompts, what generate() builds from them) queued behind
             # gigabytes of prefetch waits for all of them (0.30 s of a Qwen2-7B step's generation
@@ -310,7 +318,64 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         with self._turn(role):
             if role == "reference":
                 self._prefetch("reference", self._after("reference"))
-            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            compute = lambda: super(TidalRLTrainer, self)._get_per_token_logps_and_entropies(model, *args, **kwargs)  # noqa: E731
+            if torch.is_grad_enabled() and self.tidal_config.activation_offload:
+                return compute()  # a failed forward's offloaded activations are not its to run again
+            return self._again_if_out_of_memory(role, compute)
+
+    # ---- a kept role that leaves no room ---------------------------------------------------------
+    def _again_if_out_of_memory(self, role: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``: a phase's work that changes nothing but the random generators' state
+        (generation, the scorings, the loss's forward). With ``prefetch``, where it runs out of
+        device memory while roles a turn kept (or a prefetch brought in) are on the device
+        beside ``role`` (the phase needs more than the last step's reading: longer prompts or
+        completions), those go (:meth:`~tidal.Timeshare.evict_others`: a frozen role dropped
+        without a copy), the random generators are set back to where they were, and it runs
+        once more: its results are those of a run that never kept them. Its need is measured
+        again from there, so the next turns keep for it. Where nothing was beside ``role``, the
+        ``torch.OutOfMemoryError`` goes on as it came (the run does not fit without tidal's keep
+        either). Memory cost: the random generators' state, a few kilobytes on the host."""
+        ts = self.timeshare
+        if not self.tidal_config.prefetch or role not in ts.roles or not ts.is_resident(role):
+            return compute()
+        generators = _RandomState(ts.device)
+        try:
+            return compute()
+        except torch.OutOfMemoryError:
+            if ts.evict_others(role) == 0:
+                raise
+        # Past the handler: the failed run's tensors, held by its traceback's frames, are freed.
+        generators.restore()
+        self._tidal_retries += 1
+        warnings.warn(
+            f"tidal: TRL's {role} ran out of device memory beside the roles its turn kept on the device "
+            f"(its need grew since the last step); they were moved out and it ran again (same results, "
+            f"{self._tidal_retries} such run(s) so far, logged as tidal/oom_retries)",
+            stacklevel=2,
+        )
+        if self._tidal_memory is not None:
+            self._tidal_memory.rebase()  # the need counted from what the eviction left
+        return compute()
+
+    @contextlib.contextmanager
+    def _generate_again_if_out_of_memory(self):
+        """The policy's ``generate()`` (what allocates the KV cache) run by
+        :meth:`_again_if_out_of_memory` for the block: an attribute of the unwrapped policy's
+        instance, removed as the block ends."""
+        policy = self.accelerator.unwrap_model(self.model)
+        if not self.tidal_config.prefetch or "policy" not in self.timeshare.roles:
+            yield
+            return
+        own = vars(policy).get("generate")
+        generate = policy.generate
+        policy.generate = lambda *a, **kw: self._again_if_out_of_memory("policy", lambda: generate(*a, **kw))
+        try:
+            yield
+        finally:
+            if own is None:
+                del policy.generate
+            else:
+                policy.generate = own
 
     def _calculate_rewards(self, *args: Any, **kwargs: Any):
         if "reward" not in self.timeshare.roles:
@@ -319,9 +384,10 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             self._prefetch("reward", self._after("reward"))
             return super()._calculate_rewards(*args, **kwargs)
 
-    def _prefetch(self, phase: str, then: str) -> None:
+    def _prefetch(self, phase: str, then: str, *, growth: int | None = None) -> None:
         """With ``TidalConfig(prefetch=True)``: start bringing ``then`` in behind ``phase``
-        (``"optimizer"``: the policy's optimizer state, ahead of its step)."""
+        (``"optimizer"``: the policy's optimizer state, ahead of its step), leaving free what
+        ``phase`` allocated the last time it ran (or ``growth`` bytes), +10%, 256 MiB."""
         ts, cfg = self.timeshare, self.tidal_config
         if not cfg.prefetch:
             return
@@ -333,7 +399,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         leave, limit = None, None
         memory = self._tidal_memory
         if memory is not None:
-            growth = memory.growth.get(phase)
+            growth = growth if growth is not None else memory.growth.get(phase)
             if growth is None:
                 return  # its needs are not known yet: measured this time, used the next
             leave = phase_need_bytes(growth)
@@ -367,25 +433,25 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             # The backward (and the optimizer step after it: this is the accumulation's last
             # micro-batch) is a phase of its own: what it allocates decides how much optimizer
             # state can come in ahead of the step.
+            need = None
             if self._tidal_memory is not None:
-                self._room_for_backward()
+                need = self._tidal_memory.backward_need()
+                self._room_for_backward(need)
                 self._tidal_memory.start("backward")
-            self._prefetch("backward", "optimizer")
+            self._prefetch("backward", "optimizer", growth=need)
         return out
 
-    def _room_for_backward(self) -> None:
+    def _room_for_backward(self, need: int | None) -> None:
         """With ``prefetch``: right before the backward, the loss's activations now allocated,
-        move out what it takes to leave the backward's measured need (+10%, 256 MiB) free at
-        the driver. A role the loss's turn kept on the last step's reading (a longer batch
-        makes larger activations) goes now, a frozen one dropped without a copy; where the room
-        is there, this reads the free memory and moves nothing."""
-        cfg, memory, ts = self.tidal_config, self._tidal_memory, self.timeshare
-        if not cfg.prefetch or "policy" not in ts.roles or len(ts.resident_roles) < 2:
+        move out what it takes to leave the backward's need (``need``:
+        :meth:`_PhaseMemory.backward_need`, +10%, 256 MiB) free at the driver. A role the loss's
+        turn kept on the last step's reading (a longer batch makes larger activations) goes
+        now, a frozen one dropped without a copy; where the room is there, this reads the free
+        memory and moves nothing."""
+        cfg, ts = self.tidal_config, self.timeshare
+        if not cfg.prefetch or need is None or "policy" not in ts.roles or len(ts.resident_roles) < 2:
             return
-        growth = memory.growth.get("backward")
-        if growth is None:
-            return
-        ts.load("policy", keep_free_bytes=phase_need_bytes(growth) + ts.ops.cached_free_bytes())
+        ts.load("policy", keep_free_bytes=phase_need_bytes(need) + ts.ops.cached_free_bytes())
 
     def _sync_reference(self, alpha: float) -> None:
         """Mix the policy into the reference (see :class:`_SyncReference`)."""
@@ -422,6 +488,9 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         logs["tidal/transition_s"] = seconds
         logs["tidal/gbps"] = moved / seconds / 1e9 if seconds > 0 else 0.0
         logs["tidal/exposed_s"] = sum(r.exposed_seconds for r in records)
+        if self.tidal_config.prefetch:
+            logs["tidal/oom_retries"] = self._tidal_retries - self._tidal_retries_logged
+            self._tidal_retries_logged = self._tidal_retries
         logs.update(self._tidal_figures)
         self._tidal_figures.clear()
         for phase, peak in peaks.items():
@@ -522,6 +591,21 @@ class _Phase:
             self._ctx.__exit__(*exc)
 
 
+class _RandomState:
+    """The state of the random generators a phase draws from (the host's and, on CUDA, the
+    device's default generator), to run the phase again from the same draws."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = torch.get_rng_state()
+        self.on_device = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.host)
+        if self.on_device is not None:
+            torch.cuda.set_rng_state(self.on_device, self.device)
+
+
 class _PhaseMemory:
     """The device's allocated bytes per phase of the step (generation, scoring, the loss, the
     backward with the optimizer step after it): the peak of each, for the log lines, and what
@@ -545,6 +629,7 @@ class _PhaseMemory:
         self._start = 0  # allocated at the running phase's start
         self._high = 0  # the running phase's highest peak reading so far
         self._prefetched = 0  # brought in by prefetches started in the running phase
+        self._held_for_backward: int | None = None  # what the loss's forward held as the last backward started
 
     @classmethod
     def of(cls, device: torch.device) -> "_PhaseMemory | None":
@@ -580,6 +665,18 @@ class _PhaseMemory:
             self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), self._peak())
         self._reset()
         self._start = self._high = self.allocated()
+
+    def backward_need(self) -> int | None:
+        """What the backward (with the optimizer step after it) will allocate, called as it
+        starts: its growth the last time, scaled up by how much more the loss's forward holds
+        now than it did at the same point then (a longer batch: larger activations, and larger
+        gradients of them; never scaled down). None before the backward has run once."""
+        held = max(1, self.allocated() - self._start)  # the loss's forward, since its switch
+        before, self._held_for_backward = self._held_for_backward, held
+        growth = self.growth.get("backward")
+        if growth is None:
+            return None
+        return growth if before is None or held <= before else growth * held // before
 
     def prefetched(self, nbytes: int) -> None:
         """A prefetch started in the running phase brought ``nbytes`` in."""

@@ -426,6 +426,32 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
         return self._transition([role], None)
 
     @serialised
+    def evict_others(self, name: str) -> int:
+        """Leave ``name`` alone on the device: move out every other resident role that is not in
+        use (frozen ones dropped without a copy where their host copies are valid), and give
+        back the memory of every prefetch not yet claimed (its storages stay out, nothing lost).
+        What a block that ran out of device memory beside the roles a ``keep_free_bytes`` switch
+        kept (or a prefetch brought) does before it runs again. Returns the device bytes it
+        freed (0: nothing was there to move). Raises ``ValueError`` if ``name`` is not
+        resident."""
+        self._check_open()
+        self._start_clock()
+        self._check_not_in_backward("evict_others")
+        self._recover_if_interrupted()
+        role = self.role(name)
+        if not role.resident:
+            raise ValueError(f"evict_others({name!r}): the role is not resident; load() or use() it first")
+        prefetched = self.store.prefetched_keys()
+        freed = sum(e.nbytes for e in self.store.offloaded_entries(sorted(prefetched)))
+        others = [r for r in self._roles.values() if r.resident and r is not role and not r.in_use]
+        if not others:
+            self._cancel_prefetch(keep=set())
+            return freed
+        going, _ = self._outgoing(others, self.resident_keys(exclude=others))
+        self._transition(others, None)  # its move gives the prefetched memory back first
+        return freed + sum(e.nbytes for e in going)
+
+    @serialised
     def offload_all(self, *, on_released: ReleaseProgress | None = None) -> TransitionRecord | None:
         """Offload every resident role that is not in use.
 
