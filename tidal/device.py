@@ -322,6 +322,20 @@ class DeviceOps:
         process can reuse."""
         return self.reserved_bytes() - self.allocated_bytes() - self.private_free_bytes()
 
+    def fragmented_free_bytes(self) -> int:
+        """Of :meth:`cached_free_bytes`, the bytes free inside segments that also hold live
+        blocks (the allocator's "inactive, non-releasable" memory): an allocation larger than
+        the largest such piece cannot use them. The rest of the cached free memory is whole
+        segments, which the allocator returns to the driver when an allocation finds no room,
+        so it is as good as the driver's free memory for any size. On an accelerator whose
+        allocator does not report it, all of the cached free memory; 0 on CPU."""
+        if not self.is_accelerator:
+            return 0
+        cached = self.cached_free_bytes()
+        stats = self.module.memory_stats(self.device) if hasattr(self.module, "memory_stats") else {}
+        split = stats.get("inactive_split_bytes.all.current")
+        return cached if split is None else max(0, min(cached, int(split)))
+
     def private_free_bytes(self) -> int:
         """Bytes free inside the registered private pools (0 on CPU or with none): reserved
         by this process, usable only by allocations made in those pools."""

@@ -740,9 +740,12 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
       through the scoring, the loss's turn drops the frozen reference without a copy, the
       generation's prefetch brings it back writing nothing out;
     * no room beside the scoring either: the policy takes turns with the reference;
-    * room only in the allocator's cached blocks (the driver's free memory one byte short of the
-      backward's need): the loss's turn drops the reference too (run i5: the cached blocks
-      could not hold the backward's)."""
+    * room only in the free pieces of the allocator's partly used segments (the driver's free
+      memory one byte short of the backward's need): the loss's turn drops the reference too
+      (run i5: they could not hold the backward's blocks);
+    * room in the allocator's whole free segments (the same, but none of the cached memory
+      fragmented): as with room for everything, nothing moves from the second step (run j1
+      dropped the reference every step counting only the driver's free memory)."""
     plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
     cfg = TidalConfig(prefetch=True)
     room = _run(_with_counters(), tiny, tmp_path / "room", tidal_config=cfg)
@@ -757,9 +760,12 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
     need = int(1.1 * (1 << 30)) + (256 << 20)  # the backward read as allocating 1 GiB
     monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (need - 1, 1 << 40))
     monkeypatch.setattr(DeviceOps, "cached_free_bytes", lambda self: 1 << 40)
+    monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 1 << 40)
     cached = _run(_with_counters({"backward": 1 << 30}), tiny, tmp_path / "cached", tidal_config=cfg)
+    monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
+    whole = _run(_with_counters({"backward": 1 << 30}), tiny, tmp_path / "whole", tidal_config=cfg)
     monkeypatch.undo()
-    for ours in (room, no_ref, short, cached):
+    for ours in (room, no_ref, short, cached, whole):
         assert _history(ours) == _history(plain)
         want, got = _weights(plain), _weights(ours)
         assert all(torch.equal(want[k], got[k]) for k in want)
@@ -791,8 +797,11 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
     # offload at construction).
     dropped = [r for r in no_ref.timeshare.records if r.roles_out == ("reference",) and r.index > 0]
     assert len(dropped) == 3 and all(r.bytes_out == 0 for r in dropped)
-    # Room only in the cached blocks: the loss drops the reference as where there is none.
+    # Room only in the fragments: the loss drops the reference as where there is none; in
+    # whole free segments: it keeps it, as where the driver has the room.
     assert moves(cached) == moves(no_ref), moves(cached)
+    roles_only = lambda t: [m for m in moves(t) if not m[0].startswith("optim")]  # noqa: E731
+    assert roles_only(whole) == roles_only(room), moves(whole)  # (less room for the optimizer state ahead)
     # No room beside the scoring either: the policy takes turns with the reference every step.
     assert sum(k == ("switch", ("policy",), "reference") for k in moves(short)) == 3, moves(short)
 

@@ -18,6 +18,7 @@ def test_cpu_ops(spelling):
     ops.synchronize()
     ops.empty_cache()
     assert ops.allocated_bytes() == 0 and ops.reserved_bytes() == 0 and ops.cached_free_bytes() == 0
+    assert ops.fragmented_free_bytes() == 0
     free, total = ops.driver_free_bytes()
     assert 0 < free <= total
     assert "cpu" in repr(ops)

@@ -121,10 +121,11 @@ class TidalConfig:
             allocated the last time (plus 10% and 256 MiB; within ``prefetch_peak_bytes`` if
             set), least recently used first: the reference's (and a reward model's) turn keeps
             the policy on the device where it fits, so the loss needs no copy of it back in;
-            the loss's turn keeps the frozen reference where the driver has it free beside the
-            loss's and the backward's need (then nothing moves at all; the allocator's cached
-            blocks do not count, the backward's large blocks may not fit them; the room is
-            read again right before the backward), and drops it without a copy where not.
+            the loss's turn keeps the frozen reference where it fits beside the loss's and the
+            backward's need (then nothing moves at all; counting the driver's free memory and
+            the allocator's whole free segments, not the free pieces of its partly used ones,
+            which the backward's large blocks may not fit; the room is read again right before
+            the backward), and drops it without a copy where not.
             A phase that needs more than its last reading (longer prompts or completions) and
             runs out of memory beside the roles its turn kept (or a prefetch brought in) runs
             again once they are out, its random generators set back: the same results (the
@@ -265,11 +266,11 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
     def _keep_free(self, role: str, phase: str) -> int | None:
         """With ``prefetch``: the bytes the turn of ``role`` for ``phase`` keeps free beside it
         instead of switching every other role out: what the phase allocated the last time it
-        ran (the loss's: with the backward and optimizer step after it, and free at the driver),
-        plus 10% and 256 MiB. The roles that fit beside that stay on the device: the
-        policy through the reference's (and a reward model's) scoring, so the loss needs no
+        ran (the loss's: with the backward and optimizer step after it, outside the allocator's
+        fragments), plus 10% and 256 MiB. The roles that fit beside that stay on the device:
+        the policy through the reference's (and a reward model's) scoring, so the loss needs no
         copy of it back in; the frozen reference through the loss and the next generation where
-        the driver has room for it too (nothing moves then). The others go, least recently
+        the device has room for it too (nothing moves then). The others go, least recently
         used first (a frozen role dropped without a copy). None (every other role goes, as
         without prefetch) before the phase has run once, or where ``prefetch_peak_bytes``
         leaves no room for that beside what is allocated now."""
@@ -287,10 +288,11 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
             return None
         keep = phase_need_bytes(sum(growths))
         if phase == "loss":
-            # The backward's large blocks need fresh memory: the allocator's cached free blocks
-            # do not count as room for keeping a role beside it (run i5: 2.71 GiB of them could
-            # not hold a 612 MiB block), only what the driver has free.
-            keep += ts.ops.cached_free_bytes()
+            # The backward allocates large blocks: free pieces of the allocator's partly used
+            # segments do not count as room for keeping a role beside it (run i5: 2.71 GiB of
+            # cached free memory could not hold a 612 MiB block), only the driver's free memory
+            # and the whole free segments the allocator can give back to it.
+            keep += ts.ops.fragmented_free_bytes()
         if cfg.prefetch_peak_bytes is not None:
             coming = 0 if ts.is_resident(role) else ts.role_bytes(role)  # a prefetched part counted twice: safe
             if memory.allocated() + coming + keep > cfg.prefetch_peak_bytes:
@@ -451,7 +453,7 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
         cfg, ts = self.tidal_config, self.timeshare
         if not cfg.prefetch or need is None or "policy" not in ts.roles or len(ts.resident_roles) < 2:
             return
-        ts.load("policy", keep_free_bytes=phase_need_bytes(need) + ts.ops.cached_free_bytes())
+        ts.load("policy", keep_free_bytes=phase_need_bytes(need) + ts.ops.fragmented_free_bytes())
 
     def _sync_reference(self, alpha: float) -> None:
         """Mix the policy into the reference (see :class:`_SyncReference`)."""

@@ -447,8 +447,8 @@ class GRPOTrainer:
         """With prefetch, the bytes ``phase``'s turn keeps free beside its role instead of
         switching every other role out (:meth:`tidal.Timeshare.use`): what the phase allocated
         in the last step, plus 10% and 256 MiB (on the CPU, which has no such counters: 256
-        MiB); the training's turn counts only the driver's free memory as room, not the
-        allocator's cached blocks. A role whose state fits beside that stays on the device:
+        MiB); the training's turn counts only the driver's free memory and the allocator's
+        whole free segments as room, not the free pieces of its partly used ones. A role whose state fits beside that stays on the device:
         the policy's weights through the reference's scoring, AdamW's state
         (``optimizer_residency="role"``) through the rollout and the scoring, the frozen
         reference through the training where the device has room for all three. Roles that do not fit go, least recently used first
@@ -462,10 +462,11 @@ class GRPOTrainer:
             return None
         keep = phase_need_bytes(self._last_growth[phase])
         if phase == "train":
-            # The backward's large blocks need fresh memory: the allocator's cached free blocks
-            # do not count as room for keeping the reference beside it, only what the driver
-            # has free (TidalGRPOTrainer's loss ran out of memory counting them: run i5).
-            keep += self.ops.cached_free_bytes()
+            # The backward allocates large blocks: free pieces of the allocator's partly used
+            # segments do not count as room for keeping the reference beside it (TidalGRPOTrainer's
+            # loss ran out of memory counting them: run i5), only the driver's free memory and
+            # the whole free segments the allocator can give back to it.
+            keep += self.ops.fragmented_free_bytes()
         return keep
 
     def next_prompts(self) -> torch.Tensor:

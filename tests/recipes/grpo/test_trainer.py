@@ -320,14 +320,15 @@ def test_evict_as_needed_keeps_the_roles_resident_and_trains_the_same():
     assert [ph["moved_bytes"] for r in ra[1:] for ph in r.phases.values()] == [0] * 2 * len(ra[0].phases)
 
 
-def test_the_training_turn_keeps_a_role_only_in_what_the_driver_has_free(monkeypatch):
+def test_the_training_turn_keeps_a_role_only_outside_the_allocators_fragments(monkeypatch):
     """On an accelerator each turn keeps free what its phase allocated the step before (+10%,
-    256 MiB); the training's turn adds the allocator's cached free blocks, so that only the
-    driver's free memory counts as room to keep the reference beside the backward (its large
-    blocks may not fit the cached ones: TidalGRPOTrainer ran out of memory so, run i5)."""
+    256 MiB); the training's turn adds the free pieces of the allocator's partly used segments,
+    so that only the driver's free memory and whole free segments count as room to keep the
+    reference beside the backward (its large blocks may not fit the pieces: TidalGRPOTrainer ran
+    out of memory so, run i5)."""
     tr = GRPOTrainer(tiny_policy(), config=GRPOConfig(prefetch=True, micro_batch=6))
     monkeypatch.setattr(tr.ops, "is_accelerator", True)
-    monkeypatch.setattr(tr.ops, "cached_free_bytes", lambda: 3 << 30)
+    monkeypatch.setattr(tr.ops, "fragmented_free_bytes", lambda: 3 << 30)
     assert tr._keep("train") is None  # not measured yet
     tr._last_growth = {"rollout": 1 << 30, "reference": 2 << 30, "train": 10 << 30}
     assert tr._keep("rollout") == int(1.1 * (1 << 30)) + (256 << 20)
