@@ -67,3 +67,24 @@ def test_grpo_with_a_reward_model_and_sync_ref_model_is_trl_on_a_gpu(models, tmp
     out_of_device = sum(ours["role_bytes"].values())
     assert ours["held"] <= plain["held"] - out_of_device + (16 << 20), (ours["held"], plain["held"], out_of_device)
     assert any(r.role_in == "reward" and r.kind == "switch" for r in ours["records"])
+
+
+def test_a_phase_out_of_memory_beside_kept_roles_runs_again_as_trl_on_a_gpu(models, tmp_path):
+    """The run-again path on a GPU: every phase made to run out of memory while another role's
+    state is on the device beside its role (the generation after a sampled token, with the
+    reference arriving behind it; the reference's scoring; the loss's forward) runs again once
+    the others are out, the device's random generator set back: the same run as TRL alone."""
+    from tests.integrations.test_trl import _out_of_memory_when_crowded, _run, _weights, _with_counters
+
+    policy, _ = models
+    plain = _run(trl.GRPOTrainer, policy, tmp_path / "plain", use_cpu=False, temperature=1.0)
+    cls = _out_of_memory_when_crowded(_with_counters())
+    with pytest.warns(UserWarning, match="ran out of device memory beside the roles its turn kept"):
+        ours = _run(
+            cls, policy, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True), use_cpu=False, temperature=1.0
+        )
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    retries = [h["tidal/oom_retries"] for h in ours.state.log_history if "loss" in h]
+    assert retries == [0, 3, 3], retries
