@@ -34,8 +34,9 @@ What it does, on the trainer's one device:
   ``tidal/exposed_s`` (what the steps waited on them: on a GPU the compute stream's time
   inside the transitions, from device events; see ``TransitionRecord.exposed_seconds``) for
   the transitions since the previous log; with ``prefetch``, ``tidal/oom_retries`` (phases
-  run again after running out of memory beside the roles their turn kept); with activation offload, ``tidal/act_offloaded_gb``
-  and ``tidal/act_reloaded_gb`` (and on a GPU ``tidal/act_exposed_s``) for the same steps;
+  run again after running out of memory beside the roles their turn kept); with activation
+  offload, ``tidal/act_offloaded_gb`` and ``tidal/act_reloaded_gb`` (and on a GPU
+  ``tidal/act_exposed_s``) for the same steps;
   and on a GPU ``tidal/peak_gib/<phase>``: the peak allocated from the start of a phase to
   the start of the next (``generate``; ``score``, the policy's log-probs of the samples;
   ``reference``; ``reward``, with reward models; ``loss``, with the backward and the
@@ -446,10 +447,10 @@ class TidalRLTrainer(ActivationFigures, CPUAdamClipping):
     def _room_for_backward(self, need: int | None) -> None:
         """With ``prefetch``: right before the backward, the loss's activations now allocated,
         move out what it takes to leave the backward's need (``need``:
-        :meth:`_PhaseMemory.backward_need`, +10%, 256 MiB) free at the driver. A role the loss's
-        turn kept on the last step's reading (a longer batch makes larger activations) goes
-        now, a frozen one dropped without a copy; where the room is there, this reads the free
-        memory and moves nothing."""
+        :meth:`_PhaseMemory.backward_need`, +10%, 256 MiB) free outside the allocator's
+        fragments. A role the loss's turn kept on the last step's reading (a longer batch makes
+        larger activations) goes now, a frozen one dropped without a copy; where the room is
+        there, this reads the free memory and moves nothing."""
         cfg, ts = self.tidal_config, self.timeshare
         if not cfg.prefetch or need is None or "policy" not in ts.roles or len(ts.resident_roles) < 2:
             return
