@@ -521,11 +521,11 @@ def test_a_log_line_inside_a_phase_does_not_reset_what_the_phase_allocated():
     step). The log's reading restarted the phase, so the next step's optimizer-state prefetch
     saw a backward that allocated nothing, left nothing free and brought in past
     prefetch_peak_bytes (22.06 GiB measured against a 17 GiB bound on an H100)."""
-    from tidal.integrations.trl import _PhaseMemory
+    from tidal.integrations.trl.memory import PhaseMemory
 
     gib = 1 << 30
     dev = _FakeAllocator()
-    memory = _PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
     dev.set(6 * gib)
     memory.start("generate")
     dev.set(10 * gib)
@@ -580,11 +580,11 @@ def test_a_phases_need_is_counted_from_what_its_switch_left():
     forward's activations filled that room, so read from before the switch the loss allocated
     nothing; the next step's loss then kept the reference beside a backward it had no room for,
     and ran out of memory. Read from after the switch (rebase), the activations count."""
-    from tidal.integrations.trl import _PhaseMemory
+    from tidal.integrations.trl.memory import PhaseMemory
 
     gib = 1 << 30
     dev = _FakeAllocator()
-    memory = _PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
     dev.set(57 * gib)  # policy, its AdamW state and the reference after the scoring
     memory.start("loss")
     dev.set(43 * gib)  # the loss's switch drops the reference
@@ -603,11 +603,11 @@ def test_the_backwards_need_grows_with_what_the_loss_holds_as_it_starts():
     comes from the last step's backward. A batch of longer completions holds more activations
     as the backward starts, and its backward allocates more (the activations' gradients): the
     last reading is scaled up by how much more the loss's forward holds, never down."""
-    from tidal.integrations.trl import _PhaseMemory
+    from tidal.integrations.trl.memory import PhaseMemory
 
     gib = 1 << 30
     dev = _FakeAllocator()
-    memory = _PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
 
     def step(held: int, backward: int) -> int | None:
         dev.set(43 * gib)
@@ -665,14 +665,14 @@ def test_generations_prefetch_is_queued_once_its_first_forward_runs(tiny, tmp_pa
     assert sum(r.bytes_prefetched > 0 for r in switches) == len(to_ref)
 
 
-def test_at_first_forward_runs_once_at_the_first_forward_or_at_the_end_and_never_after_a_raise():
+def testat_first_forward_runs_once_at_the_first_forward_or_at_the_end_and_never_after_a_raise():
     import threading
 
-    from tidal.integrations.trl import _at_first_forward
+    from tidal.integrations.trl.phases import at_first_forward
 
     calls: list[str] = []
     lin = torch.nn.Linear(2, 2)
-    with _at_first_forward(lambda: calls.append("fn")):
+    with at_first_forward(lambda: calls.append("fn")):
         calls.append("before")
         lin(torch.zeros(1, 2))
         calls.append("after")
@@ -680,19 +680,19 @@ def test_at_first_forward_runs_once_at_the_first_forward_or_at_the_end_and_never
     assert calls == ["before", "fn", "after"]
 
     calls.clear()
-    with _at_first_forward(lambda: calls.append("fn")):
+    with at_first_forward(lambda: calls.append("fn")):
         calls.append("no forward")
     assert calls == ["no forward", "fn"]  # at the end, late but not lost
 
     calls.clear()
     with pytest.raises(KeyError):
-        with _at_first_forward(lambda: calls.append("fn")):
+        with at_first_forward(lambda: calls.append("fn")):
             raise KeyError("boom")
     lin(torch.zeros(1, 2))  # the hook is gone
     assert calls == []
 
     calls.clear()
-    with _at_first_forward(lambda: calls.append("fn")):
+    with at_first_forward(lambda: calls.append("fn")):
         other = threading.Thread(target=lambda: lin(torch.zeros(1, 2)))
         other.start()
         other.join()
@@ -704,9 +704,9 @@ def _with_counters(growth: dict[str, int] | None = None):
     """tidal's trainer with the device memory counters a GPU has, on the CPU: every phase
     allocates nothing beyond what it starts with (a fake allocator), or, for the phases in
     ``growth``, reads as allocating that many bytes."""
-    from tidal.integrations.trl import _PhaseMemory
+    from tidal.integrations.trl.memory import PhaseMemory
 
-    class Memory(_PhaseMemory):
+    class Memory(PhaseMemory):
         rebased: list[str] = []  # the phases counted from after their switch, in order
 
         def _read(self) -> None:

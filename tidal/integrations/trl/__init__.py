@@ -1,0 +1,71 @@
+"""TRL's ``GRPOTrainer`` and ``RLOOTrainer`` with tidal (extra ``tidal[trl]``).
+
+Replace ``GRPOTrainer`` by :class:`TidalGRPOTrainer` (``RLOOTrainer`` by
+:class:`TidalRLOOTrainer`); nothing else in the training script changes::
+
+    from tidal.integrations.trl import TidalGRPOTrainer
+
+    trainer = TidalGRPOTrainer(model=path, reward_funcs=reward, args=GRPOConfig(beta=0.04, ...),
+                               train_dataset=ds)
+    trainer.train()
+
+What it does, on the trainer's one device:
+
+* The policy (its weights, gradients and optimizer) and, with ``beta > 0``, the reference
+  model TRL builds are roles of a :class:`~tidal.Timeshare`: the reference is on the device
+  only while it scores, the policy only while it generates, computes the loss and steps. Each
+  hand-over is one overlapped switch at PCIe line rate. The reference is a frozen role: after
+  its first trip out, it goes out without a copy (only its reload moves bytes), unless
+  ``sync_ref_model=True`` makes TRL write it. That mix (TRL's ``SyncRefModelCallback``, which
+  would write the offloaded tensors through null pointers) is replaced by one that computes the
+  same values with the same device ops where each tensor is: on the device if resident, else
+  one tensor at a time into its host copy.
+* Reward models (``reward_funcs`` given as a model or a path) are one more frozen role, on the
+  device only while TRL scores the completions with them (after the reference).
+* The policy's optimizer state stays on the host except inside ``optimizer.step()`` (step
+  residency; ``TidalConfig.optimizer_residency``), so generation, reference scoring and the
+  loss's forward/backward never hold it. A :class:`tidal.CPUAdam` passed as
+  ``optimizers=(CPUAdam(...), None)`` keeps it on the host for good; gradient clipping and the
+  logged ``grad_norm`` then use its host gradients.
+* With ``TidalConfig(activation_offload=True)`` the activations the loss forward saves wait
+  on the host until its backward.
+* Every log line (console, TensorBoard, W&B: whatever ``report_to`` says) carries
+  ``tidal/transitions``, ``tidal/moved_gb``, ``tidal/transition_s``, ``tidal/gbps`` and
+  ``tidal/exposed_s`` (what the steps waited on them: on a GPU the compute stream's time
+  inside the transitions, from device events; see ``TransitionRecord.exposed_seconds``) for
+  the transitions since the previous log; with ``prefetch``, ``tidal/oom_retries`` (phases
+  run again after running out of memory beside the roles their turn kept); with activation
+  offload, ``tidal/act_offloaded_gb`` and ``tidal/act_reloaded_gb`` (and on a GPU
+  ``tidal/act_exposed_s``) for the same steps;
+  and on a GPU ``tidal/peak_gib/<phase>``: the peak allocated from the start of a phase to
+  the start of the next (``generate``; ``score``, the policy's log-probs of the samples;
+  ``reference``; ``reward``, with reward models; ``loss``, with the backward and the
+  optimizer step that follow it).
+* ``save_model``, checkpoints and resume read and write the state wherever it is (tidal's
+  state-dict hooks), so saving with the reference offloaded or the optimizer state on the
+  host writes the real values.
+
+Results do not change: the moves are pure data movement, bit-exact (tested against the same
+TRL run without tidal).
+
+A PEFT policy (``peft_config=``) works as in TRL: its reference is the policy itself with
+the adapters disabled, so there is no reference role and nothing takes turns; the adapters'
+optimizer state still leaves the device between steps, and activation offload finds the
+transformer blocks inside the ``PeftModel``.
+
+Refused, before any work (``ValueError`` naming the setting): DeepSpeed or FSDP through
+accelerate (tidal's own adapters move those states; use ``tidal.distributed``), vLLM
+generation (its engine holds its own copy of the weights and its own memory pool), more than
+one process, and ``torch_compile=True``.
+
+The package, by concept: ``config`` (:class:`TidalConfig`), ``trainer`` (the trainers and
+their hooks into TRL's phases), ``phases`` (a phase as a ``with`` block), ``memory`` (each
+phase's device memory readings), ``schedule`` (what each turn keeps and what comes in ahead),
+``retry`` (a phase run again after running out of memory beside kept roles), ``reference``
+(``sync_ref_model`` with a moved-out reference), ``checks`` (what is refused before any work).
+"""
+
+from tidal.integrations.trl.config import TidalConfig
+from tidal.integrations.trl.trainer import TidalGRPOTrainer, TidalRLOOTrainer, TidalRLTrainer
+
+__all__ = ["TidalConfig", "TidalGRPOTrainer", "TidalRLOOTrainer", "TidalRLTrainer"]

@@ -1,0 +1,100 @@
+"""What each turn of a TRL step keeps on the device and what comes in ahead of the next:
+:class:`KeepAndPrefetch`, a mixin of :class:`~tidal.integrations.trl.trainer.TidalRLTrainer`
+(``TidalConfig.prefetch``)."""
+
+from __future__ import annotations
+
+from tidal.memory import phase_need_bytes
+
+__all__ = ["KeepAndPrefetch"]
+
+
+class KeepAndPrefetch:
+    """Reads the trainer's ``timeshare``, ``tidal_config``, ``_tidal_memory`` (a
+    :class:`~tidal.integrations.trl.memory.PhaseMemory`, None off an accelerator) and
+    ``_tidal_depth`` (how many phases are open)."""
+
+    def _keep_free(self, role: str, phase: str) -> int | None:
+        """With ``prefetch``: the bytes the turn of ``role`` for ``phase`` keeps free beside it
+        instead of switching every other role out: what the phase allocated the last time it
+        ran (the loss's: with the backward and optimizer step after it, outside the allocator's
+        fragments), plus 10% and 256 MiB. The roles that fit beside that stay on the device:
+        the policy through the reference's (and a reward model's) scoring, so the loss needs no
+        copy of it back in; the frozen reference through the loss and the next generation where
+        the device has room for it too (nothing moves then). The others go, least recently
+        used first (a frozen role dropped without a copy). None (every other role goes, as
+        without prefetch) before the phase has run once, or where ``prefetch_peak_bytes``
+        leaves no room for that beside what is allocated now."""
+        cfg, memory, ts = self.tidal_config, self._tidal_memory, self.timeshare
+        if not cfg.prefetch or memory is None or role not in ts.roles:
+            return None
+        if self._tidal_depth > 0 and ts.is_resident(role):
+            return 0  # inside a phase that made the room already (the loss's policy log-probs): move nothing
+        # The loss's turn also holds the policy through the backward and the optimizer step
+        # after it, a phase of its own: both count (their sum bounds what the turn allocates,
+        # as the backward starts with what the loss left allocated).
+        phases = ("loss", "backward") if phase == "loss" else (phase,)
+        growths = [memory.growth.get(p) for p in phases]
+        if None in growths:
+            return None
+        keep = phase_need_bytes(sum(growths))
+        if phase == "loss":
+            # The backward allocates large blocks: free pieces of the allocator's partly used
+            # segments do not count as room for keeping a role beside it (run i5: 2.71 GiB of
+            # cached free memory could not hold a 612 MiB block), only the driver's free memory
+            # and the whole free segments the allocator can give back to it.
+            keep += ts.ops.fragmented_free_bytes()
+        if cfg.prefetch_peak_bytes is not None:
+            coming = 0 if ts.is_resident(role) else ts.role_bytes(role)  # a prefetched part counted twice: safe
+            if memory.allocated() + coming + keep > cfg.prefetch_peak_bytes:
+                return None
+        return keep
+
+    def _after(self, role: str) -> str:
+        """The role TRL computes with after ``role``'s phase: generation (policy), reference
+        scoring, reward models, then the loss (policy); the roles it does not have are skipped."""
+        order = [r for r in ("reference", "reward") if r in self.timeshare.roles] + ["policy"]
+        return order[0] if role == "policy" else order[order.index(role) + 1]
+
+    def _prefetch(self, phase: str, then: str, *, growth: int | None = None) -> None:
+        """With ``TidalConfig(prefetch=True)``: start bringing ``then`` in behind ``phase``
+        (``"optimizer"``: the policy's optimizer state, ahead of its step), leaving free what
+        ``phase`` allocated the last time it ran (or ``growth`` bytes), +10%, 256 MiB."""
+        ts, cfg = self.timeshare, self.tidal_config
+        if not cfg.prefetch:
+            return
+        if then == "optimizer":
+            if "policy" not in ts.roles:
+                return
+        elif then not in ts.roles or len(ts.roles) < 2:
+            return
+        leave, limit = None, None
+        memory = self._tidal_memory
+        if memory is not None:
+            growth = growth if growth is not None else memory.growth.get(phase)
+            if growth is None:
+                return  # its needs are not known yet: measured this time, used the next
+            leave = phase_need_bytes(growth)
+            if cfg.prefetch_peak_bytes is not None:
+                limit = max(0, cfg.prefetch_peak_bytes - memory.allocated() - leave)
+        if then == "optimizer":
+            rec = ts.prefetch_optimizer("policy", leave_free_bytes=leave, limit_bytes=limit)
+        else:
+            # Written back ahead: only what the turn of `then` will move out (the policy's
+            # after the scoring is the loss's).
+            keep = self._keep_free(then, "loss" if then == "policy" else then)
+            rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit, keep_free_bytes=keep)
+        if rec is not None and memory is not None:
+            memory.prefetched(rec.bytes_in)
+
+    def _room_for_backward(self, need: int | None) -> None:
+        """With ``prefetch``: right before the backward, the loss's activations now allocated,
+        move out what it takes to leave the backward's need (``need``:
+        :meth:`~tidal.integrations.trl.memory.PhaseMemory.backward_need`, +10%, 256 MiB) free outside the allocator's
+        fragments. A role the loss's turn kept on the last step's reading (a longer batch makes
+        larger activations) goes now, a frozen one dropped without a copy; where the room is
+        there, this reads the free memory and moves nothing."""
+        cfg, ts = self.tidal_config, self.timeshare
+        if not cfg.prefetch or need is None or "policy" not in ts.roles or len(ts.resident_roles) < 2:
+            return
+        ts.load("policy", keep_free_bytes=phase_need_bytes(need) + ts.ops.fragmented_free_bytes())

@@ -1,0 +1,207 @@
+"""The trainers: :class:`TidalRLTrainer`, the tidal side of a TRL trainer with GRPOTrainer's
+phases, and :class:`TidalGRPOTrainer` / :class:`TidalRLOOTrainer` (see the package docstring)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from trl import GRPOTrainer, RLOOTrainer
+from trl.trainer.callbacks import SyncRefModelCallback
+
+from tidal.activations import offload_activations
+from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
+from tidal.integrations.trl.checks import check_launch, own_storages, refuse_settings
+from tidal.integrations.trl.config import TidalConfig
+from tidal.integrations.trl.memory import PhaseMemory
+from tidal.integrations.trl.phases import Phase, at_first_forward
+from tidal.integrations.trl.reference import SyncReference
+from tidal.integrations.trl.retry import AgainIfOutOfMemory
+from tidal.integrations.trl.schedule import KeepAndPrefetch
+from tidal.timeshare import Timeshare
+
+__all__ = ["TidalGRPOTrainer", "TidalRLOOTrainer", "TidalRLTrainer"]
+
+
+class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
+    """The tidal side of :class:`TidalGRPOTrainer` and :class:`TidalRLOOTrainer`: a mixin put in
+    front of a TRL trainer with GRPOTrainer's phases (``_generate``,
+    ``_get_per_token_logps_and_entropies``, ``_calculate_rewards``, ``compute_loss``, ``log``).
+    Takes the trainer's arguments, plus ``tidal=TidalConfig(...)``.
+
+    Memory cost: host RAM for the state of each role while it is out (pinned once, when the
+    role is registered: the reference and reward models at construction, the policy when its
+    optimizer exists); on the device, the role in use plus one staging bucket per direction
+    during a switch.
+
+    Raises:
+        ValueError: a setting tidal cannot work with (see the module docstring), before any
+            work.
+        TypeError: ``tidal`` is not a :class:`TidalConfig`.
+    """
+
+    def __init__(self, *args: Any, tidal: TidalConfig | None = None, **kwargs: Any) -> None:
+        if tidal is not None and not isinstance(tidal, TidalConfig):
+            raise TypeError(f"tidal must be a tidal.integrations.trl.TidalConfig, got {type(tidal).__name__}")
+        refuse_settings(
+            kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None), type(self).__name__
+        )
+        super().__init__(*args, **kwargs)
+        self.tidal_config = tidal or TidalConfig()
+        check_launch(self.accelerator, type(self).__name__)
+        if self.tidal_config.activation_offload:  # refused now, not at the first loss after a generation
+            find_layers(self.accelerator.unwrap_model(self.model), self.tidal_config.activation_layers)
+        self.timeshare = Timeshare(self.accelerator.device, config=self.tidal_config.timeshare)
+        if self.ref_model is not None:
+            own_storages(self.ref_model)
+            # Frozen (its host copy stays valid: it goes out without a copy) unless TRL
+            # writes it: sync_ref_model mixes the policy into it every few steps.
+            frozen = not getattr(self.args, "sync_ref_model", False)
+            self.timeshare.add_role("reference", model=self.ref_model, grads="drop", frozen=frozen)
+            self.timeshare.offload("reference")  # the policy computes first (generation)
+            if not frozen:
+                # TRL's SyncRefModelCallback writes the reference's .data in place, which is
+                # out on the host between its turns: ours writes the same values where they are.
+                for cb in list(self.callback_handler.callbacks):
+                    if isinstance(cb, SyncRefModelCallback):
+                        self.callback_handler.remove_callback(cb)
+                self.add_callback(SyncReference(self))
+        # Reward models (reward_funcs given as a model or a path): one frozen role, on the
+        # device only while TRL scores the completions with them.
+        reward_models = [f for f in self.reward_funcs if isinstance(f, torch.nn.Module)]
+        if reward_models:
+            for m in reward_models:
+                own_storages(m)
+            self.timeshare.add_role("reward", model=reward_models, grads="drop", frozen=True)
+            self.timeshare.offload("reward")
+        if self.tidal_config.prefetch and not self.timeshare.roles:
+            warnings.warn(
+                "TidalConfig(prefetch=True) only brings the policy's optimizer state in ahead of its step: TRL built "
+                "no reference model (beta=0, or a PEFT policy whose reference is itself with the adapters disabled) "
+                "and no reward model, so the policy is the only role and nothing else takes turns with it",
+                stacklevel=2,
+            )
+        self._tidal_logged = 0  # transitions already reported in a log line
+        self._tidal_figures: dict[str, float] = {}  # activation offload since the last log
+        self._tidal_memory = PhaseMemory.of(self.timeshare.device)
+        self._tidal_depth = 0
+        self._tidal_retries = 0  # phases run again after running out of memory beside kept roles
+        self._tidal_retries_logged = 0
+
+    # ---- roles --------------------------------------------------------------------------------
+    def _policy_ready(self) -> bool:
+        """Register the policy once its optimizer exists (Trainer makes it in ``train()``)."""
+        if "policy" in self.timeshare.roles:
+            return True
+        optimizer = self.optimizer
+        if optimizer is None:
+            return False
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch one
+        own_storages(self.accelerator.unwrap_model(self.model), optimizer)
+        self.timeshare.add_role(
+            "policy",
+            model=self.accelerator.unwrap_model(self.model),
+            optimizer=optimizer,
+            optimizer_residency=self.tidal_config.optimizer_residency,
+        )
+        return True
+
+    def _turn(self, role: str, phase: str | None = None):
+        """The role on the device for a phase (a no-op before the policy is registered).
+        ``phase`` names it (the policy's: ``"generate"``, ``"loss"``; default: the role's
+        name for the reference and a reward model, ``"score"`` for the policy)."""
+        if role == "policy" and not self._policy_ready():
+            return Phase(self, None, phase or "generate")
+        if role != "policy" and "policy" not in self.timeshare.roles:
+            self._policy_ready()
+        phase = phase or (role if role in ("reference", "reward") else "score")
+        return Phase(self, role, phase, keep_free_bytes=self._keep_free(role, phase))
+
+    # ---- the phases ---------------------------------------------------------------------------
+    def _generate(self, prompts: list):
+        with self._turn("policy", "generate"), self._generate_again_if_out_of_memory():
+            # Queued once the generation's first forward starts, not before: a small
+            # host-to-device copy (the prompts, what generate() builds from them) queued behind
+            # gigabytes of prefetch waits for all of them (0.30 s of a Qwen2-7B step's generation
+            # on an H200, the compute stream idle; benchmarks/RESULTS.md, issue 26).
+            with at_first_forward(lambda: self._prefetch("generate", self._after("policy"))):
+                return super()._generate(prompts)
+
+    def _get_per_token_logps_and_entropies(self, model, *args: Any, **kwargs: Any):
+        role = "reference" if self.ref_model is not None and model is self.ref_model else "policy"
+        with self._turn(role):
+            if role == "reference":
+                self._prefetch("reference", self._after("reference"))
+            compute = lambda: super(TidalRLTrainer, self)._get_per_token_logps_and_entropies(model, *args, **kwargs)  # noqa: E731
+            if torch.is_grad_enabled() and self.tidal_config.activation_offload:
+                return compute()  # a failed forward's offloaded activations are not its to run again
+            return self._again_if_out_of_memory(role, compute)
+
+    def _calculate_rewards(self, *args: Any, **kwargs: Any):
+        if "reward" not in self.timeshare.roles:
+            return super()._calculate_rewards(*args, **kwargs)
+        with self._turn("reward"):
+            self._prefetch("reward", self._after("reward"))
+            return super()._calculate_rewards(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        cfg = self.tidal_config
+        with self._turn("policy", "loss"):
+            if not cfg.activation_offload:
+                out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            else:
+                policy = self.accelerator.unwrap_model(model)
+                with offload_activations(
+                    policy,
+                    layers=find_layers(policy, cfg.activation_layers),
+                    min_offload_bytes=cfg.activation_min_offload_bytes,
+                ) as off:
+                    self._tidal_offloader = off
+                    out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training and torch.is_grad_enabled() and self.accelerator.sync_gradients:
+            # The backward (and the optimizer step after it: this is the accumulation's last
+            # micro-batch) is a phase of its own: what it allocates decides how much optimizer
+            # state can come in ahead of the step.
+            need = None
+            if self._tidal_memory is not None:
+                need = self._tidal_memory.backward_need()
+                self._room_for_backward(need)
+                self._tidal_memory.start("backward")
+            self._prefetch("backward", "optimizer", growth=need)
+        return out
+
+    # ---- logging ------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        peaks = self._tidal_memory.take_peaks() if self._tidal_memory is not None else {}
+        # The log comes after the step's loss was read on the host: the compute stream's events
+        # around the transitions have run, so reading them waits for nothing.
+        self.timeshare.settle_stalls(wait=True)
+        records = self.timeshare.records[self._tidal_logged :]
+        self._tidal_logged = len(self.timeshare.records)
+        moved = sum(r.bytes_out + r.bytes_in for r in records)
+        seconds = sum(r.seconds for r in records)
+        logs["tidal/transitions"] = len(records)
+        logs["tidal/moved_gb"] = moved / 1e9
+        logs["tidal/transition_s"] = seconds
+        logs["tidal/gbps"] = moved / seconds / 1e9 if seconds > 0 else 0.0
+        logs["tidal/exposed_s"] = sum(r.exposed_seconds for r in records)
+        if self.tidal_config.prefetch:
+            logs["tidal/oom_retries"] = self._tidal_retries - self._tidal_retries_logged
+            self._tidal_retries_logged = self._tidal_retries
+        logs.update(self._tidal_figures)
+        self._tidal_figures.clear()
+        for phase, peak in peaks.items():
+            logs[f"tidal/peak_gib/{phase}"] = peak / 2**30
+        super().log(logs, start_time)
+
+
+class TidalGRPOTrainer(TidalRLTrainer, GRPOTrainer):
+    """``trl.GRPOTrainer`` whose policy, reference and reward models take turns on the device
+    (see the module docstring). Takes GRPOTrainer's arguments, plus ``tidal=TidalConfig(...)``."""
+
+
+class TidalRLOOTrainer(TidalRLTrainer, RLOOTrainer):
+    """``trl.RLOOTrainer`` (REINFORCE leave-one-out; a reference by default, ``beta=0.05``)
+    whose policy, reference and reward models take turns on the device, as
+    :class:`TidalGRPOTrainer`. Takes RLOOTrainer's arguments, plus ``tidal=TidalConfig(...)``."""
