@@ -3,6 +3,7 @@ optimizer state stays on the host between steps. Runs on the CPU in seconds (a t
 from a config; nothing is downloaded).
 
     pip install -e ".[trl]" && python examples/trl_grpo.py [--steps 10] [--out tidal-trl]
+    torchrun --nproc_per_node 2 examples/trl_grpo.py    # the same, one process per GPU (DDP)
 
 The snippet in docs/trl.md is this script without its two flags.
 """

@@ -14,10 +14,12 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(script: str, *args: str, cwd: Path) -> str:
+def _run(script: str, *args: str, cwd: Path, launcher: tuple[str, ...] = ()) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if launcher:
+        env["OMP_NUM_THREADS"] = "1"  # one process per core
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
+        [sys.executable, *launcher, str(ROOT / "examples" / script), *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -33,6 +35,14 @@ def test_trl_example(tmp_path):
     out = _run("trl_grpo.py", "--steps", "2", "--out", str(tmp_path / "trl"), cwd=tmp_path)
     assert "tidal timeshare on" in out and "switch" in out, out[-2000:]
     assert (tmp_path / "trl" / "tiny-model" / "config.json").is_file()
+
+
+def test_trl_example_under_torchrun(tmp_path):
+    """As docs/trl.md says: the same script, two processes (DDP over gloo on a CPU)."""
+    pytest.importorskip("trl")
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    out = _run("trl_grpo.py", "--steps", "2", "--out", str(tmp_path / "trl"), cwd=tmp_path, launcher=torchrun)
+    assert out.count("tidal timeshare on") == 2 and "switch" in out, out[-2000:]  # one report per rank
 
 
 def test_hf_trainer_example_learns(tmp_path):

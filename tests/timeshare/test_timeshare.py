@@ -843,3 +843,15 @@ def test_report_sums_per_kind_and_roles_and_says_what_a_cpu_run_measured():
     each = [ln for ln in detail.splitlines() if ln.strip()[:1].isdigit()]
     assert [int(ln.split()[0]) for ln in each] == list(range(10))
     assert "RAM free before" in detail and "free before GB" not in detail
+
+
+def test_cpu_with_an_index_is_the_cpu():
+    """accelerate's multi-process CPU launch (MULTI_CPU) names its device "cpu:0": a timeshare
+    on it is the CPU's, sharing the CPU's transfer context."""
+    ts = tidal.Timeshare("cpu:0")
+    assert ts.device == torch.device("cpu") and ts.context is tidal.TransferContext.of("cpu")
+    m = torch.nn.Linear(4, 4)
+    ts.add_role("m", model=m)
+    ts.offload("m")
+    assert not ts.is_resident("m")
+    ts.close()

@@ -1,7 +1,8 @@
-"""Work across processes and nodes: ZeRO stages through FSDP2, DeepSpeed engines as timeshare
+"""Work across processes and nodes: DDP's gradient buckets freed between steps, ZeRO stages through FSDP2, DeepSpeed engines as timeshare
 roles, Ray placement of colocated roles and CPU workers, and a cross-process GPU lease. Ray and
 DeepSpeed are imported only when used (extras ``tidal[ray]``, ``tidal[deepspeed]``)."""
 
+from tidal.distributed.ddp import GradientBuckets
 from tidal.distributed.deepspeed import (  # deepspeed itself is imported on first use
     DeepSpeedOffload,
     add_deepspeed_role,
@@ -43,6 +44,7 @@ __all__ = [
     "CPUWorker",
     "DeepSpeedOffload",
     "GPULease",
+    "GradientBuckets",
     "GPURole",
     "LeaseConfig",
     "LeaseError",

@@ -113,6 +113,8 @@ class Timeshare(Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, R
         self.config = config or TimeshareConfig()
         self.context = context if context is not None else TransferContext.of(device)
         want = torch.device(device)
+        if want.type == "cpu":
+            want = torch.device("cpu")  # "cpu:0" (accelerate's MULTI_CPU device) is the CPU
         have = self.context.ops.device
         if want.type != have.type or (want.index is not None and want.index != have.index):
             raise ValueError(f"the transfer context is for {have}, not for the timeshare's device {want}")

@@ -64,7 +64,9 @@ class TransferContext:
     def of(cls, device: str | torch.device) -> "TransferContext":
         """The process's context for ``device`` (created on first use)."""
         dev = torch.device(device)
-        if dev.type != "cpu" and dev.index is None:
+        if dev.type == "cpu":
+            dev = torch.device("cpu")  # "cpu:0" is the same device, and the same context
+        elif dev.index is None:
             dev = DeviceOps(dev).device  # the current device of that type
         key = (dev.type, dev.index)
         with cls._per_device_lock:

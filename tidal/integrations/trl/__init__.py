@@ -53,16 +53,23 @@ the adapters disabled, so there is no reference role and nothing takes turns; th
 optimizer state still leaves the device between steps, and activation offload finds the
 transformer blocks inside the ``PeftModel``.
 
-Refused, before any work (``ValueError`` naming the setting): DeepSpeed or FSDP through
-accelerate (tidal's own adapters move those states; use ``tidal.distributed``), vLLM
-generation (its engine holds its own copy of the weights and its own memory pool), more than
-one process, and ``torch_compile=True``.
+Several processes (``torchrun``, ``accelerate launch`` with the ``multi_gpu`` config): DDP.
+Each rank's roles take turns on its own device, moving their whole state; the wrapper keeps the
+gradients as views of its buckets and tidal frees the buckets between steps
+(:class:`tidal.distributed.GradientBuckets`). The log adds each rank's host memory
+(``tidal/host_held_gib/rank<r>``, ``host_pinned_gib``, ``host_rss_gib``).
+
+Refused, before any work (``ValueError`` naming the setting and the launch that works):
+DeepSpeed or FSDP through accelerate, other multi-process launches (XLA, Megatron), vLLM
+generation (its engine holds its own copy of the weights and its own memory pool), and
+``torch_compile=True``.
 
 The package, by concept: ``config`` (:class:`TidalConfig`), ``trainer`` (the trainers and
 their hooks into TRL's phases), ``phases`` (a phase as a ``with`` block), ``memory`` (each
 phase's device memory readings), ``schedule`` (what each turn keeps and what comes in ahead),
 ``retry`` (a phase run again after running out of memory beside kept roles), ``reference``
-(``sync_ref_model`` with a moved-out reference), ``checks`` (what is refused before any work).
+(``sync_ref_model`` with a moved-out reference), ``launch`` (the launches it runs under),
+``checks`` (the settings refused before any work).
 """
 
 from tidal.integrations.trl.config import TidalConfig

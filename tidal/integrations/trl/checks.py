@@ -1,5 +1,5 @@
-"""What TidalGRPOTrainer and TidalRLOOTrainer refuse before any work, and what they prepare of
-the models TRL loaded before registering them."""
+"""The training arguments TidalGRPOTrainer and TidalRLOOTrainer refuse before any work, and
+what they prepare of the models TRL loaded before registering them (the launch: ``launch``)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_launch", "own_storages", "refuse_settings"]
-
-
-def check_launch(accelerator: Any, who: str) -> None:
-    """``ValueError`` for a launch tidal cannot work with (read from TRL's accelerator)."""
-    state = accelerator.state
-    if accelerator.num_processes > 1:
-        raise ValueError(
-            f"{who} runs in one process ({accelerator.num_processes} were launched): its "
-            f"roles take turns on one device. Launch one process per GPU without accelerate's multi-process "
-            f"launcher, or use tidal.distributed for sharded roles"
-        )
-    if getattr(state, "deepspeed_plugin", None) is not None or getattr(state, "fsdp_plugin", None) is not None:
-        raise ValueError(
-            f"{who} does not work with DeepSpeed or FSDP through accelerate: those engines keep "
-            "their own copies of the state. Turn them off in the accelerate config, or use "
-            "tidal.distributed (add_deepspeed_role, FSDP2 roles) directly"
-        )
+__all__ = ["own_storages", "refuse_settings"]
 
 
 def own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:

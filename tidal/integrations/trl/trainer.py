@@ -11,14 +11,17 @@ from trl import GRPOTrainer, RLOOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from tidal.activations import offload_activations
+from tidal.distributed.ddp import GradientBuckets
 from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
-from tidal.integrations.trl.checks import check_launch, own_storages, refuse_settings
+from tidal.integrations.trl.checks import own_storages, refuse_settings
 from tidal.integrations.trl.config import TidalConfig
+from tidal.integrations.trl.launch import check_launch, runs_collectives, use_bucket_views
 from tidal.integrations.trl.memory import PhaseMemory
 from tidal.integrations.trl.phases import Phase, at_first_forward
 from tidal.integrations.trl.reference import SyncReference
 from tidal.integrations.trl.retry import AgainIfOutOfMemory
 from tidal.integrations.trl.schedule import KeepAndPrefetch
+from tidal.memory import host_rss_bytes
 from tidal.timeshare import Timeshare
 
 __all__ = ["TidalGRPOTrainer", "TidalRLOOTrainer", "TidalRLTrainer"]
@@ -49,7 +52,10 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         )
         super().__init__(*args, **kwargs)
         self.tidal_config = tidal or TidalConfig()
-        check_launch(self.accelerator, type(self).__name__)
+        self._tidal_launch = check_launch(self.accelerator, type(self).__name__)
+        if self._tidal_launch == "ddp":
+            use_bucket_views(self.accelerator)  # before train() prepares (wraps) the policy
+        self._tidal_buckets: GradientBuckets | None = None  # DDP's, once the wrapper exists
         if self.tidal_config.activation_offload:  # refused now, not at the first loss after a generation
             find_layers(self.accelerator.unwrap_model(self.model), self.tidal_config.activation_layers)
         self.timeshare = Timeshare(self.accelerator.device, config=self.tidal_config.timeshare)
@@ -105,6 +111,11 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
             optimizer=optimizer,
             optimizer_residency=self.tidal_config.optimizer_residency,
         )
+        if isinstance(self.model_wrapped, torch.nn.parallel.DistributedDataParallel):
+            # DDP's buckets (the gradients' memory) are freed between steps, as the gradients
+            # of one process are: see tidal.distributed.GradientBuckets.
+            self._tidal_buckets = GradientBuckets(self.model_wrapped)
+            self._tidal_buckets.watch(optimizer)
         return True
 
     def _turn(self, role: str, phase: str | None = None):
@@ -113,6 +124,8 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         name for the reference and a reward model, ``"score"`` for the policy)."""
         if role == "policy" and not self._policy_ready():
             return Phase(self, None, phase or "generate")
+        if self._tidal_buckets is not None:
+            self._tidal_buckets.release()  # the gradients are None between steps: their buckets go
         if role != "policy" and "policy" not in self.timeshare.roles:
             self._policy_ready()
         phase = phase or (role if role in ("reference", "reward") else "score")
@@ -136,6 +149,8 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
             compute = lambda: super(TidalRLTrainer, self)._get_per_token_logps_and_entropies(model, *args, **kwargs)  # noqa: E731
             if torch.is_grad_enabled() and self.tidal_config.activation_offload:
                 return compute()  # a failed forward's offloaded activations are not its to run again
+            if runs_collectives(model):
+                return compute()  # run again on one rank alone, it would meet the others in another collective
             return self._again_if_out_of_memory(role, compute)
 
     def _calculate_rewards(self, *args: Any, **kwargs: Any):
@@ -193,7 +208,22 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         self._tidal_figures.clear()
         for phase, peak in peaks.items():
             logs[f"tidal/peak_gib/{phase}"] = peak / 2**30
+        logs.update(self._host_figures())
         super().log(logs, start_time)
+
+    def _host_figures(self) -> dict[str, float]:
+        """What tidal holds in host memory (``host_held_gib``, of it page-locked:
+        ``host_pinned_gib``) and the process's resident set (``host_rss_gib``); with several
+        processes, each rank's (``.../rank<r>``: a gather, which every rank's log makes)."""
+        context = self.timeshare.store.context
+        mine = [sum(context.host_bytes().values()), context.pinned_bytes(), host_rss_bytes()]
+        names = ("host_held_gib", "host_pinned_gib", "host_rss_gib")
+        if self.accelerator.num_processes <= 1:
+            return {f"tidal/{n}": v / 2**30 for n, v in zip(names, mine)}
+        ranks = self.accelerator.gather(torch.tensor([mine], dtype=torch.float64, device=self.accelerator.device))
+        return {
+            f"tidal/{n}/rank{r}": float(v) / 2**30 for r, row in enumerate(ranks.tolist()) for n, v in zip(names, row)
+        }
 
 
 class TidalGRPOTrainer(TidalRLTrainer, GRPOTrainer):

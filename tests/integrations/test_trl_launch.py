@@ -1,0 +1,124 @@
+"""TidalGRPOTrainer and TidalRLOOTrainer under the launches TRL's users run on several GPUs,
+here on a CPU (gloo, 2 processes): ``torchrun`` and ``accelerate launch`` with TRL's
+``multi_gpu`` config (DDP). Each launch runs TRL's trainer alone, then tidal's, in the same
+processes (``trl_launch.py``); logs and final weights must be the same, bit for bit, and the
+same on both ranks. What stays refused is refused before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from tests.integrations.test_trl import save_char_models  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).with_name("trl_launch.py")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_char_models(path)
+    return str(path)
+
+
+def _launch(launcher: str, tiny: str, out: Path, *flags: str) -> dict:
+    """Run the child under ``launcher`` with 2 processes; return each run's per-rank reports."""
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    else:
+        config = Path(trl.__file__).parent / "accelerate_configs" / "multi_gpu.yaml"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+        cmd += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0"]
+    proc = subprocess.run(
+        cmd + [str(CHILD), tiny, str(out), *flags], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, f"{launcher} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return {
+        name: [json.loads((out / name / f"rank{r}.json").read_text()) for r in (0, 1)]
+        for name in ("trl", "tidal")
+        if (out / name).is_dir()
+    }
+
+
+def _check_same_as_trl(runs: dict, *, algo_steps: int = 3) -> list:
+    plain, ours = runs["trl"], runs["tidal"]
+    assert [r["world"] for r in plain + ours] == [2, 2, 2, 2]
+    # Bit for bit: the log history on rank 0, the final weights on every rank (and the ranks
+    # agree with each other: DDP kept the replicas equal).
+    assert ours[0]["history"] == plain[0]["history"] and len(plain[0]["history"]) == algo_steps
+    assert {r["digest"] for r in plain + ours} == {plain[0]["digest"]}
+    return ours
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
+def test_ddp_launch_is_bit_identical_to_trl_alone_and_each_rank_takes_turns(launcher, tiny, tmp_path):
+    ours = _check_same_as_trl(_launch(launcher, tiny, tmp_path))
+    for rank in ours:
+        moves = [tuple(m[:3]) for m in rank["moves"]]
+        # Each rank's roles take turns on its own device: the policy and the reference switch
+        # every step, the optimizer state goes out after every step.
+        assert moves.count(("switch", ["policy"], "reference")) == 3, moves
+        assert moves.count(("switch", ["reference"], "policy")) == 3, moves
+        assert sum(m[0] == "optim-out" for m in moves) == 3, moves
+        # DDP's buckets (all of the gradients' bytes) were freed between steps, from the
+        # second step on (the first step's are noted at its optimizer step).
+        assert rank["buckets_freed"] == [rank["param_bytes"]] * 2, rank["buckets_freed"]
+        # The log carries each rank's host memory: what tidal holds, pinned, and the RSS.
+        last = rank["tidal_logs"][-1]
+        for r in (0, 1):
+            assert last[f"tidal/host_held_gib/rank{r}"] > 0 and last[f"tidal/host_rss_gib/rank{r}"] > 0.1
+            assert last[f"tidal/host_pinned_gib/rank{r}"] == 0  # nothing is page-locked on a CPU
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--prefetch", "--residency", "role"),
+        ("--prefetch", "--residency", "stream", "--accumulation", "2"),
+        ("--algo", "rloo", "--prefetch"),
+    ],
+    ids=["grpo-role-prefetch", "grpo-stream-accumulation", "rloo-prefetch"],
+)
+def test_ddp_launch_with_prefetch_accumulation_and_rloo_is_bit_identical(flags, tiny, tmp_path):
+    ours = _check_same_as_trl(_launch("torchrun", tiny, tmp_path, *flags))
+    for rank in ours:
+        assert any(m[0] == "prefetch" for m in rank["moves"]), rank["moves"]
+        assert len(rank["buckets_freed"]) == 2 and all(n == rank["param_bytes"] for n in rank["buckets_freed"])
+
+
+def _accelerator(num_processes: int, distributed_type: str, **plugins) -> types.SimpleNamespace:
+    state = types.SimpleNamespace(
+        distributed_type=distributed_type,
+        deepspeed_plugin=plugins.get("deepspeed"),
+        fsdp_plugin=plugins.get("fsdp"),
+    )
+    return types.SimpleNamespace(num_processes=num_processes, state=state)
+
+
+def test_launches_tidal_cannot_work_with_are_refused_naming_the_one_that_works():
+    from tidal.integrations.trl.launch import check_launch
+
+    assert check_launch(_accelerator(1, "NO"), "T") == "single"
+    assert check_launch(_accelerator(2, "MULTI_GPU"), "T") == "ddp"
+    assert check_launch(_accelerator(2, "MULTI_CPU"), "T") == "ddp"
+    with pytest.raises(ValueError, match=r"T does not work with DeepSpeed through accelerate.*multi_gpu config"):
+        check_launch(_accelerator(2, "DEEPSPEED", deepspeed=object()), "T")
+    with pytest.raises(ValueError, match=r"T does not work with accelerate's XLA launch \(2 processes\)"):
+        check_launch(_accelerator(2, "XLA"), "T")
