@@ -240,3 +240,87 @@ def test_shard_model_refuses_bad_arguments():
     with pytest.raises(ValueError, match="no_sync"):
         with no_sync(nn.Linear(2, 2)):
             pass
+
+
+def _tiny_lm(seed: int = 0):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=31,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _gathered_worker(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+
+    from torch.distributed.fsdp import fully_shard
+
+    from tidal.distributed import gathered, gathered_bytes, reshard_after_no_grad_forward
+    from tidal.distributed.fsdp import _fsdp_modules
+
+    gathers = [0]
+    real = group_mod.foreach_all_gather
+
+    def counted(*a, **kw):
+        gathers[0] += 1
+        return real(*a, **kw)
+
+    group_mod.foreach_all_gather = counted
+    try:
+        per_unit, whole = _tiny_lm(), _tiny_lm()
+        for m in (per_unit, whole):
+            for layer in m.model.layers:
+                fully_shard(layer)
+            fully_shard(m)
+            reshard_after_no_grad_forward(m)
+        g = torch.Generator().manual_seed(rank)
+        prompts = torch.randint(2, 31, (3, 5), generator=g)
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            gathers[0] = 0
+            want = per_unit.generate(prompts, **kw)
+            per_unit_gathers = gathers[0]
+            gathers[0] = 0
+            with gathered(whole):
+                entry = gathers[0]
+                got = whole.generate(prompts, **kw)
+                inside = gathers[0] - entry
+        assert torch.equal(want, got), (want, got)
+        # One all-gather per unit on entry, none in the block's forwards; per unit per token
+        # otherwise.
+        units = len(_fsdp_modules(whole))
+        assert entry == units and inside == 0, (entry, inside, units)
+        assert per_unit_gathers >= units * kw["max_new_tokens"], per_unit_gathers
+        # Resharded as it ended: every parameter is a DTensor shard again, and the next
+        # forward (with grad) gathers per unit and trains as before.
+        assert all(isinstance(p, DTensor) for p in whole.parameters())
+        full = sum(p.numel() * p.element_size() for p in _tiny_lm().parameters())
+        assert gathered_bytes(whole) == full
+        ids = torch.randint(2, 31, (2, 7), generator=g)
+        a = per_unit(ids, labels=ids).loss
+        b = whole(ids, labels=ids).loss
+        a.backward()
+        b.backward()
+        assert torch.equal(a, b)
+        assert all(
+            torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(per_unit.parameters(), whole.parameters())
+        )
+    finally:
+        group_mod.foreach_all_gather = real
+
+
+def test_gathered_generates_what_per_unit_gathers_do_with_one_all_gather_per_unit():
+    pytest.importorskip("transformers")
+    run_distributed(_gathered_worker)

@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -90,17 +91,45 @@ def test_ddp_launch_is_bit_identical_to_trl_alone_and_each_rank_takes_turns(laun
 @pytest.mark.parametrize(
     "flags",
     [
-        ("--prefetch", "--residency", "role"),
+        ("--prefetch", "--residency", "role", "--sync-ref"),
         ("--prefetch", "--residency", "stream", "--accumulation", "2"),
         ("--algo", "rloo", "--prefetch"),
     ],
-    ids=["grpo-role-prefetch", "grpo-stream-accumulation", "rloo-prefetch"],
+    ids=["grpo-role-prefetch-sync-ref", "grpo-stream-accumulation", "rloo-prefetch"],
 )
 def test_ddp_launch_with_prefetch_accumulation_and_rloo_is_bit_identical(flags, tiny, tmp_path):
     ours = _check_same_as_trl(_launch("torchrun", tiny, tmp_path, *flags))
     for rank in ours:
         assert any(m[0] == "prefetch" for m in rank["moves"]), rank["moves"]
         assert len(rank["buckets_freed"]) == 2 and all(n == rank["param_bytes"] for n in rank["buckets_freed"])
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        (),
+        pytest.param(("--prefetch", "--residency", "role", "--sync-ref"), marks=pytest.mark.slow),
+        pytest.param(("--algo", "rloo", "--residency", "stream", "--accumulation", "2"), marks=pytest.mark.slow),
+    ],
+    ids=["grpo", "grpo-role-prefetch-sync-ref", "rloo-stream-accumulation"],
+)
+def test_fsdp2_launch_is_bit_identical_to_trl_alone_moving_each_ranks_shards(flags, tiny, tmp_path):
+    """accelerate's FSDP2 (TRL's fsdp2.yaml), on a CPU: the child gives the CPU launch the FSDP2
+    plugin a GPU launch gets (accelerate turns FSDP on only for GPU launches). The logs and
+    the final (gathered) weights are TRL alone's under the same launch; each rank's roles move
+    their shards (half of what a replica moves); the policy generates gathered once per step;
+    the reference is sharded per block, as the policy."""
+    runs = _launch("torchrun", tiny, tmp_path, "--fsdp2", *flags)
+    steps = 3
+    ours = _check_same_as_trl(runs, algo_steps=steps)
+    assert {r["launch"] for r in runs["trl"] + ours} == {"DistributedType.FSDP"}
+    replica = ours[0]["param_bytes"]  # the policy's parameters as this rank holds them: its shards
+    for rank in ours:
+        switches = [m for m in rank["moves"] if m[0] == "switch" and m[1] == ["policy"]]
+        assert len(switches) == steps and all(0 < m[3] <= replica for m in switches), switches
+        assert rank["gathered_generations"] == steps
+        assert rank["reference_units"] > 2  # its blocks and the root, not the root alone
+        assert rank["buckets_freed"] == []  # no DDP here
 
 
 def _accelerator(num_processes: int, distributed_type: str, **plugins) -> types.SimpleNamespace:
@@ -122,3 +151,26 @@ def test_launches_tidal_cannot_work_with_are_refused_naming_the_one_that_works()
         check_launch(_accelerator(2, "DEEPSPEED", deepspeed=object()), "T")
     with pytest.raises(ValueError, match=r"T does not work with accelerate's XLA launch \(2 processes\)"):
         check_launch(_accelerator(2, "XLA"), "T")
+    fsdp = lambda **kw: types.SimpleNamespace(**{"fsdp_version": 2, "cpu_offload": None, **kw})  # noqa: E731
+    assert check_launch(_accelerator(2, "FSDP", fsdp=fsdp()), "T") == "fsdp2"
+    with pytest.raises(ValueError, match=r"T does not work with FSDP1 .*fsdp_version: 2"):
+        check_launch(_accelerator(2, "FSDP", fsdp=fsdp(fsdp_version=1)), "T")
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    with pytest.raises(ValueError, match=r"FSDP2's CPU offload .*fsdp_offload_params: false"):
+        check_launch(_accelerator(2, "FSDP", fsdp=fsdp(cpu_offload=CPUOffloadPolicy())), "T")
+
+
+def _room_decided_alike(rank: int, world: int) -> None:
+    from tidal.integrations.trl.launch import has_room_to_gather
+
+    # Rank 1 alone lacks the room: no rank gathers (a gather it ran out of memory in would
+    # leave the other waiting); with room everywhere, every rank does.
+    assert has_room_to_gather(100, 50 if rank == 1 else 1000, torch.device("cpu")) is False
+    assert has_room_to_gather(100, 100, torch.device("cpu")) is True
+
+
+def test_the_gather_for_generation_is_decided_by_every_rank_alike():
+    from tests.distributed.multiproc import run_distributed
+
+    run_distributed(_room_decided_alike)

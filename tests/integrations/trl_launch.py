@@ -28,6 +28,30 @@ def _weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def _fsdp2_on_cpu() -> None:
+    """accelerate turns FSDP on only for GPU launches (a CPU launch is MULTI_CPU, with no FSDP
+    plugin): here the CPU launch gets the FSDP2 plugin TRL's fsdp2.yaml gives a GPU launch, so
+    that the same trainer code runs over gloo."""
+    import accelerate.state as state
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    init = state.AcceleratorState.__init__
+
+    def with_fsdp2(self, *a, **kw):
+        init(self, *a, **kw)
+        if self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=2,
+                auto_wrap_policy="transformer_based_wrap",
+                transformer_cls_names_to_wrap=["Qwen2DecoderLayer"],
+                reshard_after_forward=True,
+                state_dict_type="FULL_STATE_DICT",
+            )
+
+    state.AcceleratorState.__init__ = with_fsdp2
+
+
 def main() -> None:
     import trl
     from datasets import Dataset
@@ -45,7 +69,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--accumulation", type=int, default=1)
     p.add_argument("--only", choices=("trl", "tidal"), default=None)
+    p.add_argument("--fsdp2", action="store_true", help="an FSDP2 launch (see _fsdp2_on_cpu)")
+    p.add_argument("--sync-ref", action="store_true", help="sync_ref_model=True, every step")
     a = p.parse_args()
+    if a.fsdp2:
+        _fsdp2_on_cpu()
     torch.set_num_threads(1)  # one process per core
     freed: list[int] = []  # what each release of DDP's buckets gave back
     release = GradientBuckets.release
@@ -57,6 +85,16 @@ def main() -> None:
         return n
 
     GradientBuckets.release = counted_release
+    gathers: list[int] = []  # generations run with the policy gathered once (FSDP2)
+    import tidal.integrations.trl.trainer as trainer_mod
+
+    gathered = trainer_mod.gathered
+
+    def counted_gathered(model):
+        gathers.append(1)
+        return gathered(model)
+
+    trainer_mod.gathered = counted_gathered
     rank = int(os.environ.get("RANK", "0"))
     config_cls, plain_cls, tidal_cls = {
         "grpo": (trl.GRPOConfig, trl.GRPOTrainer, TidalGRPOTrainer),
@@ -85,6 +123,7 @@ def main() -> None:
             seed=0,
             save_strategy="no",
             bf16=False,
+            **({"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5} if a.sync_ref else {}),
         )
         trainer = cls(
             model=a.model,
@@ -96,11 +135,21 @@ def main() -> None:
         trainer.train()
         policy = trainer.accelerator.unwrap_model(trainer.model)
         digest = _weights_digest(policy)
-        report = {"rank": rank, "digest": digest, "world": trainer.accelerator.num_processes}
+        report = {
+            "rank": rank,
+            "digest": digest,
+            "world": trainer.accelerator.num_processes,
+            "launch": str(trainer.accelerator.distributed_type),
+        }
         if name == "tidal":
             recs = trainer.timeshare.records
             report["moves"] = [[r.kind, list(r.roles_out), r.role_in, r.bytes_out, r.bytes_in] for r in recs]
             report["buckets_freed"] = list(freed)
+            report["gathered_generations"] = len(gathers)
+            if trainer.ref_model is not None:
+                from torch.distributed.fsdp import FSDPModule
+
+                report["reference_units"] = sum(isinstance(m, FSDPModule) for m in trainer.ref_model.modules())
             report["param_bytes"] = sum(p.numel() * p.element_size() for p in policy.parameters())
             report["tidal_logs"] = [
                 {k: v for k, v in h.items() if k.startswith("tidal/")} for h in trainer.state.log_history

@@ -11,9 +11,12 @@ from tidal.distributed.deepspeed import (  # deepspeed itself is imported on fir
 )
 from tidal.distributed.fsdp import (
     ZERO_STAGES,
+    gathered,
+    gathered_bytes,
     local_state_bytes,
     no_sync,
     reshard,
+    reshard_after_no_grad_forward,
     shard_model,
     zero_stage_of,
 )
@@ -60,10 +63,13 @@ __all__ = [
     "add_deepspeed_role",
     "deepspeed_state_bytes",
     "describe_deepspeed_state",
+    "gathered",
+    "gathered_bytes",
     "local_state_bytes",
     "no_sync",
     "place",
     "reshard",
+    "reshard_after_no_grad_forward",
     "shard_model",
     "start_lease_actor",
     "timeshare_callbacks",

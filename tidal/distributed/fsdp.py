@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Iterable, Iterator
+import math
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,17 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from tidal.state.collect import unique_storage_bytes
 
-__all__ = ["ZERO_STAGES", "shard_model", "zero_stage_of", "no_sync", "reshard", "local_state_bytes"]
+__all__ = [
+    "ZERO_STAGES",
+    "gathered",
+    "gathered_bytes",
+    "local_state_bytes",
+    "no_sync",
+    "reshard",
+    "reshard_after_no_grad_forward",
+    "shard_model",
+    "zero_stage_of",
+]
 
 ZERO_STAGES = (0, 1, 2, 3)
 _STAGE_ATTR = "_tidal_zero_stage"
@@ -161,15 +172,81 @@ def shard_model(
         # used again at the end of it; FSDP2 never reshards the root after forward anyway.
         fully_shard(model, reshard_after_forward=reshard, **kwargs)
     if reshard_after_no_grad and zero_stage < 3:
-        # Registered after fully_shard's own hooks, so it runs after FSDP2's post-forward.
-        model.register_forward_hook(_reshard_if_no_grad, always_call=True)
+        reshard_after_no_grad_forward(model)
     setattr(model, _STAGE_ATTR, zero_stage)
     return model
 
 
+def reshard_after_no_grad_forward(model: torch.nn.Module) -> Any:
+    """Free every unsharded parameter of ``model`` (an FSDP2 model, sharded by any means)
+    when a forward of it run with grad disabled returns: no backward will free them, and a
+    timeshare role must hold only its shards between calls (FSDP2 keeps the root's parameters,
+    and those of units built with ``reshard_after_forward=False``, unsharded after a forward).
+    Not inside :func:`gathered`, which keeps them on purpose. Returns the hook's handle."""
+    # Registered after fully_shard's own hooks, so it runs after FSDP2's post-forward.
+    return model.register_forward_hook(_reshard_if_no_grad, always_call=True)
+
+
 def _reshard_if_no_grad(module: torch.nn.Module, args, output) -> None:
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() and not getattr(module, _GATHERED_ATTR, False):
         reshard(module)
+
+
+_GATHERED_ATTR = "_tidal_gathered"
+
+
+def gathered_bytes(model: torch.nn.Module) -> int:
+    """The device bytes :func:`gathered` adds on this rank: every FSDP2 parameter of
+    ``model`` whole, in the dtype its units all-gather in (their mixed-precision
+    ``param_dtype``, else their own), less nothing (the shards stay where they are)."""
+    total = 0
+    for m in _fsdp_modules(model):
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            cast = group.mp_policy.param_dtype
+            for fp in group.fsdp_params:
+                own = fp.sharded_param.dtype
+                dtype = cast if cast is not None and own.is_floating_point else own
+                total += math.prod(fp._orig_size) * dtype.itemsize
+    return total
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module) -> Iterator[None]:
+    """All-gather every FSDP2 unit of ``model`` once, keep the full parameters through the
+    block, and reshard as it ends: forwards inside run no collective (generation then costs
+    one all-gather of the model, not one per layer per token, and a rank finishing early
+    waits for nobody). The same values as gathering per unit per forward, so the same results.
+
+    Collective on entry: every rank must enter together, in the same order of modules; decide
+    that on every rank alike (with the room: :func:`gathered_bytes`), as an all-gather that
+    runs out of memory on one rank leaves the others waiting. Memory cost: ``gathered_bytes``
+    on the device for the block. Not for a block that runs a backward (the gradients'
+    reduce-scatter expects FSDP's own schedule)."""
+    modules = _fsdp_modules(model)
+    saved = [
+        (m, m._get_fsdp_state()._auto_reshard_after_forward, [g.post_forward_mesh_info for g in _groups(m)])
+        for m in modules
+    ]
+    setattr(model, _GATHERED_ATTR, True)
+    try:
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)  # the forwards in the block keep them
+        for m in modules:
+            m.unshard()
+        yield
+    finally:
+        # FSDP's own settings back as they were (set_reshard_after_forward has no getter).
+        for m, auto, infos in saved:
+            m._get_fsdp_state()._auto_reshard_after_forward = auto
+            for g, info in zip(_groups(m), infos):
+                g.post_forward_mesh_info = info
+        for m in modules:
+            m.reshard()
+        setattr(model, _GATHERED_ATTR, False)
+
+
+def _groups(module: FSDPModule) -> list:
+    return list(module._get_fsdp_state()._fsdp_param_groups)
 
 
 def zero_stage_of(model: torch.nn.Module) -> int | None:

@@ -56,11 +56,15 @@ transformer blocks inside the ``PeftModel``.
 Several processes (``torchrun``, ``accelerate launch`` with the ``multi_gpu`` config): DDP.
 Each rank's roles take turns on its own device, moving their whole state; the wrapper keeps the
 gradients as views of its buckets and tidal frees the buckets between steps
-(:class:`tidal.distributed.GradientBuckets`). The log adds each rank's host memory
+(:class:`tidal.distributed.GradientBuckets`). With an FSDP2 config (``fsdp_version: 2``) each
+rank's roles move their shards; the reference is sharded per block as the policy; generation
+gathers the policy once where every rank has the room (:func:`tidal.distributed.gathered`), and
+a forward without backward reshards every unit. The log adds each rank's host memory
 (``tidal/host_held_gib/rank<r>``, ``host_pinned_gib``, ``host_rss_gib``).
 
 Refused, before any work (``ValueError`` naming the setting and the launch that works):
-DeepSpeed or FSDP through accelerate, other multi-process launches (XLA, Megatron), vLLM
+DeepSpeed through accelerate, FSDP1, FSDP2's CPU offload, other multi-process launches (XLA,
+Megatron), vLLM
 generation (its engine holds its own copy of the weights and its own memory pool), and
 ``torch_compile=True``.
 

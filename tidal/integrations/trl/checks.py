@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["own_storages", "refuse_settings"]
 
@@ -17,12 +18,15 @@ def own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     On a GPU the load already copied them."""
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
+            if isinstance(t, DTensor):
+                continue  # its shard is memory FSDP allocated when it sharded the model
             if t.numel() and not t.untyped_storage().resizable():
                 t.data = t.data.clone()
         if optimizer is not None and not getattr(optimizer, "tidal_state_on_host", False):
             for st in optimizer.state.values():
                 for k, v in st.items():
-                    if isinstance(v, torch.Tensor) and v.numel() and not v.untyped_storage().resizable():
+                    plain = isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+                    if plain and v.numel() and not v.untyped_storage().resizable():
                         st[k] = v.clone()
 
 

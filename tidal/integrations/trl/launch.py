@@ -1,17 +1,30 @@
 """The launches TidalGRPOTrainer and TidalRLOOTrainer run under, read from TRL's accelerator
 before it wraps any model: one process; several under ``torchrun`` or ``accelerate launch``
-with DDP (each rank's roles take turns on its own device, moving their whole state). What
-else is refused, before any work, names the launch that works."""
+with DDP (each rank's roles take turns on its own device, moving their whole state) or with
+FSDP2 (each rank's roles take turns, moving their shards). What else is refused, before any
+work, names the launch that works."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import contextlib
+import sys
+from typing import Any, Iterator, Literal
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-__all__ = ["Launch", "check_launch", "runs_collectives", "use_bucket_views"]
+__all__ = [
+    "Launch",
+    "check_launch",
+    "has_room_to_gather",
+    "prepare_fsdp_per_block",
+    "reference_sharded_per_block",
+    "runs_collectives",
+    "use_bucket_views",
+]
 
-Launch = Literal["single", "ddp"]
+Launch = Literal["single", "ddp", "fsdp2"]
 
 # accelerate's distributed types that wrap the policy in DistributedDataParallel.
 _DDP_TYPES = frozenset(
@@ -33,8 +46,20 @@ def check_launch(accelerator: Any, who: str) -> Launch:
             f"state, which tidal cannot move from the trainer. {ways}; or drive a DeepSpeed engine yourself with "
             "tidal.distributed.add_deepspeed_role"
         )
-    if getattr(state, "fsdp_plugin", None) is not None:
-        raise ValueError(f"{who} does not work with FSDP through accelerate yet. {ways}")
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is not None:
+        if getattr(plugin, "fsdp_version", 1) != 2:
+            raise ValueError(
+                f"{who} does not work with FSDP1 (fsdp_version: 1): its flat parameters are not the modules' "
+                f"own tensors. Set fsdp_version: 2 in the accelerate config (TRL ships fsdp2.yaml)"
+            )
+        if isinstance(getattr(plugin, "cpu_offload", None), CPUOffloadPolicy):
+            raise ValueError(
+                f"{who} does not work with FSDP2's CPU offload (fsdp_offload_params: true): it keeps every "
+                f"shard on the host for good, where tidal moves each role's shards in for its turns. Set "
+                f"fsdp_offload_params: false"
+            )
+        return "fsdp2"
     if accelerator.num_processes <= 1:
         return "single"
     kind = str(getattr(state.distributed_type, "value", state.distributed_type))
@@ -60,6 +85,64 @@ def use_bucket_views(accelerator: Any) -> None:
 
 def runs_collectives(model: torch.nn.Module) -> bool:
     """A forward of ``model`` takes part in collectives (a DDP wrapper syncs its buffers and
-    prepares the reducer): run again on one rank alone, it would meet the other ranks in
-    another collective. The module inside the wrapper runs none."""
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    prepares the reducer; an FSDP2 model gathers its units): run again on one rank alone, it
+    would meet the other ranks in another collective. The module inside a DDP wrapper runs
+    none."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return True
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def prepare_fsdp_per_block(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+    """TRL's ``prepare_fsdp`` for a model it does not train (the reference), with FSDP2: each
+    transformer block its own unit, as accelerate shards the policy (its auto-wrap policy),
+    then the root, with TRL's settings. TRL shards the whole model as one unit, so each of its
+    forwards gathers all of it at once: at 32B on 4 GPUs, 64 GB in bf16 beside the shards. The
+    values a forward computes do not change. FSDP1 goes to TRL's own."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from trl.models import utils as trl_models
+
+    plugin = accelerator.state.fsdp_plugin
+    if isinstance(model, FSDPModule) or plugin.fsdp_version != 2:
+        return trl_models.prepare_fsdp(model, accelerator)
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    kwargs: dict = {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+    }
+    plugin.set_auto_wrap_policy(model)
+    wrap = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if wrap is not None:
+        for module in get_module_children_bottom_up(model)[:-1]:
+            if wrap(module) and not isinstance(module, FSDPModule):
+                fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    model.eval()
+    return model
+
+
+@contextlib.contextmanager
+def reference_sharded_per_block(trainer_cls: type) -> Iterator[None]:
+    """While TRL's trainer is built: its ``prepare_fsdp`` (which shards the reference) is
+    :func:`prepare_fsdp_per_block`, in the modules that define ``trainer_cls``'s bases."""
+    modules = {sys.modules.get(c.__module__) for c in trainer_cls.__mro__}
+    saved = {m: m.prepare_fsdp for m in modules if m is not None and callable(getattr(m, "prepare_fsdp", None))}
+    for m in saved:
+        m.prepare_fsdp = prepare_fsdp_per_block
+    try:
+        yield
+    finally:
+        for m, fn in saved.items():
+            m.prepare_fsdp = fn
+
+
+def has_room_to_gather(nbytes: int, free_bytes: int, device: torch.device) -> bool:
+    """Whether every rank has ``nbytes`` free (each passes its own reading): one all-reduce, so
+    that every rank decides alike (a gather that runs out of memory on one rank leaves the
+    others waiting in it)."""
+    ok = torch.tensor([1 if free_bytes >= nbytes else 0], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())

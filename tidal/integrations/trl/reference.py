@@ -8,6 +8,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from tidal.state.foreign import moved_out
@@ -44,10 +45,14 @@ def sync_reference(
     """``reference = (1 - alpha) * reference + alpha * policy``, parameter by parameter, with
     TRL's in-place ops on the device: a reference tensor that is out is brought to the device
     one at a time, mixed there and written back into its host copy in ``store`` (the next
-    reload brings the mix in); a policy tensor that is out is read from its host copy. Memory
-    cost: on the device, one reference tensor (and one policy tensor, if out) at a time."""
+    reload brings the mix in); a policy tensor that is out is read from its host copy. With
+    FSDP2 the same on this rank's shards. Memory cost: on the device, one reference tensor (and
+    one policy tensor, if out) at a time."""
     with torch.no_grad():
         for target, source in zip(reference.parameters(), policy.parameters(), strict=True):
+            # FSDP2: both sharded alike (dim 0 over the same ranks), so the mix is the mix of
+            # this rank's shards, where tidal moves them.
+            target, source = _local(target), _local(source)
             src = source.data
             if moved_out(src):
                 held = store.host_tensor(src)
@@ -61,3 +66,7 @@ def sync_reference(
             mixed = host.to(device, copy=True)
             mixed.mul_(1.0 - alpha).add_(src, alpha=alpha)
             host.copy_(mixed)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t

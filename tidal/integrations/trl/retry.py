@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import torch
 
+from tidal.integrations.trl.launch import runs_collectives
+
 __all__ = ["AgainIfOutOfMemory", "RandomState"]
 
 
@@ -71,7 +73,9 @@ class AgainIfOutOfMemory:
         :meth:`_again_if_out_of_memory` for the block: an attribute of the unwrapped policy's
         instance, removed as the block ends."""
         policy = self.accelerator.unwrap_model(self.model)
-        if not self.tidal_config.prefetch or "policy" not in self.timeshare.roles:
+        if not self.tidal_config.prefetch or "policy" not in self.timeshare.roles or runs_collectives(policy):
+            # (A sharded policy's generation may gather per unit, and transformers syncs the
+            # ranks' decoding loops where it knows the model sharded: no rank runs it alone.)
             yield
             return
         own = vars(policy).get("generate")

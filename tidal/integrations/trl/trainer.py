@@ -3,6 +3,7 @@ phases, and :class:`TidalGRPOTrainer` / :class:`TidalRLOOTrainer` (see the packa
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -15,13 +16,20 @@ from tidal.distributed.ddp import GradientBuckets
 from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
 from tidal.integrations.trl.checks import own_storages, refuse_settings
 from tidal.integrations.trl.config import TidalConfig
-from tidal.integrations.trl.launch import check_launch, runs_collectives, use_bucket_views
+from tidal.distributed.fsdp import gathered, gathered_bytes, reshard_after_no_grad_forward
+from tidal.integrations.trl.launch import (
+    check_launch,
+    has_room_to_gather,
+    reference_sharded_per_block,
+    runs_collectives,
+    use_bucket_views,
+)
 from tidal.integrations.trl.memory import PhaseMemory
 from tidal.integrations.trl.phases import Phase, at_first_forward
 from tidal.integrations.trl.reference import SyncReference
 from tidal.integrations.trl.retry import AgainIfOutOfMemory
 from tidal.integrations.trl.schedule import KeepAndPrefetch
-from tidal.memory import host_rss_bytes
+from tidal.memory import host_rss_bytes, phase_need_bytes
 from tidal.timeshare import Timeshare
 
 __all__ = ["TidalGRPOTrainer", "TidalRLOOTrainer", "TidalRLTrainer"]
@@ -50,12 +58,19 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         refuse_settings(
             kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None), type(self).__name__
         )
-        super().__init__(*args, **kwargs)
+        with reference_sharded_per_block(type(self)):  # with FSDP2: per block, as the policy
+            super().__init__(*args, **kwargs)
         self.tidal_config = tidal or TidalConfig()
         self._tidal_launch = check_launch(self.accelerator, type(self).__name__)
         if self._tidal_launch == "ddp":
             use_bucket_views(self.accelerator)  # before train() prepares (wraps) the policy
         self._tidal_buckets: GradientBuckets | None = None  # DDP's, once the wrapper exists
+        if self._tidal_launch == "fsdp2":
+            # A role holds only its shards between turns: FSDP2 keeps the root's (and the
+            # unresharded units') parameters gathered after a forward no backward follows.
+            for m in [self.ref_model, *self.reward_funcs]:
+                if isinstance(m, torch.nn.Module) and runs_collectives(m):
+                    reshard_after_no_grad_forward(m)
         if self.tidal_config.activation_offload:  # refused now, not at the first loss after a generation
             find_layers(self.accelerator.unwrap_model(self.model), self.tidal_config.activation_layers)
         self.timeshare = Timeshare(self.accelerator.device, config=self.tidal_config.timeshare)
@@ -111,6 +126,8 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
             optimizer=optimizer,
             optimizer_residency=self.tidal_config.optimizer_residency,
         )
+        if self._tidal_launch == "fsdp2":
+            reshard_after_no_grad_forward(self.accelerator.unwrap_model(self.model))
         if isinstance(self.model_wrapped, torch.nn.parallel.DistributedDataParallel):
             # DDP's buckets (the gradients' memory) are freed between steps, as the gradients
             # of one process are: see tidal.distributed.GradientBuckets.
@@ -133,13 +150,36 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
 
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
-        with self._turn("policy", "generate"), self._generate_again_if_out_of_memory():
+        with (
+            self._turn("policy", "generate"),
+            self._gathered_for_generation(),
+            self._generate_again_if_out_of_memory(),
+        ):
             # Queued once the generation's first forward starts, not before: a small
             # host-to-device copy (the prompts, what generate() builds from them) queued behind
             # gigabytes of prefetch waits for all of them (0.30 s of a Qwen2-7B step's generation
             # on an H200, the compute stream idle; benchmarks/RESULTS.md, issue 26).
             with at_first_forward(lambda: self._prefetch("generate", self._after("policy"))):
                 return super()._generate(prompts)
+
+    @contextlib.contextmanager
+    def _gathered_for_generation(self):
+        """With FSDP2: the policy gathered once for the generation (its forwards, one per token,
+        then run no collective: :func:`tidal.distributed.gathered`), where every rank has the
+        room for a full copy beside what its turn left on the device; else TRL's gathers per
+        unit per forward. The room is counted before the gather, decided by all ranks alike."""
+        if self._tidal_launch != "fsdp2" or "policy" not in self.timeshare.roles:
+            yield
+            return
+        policy = self.accelerator.unwrap_model(self.model)
+        need = phase_need_bytes(gathered_bytes(policy))
+        ops = self.timeshare.ops
+        free = ops.driver_free_bytes()[0] + ops.cached_free_bytes() if ops.is_accelerator else need  # the host: room
+        if not has_room_to_gather(need, free, self.accelerator.device):
+            yield
+            return
+        with gathered(policy):
+            yield
 
     def _get_per_token_logps_and_entropies(self, model, *args: Any, **kwargs: Any):
         role = "reference" if self.ref_model is not None and model is self.ref_model else "policy"
