@@ -16,13 +16,30 @@ from tests.distributed.multiproc import run_distributed
 from tests.distributed.test_fsdp import Net, batch, loss_of
 
 
-def _train(rank: int, *, buckets: bool, find_unused: bool, steps: int = 4, accumulation: int = 1):
+def _train(
+    rank: int,
+    *,
+    buckets: bool,
+    find_unused: bool,
+    steps: int = 4,
+    accumulation: int = 1,
+    device: str = "cpu",
+    hidden: int = 32,
+    memory: list | None = None,
+):
     """``steps`` AdamW steps of a DDP-wrapped Net (bucket cap small enough for several
     buckets, one of them a single large parameter); returns the final weights and what the
-    buckets did."""
+    buckets did. ``memory``: on a GPU, the allocated bytes before and after each release."""
     torch.manual_seed(0)
-    net = Net(hidden=32)
-    ddp = DDP(net, bucket_cap_mb=0.01, find_unused_parameters=find_unused, gradient_as_bucket_view=buckets)
+    net = Net(hidden=hidden).to(device)
+    ids_device = {"device_ids": [torch.device(device).index]} if device != "cpu" else {}
+    ddp = DDP(
+        net,
+        bucket_cap_mb=0.01 if device == "cpu" else 25,
+        find_unused_parameters=find_unused,
+        gradient_as_bucket_view=buckets,
+        **ids_device,
+    )
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     seen: list[tuple[int, int, bool]] = []
     gb = None
@@ -31,7 +48,10 @@ def _train(rank: int, *, buckets: bool, find_unused: bool, steps: int = 4, accum
         gb.watch(opt)
     for step in range(steps):
         if gb is not None:
+            before = torch.cuda.memory_allocated(device) if memory is not None else 0
             freed = gb.release()
+            if memory is not None:
+                memory.append((before, torch.cuda.memory_allocated(device), freed))
             seen.append((freed, gb.noted_bytes, gb.released))
             if gb.released:
                 # Every noted buffer holds no memory and refuses reads with tidal's message.
@@ -41,7 +61,7 @@ def _train(rank: int, *, buckets: bool, find_unused: bool, steps: int = 4, accum
                         with pytest.raises(RuntimeError, match="DistributedDataParallel's gradient buckets"):
                             t.sum()
         for micro in range(accumulation):
-            ids = batch(step * accumulation + micro, rank)
+            ids = batch(step * accumulation + micro, rank, device)
             ctx = ddp.no_sync() if micro < accumulation - 1 else _null()
             with ctx:
                 loss_of(ddp, ids).backward()

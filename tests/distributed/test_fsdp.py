@@ -262,7 +262,7 @@ def _tiny_lm(seed: int = 0):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def _gathered_worker(rank: int, world_size: int) -> None:
+def _gathered_worker(rank: int, world_size: int, device: str = "cpu") -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
 
     from torch.distributed.fsdp import fully_shard
@@ -279,14 +279,15 @@ def _gathered_worker(rank: int, world_size: int) -> None:
 
     group_mod.foreach_all_gather = counted
     try:
-        per_unit, whole = _tiny_lm(), _tiny_lm()
+        device = device if device == "cpu" else f"cuda:{rank}"
+        per_unit, whole = _tiny_lm().to(device), _tiny_lm().to(device)
         for m in (per_unit, whole):
             for layer in m.model.layers:
                 fully_shard(layer)
             fully_shard(m)
             reshard_after_no_grad_forward(m)
         g = torch.Generator().manual_seed(rank)
-        prompts = torch.randint(2, 31, (3, 5), generator=g)
+        prompts = torch.randint(2, 31, (3, 5), generator=g).to(device)
         kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
         with torch.no_grad():
             gathers[0] = 0
@@ -308,7 +309,7 @@ def _gathered_worker(rank: int, world_size: int) -> None:
         assert all(isinstance(p, DTensor) for p in whole.parameters())
         full = sum(p.numel() * p.element_size() for p in _tiny_lm().parameters())
         assert gathered_bytes(whole) == full
-        ids = torch.randint(2, 31, (2, 7), generator=g)
+        ids = torch.randint(2, 31, (2, 7), generator=g).to(device)
         a = per_unit(ids, labels=ids).loss
         b = whole(ids, labels=ids).loss
         a.backward()

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import tidal
 from tests.distributed.multiproc import run_distributed
-from tests.distributed.test_fsdp import Net, _equivalence_worker, _roundtrip_worker, local
+from tests.distributed.test_fsdp import Net, _equivalence_worker, _gathered_worker, _roundtrip_worker, local
 from tidal.device import DeviceOps
 from tidal.distributed import local_state_bytes, shard_model
 
@@ -96,3 +96,9 @@ def test_stage3_training_with_timeshare_identical_to_without_gpu():
 
 def test_driver_free_memory_after_offloading_a_sharded_role_gpu():
     run_distributed(_driver_free_worker, backend="nccl")
+
+
+def test_gathered_generates_what_per_unit_gathers_do_on_two_gpus():
+    """tidal.distributed.gathered over NCCL: the same tokens, one all-gather per unit."""
+    pytest.importorskip("transformers")
+    run_distributed(_gathered_worker, "cuda", backend="nccl")

@@ -32,8 +32,9 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
-def _launch(launcher: str, tiny: str, out: Path, *flags: str) -> dict:
-    """Run the child under ``launcher`` with 2 processes; return each run's per-rank reports."""
+def _launch(launcher: str, tiny: str, out: Path, *flags: str, config: str = "multi_gpu") -> dict:
+    """Run the child under ``launcher`` with 2 processes (``accelerate``: TRL's ``config``);
+    return each run's per-rank reports, by run name (trl, trl2, tidal, ...)."""
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -43,17 +44,17 @@ def _launch(launcher: str, tiny: str, out: Path, *flags: str) -> dict:
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     else:
-        config = Path(trl.__file__).parent / "accelerate_configs" / "multi_gpu.yaml"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+        path = Path(trl.__file__).parent / "accelerate_configs" / f"{config}.yaml"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
         cmd += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0"]
     proc = subprocess.run(
         cmd + [str(CHILD), tiny, str(out), *flags], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, f"{launcher} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return {
-        name: [json.loads((out / name / f"rank{r}.json").read_text()) for r in (0, 1)]
-        for name in ("trl", "tidal")
-        if (out / name).is_dir()
+        run.name: [json.loads((run / f"rank{r}.json").read_text()) for r in (0, 1)]
+        for run in sorted(out.iterdir())
+        if (run / "rank0.json").is_file()
     }
 
 

@@ -4,7 +4,8 @@ processes. Each writes what the test compares (rank 0: the log history and the f
 every rank: its own weights' digest, which must agree across ranks).
 
     torchrun --nproc_per_node 2 tests/integrations/trl_launch.py MODEL OUT [--algo grpo|rloo]
-        [--prefetch] [--residency step|stream|role] [--steps N] [--accumulation N]
+        [--prefetch] [--residency step|stream|role] [--steps N] [--accumulation N] [--runs trl,tidal]
+        [--fsdp2] [--sync-ref] [--save-weights]
 """
 
 from __future__ import annotations
@@ -17,14 +18,22 @@ import os
 import torch
 
 
-def _weights_digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
+def _whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole value on the host (an FSDP2 DTensor gathered: a collective,
+    every rank calls it)."""
+    out = {}
     for name, p in sorted(model.named_parameters()):
         t = p.detach()
-        full = getattr(t, "full_tensor", None)  # an FSDP2 DTensor: its whole value
-        t = full() if callable(full) else t
+        full = getattr(t, "full_tensor", None)
+        out[name] = (full() if callable(full) else t).cpu()
+    return out
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in _whole_weights(model).items():
         h.update(name.encode())
-        h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -68,7 +77,8 @@ def main() -> None:
     p.add_argument("--residency", default="step")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--accumulation", type=int, default=1)
-    p.add_argument("--only", choices=("trl", "tidal"), default=None)
+    p.add_argument("--runs", default="trl,tidal", help="the runs, in order: trl or tidal, each once or more")
+    p.add_argument("--save-weights", action="store_true", help="rank 0 also saves the final weights (whole)")
     p.add_argument("--fsdp2", action="store_true", help="an FSDP2 launch (see _fsdp2_on_cpu)")
     p.add_argument("--sync-ref", action="store_true", help="sync_ref_model=True, every step")
     a = p.parse_args()
@@ -100,13 +110,14 @@ def main() -> None:
         "grpo": (trl.GRPOConfig, trl.GRPOTrainer, TidalGRPOTrainer),
         "rloo": (trl.RLOOConfig, trl.RLOOTrainer, TidalRLOOTrainer),
     }[a.algo]
-    runs = [
-        ("trl", plain_cls, {}),
-        ("tidal", tidal_cls, {"tidal": TidalConfig(prefetch=a.prefetch, optimizer_residency=a.residency)}),
-    ]
-    for name, cls, extra in runs:
-        if a.only not in (None, name):
-            continue
+    cfg = TidalConfig(prefetch=a.prefetch, optimizer_residency=a.residency)
+    seen: dict[str, int] = {}
+    for kind in a.runs.split(","):
+        seen[kind] = seen.get(kind, 0) + 1
+        name = kind if seen[kind] == 1 else f"{kind}{seen[kind]}"  # trl, trl2, ...
+        cls, extra = (plain_cls, {}) if kind == "trl" else (tidal_cls, {"tidal": cfg})
+        freed.clear()
+        gathers.clear()
         out = os.path.join(a.out, name)
         args = config_cls(
             output_dir=out,
@@ -141,7 +152,7 @@ def main() -> None:
             "world": trainer.accelerator.num_processes,
             "launch": str(trainer.accelerator.distributed_type),
         }
-        if name == "tidal":
+        if kind == "tidal":
             recs = trainer.timeshare.records
             report["moves"] = [[r.kind, list(r.roles_out), r.role_in, r.bytes_out, r.bytes_in] for r in recs]
             report["buckets_freed"] = list(freed)
@@ -160,7 +171,11 @@ def main() -> None:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
-        if name == "tidal":
+        if a.save_weights:
+            whole = _whole_weights(policy)
+            if rank == 0:
+                torch.save(whole, os.path.join(out, "weights.pt"))
+        if kind == "tidal":
             trainer.timeshare.close()
         del trainer
 

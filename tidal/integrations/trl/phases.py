@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from tidal.integrations.trl.trainer import TidalRLTrainer
+from tidal.integrations.trl.memory import PhaseMemory
 
-__all__ = ["Phase", "at_first_forward"]
+__all__ = ["Phase", "PhaseOwner", "at_first_forward"]
 
 
 @contextlib.contextmanager
@@ -44,13 +43,21 @@ def at_first_forward(fn: Callable[[], None]):
         fn()
 
 
+class PhaseOwner(Protocol):
+    """What a :class:`Phase` reads and counts of the trainer it belongs to."""
+
+    timeshare: Any  # the trainer's tidal.Timeshare
+    _tidal_depth: int  # phases open now
+    _tidal_memory: PhaseMemory | None  # the phases' readings (None off an accelerator)
+
+
 class Phase:
     """``with``: the role resident for the block. The outermost phase also marks where the
     device's peak is attributed: from its start until the next outermost phase starts (so the
     loss phase's peak includes the backward and the optimizer step that follow it)."""
 
     def __init__(
-        self, trainer: TidalRLTrainer, role: str | None, phase: str, *, keep_free_bytes: int | None = None
+        self, trainer: PhaseOwner, role: str | None, phase: str, *, keep_free_bytes: int | None = None
     ) -> None:
         self.trainer, self.role, self.phase = trainer, role, phase
         self.keep_free_bytes = keep_free_bytes

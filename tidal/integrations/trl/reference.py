@@ -5,7 +5,7 @@ reference's ``.data`` in place, through the empty storages of a moved-out role).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -14,7 +14,6 @@ from transformers import TrainerCallback
 from tidal.state.foreign import moved_out
 
 if TYPE_CHECKING:
-    from tidal.integrations.trl.trainer import TidalRLTrainer
     from tidal.state.store import OffloadStore
 
 __all__ = ["SyncReference", "sync_reference"]
@@ -26,7 +25,7 @@ class SyncReference(TrainerCallback):
     (the same in-place ops on the device, so the same bits), wherever each tensor is
     (:func:`sync_reference`)."""
 
-    def __init__(self, trainer: TidalRLTrainer) -> None:
+    def __init__(self, trainer: Any) -> None:  # a TidalRLTrainer (its timeshare, policy and reference)
         # Weak: the trainer holds this callback; the trainer (and the pinned host memory of its
         # roles) must go when the user drops it, not at the next cyclic collection.
         self.trainer = weakref.ref(trainer)
