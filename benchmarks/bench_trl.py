@@ -62,7 +62,11 @@ PRESETS = {
     "qwen2-0.5b": (896, 4864, 24, 14, 2),
     "qwen2-1.5b": (1536, 8960, 28, 12, 2),
     "qwen2-7b": (3584, 18944, 28, 28, 4),
+    "qwen2.5-14b": (5120, 13824, 48, 40, 8),
+    "qwen2.5-32b": (5120, 27648, 64, 40, 8),
 }
+# TRL's accelerate configs, by --launch (the variants run under `accelerate launch` with it)
+LAUNCH_CONFIGS = {"ddp": "multi_gpu.yaml", "fsdp2": "fsdp2.yaml"}
 CHARS = list("0123456789+= abcdefghijklmnopqrstuvwxyz")
 
 
@@ -73,7 +77,7 @@ def qwen2_config(preset: str, *, pad_id: int, eos_id: int):
     h, i, n, a, kv = PRESETS[preset]
     # The real vocabulary size: the embedding and head are a large part of a small model's bytes.
     return Qwen2Config(
-        vocab_size=151936 if preset != "tiny" else 256,
+        vocab_size=256 if preset == "tiny" else 152064 if preset.startswith("qwen2.5") else 151936,
         hidden_size=h,
         intermediate_size=i,
         num_hidden_layers=n,
@@ -244,6 +248,12 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
 
     cuda = torch.cuda.is_available()
     profile_step = args.profile_step
+    rank = int(os.environ.get("RANK", "0"))
+    if args.nproc > 1:
+        out_json = f"{out_json}.rank{rank}"  # the parent merges the ranks' files
+    from tidal.memory import host_rss_bytes
+
+    rss_steps: list[int] = []  # this process's resident set at each measured step's end
 
     def exposed_s(trainer) -> float:
         ts = getattr(trainer, "timeshare", None)
@@ -370,6 +380,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 return  # the profiled step's time is not a measurement
             if state.global_step > 1:
                 times.append(wall)
+                rss_steps.append(host_rss_bytes())
                 exposed.append(exposed_s(trainer) - self.exposed0)  # settles the stalls per_kind reads
                 host_stall.append(host_stall_s(trainer) - self.host_stall0)
                 phase_steps.append(phases.take())  # the compute stream has run the step's work
@@ -401,7 +412,9 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         max_completion_length=args.completion,
         logging_steps=1,
         report_to=[],
-        bf16=cuda,
+        # FSDP2 through accelerate with mixed precision keeps fp32 masters of bf16 weights: the
+        # sharded runs train the weights in their own dtype, as one GPU does without autocast.
+        bf16=cuda and args.launch != "fsdp2",
         use_cpu=not cuda,
         save_strategy="no",
         seed=0,
@@ -468,11 +481,19 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     import tidal
 
     res = {"variant": name, "error": error, "wall_s": time.perf_counter() - t0, "tidal": tidal.__file__}
+    res.update(rank=rank, launch=str(trainer.accelerator.distributed_type), nproc=trainer.accelerator.num_processes)
+    if rss_steps:
+        res["host_rss_bytes_steps"] = rss_steps
+    ts = getattr(trainer, "timeshare", None)
+    if ts is not None:
+        res["host_held_bytes"] = sum(ts.store.context.host_bytes().values())
+        res["host_pinned_bytes"] = ts.store.context.pinned_bytes()
     if not error:
         res.update(step_s=statistics.median(times), peak_bytes=max(peaks), steps_measured=len(times))
         # Interference from outside the run (the host, the machine) only ever slows a step: the
         # fastest step is the least disturbed reading of the step's own cost.
         res["step_min_s"] = min(times)
+        res["completions_per_s"] = args.batch * max(1, args.nproc) / res["step_s"]
         res["loss"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         res["exposed_s_per_step"] = statistics.median(exposed) if exposed else 0.0
         res["step_times_s"] = times
@@ -512,6 +533,11 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["profile"] = profiled
     with open(out_json, "w") as f:
         json.dump(res, f)
+    if error and args.nproc > 1:
+        # The other ranks wait for this one in a collective: ending it lets the launcher end
+        # them (at once, where they would wait out NCCL's timeout).
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def _line_rate() -> dict | None:
@@ -627,6 +653,24 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 f"{r.get('transition_gbps', 0):.1f} |"
             )
         print(line)
+        one = getattr(args, "one_gpu", {}).get(r["variant"])
+        if one is not None and not r.get("error"):
+            r["one_gpu_completions_per_s"] = one
+            print(
+                f"    throughput: {r['completions_per_s']:.2f} completions/s on {r['nproc']} GPUs against {one:.2f} on one "
+                f"in the same call: {r['completions_per_s'] / one:.2f}x (target >= {0.9 * r['nproc']:.1f}x)"
+            )
+        if r.get("nproc", 1) > 1 and not r.get("error"):
+            print(
+                f"    {r['nproc']} processes ({r.get('launch')}): {args.batch * r['nproc'] / r['step_s']:.2f} "
+                f"completions/s; per rank: "
+                + "; ".join(
+                    f"rank {x['rank']} step {x['step_s']:.3f} s, peak {x['peak_bytes'] / 2**30:.1f} GiB, host held "
+                    f"{(x.get('host_held_bytes') or 0) / 2**30:.1f} GiB, RSS {max(x.get('host_rss_bytes_steps') or [0]) / 2**30:.1f} GiB"
+                    for x in r["ranks"]
+                    if not x.get("error")
+                )
+            )
         if r.get("phase_s"):
             print(
                 "    phases (s, median; device time on a GPU): "
@@ -710,6 +754,8 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                     "commit": args.commit,
                     "date": date,
                     "line_rate": getattr(args, "line_rate", None),
+                    "nproc": args.nproc,
+                    "launch": args.launch if args.nproc > 1 else "single",
                     "pooled": pooled,
                     "variants": results,
                 },
@@ -756,6 +802,19 @@ def main(argv=None) -> int:
         help="sample the host's Python stack every 2 ms in the measured steps: where the time inside tidal's "
         "verbs goes (benchmarks/host_samples.py), in the JSON and printed",
     )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes (one GPU each) a variant runs in, under `accelerate launch` with TRL's config for --launch",
+    )
+    p.add_argument("--launch", choices=sorted(LAUNCH_CONFIGS), default="ddp", help="with --nproc > 1: ddp or fsdp2")
+    p.add_argument(
+        "--one-gpu-json",
+        default=None,
+        help="with --nproc > 1: the JSON of the same workload on one GPU (this script, run just before on the "
+        "same machine): each variant's throughput is printed against it",
+    )
     p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
@@ -768,6 +827,12 @@ def main(argv=None) -> int:
         run_variant(args._variant, args._model, args.steps, args._out, args)
         return 0
 
+    args.one_gpu = {}
+    if args.one_gpu_json:
+        with open(args.one_gpu_json) as f:
+            args.one_gpu = {
+                v["variant"]: v["completions_per_s"] for v in json.load(f)["variants"] if not v.get("error")
+            }
     work = tempfile.mkdtemp()
     model_path = os.path.join(work, args.preset)
     t0 = time.perf_counter()
@@ -809,6 +874,10 @@ def main(argv=None) -> int:
                 str(args.profile_step if not args.profile_variants or v in args.profile_variants.split(",") else 0),
                 "--before",
                 args.before,
+                "--nproc",
+                str(args.nproc),
+                "--launch",
+                args.launch,
             ]
             + (["--sample-stacks"] if args.sample_stacks else [])
             + (["--reward-model-path", reward_path] if reward_path else [])
@@ -816,14 +885,70 @@ def main(argv=None) -> int:
         env = dict(os.environ)
         if "+expandable" in v:
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        if args.nproc > 1:
+            cmd = _launched(cmd, args)
         rc, host = _run_watching_host_memory(cmd, env)
-        res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
+        res = _merged_ranks(out, args.nproc) if args.nproc > 1 else None
+        if res is None:
+            res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
         res.update(host)
         results.append(res)
         print(json.dumps({k: x for k, x in res.items() if k != "profile"}), flush=True)
         _report_so_far(args, results, reward_path)  # a run cut short keeps what it measured
     _report_so_far(args, results, reward_path, final=True)
     return 0
+
+
+def _launched(cmd: list[str], args) -> list[str]:
+    """``cmd`` (a variant's process: ``python bench_trl.py --_variant ...``) under ``accelerate
+    launch`` with ``--nproc`` processes and TRL's config for ``--launch`` (its multi_gpu.yaml or
+    fsdp2.yaml, as a TRL user launches), on a free port."""
+    import socket
+
+    import trl
+
+    config = os.path.join(os.path.dirname(trl.__file__), "accelerate_configs", LAUNCH_CONFIGS[args.launch])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mixed = "bf16" if args.launch == "ddp" else "no"  # see bf16= in run_variant
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+    launch += ["--num_processes", str(args.nproc), "--mixed_precision", mixed, "--main_process_port", str(port)]
+    if args.launch == "fsdp2":
+        # Every rank loads the weights: with only the first loading them (fsdp2.yaml's
+        # cpu_ram_efficient_loading), accelerate broadcasts the policy's, but TRL shards its
+        # reference as loaded, empty on the other ranks.
+        launch += ["--fsdp_cpu_ram_efficient_loading", "false"]
+    return launch + cmd[1:]
+
+
+def _merged_ranks(out: str, nproc: int) -> dict | None:
+    """The ranks' results of one variant as one: rank 0's, with the step the slowest rank's
+    median (the ranks wait for each other), the peak the highest rank's, and each rank's step,
+    peak, exposed share and host memory under ``ranks``. None if no rank wrote one."""
+    ranks = []
+    for r in range(nproc):
+        try:
+            with open(f"{out}.rank{r}") as f:
+                ranks.append(json.load(f))
+        except OSError:
+            ranks.append({"rank": r, "error": "no result (the process died)"})
+    if all(x.get("error") == "no result (the process died)" for x in ranks):
+        return None
+    res = dict(ranks[0])
+    errors = [x["error"] for x in ranks if x.get("error")]
+    if errors:
+        res["error"] = errors[0]
+    else:
+        res["step_s"] = max(x["step_s"] for x in ranks)
+        res["step_min_s"] = max(x["step_min_s"] for x in ranks)
+        res["peak_bytes"] = max(x["peak_bytes"] for x in ranks)
+        res["exposed_s_per_step"] = max(x.get("exposed_s_per_step", 0.0) for x in ranks)
+    keys = ("rank", "error", "step_s", "step_min_s", "peak_bytes", "exposed_s_per_step", "moved_gb_per_step")
+    keys += ("transition_gbps", "host_held_bytes", "host_pinned_bytes", "host_rss_bytes_steps", "launch")
+    res["ranks"] = [{k: x.get(k) for k in keys} for x in ranks]
+    res["nproc"] = nproc
+    return res
 
 
 def _tree_rss_bytes(pid: int) -> int:

@@ -55,6 +55,16 @@
 #               *ckpt        bench_checkpoint.py at world 2: an FSDP2 role, saves, loads
 #               *tests       the GPU tests, resumable (as `tests`), on the 2-GPU machine; SHARDS=2
 #                            runs the one-GPU files as two shards at once, one GPU each, first
+#   multi       *tests       the multi-process GPU tests (DDP, FSDP2, TRL under accelerate launch) and
+#                            the TRL integration's one-GPU tests; needs 2 GPUs
+#               *fsdp14b     bench_trl.py --nproc 2 --launch fsdp2, Qwen2.5-14B shape bf16, 64 x 256 a
+#                            rank (VARIANTS14B); needs 2 GPUs
+#                ddp7b       bench_trl.py at Qwen2-7B bf16, 64 x 256: tidal on one GPU, then --nproc 4
+#                            --launch ddp (VARIANTS_DDP); needs 4 GPUs
+#                copies      benchmarks/bench_shared_copies.py: every GPU copying at once, plain and
+#                            as tidal's transitions (COPY_GIB, 4); needs 2 GPUs (all it finds)
+#                fsdp32b     bench_trl.py --nproc 4 --launch fsdp2, Qwen2.5-32B shape bf16 (VARIANTS32B);
+#                            needs 4 GPUs
 #   tests       *gpu         every GPU test (-m gpu tests), resumable across calls: see below
 #
 # Output, under $OUT (./out by default): env.txt (GPUs, driver, host, versions, the commit:
@@ -105,6 +115,7 @@ declare -A DEFAULT=(
   [deepspeed]="tests bench"
   [guard]="tests bench"
   [two]="lease2 ckpt tests"
+  [multi]="tests fsdp14b"
   [tests]="gpu"
 )
 declare -A EXTRA=(
@@ -114,8 +125,9 @@ declare -A EXTRA=(
   [cpu_adam]="bench precision"
   [lease]="processes"
   [deepspeed]="bench-1.5b"
+  [multi]="ddp7b copies fsdp32b"
 )
-ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two"
+ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two multi"
 
 # ---- the command line --------------------------------------------------------------------
 if [ $# = 0 ]; then usage >&2; exit 2; fi
@@ -517,6 +529,38 @@ p_two_ckpt() {  # ~170 s on 2x H200: 8 transition cycles, 3 saves and 3 loads pe
   TAILN=34
   run two_bench.log timeout -k 10 "$(limit "${CKPT_TIMEOUT:-230}")" python3 benchmarks/bench_checkpoint.py --cycles 8 \
     --repeats 3 --budget-s 170 --results "$OUT/RESULTS.md" --json "$OUT/ckpt.json"
+}
+p_multi_tests() {
+  need_gpus 2 || return 0
+  need_module trl || return 0
+  run multi_tests.log timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/distributed/test_ddp_gpu.py \
+    tests/distributed/test_fsdp_gpu.py tests/integrations/test_trl_launch_gpu.py tests/integrations/test_trl_gpu.py \
+    -rsfE -p no:cacheprovider --durations=10
+}
+p_multi_fsdp14b() {
+  need_gpus 2 && need_module trl || return 0
+  trl_bench multi_fsdp14b.log --preset qwen2.5-14b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-4}" \
+    --nproc 2 --launch fsdp2 --variants "${VARIANTS14B:-trl,stream+prefetch}" --json "$OUT/trl_14b_fsdp2x2_$TAG.json"
+}
+p_multi_ddp7b() {  # one GPU, then four: the throughput ratio in the same call
+  need_gpus 4 && need_module trl || return 0
+  trl_bench multi_ddp7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-4}" \
+    --variants "${VARIANTS_ONE:-role+prefetch}" --json "$OUT/trl_7b_one_$TAG.json"
+  trl_bench multi_ddp7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-4}" \
+    --nproc 4 --launch ddp --variants "${VARIANTS_DDP:-role+prefetch,trl}" --json "$OUT/trl_7b_ddpx4_$TAG.json" \
+    --one-gpu-json "$OUT/trl_7b_one_$TAG.json"
+}
+p_multi_copies() {
+  need_gpus 2 || return 0
+  local n
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  run multi_copies.log timeout "${COPIES_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node "$n" \
+    benchmarks/bench_shared_copies.py --gib "${COPY_GIB:-4}" --json "$OUT/shared_copies_$TAG.json"
+}
+p_multi_fsdp32b() {
+  need_gpus 4 && need_module trl || return 0
+  trl_bench multi_fsdp32b.log --preset qwen2.5-32b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-5}" \
+    --nproc 4 --launch fsdp2 --variants "${VARIANTS32B:-stream+prefetch,trl}" --json "$OUT/trl_32b_fsdp2x4_$TAG.json"
 }
 gpu_tests() {  # gpu_tests LOG: the GPU tests not yet in the ledger, until the pass's deadline
   local log=$1 before=0 rc

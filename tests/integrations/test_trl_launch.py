@@ -47,6 +47,10 @@ def _launch(launcher: str, tiny: str, out: Path, *flags: str, config: str = "mul
         path = Path(trl.__file__).parent / "accelerate_configs" / f"{config}.yaml"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
         cmd += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0"]
+        if config == "fsdp2":
+            # Every rank loads the weights (TRL shards its reference as loaded: with only the first
+            # loading them, the others' would be empty).
+            cmd += ["--fsdp_cpu_ram_efficient_loading", "false"]
     proc = subprocess.run(
         cmd + [str(CHILD), tiny, str(out), *flags], env=env, capture_output=True, text=True, timeout=600
     )

@@ -1,0 +1,196 @@
+"""The host-device copy rate each GPU of one host gets when every GPU copies at once, plain and
+as tidal's transitions: one process per GPU.
+
+    torchrun --nproc_per_node N benchmarks/bench_shared_copies.py [--gib 4] [--json PATH]
+
+Every rank holds ``--gib`` GiB on its GPU and as much pinned host memory. Measured, each
+direction in turn (device to host, host to device, then both at once):
+
+* ``alone``: one rank copies while the others wait (each rank in turn): the line rate of one GPU;
+* ``shared``: every rank copies at the same moment (after a barrier): what each gets when the
+  host's memory and PCIe fabric are shared;
+* ``tidal``: every rank at once, a role of the same bytes (64 MiB tensors) offloaded, loaded,
+  then switched with a second role of the same size (``Timeshare``, the default transfer
+  settings): tidal's rate against ``shared``.
+
+Printed per rank and in the JSON: GB/s of each, and tidal / shared (target >= 0.9). The host's
+NUMA nodes and memory are read from /sys and /proc and printed with the GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import tidal  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _timed(fn, reps: int) -> float:
+    """The median seconds of ``reps`` calls of ``fn`` (each synchronised)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _copies(dev: torch.Tensor, host: torch.Tensor, dev2: torch.Tensor, host2: torch.Tensor) -> dict:
+    d2h_stream, h2d_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def d2h():
+        with torch.cuda.stream(d2h_stream):
+            host.copy_(dev, non_blocking=True)
+
+    def h2d():
+        with torch.cuda.stream(h2d_stream):
+            dev2.copy_(host2, non_blocking=True)
+
+    def both():
+        d2h()
+        h2d()
+
+    return {"d2h": d2h, "h2d": h2d, "both": both}
+
+
+def _topology() -> dict:
+    nodes = sorted(glob.glob("/sys/devices/system/node/node[0-9]*"))
+    mem = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                if k in ("MemTotal", "MemAvailable"):
+                    mem[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return {
+        "numa_nodes": len(nodes) or 1,
+        "host_memory_bytes": mem.get("MemTotal"),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "cpus": os.cpu_count(),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=4.0, help="bytes each rank copies, in GiB")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions of each copy (median)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    nbytes = int(a.gib * (1 << 30))
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty_like(dev)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    copies = _copies(dev, host, dev2, host2)
+    res: dict = {"rank": rank, "alone": {}, "shared": {}, "tidal": {}}
+    for direction, fn in copies.items():
+        moved = nbytes * (2 if direction == "both" else 1)
+        fn()  # warm
+        for r in range(world):  # each rank alone, in turn
+            dist.barrier()
+            if r == rank:
+                res["alone"][direction] = moved / _timed(fn, a.reps) / 1e9
+            torch.cuda.synchronize()
+        dist.barrier()
+        res["shared"][direction] = moved / _timed(fn, a.reps) / 1e9  # every rank at once
+        dist.barrier()
+    del dev, dev2, host, host2
+    torch.cuda.empty_cache()
+
+    # tidal: two roles of the same bytes, every rank at once.
+    pieces = max(1, nbytes // (64 * MiB))
+    roles = []
+    for _ in range(2):
+        params = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.empty(64 * MiB // 2, dtype=torch.bfloat16, device="cuda"), requires_grad=False)
+            for _ in range(pieces)
+        )
+        roles.append(params)
+    moved = pieces * 64 * MiB
+    ts = tidal.Timeshare("cuda")
+    ts.add_role("a", model=roles[0])
+    ts.add_role("b", model=roles[1])
+    ts.offload("b")
+    ts.offload("a")  # pins the host slots: the timed moves below reuse them
+    ts.load("a")
+    timed: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
+    for _ in range(a.reps):
+        dist.barrier()
+        rec = ts.offload("a")
+        timed["d2h"].append(rec.bytes_out / rec.seconds / 1e9)
+        dist.barrier()
+        rec = ts.load("a")
+        timed["h2d"].append(rec.bytes_in / rec.seconds / 1e9)
+        dist.barrier()
+        with ts.use("b"):  # a switch: a out, b in, both directions at once
+            rec = ts.records[-1]
+        timed["both"].append((rec.bytes_out + rec.bytes_in) / rec.seconds / 1e9)
+        dist.barrier()
+        ts.load("a")
+    res["tidal"] = {k: statistics.median(v) for k, v in timed.items()}
+    res["tidal_bytes"] = moved
+    ts.close()
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, res)
+    if rank == 0:
+        topo = _topology()
+        print(
+            f"{topo['gpus'][0] if topo['gpus'] else '?'} x {world}, {topo['numa_nodes']} NUMA node(s), "
+            f"{(topo['host_memory_bytes'] or 0) / 2**30:.0f} GiB host, {topo['cpus']} cores; {a.gib} GiB a rank; "
+            f"torch {torch.__version__}"
+        )
+        for r in gathered:
+            line = f"  rank {r['rank']}:"
+            for d in ("d2h", "h2d", "both"):
+                ratio = r["tidal"][d] / r["shared"][d]
+                line += (
+                    f"  {d} alone {r['alone'][d]:.1f}, shared {r['shared'][d]:.1f} "
+                    f"({r['shared'][d] / r['alone'][d]:.2f}x alone), tidal {r['tidal'][d]:.1f} GB/s "
+                    f"({ratio:.2f}x shared)"
+                )
+            print(line)
+        print("target: tidal >= 0.9x the shared rate, every rank, every direction")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(
+                    {
+                        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+                        "commit": os.environ.get("TIDAL_COMMIT", ""),
+                        "topology": topo,
+                        "gib": a.gib,
+                        "world": world,
+                        "ranks": gathered,
+                    },
+                    f,
+                )
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
