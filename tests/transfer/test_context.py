@@ -93,11 +93,11 @@ def test_offload_optimizer_finds_the_role_through_the_context_claim():
     ts = tidal.Timeshare("cpu")
     model, opt = make_trained()
     ts.add_role("actor", model=model, optimizer=opt)
-    assert tidal.timeshare.timeshare.timeshare_of(opt) == (ts, "actor")
+    assert tidal.timeshare.registration.timeshare_of(opt) == (ts, "actor")
     with pytest.raises(ValueError, match="already belongs to role 'actor'"):
         tidal.Timeshare("cpu").add_role("again", optimizer=opt)
     ts.close()
-    assert tidal.timeshare.timeshare.timeshare_of(opt) is None
+    assert tidal.timeshare.registration.timeshare_of(opt) is None
     assert TransferContext.of("cpu").owner_of(opt) is None
 
 

@@ -23,7 +23,7 @@ from tidal.state.collect import StateEntry, collect_module_state, collect_optimi
 from tidal.state.foreign import install_optimizer_hooks
 from tidal.state.result import MoveResult
 from tidal.state.store import OffloadStore
-from tidal.timeshare.timeshare import timeshare_of
+from tidal.timeshare.registration import timeshare_of
 from tidal.transfer.context import TransferContext
 from tidal.transfer.engine import TransferConfig
 
