@@ -249,7 +249,7 @@ class ResizeBackend:
             # One block of it all would rarely be free in one piece, so reserving would map new
             # memory beside the cache instead: the suspect for the 0.37 s of host time a step
             # that a 12.3 GB optimizer-state prefetch took on an H100, the device idle meanwhile
-            # (benchmarks/RESULTS.md, issue 26).
+            # (benchmarks/RESULTS.md, 2026-11-26).
             return
         try:
             # Allocated and freed on the current stream, whose pool the storages' resize_

@@ -7,7 +7,7 @@ per token to see whether every sequence has finished) therefore waits for every 
 byte queued before it on any stream, whatever the size of the pieces it is queued in. When a
 write-back of gigabytes is queued at once behind generation, its first token waits for all of
 it (``benchmarks/bench_copy_contention.py`` on an H100, 8 GiB queued in 16 MiB copies: a read
-waited 151 ms; 16 GiB: 306-348 ms). In a Qwen2-7B GRPO step on an H200 (run g1, 2026-11-26),
+waited 151 ms; 16 GiB: 306-348 ms). In a Qwen2-7B GRPO step on an H200 (2026-11-26, commit 238e67d),
 0.51 s of the optimizer state's write-back was still queued when the next generation began.
 
 How: a paced copy is split into pieces of at most ``piece_bytes`` that take turns on two
@@ -19,8 +19,8 @@ everything queued on the copy stream later (the caller's events, the next stagin
 allocator's record of a freed block) still comes after every byte of the copy. There is no host
 wait and no host thread; the pacing changes when the pieces run, never what they copy.
 
-Measured on an H100 (``bench_copy_contention.py``, 8 GiB device to host, runs f1 and f2 of
-2026-11-26), against every piece queued at once (151 ms):
+Measured on an H100 (``bench_copy_contention.py``, 8 GiB device to host, 2026-11-26),
+against every piece queued at once (151 ms):
 
 * chained one ahead, as here (two streams, 64 MiB pieces): the copy at 1.01x the line rate,
   a decode-like loop's read waited at most 1.54 ms (median 1.23 ms: one piece); with 3 ms of
@@ -28,7 +28,7 @@ Measured on an H100 (``bench_copy_contention.py``, 8 GiB device to host, runs f1
 * chained two ahead (three streams): the waits came back (147 ms): the engine then always has
   the next piece ready before the read;
 * one stream waiting on its own previous piece, directly or through an event recorded on a
-  relay stream that waited for it: the waits stayed (116 ms of a 118 ms copy, run g1): such a
+  relay stream that waited for it: the waits stayed (116 ms of a 118 ms copy, H200, 238e67d): such a
   wait is resolved by stream order and holds nothing back;
 * a host thread opening device-side gates (``cuStreamWaitValue32``) piece by piece: reads
   through, but the copy at 0.49-0.55x the line rate while the main thread held the GIL, as a

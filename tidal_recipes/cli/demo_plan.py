@@ -138,7 +138,7 @@ def choose_levers(
     # all-resident step at 0.5B (benchmarks/RESULTS.md). With prefetch it starts with the
     # training role: each turn then keeps it on the device where the phase's measured need
     # fits beside it, and where it does not, its moves run behind the rollout and the scoring
-    # instead of inside step() (7B on an H100: see benchmarks/RESULTS.md, issue 26).
+    # instead of inside step() (7B on an H100: see benchmarks/RESULTS.md, 2026-11-26).
     start = {
         "optimizer": "adamw",
         "optimizer_residency": "role" if s.prefetch else "stream",

@@ -464,7 +464,7 @@ class GRPOTrainer:
         if phase == "train":
             # The backward allocates large blocks: free pieces of the allocator's partly used
             # segments do not count as room for keeping the reference beside it (TidalGRPOTrainer's
-            # loss ran out of memory counting them: run i5), only the driver's free memory and
+            # loss ran out of memory counting them: 7B on an H100, 2026-11-26), only the driver's free memory and
             # the whole free segments the allocator can give back to it.
             keep += self.ops.fragmented_free_bytes()
         return keep

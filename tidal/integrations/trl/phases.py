@@ -80,7 +80,7 @@ class Phase:
                 # The phase's need is what it allocates beside what its switch left: the loss's
                 # activations fill the room of the reference its switch dropped (read from before
                 # the switch, they counted as nothing, and the next loss kept the reference where
-                # they did not fit: run i5, out of memory at 7B 64 x 256 on an H100).
+                # they did not fit: out of memory at 7B 64 x 256 on an H100, 2026-11-26).
                 tr._tidal_memory.rebase()
 
     def __exit__(self, *exc) -> None:

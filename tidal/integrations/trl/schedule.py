@@ -40,7 +40,7 @@ class KeepAndPrefetch:
         keep = phase_need_bytes(sum(growths))
         if phase == "loss":
             # The backward allocates large blocks: free pieces of the allocator's partly used
-            # segments do not count as room for keeping a role beside it (run i5: 2.71 GiB of
+            # segments do not count as room for keeping a role beside it (Qwen2-7B, 64 x 256, H100, 2026-11-26: 2.71 GiB of
             # cached free memory could not hold a 612 MiB block), only the driver's free memory
             # and the whole free segments the allocator can give back to it.
             keep += ts.ops.fragmented_free_bytes()

@@ -158,7 +158,7 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
             # Queued once the generation's first forward starts, not before: a small
             # host-to-device copy (the prompts, what generate() builds from them) queued behind
             # gigabytes of prefetch waits for all of them (0.30 s of a Qwen2-7B step's generation
-            # on an H200, the compute stream idle; benchmarks/RESULTS.md, issue 26).
+            # on an H200, the compute stream idle; benchmarks/RESULTS.md, 2026-11-26).
             with at_first_forward(lambda: self._prefetch("generate", self._after("policy"))):
                 return super()._generate(prompts)
 
