@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from tidal.integrations.hf import TidalTrainer, TidalTrainerConfig
+from tidal_recipes.cli.args import output_problem
 from tidal_recipes.grpo.char_task import save_tiny_model
 
 
@@ -36,6 +37,9 @@ def main() -> None:
     a = p.parse_args()
     if a.steps < 1:
         p.error(f"--steps must be >= 1, got {a.steps}")
+    problem = output_problem(a.out, folder=True)
+    if problem:
+        p.error(f"--out {a.out}: {problem}")
     path = save_tiny_model(os.path.join(a.out, "tiny-model"))  # or your model's path or hub name
     trainer = TidalTrainer(  # in place of transformers.Trainer; every argument as for it
         model=AutoModelForCausalLM.from_pretrained(path),

@@ -18,6 +18,7 @@ from datasets import Dataset
 from trl import GRPOConfig
 
 from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer
+from tidal_recipes.cli.args import output_problem
 from tidal_recipes.grpo.char_task import reward_sevens, save_tiny_model
 
 
@@ -28,6 +29,9 @@ def main() -> None:
     a = p.parse_args()
     if a.steps < 1:
         p.error(f"--steps must be >= 1, got {a.steps}")
+    problem = output_problem(a.out, folder=True)
+    if problem:
+        p.error(f"--out {a.out}: {problem}")
     trainer = TidalGRPOTrainer(  # in place of trl.GRPOTrainer; every argument as for it
         model=save_tiny_model(os.path.join(a.out, "tiny-model")),  # or your model's path or hub name
         reward_funcs=reward_sevens,  # how many 7s each completion holds

@@ -27,7 +27,7 @@ def _clean_device(request):
 
 
 def pytest_terminal_summary(terminalreporter):
-    # How much the fault-injection sweeps covered (tests/faults.py): issue 12 asks for it.
+    # How much the fault-injection sweeps covered (tests/faults.py), printed after the run.
     from tests.faults import SWEPT  # noqa: PLC0415
 
     if SWEPT:

@@ -52,3 +52,22 @@ def test_hf_trainer_example_learns(tmp_path):
     first, last = (float(x) for x in line.split()[1:4:2])
     assert last < 0.7 * first, line  # counting is learnt within 20 steps
     assert "tidal/act_offloaded_gb" in out and "tidal/optimizer_step_s" in out
+
+
+@pytest.mark.parametrize("script", ["trl_grpo.py", "hf_trainer.py"])
+def test_an_example_refuses_an_out_folder_it_cannot_write_before_any_work(script, tmp_path):
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc")
+    pytest.importorskip("trl" if script.startswith("trl") else "transformers")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--out", "/proc/x"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{script}: error: --out /proc/x: cannot create anything in /proc" in proc.stderr
+    assert "Traceback" not in proc.stderr

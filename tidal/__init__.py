@@ -1,5 +1,15 @@
 """tidal: GPU time-sharing for the roles of LLM RL training.
 
+Start with the quickstart in README.md: roles of a :class:`Timeshare` take turns on one
+device, each on it only while it works. In the trainers people use, each imported by name:
+
+* :mod:`tidal.integrations.trl`: ``TidalGRPOTrainer`` and ``TidalRLOOTrainer`` in place of
+  TRL's ``GRPOTrainer`` and ``RLOOTrainer``, in one process or several under ``torchrun`` /
+  ``accelerate launch`` with DDP or FSDP2 (extra ``tidal[trl]``).
+* :mod:`tidal.integrations.hf`: ``TidalTrainer`` in place of transformers' ``Trainer``.
+* :mod:`tidal.distributed`: DDP's gradient buckets freed between steps, FSDP2 roles,
+  DeepSpeed engines as roles, Ray placement and a GPU lease between processes.
+
 Importing tidal touches no CUDA; a :class:`Timeshare` on an accelerator initialises it.
 """
 

@@ -77,9 +77,12 @@ seed_arg = bounded_int(0, MAX_SEED, why="a 63-bit seed")
 mib_arg = bounded_int(0, MAX_MIB, why="1 PiB: more than any machine has")
 
 
-def finite_float(lowest: float, *, inclusive: bool = True, highest: float | None = None, why: str = ""):
+def finite_float(
+    lowest: float, *, inclusive: bool = True, highest: float | None = None, why: str = "", least: float | None = None
+):
     """A ``float`` type accepting finite numbers ``>= lowest`` (``> lowest`` unless
-    ``inclusive``) and ``<= highest``."""
+    ``inclusive``) and ``<= highest``; with ``least``, also refusing positive numbers below it
+    (a size or rate too small to mean anything: ``why`` of the bounds in the message)."""
 
     def parse(text: str) -> float:
         try:
@@ -94,14 +97,16 @@ def finite_float(lowest: float, *, inclusive: bool = True, highest: float | None
             raise argparse.ArgumentTypeError(
                 f"expected a number <= {highest:,.0f}{f' ({why})' if why else ''}, got {text}"
             )
+        if least is not None and x < least:
+            raise argparse.ArgumentTypeError(f"expected a number >= {least:g}{f' ({why})' if why else ''}, got {text}")
         return x
 
     return parse
 
 
 positive_float = finite_float(0.0, inclusive=False)
-gib_arg = finite_float(0.0, inclusive=False, highest=MAX_GIB, why="1 PiB: more than any machine has")
-rate_arg = finite_float(0.0, inclusive=False, highest=1e6, why="1 PB/s: faster than any link")
+gib_arg = finite_float(0.0, inclusive=False, highest=MAX_GIB, least=1e-3, why="1 MiB to 1 PiB: what a machine can have")
+rate_arg = finite_float(0.0, inclusive=False, highest=1e6, least=1e-3, why="1 MB/s to 1 PB/s: what a link can do")
 
 
 def _cannot_create_in(folder: str) -> str | None:
@@ -120,10 +125,18 @@ def output_problem(path: str, *, folder: bool = False) -> str | None:
     """Why the output ``path`` (a file, or with ``folder`` a folder to be created if needed)
     cannot be written, or None if it can: checked before a run starts, so a run never ends by
     losing its outputs to a typo. Nothing is left behind by the check."""
+    if not path:
+        return "an empty path; give a folder" if folder else "an empty path; give a file"
     full = os.path.abspath(path)
     if folder:
         if os.path.exists(full) and not os.path.isdir(full):
             return f"{path} exists and is not a folder; choose another --out"
+        parent = os.path.dirname(full)
+        if not os.path.exists(parent):
+            # The folder is made, not its parents: a typo never builds a tree at the root.
+            return (
+                f"the folder {os.path.dirname(path) or parent} does not exist; create it first or choose another --out"
+            )
         anchor = full
     else:
         if os.path.isdir(full):

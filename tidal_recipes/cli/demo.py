@@ -119,9 +119,11 @@ class DemoSettings:
 
 
 def defaults_for(device: str | None) -> dict:
-    """On the CPU: a tiny model that learns within a minute. On a GPU: a 1.5B Qwen2 shape
-    with bf16 weights and CPU Adam, with rollouts long enough that generation dominates,
-    where three roles resident at once would hold several times the memory one needs."""
+    """On the CPU: a tiny model that learns within a minute. On a GPU: a Qwen2-0.5B shape with
+    bf16 weights, CPU Adam and gradient checkpointing, with rollouts long enough that
+    generation dominates. With ``--roles local`` (the default) the planner then replaces the
+    levers not given on the command line by the cheapest set that fits the GPU
+    (``demo_plan.choose_levers``); these stand for the roles run as processes."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":

@@ -26,7 +26,17 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from tidal_recipes.cli.args import device_arg, finite_float, mib_arg, nonneg_int, output_problem, positive_int, seed_arg
+from tidal_recipes.cli.args import (
+    MAX_MIB,
+    bounded_int,
+    device_arg,
+    finite_float,
+    mib_arg,
+    nonneg_int,
+    output_problem,
+    positive_int,
+    seed_arg,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -61,15 +71,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--warm-iters",
-        type=nonneg_int,
+        type=bounded_int(0, 10_000, why="each cycle moves the whole state both ways"),
         default=3,
-        help="warm cycles after the cold one; medians are taken over them (default 3)",
+        help="warm cycles after the cold one; medians are taken over them (default 3, at most 10000)",
     )
     p.add_argument(
         "--line-mib",
-        type=mib_arg,
+        type=bounded_int(1, MAX_MIB, why="1 PiB"),
         default=None,
-        help="size of the line-rate buffer in MiB (default 1024 on a GPU, 16 on cpu)",
+        help="size of the line-rate buffer in MiB, at least 1 (default 1024 on a GPU, 16 on cpu)",
     )
     p.add_argument(
         "--results",
@@ -187,14 +197,20 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         description="Train a Qwen2-shape model (random weights, no download) on a digit task with GRPO; "
         "its rollout, reference and training roles share the device through tidal's timeshare. Prints "
         "per-phase time, peak memory and bytes moved, the peak against all roles resident, and writes "
-        "a memory-timeline PNG and a JSONL log. Defaults: a tiny model on the CPU; a Qwen2-0.5B shape "
-        "with CPU Adam and gradient checkpointing on a GPU.",
+        "a memory-timeline PNG and a JSONL log. Defaults: a tiny model on the CPU; on a GPU a Qwen2-0.5B "
+        "shape whose memory levers (optimizer residency, gradient checkpointing, micro-batch, keeping the "
+        "roles resident) the planner picks for the GPU's memory, any lever given here kept as given.",
     )
     p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument(
         "--preset", choices=_PRESETS, default=None, help="model shape (default nano on cpu, qwen2-0.5b on a GPU)"
     )
-    p.add_argument("--steps", type=positive_int, default=None, help="GRPO steps (default 200 on cpu, 30 on a GPU)")
+    p.add_argument(
+        "--steps",
+        type=bounded_int(1, 1_000_000, why="a million steps"),
+        default=None,
+        help="GRPO steps (default 200 on cpu, 30 on a GPU; at most 1000000)",
+    )
     p.add_argument("--task", choices=("copy", "reverse", "sort", "add"), default="copy")
     p.add_argument("--digits", type=positive_int, default=None, help="digits per prompt (= answer tokens)")
     p.add_argument("--prompts", type=positive_int, default=None, help="prompts per step")
@@ -227,7 +243,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "--grad-ckpt",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="gradient checkpointing in training (default: on on a GPU, off on cpu)",
+        help="gradient checkpointing in training (default: off on cpu; on a GPU the planner decides, on "
+        "with --roles processes|ray)",
     )
     p.add_argument(
         "--rollout-graph",
@@ -481,7 +498,7 @@ def _outputs_unwritable(command: str, paths: list[tuple[str, str | None]], *, fo
     """Print an error for each output path that cannot be written; True if any."""
     bad = False
     for flag, path in paths:
-        problem = output_problem(path, folder=folder) if path and path != "-" else None
+        problem = output_problem(path, folder=folder) if path is not None and path != "-" else None
         if problem is not None:
             print(f"tidal {command}: error: {flag} {path}: {problem}. Nothing was run", file=sys.stderr)
             bad = True
@@ -531,9 +548,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
     except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
         return int(e.code or 0)
+    if extra:
+        # Named after the subcommand they follow: its --help lists what it takes.
+        prog = f"tidal {args.command}" if getattr(args, "command", None) else "tidal"
+        print(
+            f"{prog}: error: unrecognized arguments: {' '.join(extra)} (`{prog} --help` lists the options)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     if getattr(args, "run", None) is None:
         parser.print_help()
         return EXIT_USAGE

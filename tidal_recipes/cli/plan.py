@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from tidal_recipes.cli.args import MAX_GIB, gib_arg, mib_arg, nonneg_int, positive_int, rate_arg
+from tidal_recipes.cli.args import MAX_GIB, bounded_int, gib_arg, mib_arg, nonneg_int, positive_int, rate_arg
 
 __all__ = ["add_parser", "run"]
 
@@ -137,7 +137,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="the optimizer step runs inside the train phase (its peak counts there)",
     )
-    p.add_argument("--context-mib", type=mib_arg, default=500, help="CUDA context, MiB (default 500, assumed)")
+    p.add_argument(
+        "--context-mib",
+        type=bounded_int(0, 1 << 16, why="64 GiB: larger than any CUDA context"),
+        default=500,
+        help="CUDA context, MiB (default 500, assumed; at most 65536)",
+    )
     p.add_argument(
         "--bench-json", metavar="PATH", default=None, help="take the line rate from a `tidal bench --json PATH` file"
     )

@@ -170,11 +170,17 @@ def _one_line_error(capsys, command: str) -> str:
     [
         (["--gpu-mem-gib", "inf"], "argument --gpu-mem-gib: expected a finite number, got inf"),
         (["--gpu-mem-gib", "80", "--host-mem-gib", "inf"], "argument --host-mem-gib: expected a finite number"),
-        (["--gpu-mem-gib", "1e308"], "argument --gpu-mem-gib: expected a number <= 1,048,576 (1 PiB"),
+        (["--gpu-mem-gib", "1e308"], "argument --gpu-mem-gib: expected a number <= 1,048,576 (1 MiB to 1 PiB"),
         (["--gpu-mem-gib", "nan"], "argument --gpu-mem-gib: expected a finite number, got nan"),
         (["--d2h-gbps", "0"], "argument --d2h-gbps: expected a number > 0"),
         (["--bidir-gbps", "inf"], "argument --bidir-gbps: expected a finite number"),
-        (["--context-mib", "99999999999999"], "argument --context-mib: expected an integer <= 1,073,741,824"),
+        (["--context-mib", "99999999999999"], "argument --context-mib: expected an integer <= 65,536 (64 GiB"),
+        (["--context-mib", "100000000"], "argument --context-mib: expected an integer <= 65,536"),
+        (["--gpu-mem-gib", "1e-300"], "argument --gpu-mem-gib: expected a number >= 0.001 (1 MiB to 1 PiB"),
+        (["--gpu-mem-gib", "1e-9"], "argument --gpu-mem-gib: expected a number >= 0.001"),
+        (["--host-mem-gib", "1e-300"], "argument --host-mem-gib: expected a number >= 0.001"),
+        (["--d2h-gbps", "1e-300"], "argument --d2h-gbps: expected a number >= 0.001 (1 MB/s to 1 PB/s"),
+        (["--bogus"], "unrecognized arguments: --bogus (`tidal plan --help` lists the options)"),
         (["--gpus", "33"], "--gpus 33 is more than the 32 sequences of a step (--prompts 8 x --group 4)"),
         (["--prompts", "99999999999999999999"], "PiB on one GPU (rollout), more than any machine has"),
         (["--gen-len", "99999999999999999999"], "more than any machine has; lower --prompts, --group"),
@@ -262,6 +268,8 @@ _DEMO_BAD = [
     (["--headroom-mib", "99999999999999"], "argument --headroom-mib: expected an integer <= 1,073,741,824"),
     (["--task", "add", "--digits", "3"], "task 'add' needs an even num_digits"),
     (["--roles", "processes", "--lora-rank", "4"], "LoRA (--lora-rank) runs with --roles local"),
+    (["--steps", "99999999999999999999"], "argument --steps: expected an integer <= 1,000,000 (a million steps)"),
+    (["--bogus"], "unrecognized arguments: --bogus (`tidal demo --help` lists the options)"),
 ]
 
 
@@ -284,6 +292,22 @@ def test_demo_out_where_nothing_can_be_created(capsys, monkeypatch):
     assert "--out /proc/x: cannot create anything in /proc" in _one_line_error(capsys, "demo")
 
 
+@pytest.mark.parametrize(
+    "out,expect",
+    [
+        ("/nonexistent-tidal/deep/dir", "the folder /nonexistent-tidal/deep does not exist; create it first"),
+        ("", "--out : an empty path; give a folder"),
+    ],
+)
+def test_demo_out_in_a_missing_folder_or_empty_is_refused_before_any_folder(capsys, monkeypatch, out, expect):
+    """A typo in --out never builds a tree of folders at the root, and an empty --out is not
+    the current folder: the folder named is made, not its parents."""
+    monkeypatch.setattr(tidal_recipes.cli.demo, "build_policy", _no_work)
+    assert main(["demo", "--device", "cpu", "--steps", "1", "--out", out]) == EXIT_USAGE
+    assert expect in _one_line_error(capsys, "demo")
+    assert not os.path.exists("/nonexistent-tidal")
+
+
 def test_demo_clamps_a_micro_batch_larger_than_the_step(capsys, monkeypatch):
     seen = {}
 
@@ -304,6 +328,8 @@ def test_demo_clamps_a_micro_batch_larger_than_the_step(capsys, monkeypatch):
     [
         (["--device", "cuda:99999999999999999999"], "torch numbers devices 0-127"),
         (["--line-mib", "99999999999"], "argument --line-mib: expected an integer <= 1,073,741,824"),
+        (["--line-mib", "0"], "argument --line-mib: expected an integer >= 1"),
+        (["--warm-iters", "1000000000"], "argument --warm-iters: expected an integer <= 10,000"),
         (["--device", "cpu", "--line-mib", "4096"], "the line-rate test holds 16.00 GiB of host buffers"),
     ],
 )
