@@ -124,11 +124,12 @@ def wait_for_room(
                     f"use({role.name!r}) waited {timeout} s for other threads to leave their use() blocks of "
                     f"{', '.join(map(repr, names))}, which loading {role.name!r} would move out"
                 )
-            if me in waits:
-                needs, ticket = waits[me][1], waits[me][3]
-            else:
-                needs = {r.name for r in ts._choose_evictions(role, ignore_use=True, keep_free_bytes=keep_free_bytes)}
-                ticket = next(_TICKETS)
+            # What its load must move out, read again each time it looks: a role that was
+            # resident when it began to wait (so needed nothing out) may have gone out since,
+            # and then needs the others' roles out; a stale "nothing" let a thread re-entering
+            # its own role in a loop take every turn (2 turns to 42,000 in 2 s on a CPU).
+            needs = {r.name for r in ts._choose_evictions(role, ignore_use=True, keep_free_bytes=keep_free_bytes)}
+            ticket = waits[me][3] if me in waits else next(_TICKETS)
             waits[me] = (role.name, needs, yields, ticket, keep_free_bytes)
             ts._idle.wait(left)
     finally:
