@@ -10,8 +10,9 @@ direction in turn (device to host, host to device, then both at once):
 * ``shared``: every rank copies at the same moment (after a barrier): what each gets when the
   host's memory and PCIe fabric are shared;
 * ``tidal``: every rank at once, a role of the same bytes (64 MiB tensors) offloaded, loaded,
-  then switched with a second role of the same size (``Timeshare``, the default transfer
-  settings): tidal's rate against ``shared``.
+  then switched with a second role of the same size (``Timeshare`` configured as
+  TidalGRPOTrainer configures it: freed memory kept in the process's cache): tidal's rate
+  against ``shared``; and each rank's tidal alone (``tidal_alone``), against ``alone``.
 
 Printed per rank and in the JSON: GB/s of each, and tidal / shared (target >= 0.9). The host's
 NUMA nodes and memory are read from /sys and /proc and printed with the GPUs.
@@ -130,27 +131,41 @@ def main() -> int:
         )
         roles.append(params)
     moved = pieces * 64 * MiB
-    ts = tidal.Timeshare("cuda")
+    # As TidalGRPOTrainer configures it: freed memory stays in this process's cache (the next
+    # load takes it back without asking the driver).
+    ts = tidal.Timeshare("cuda", config=tidal.TimeshareConfig(release_to_driver=False))
     ts.add_role("a", model=roles[0])
     ts.add_role("b", model=roles[1])
     ts.offload("b")
     ts.offload("a")  # pins the host slots: the timed moves below reuse them
     ts.load("a")
-    timed: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
+
+    def cycle(timed: dict, mine: bool) -> None:
+        """One offload, load and switch, timed where ``mine`` (else only kept in step)."""
+        dist.barrier()
+        rec = ts.offload("a") if mine else None
+        dist.barrier()
+        if mine:
+            timed["d2h"].append(rec.bytes_out / rec.seconds / 1e9)
+            rec = ts.load("a")
+            timed["h2d"].append(rec.bytes_in / rec.seconds / 1e9)
+        dist.barrier()
+        if mine:
+            with ts.use("b"):  # a switch: a out, b in, both directions at once
+                rec = ts.records[-1]
+            timed["both"].append((rec.bytes_out + rec.bytes_in) / rec.seconds / 1e9)
+            ts.load("a")
+        dist.barrier()
+
+    together: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
     for _ in range(a.reps):
-        dist.barrier()
-        rec = ts.offload("a")
-        timed["d2h"].append(rec.bytes_out / rec.seconds / 1e9)
-        dist.barrier()
-        rec = ts.load("a")
-        timed["h2d"].append(rec.bytes_in / rec.seconds / 1e9)
-        dist.barrier()
-        with ts.use("b"):  # a switch: a out, b in, both directions at once
-            rec = ts.records[-1]
-        timed["both"].append((rec.bytes_out + rec.bytes_in) / rec.seconds / 1e9)
-        dist.barrier()
-        ts.load("a")
-    res["tidal"] = {k: statistics.median(v) for k, v in timed.items()}
+        cycle(together, True)
+    res["tidal"] = {k: statistics.median(v) for k, v in together.items()}
+    alone: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
+    for r in range(world):  # each rank's tidal alone, in turn
+        for _ in range(a.reps):
+            cycle(alone, r == rank)
+    res["tidal_alone"] = {k: statistics.median(v) for k, v in alone.items()}
     res["tidal_bytes"] = moved
     ts.close()
 
@@ -168,9 +183,10 @@ def main() -> int:
             for d in ("d2h", "h2d", "both"):
                 ratio = r["tidal"][d] / r["shared"][d]
                 line += (
-                    f"  {d} alone {r['alone'][d]:.1f}, shared {r['shared'][d]:.1f} "
-                    f"({r['shared'][d] / r['alone'][d]:.2f}x alone), tidal {r['tidal'][d]:.1f} GB/s "
-                    f"({ratio:.2f}x shared)"
+                    f"\n    {d}: plain alone {r['alone'][d]:.1f}, shared {r['shared'][d]:.1f} GB/s "
+                    f"({r['shared'][d] / r['alone'][d]:.2f}x alone); tidal alone {r['tidal_alone'][d]:.1f} "
+                    f"({r['tidal_alone'][d] / r['alone'][d]:.2f}x plain), shared {r['tidal'][d]:.1f} GB/s "
+                    f"({ratio:.2f}x plain shared)"
                 )
             print(line)
         print("target: tidal >= 0.9x the shared rate, every rank, every direction")

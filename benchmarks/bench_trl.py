@@ -418,7 +418,9 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         use_cpu=not cuda,
         save_strategy="no",
         seed=0,
-        model_init_kwargs={"dtype": args.dtype},
+        # Several processes: each loads the models whole onto its GPU (TRL's device_map="auto"
+        # under FSDP spreads them over every GPU the process sees; tidal sets None itself).
+        model_init_kwargs={"dtype": args.dtype, **({"device_map": None} if args.nproc > 1 else {})},
         deepspeed=_deepspeed_config() if variant == "ds-zero3-offload" else None,
     )
     data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(256)]})

@@ -534,8 +534,10 @@ p_multi_tests() {
   need_gpus 2 || return 0
   need_module trl || return 0
   run multi_tests.log timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/distributed/test_ddp_gpu.py \
-    tests/distributed/test_fsdp_gpu.py tests/integrations/test_trl_launch_gpu.py tests/integrations/test_trl_gpu.py \
-    -rsfE -p no:cacheprovider --durations=10
+    tests/distributed/test_fsdp_gpu.py tests/integrations/test_trl_launch_gpu.py -rsfE -p no:cacheprovider --durations=10
+  # One process, one GPU: TRL loads a model it is given by path with device_map="auto", over every GPU it sees.
+  run multi_tests.log env CUDA_VISIBLE_DEVICES=0 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu \
+    tests/integrations/test_trl_gpu.py -rsfE -p no:cacheprovider
 }
 p_multi_fsdp14b() {
   need_gpus 2 && need_module trl || return 0

@@ -179,3 +179,24 @@ def test_the_gather_for_generation_is_decided_by_every_rank_alike():
     from tests.distributed.multiproc import run_distributed
 
     run_distributed(_room_decided_alike)
+
+
+def test_under_fsdp_the_models_trl_loads_are_placed_whole_unless_the_arguments_say_otherwise():
+    """TRL loads the models it builds with device_map="auto" under FSDP (None only for DDP and
+    DeepSpeed), spreading each over every GPU the process sees; tidal asks for None there."""
+    from tidal.integrations.trl.checks import place_models_whole
+
+    def args(kind, kwargs):
+        return types.SimpleNamespace(
+            distributed_state=types.SimpleNamespace(distributed_type=kind), model_init_kwargs=kwargs
+        )
+
+    fsdp = args("FSDP", {"dtype": "bfloat16"})
+    place_models_whole(fsdp)
+    assert fsdp.model_init_kwargs == {"dtype": "bfloat16", "device_map": None}
+    chosen = args("FSDP", {"device_map": {"": 0}})
+    place_models_whole(chosen)
+    assert chosen.model_init_kwargs == {"device_map": {"": 0}}  # the user's choice stays
+    ddp = args("MULTI_GPU", None)
+    place_models_whole(ddp)
+    assert ddp.model_init_kwargs is None  # TRL sets it there itself

@@ -134,6 +134,9 @@ def main() -> None:
             seed=0,
             save_strategy="no",
             bf16=False,
+            # Each rank loads the models whole (TRL's device_map="auto" under FSDP spreads them
+            # over the GPUs the process sees; tidal sets this itself, TRL alone needs it said).
+            model_init_kwargs={"device_map": None},
             **({"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5} if a.sync_ref else {}),
         )
         trainer = cls(

@@ -201,7 +201,7 @@ def gathered_bytes(model: torch.nn.Module) -> int:
     ``param_dtype``, else their own), less nothing (the shards stay where they are)."""
     total = 0
     for m in _fsdp_modules(model):
-        for group in m._get_fsdp_state()._fsdp_param_groups:
+        for group in _groups(m):
             cast = group.mp_policy.param_dtype
             for fp in group.fsdp_params:
                 own = fp.sharded_param.dtype
@@ -224,7 +224,11 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     reduce-scatter expects FSDP's own schedule)."""
     modules = _fsdp_modules(model)
     saved = [
-        (m, m._get_fsdp_state()._auto_reshard_after_forward, [g.post_forward_mesh_info for g in _groups(m)])
+        (
+            m,
+            getattr(m._get_fsdp_state(), "_auto_reshard_after_forward", None),
+            [g.post_forward_mesh_info for g in _groups(m)],
+        )
         for m in modules
     ]
     setattr(model, _GATHERED_ATTR, True)
@@ -237,7 +241,8 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     finally:
         # FSDP's own settings back as they were (set_reshard_after_forward has no getter).
         for m, auto, infos in saved:
-            m._get_fsdp_state()._auto_reshard_after_forward = auto
+            if auto is not None:
+                m._get_fsdp_state()._auto_reshard_after_forward = auto
             for g, info in zip(_groups(m), infos):
                 g.post_forward_mesh_info = info
         for m in modules:
@@ -246,7 +251,13 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _groups(module: FSDPModule) -> list:
-    return list(module._get_fsdp_state()._fsdp_param_groups)
+    """The module's FSDP parameter groups: a list since torch 2.12, one (or None) before."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def zero_stage_of(model: torch.nn.Module) -> int | None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["own_storages", "refuse_settings"]
+__all__ = ["own_storages", "place_models_whole", "refuse_settings"]
 
 
 def own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -55,3 +55,19 @@ def refuse_settings(args: Any, who: str) -> None:
             f"{who} does not work with fsdp= in the training arguments; remove it, or build FSDP2 roles "
             "with tidal.distributed directly"
         )
+
+
+def place_models_whole(args: Any) -> None:
+    """Under FSDP, TRL loads the models it builds from a path (the policy, the reference) with
+    ``device_map="auto"``, which spreads each over every GPU the process sees (it sets
+    ``device_map=None`` only for DDP and DeepSpeed launches): the reference is then sharded
+    across GPUs and its first forward fails on tensors of two devices. Where the training
+    arguments name no ``device_map``, they get ``None`` (each rank loads whole, and FSDP shards
+    onto the rank's GPU), as TRL does for DDP."""
+    if args is None:
+        return
+    state = getattr(args, "distributed_state", None)
+    kind = str(getattr(getattr(state, "distributed_type", None), "value", getattr(state, "distributed_type", "")))
+    kwargs = getattr(args, "model_init_kwargs", None)
+    if kind == "FSDP" and "device_map" not in (kwargs or {}):
+        args.model_init_kwargs = {**(kwargs or {}), "device_map": None}

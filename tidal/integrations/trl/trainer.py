@@ -14,7 +14,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from tidal.activations import offload_activations
 from tidal.distributed.ddp import GradientBuckets
 from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
-from tidal.integrations.trl.checks import own_storages, refuse_settings
+from tidal.integrations.trl.checks import own_storages, place_models_whole, refuse_settings
 from tidal.integrations.trl.config import TidalConfig
 from tidal.distributed.fsdp import gathered, gathered_bytes, reshard_after_no_grad_forward
 from tidal.integrations.trl.launch import (
@@ -55,9 +55,9 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
     def __init__(self, *args: Any, tidal: TidalConfig | None = None, **kwargs: Any) -> None:
         if tidal is not None and not isinstance(tidal, TidalConfig):
             raise TypeError(f"tidal must be a tidal.integrations.trl.TidalConfig, got {type(tidal).__name__}")
-        refuse_settings(
-            kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None), type(self).__name__
-        )
+        targs = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        refuse_settings(targs, type(self).__name__)
+        place_models_whole(targs)
         with reference_sharded_per_block(type(self)):  # with FSDP2: per block, as the policy
             super().__init__(*args, **kwargs)
         self.tidal_config = tidal or TidalConfig()
