@@ -567,6 +567,48 @@ def _x(ratio: float | None) -> str:
     return f"{ratio:.2f}" if ratio is not None else "-"
 
 
+def median_ci95(values: list[float]) -> tuple[float, float] | None:
+    """A distribution-free 95% interval for the median of ``values`` (independent draws): the
+    order statistics ``x(k)`` and ``x(n+1-k)`` for the largest ``k`` whose two tails of the
+    binomial(n, 1/2) hold at most 2.5% each. None below 6 values (no such ``k``)."""
+    import math
+
+    x, n = sorted(values), len(values)
+    k = 0
+    while k < n // 2 and sum(math.comb(n, i) for i in range(k + 1)) / 2**n <= 0.025:
+        k += 1
+    return (x[k - 1], x[n - k]) if k >= 1 else None
+
+
+def _paired(results: list) -> dict:
+    """Per tidal variant run alternately with TRL alone (``--paired``): each of its processes
+    against the TRL process just before it, the ratio of their median steps (and of their
+    generation phases): the median ratio, its 95% interval (:func:`median_ci95`) and n."""
+    out: dict = {}
+    for i, r in enumerate(results):
+        if r["variant"] == "trl" or r.get("error") or i == 0:
+            continue
+        base = results[i - 1]
+        if base["variant"] != "trl" or base.get("error"):
+            continue
+        row = out.setdefault(r["variant"], {"step": [], "generate": []})
+        row["step"].append(r["step_s"] / base["step_s"])
+        gen, gen0 = r.get("phase_s", {}).get("generate"), base.get("phase_s", {}).get("generate")
+        if gen and gen0:
+            row["generate"].append(gen / gen0)
+    return {
+        name: {
+            "ratio_median": statistics.median(row["step"]),
+            "ratio_ci95": median_ci95(row["step"]),
+            "n": len(row["step"]),
+            "ratios": row["step"],
+            "generate_ratio_median": statistics.median(row["generate"]) if row["generate"] else None,
+            "generate_ratio_ci95": median_ci95(row["generate"]) if row["generate"] else None,
+        }
+        for name, row in out.items()
+    }
+
+
 def _pooled(results: list) -> dict:
     """Per variant run in more than one process: the median of every measured step of all its
     processes, and how many processes and steps that is. Empty where no variant repeats."""
@@ -593,12 +635,12 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
     import trl
 
     base = next((r for r in results if r["variant"] == "trl" and not r.get("error")), None)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    gpu = getattr(args, "gpu_name", None) or "CPU"  # read by the preparing process: this one keeps off the GPU
     print(f"\n{gpu}, torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
     what = f"{args.preset} {args.dtype}" + (" + reward model" if reward_path else "")
     print(
         f"{what}, {args.batch} completions x {args.completion} tokens per step, beta 0.04, weights {args.dtype}"
-        + (", bf16 autocast" if torch.cuda.is_available() else "")
+        + (", bf16 autocast" if gpu != "CPU" and not (args.nproc > 1 and args.launch == "fsdp2") else "")
     )
     rows = []
     date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -716,9 +758,23 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 for name, p in pooled.items()
             )
         )
+    for name, pr in _paired(results).items():
+        ci = pr["ratio_ci95"]
+        gci = pr["generate_ratio_ci95"]
+        print(
+            f"  paired against the TRL process before each: {name} step {pr['ratio_median']:.3f}x TRL's (median of "
+            f"{pr['n']} pairs; 95% interval "
+            + (f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "needs >= 6 pairs")
+            + ")"
+            + (
+                f", generation {pr['generate_ratio_median']:.3f}x" + (f" ({gci[0]:.3f}-{gci[1]:.3f})" if gci else "")
+                if pr["generate_ratio_median"] is not None
+                else ""
+            )
+        )
     print(
-        "targets (64 x 256): 1.5B fp32 step <= 1.03x TRL at peak <= 0.5x; 7B bf16 exposed <= 3% of the step; "
-        "prefetch never slower than without"
+        "targets (64 x 256): 1.5B fp32 step <= 1.05x TRL (paired, the 95% interval's upper end) at peak <= 0.5x, "
+        "generation <= 1.02x; 7B bf16 exposed <= 3% of the step; prefetch never slower than without"
     )
     profiled = [(r["variant"], r["profile"]) for r in results if r.get("profile", {}).get("summary")]
     if profiled:
@@ -759,6 +815,7 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                     "nproc": args.nproc,
                     "launch": args.launch if args.nproc > 1 else "single",
                     "pooled": pooled,
+                    "paired": _paired(results),
                     "variants": results,
                 },
                 f,
@@ -817,11 +874,28 @@ def main(argv=None) -> int:
         help="with --nproc > 1: the JSON of the same workload on one GPU (this script, run just before on the "
         "same machine): each variant's throughput is printed against it",
     )
+    p.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        help="run TRL alone and each tidal variant alternately in N processes each (trl, X, trl, X, ...) and "
+        "report each variant's median step ratio against the TRL process before it, with its 95%% interval "
+        "(in the JSON: paired)",
+    )
     p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--reward-model-path", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args._prepare:
+        import torch
+
+        save_model(args.preset, args._model, args.reward_model_path)
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        with open(args._out, "w") as f:
+            json.dump({"line_rate": _line_rate(), "gpu": gpu}, f)
+        return 0
     if args._variant:
         if args._variant.startswith("before:"):
             # The code measured before the change: its tidal package, exported to --before.
@@ -839,9 +913,16 @@ def main(argv=None) -> int:
     model_path = os.path.join(work, args.preset)
     t0 = time.perf_counter()
     reward_path = os.path.join(work, args.preset + "-reward") if args.reward_model else None
-    save_model(args.preset, model_path, reward_path)
+    # In a process of its own: this one would keep a CUDA context and the line-rate buffers in
+    # its cache on the GPU all run long (2.67 GiB seen beside every variant), memory neither TRL
+    # nor tidal could use.
+    prepared = os.path.join(work, "prepared.json")
+    cmd = [sys.executable, __file__, "--_prepare", "--preset", args.preset, "--_model", model_path, "--_out", prepared]
+    subprocess.run(cmd + (["--reward-model-path", reward_path] if reward_path else []), check=True)
+    with open(prepared) as f:
+        ready = json.load(f)
+    args.line_rate, args.gpu_name = ready["line_rate"], ready["gpu"]
     print(f"saved {args.preset} to {model_path} in {time.perf_counter() - t0:.1f} s", flush=True)
-    args.line_rate = _line_rate()
     if args.line_rate:
         lr = args.line_rate
         print(
@@ -850,7 +931,11 @@ def main(argv=None) -> int:
             flush=True,
         )
     results = []
-    for v in args.variants.split(","):
+    variants = args.variants.split(",")
+    if args.paired:
+        ours = [v for v in variants if v != "trl"]
+        variants = [v for _ in range(args.paired) for x in ours for v in ("trl", x)]
+    for v in variants:
         out = os.path.join(work, f"{v}.json")
         cmd = (
             [

@@ -1,0 +1,69 @@
+"""bench_trl.py's paired comparison (``--paired``): each tidal process against the TRL process
+just before it, the median ratio and a distribution-free 95% interval for it; and the merge of
+a multi-process variant's ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+bench_trl = pytest.importorskip("bench_trl")
+
+
+def test_the_interval_for_the_median_holds_95_percent_and_needs_six_values():
+    assert bench_trl.median_ci95([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # 2 / 32 > 5%: no interval
+    assert bench_trl.median_ci95([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)  # 1 - 2/64 = 96.9%
+    lo, hi = bench_trl.median_ci95([float(i) for i in range(1, 21)])
+    assert (lo, hi) == (6.0, 15.0)
+    # Its coverage: the chance the median lies outside is the two binomial tails, <= 5%.
+    tail = sum(math.comb(20, i) for i in range(6)) / 2**20
+    assert 2 * tail <= 0.05 < 2 * (tail + math.comb(20, 6) / 2**20)
+
+
+def _row(variant, step, generate=None, error=None):
+    r = {"variant": variant, "step_s": step, "error": error}
+    if generate is not None:
+        r["phase_s"] = {"generate": generate}
+    return r
+
+
+def test_each_tidal_process_is_paired_with_the_trl_process_before_it():
+    results = []
+    for i in range(6):
+        results += [_row("trl", 10.0 + i, 5.0), _row("stream", 11.0 + i, 5.5)]
+    results.append(_row("stream", 99.0))  # no TRL process before it: not paired
+    results += [_row("trl", 10.0, error="out of memory"), _row("stream", 12.0, 6.0)]  # its TRL failed
+    got = bench_trl._paired(results)["stream"]
+    assert got["n"] == 6
+    assert got["ratios"] == [(11.0 + i) / (10.0 + i) for i in range(6)]
+    assert got["ratio_ci95"] == (min(got["ratios"]), max(got["ratios"]))
+    assert got["generate_ratio_median"] == pytest.approx(1.1)
+
+
+def test_a_multi_process_variant_is_its_slowest_rank_and_highest_peak(tmp_path):
+    out = str(tmp_path / "v.json")
+    for r, (step, peak) in enumerate([(10.0, 5), (11.0, 7)]):
+        with open(f"{out}.rank{r}", "w") as f:
+            json.dump(
+                {
+                    "variant": "x",
+                    "rank": r,
+                    "error": None,
+                    "step_s": step,
+                    "step_min_s": step - 1,
+                    "peak_bytes": peak,
+                    "exposed_s_per_step": 0.1 * r,
+                    "host_held_bytes": 3,
+                },
+                f,
+            )
+    merged = bench_trl._merged_ranks(out, 2)
+    assert merged["step_s"] == 11.0 and merged["peak_bytes"] == 7 and merged["nproc"] == 2
+    assert [x["step_s"] for x in merged["ranks"]] == [10.0, 11.0]
+    assert bench_trl._merged_ranks(str(tmp_path / "none.json"), 2) is None  # no rank wrote one
