@@ -75,6 +75,11 @@ class KeepAndPrefetch:
             if growth is None:
                 return  # its needs are not known yet: measured this time, used the next
             leave = phase_need_bytes(growth)
+            if then == "optimizer":
+                # Brought in as the backward starts, whose large blocks (the activations' and
+                # weights' gradients) the free pieces of the allocator's partly used segments
+                # cannot hold: as for the loss's keep, those do not count as the backward's room.
+                leave += ts.ops.fragmented_free_bytes()
             if cfg.prefetch_peak_bytes is not None:
                 limit = max(0, cfg.prefetch_peak_bytes - memory.allocated() - leave)
         if then == "optimizer":
