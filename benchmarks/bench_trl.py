@@ -975,7 +975,7 @@ def main(argv=None) -> int:
         if args.nproc > 1:
             cmd = _launched(cmd, args)
         rc, host = _run_watching_host_memory(cmd, env)
-        res = _merged_ranks(out, args.nproc) if args.nproc > 1 else None
+        res = _merged_ranks(out, args.nproc, v) if args.nproc > 1 else None
         if res is None:
             res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
         res.update(host)
@@ -1009,7 +1009,7 @@ def _launched(cmd: list[str], args) -> list[str]:
     return launch + cmd[1:]
 
 
-def _merged_ranks(out: str, nproc: int) -> dict | None:
+def _merged_ranks(out: str, nproc: int, variant: str = "") -> dict | None:
     """The ranks' results of one variant as one: rank 0's, with the step the slowest rank's
     median (the ranks wait for each other), the peak the highest rank's, and each rank's step,
     peak, exposed share and host memory under ``ranks``. None if no rank wrote one."""
@@ -1022,8 +1022,10 @@ def _merged_ranks(out: str, nproc: int) -> dict | None:
             ranks.append({"rank": r, "error": "no result (the process died)"})
     if all(x.get("error") == "no result (the process died)" for x in ranks):
         return None
-    res = dict(ranks[0])
-    errors = [x["error"] for x in ranks if x.get("error")]
+    res = dict(next((x for x in ranks if "variant" in x), ranks[0]))
+    res["variant"] = res.get("variant") or variant
+    # The first rank's own error (the others' follow from it: killed by the launcher).
+    errors = sorted((x["error"] for x in ranks if x.get("error")), key=lambda e: e.startswith("no result"))
     if errors:
         res["error"] = errors[0]
     else:

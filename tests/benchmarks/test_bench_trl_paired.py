@@ -67,3 +67,9 @@ def test_a_multi_process_variant_is_its_slowest_rank_and_highest_peak(tmp_path):
     assert merged["step_s"] == 11.0 and merged["peak_bytes"] == 7 and merged["nproc"] == 2
     assert [x["step_s"] for x in merged["ranks"]] == [10.0, 11.0]
     assert bench_trl._merged_ranks(str(tmp_path / "none.json"), 2) is None  # no rank wrote one
+    # Rank 0 killed by the launcher after rank 1 ran out of memory: the variant says why.
+    one = str(tmp_path / "one.json")
+    with open(f"{one}.rank1", "w") as f:
+        json.dump({"variant": "y", "rank": 1, "error": "out of memory: CUDA out of memory."}, f)
+    merged = bench_trl._merged_ranks(one, 2, "y")
+    assert merged["variant"] == "y" and merged["error"].startswith("out of memory")
