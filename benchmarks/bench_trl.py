@@ -974,6 +974,10 @@ def main(argv=None) -> int:
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         if args.nproc > 1:
             cmd = _launched(cmd, args)
+        elif "CUDA_VISIBLE_DEVICES" not in env:
+            # One process, one GPU: TRL loads a model given by path with device_map="auto",
+            # over every GPU the process sees (on a 4-GPU machine the one-GPU run spanned four).
+            env["CUDA_VISIBLE_DEVICES"] = "0"
         rc, host = _run_watching_host_memory(cmd, env)
         res = _merged_ranks(out, args.nproc, v) if args.nproc > 1 else None
         if res is None:
