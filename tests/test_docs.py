@@ -86,7 +86,11 @@ def test_readme_is_short_and_its_first_screen_has_what_a_newcomer_needs():
     assert not _NEEDS.match(blocks[0].splitlines()[0]), "the quickstart runs on a CPU without extras"
     for heading in ("## Measured", "## Two commands", "## Quickstart"):
         assert heading in text, heading
-    assert text.index("## Measured") < text.index("## Two commands") < text.index("## Quickstart")
+    # The two commands first, then a few figures a newcomer can read, then the quickstart.
+    assert text.index("## Two commands") < text.index("## Measured") < text.index("## Quickstart")
+    measured = text[text.index("## Measured") : text.index("## Quickstart")]
+    rows = [ln for ln in measured.splitlines() if ln.startswith("| ") and not ln.startswith("| what")]
+    assert 3 <= len(rows) <= 5, "three to five rows, the rest linked"
     assert "python -m pytest -q -m slow" in text and "python -m pytest -q\n" in text
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"(docs/{page.name})" in text, f"docs/{page.name} is not linked from the README"
