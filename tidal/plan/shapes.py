@@ -286,6 +286,12 @@ PRESETS: dict[str, ModelShape] = {
     "qwen2-7b": _qwen2(
         "Qwen2-7B", layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152064, tied=False
     ),
+    "qwen2.5-14b": _qwen2(
+        "Qwen2.5-14B", layers=48, hidden=5120, intermediate=13824, heads=40, kv_heads=8, vocab=152064, tied=False
+    ),
+    "qwen2.5-32b": _qwen2(
+        "Qwen2.5-32B", layers=64, hidden=5120, intermediate=27648, heads=40, kv_heads=8, vocab=152064, tied=False
+    ),
     "llama3-8b": ModelShape(
         name="Llama-3-8B",
         layers=32,

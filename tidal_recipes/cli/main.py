@@ -3,7 +3,7 @@
 Usage::
 
     tidal demo  [--device cpu|cuda|cuda:N] [--preset ...] [--steps N] [--optimizer adamw|cpu_adam] ...
-    tidal bench [--preset tiny|qwen2-0.5b|qwen2-1.5b|qwen2-7b|llama3-8b] [--device cpu|cuda|cuda:N]
+    tidal bench [--preset tiny|qwen2-0.5b|qwen2-1.5b|qwen2-7b|qwen2.5-14b|qwen2.5-32b|llama3-8b] [--device cpu|cuda|cuda:N]
                 [--warm-iters N] [--results PATH] [--json PATH]
     tidal plan  [--preset qwen2-1.5b | --config config.json] [--gpu-mem-gib G] [--gpus N] ...
 
@@ -47,6 +47,8 @@ _PRESETS = (
     "qwen2-0.5b",
     "qwen2-1.5b",
     "qwen2-7b",
+    "qwen2.5-14b",
+    "qwen2.5-32b",
     "llama3-8b",
 )  # mirrors tidal_recipes.cli.models.PRESETS
 

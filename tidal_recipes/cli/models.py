@@ -66,6 +66,8 @@ PRESETS: dict[str, Preset] = {
     "qwen2-0.5b": Preset(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True),
     "qwen2-1.5b": Preset(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True),
     "qwen2-7b": Preset(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064, tied=False),
+    "qwen2.5-14b": Preset(hidden=5120, layers=48, heads=40, kv_heads=8, intermediate=13824, vocab=152064, tied=False),
+    "qwen2.5-32b": Preset(hidden=5120, layers=64, heads=40, kv_heads=8, intermediate=27648, vocab=152064, tied=False),
     "llama3-8b": Preset(
         hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, tied=False, family="llama"
     ),

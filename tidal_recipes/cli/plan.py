@@ -2,8 +2,8 @@
 
 Usage::
 
-    tidal plan (--preset qwen2-0.5b|qwen2-1.5b|qwen2-7b|llama3-8b | --config PATH/config.json)
-               [--gpu-mem-gib G] [--gpus N] [--zero-stage S] [--prompts P] [--group G]
+    tidal plan (--preset qwen2-0.5b|qwen2-1.5b|qwen2-7b|qwen2.5-14b|qwen2.5-32b|llama3-8b | --config PATH)
+               [--gpu-mem-gib G] [--gpus N] [--launch ddp|fsdp2 | --zero-stage S] [--prompts P] [--group G]
                [--prompt-len L] [--gen-len L] [--micro-batch B] [--grad-ckpt | --no-grad-ckpt]
                [--optimizer adamw|adamw_offload|cpu_adam] [--lora-rank R] [--json [PATH]]
                [--sampling own --action-vocab N --completion-logits --step-in-train] ...
@@ -30,7 +30,14 @@ from tidal_recipes.cli.args import MAX_GIB, bounded_int, gib_arg, mib_arg, nonne
 __all__ = ["add_parser", "run"]
 
 EXIT_OK, EXIT_USAGE, EXIT_OUTPUT = 0, 2, 4
-_PRESETS = ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "llama3-8b")  # mirrors tidal.plan.shapes.PRESETS
+_PRESETS = (
+    "qwen2-0.5b",
+    "qwen2-1.5b",
+    "qwen2-7b",
+    "qwen2.5-14b",
+    "qwen2.5-32b",
+    "llama3-8b",
+)  # mirrors tidal.plan.shapes.PRESETS
 _OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")  # mirrors tidal.plan.model.OPTIMIZERS
 _DTYPES = ("bf16", "fp16", "fp32")
 
@@ -63,7 +70,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "machine has available now, memory cgroup included)",
     )
     p.add_argument("--gpus", type=positive_int, default=1, help="GPUs (data-parallel degree; default 1)")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (default 0)")
+    p.add_argument(
+        "--launch",
+        choices=("ddp", "fsdp2"),
+        default=None,
+        help="how the GPUs train together: ddp (every GPU holds the whole state: ZeRO 0; DDP's buckets are the "
+        "gradients, as tidal's TRL trainer makes them) or fsdp2 (full sharding: ZeRO 3)",
+    )
     p.add_argument("--prompts", type=positive_int, default=8, help="prompts per step, all GPUs (default 8)")
     p.add_argument("--group", type=positive_int, default=4, help="samples per prompt (default 4)")
     p.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens (default 128)")
@@ -185,6 +199,15 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"tidal plan: error: --json {args.json}: {problem}. Nothing was run", file=sys.stderr)
         return EXIT_USAGE
+    stage_of = {"ddp": 0, "fsdp2": 3}
+    if args.launch is not None and args.zero_stage is not None and args.zero_stage != stage_of[args.launch]:
+        print(
+            f"tidal plan: error: --launch {args.launch} is ZeRO stage {stage_of[args.launch]}, but --zero-stage "
+            f"{args.zero_stage} was given too; give one of them. Nothing was run",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    zero_stage = stage_of[args.launch] if args.launch is not None else (args.zero_stage or 0)
     sequences = args.prompts * args.group
     if args.gpus > sequences:
         print(
@@ -213,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
             master_weights=args.master_weights,
             optimizer=args.optimizer,
             cpu_adam_grad_accumulation=args.cpu_adam_grad_accumulation,
-            zero_stage=args.zero_stage,
+            zero_stage=zero_stage,
             dp=args.gpus,
             lora_rank=args.lora_rank,
             prompts=args.prompts,

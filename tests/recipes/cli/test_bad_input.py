@@ -181,6 +181,7 @@ def _one_line_error(capsys, command: str) -> str:
         (["--host-mem-gib", "1e-300"], "argument --host-mem-gib: expected a number >= 0.001"),
         (["--d2h-gbps", "1e-300"], "argument --d2h-gbps: expected a number >= 0.001 (1 MB/s to 1 PB/s"),
         (["--bogus"], "unrecognized arguments: --bogus (`tidal plan --help` lists the options)"),
+        (["--launch", "ddp", "--zero-stage", "3"], "--launch ddp is ZeRO stage 0, but --zero-stage 3 was given too"),
         (["--gpus", "33"], "--gpus 33 is more than the 32 sequences of a step (--prompts 8 x --group 4)"),
         (["--prompts", "99999999999999999999"], "PiB on one GPU (rollout), more than any machine has"),
         (["--gen-len", "99999999999999999999"], "more than any machine has; lower --prompts, --group"),

@@ -169,3 +169,17 @@ def test_host_memory_is_itemised_and_checked(capsys, monkeypatch):
     data = json.loads(_run([*args, "--host-mem-gib", "100", "--json"], capsys)[1])
     assert data["plan"]["host"]["CPU Adam fp32 gradients"] == 4 * 7615616512
     assert data["recommendation"]["host_usable_bytes"] == 90 << 30
+
+
+def test_launch_names_the_zero_stage_of_ddp_and_fsdp2(capsys):
+    """--launch ddp plans every GPU holding the whole state (ZeRO 0), fsdp2 full sharding (ZeRO 3):
+    the same plans as the stages named directly."""
+    from tidal_recipes.cli.main import main
+
+    base = ["plan", "--preset", "qwen2.5-14b", "--gpus", "2", "--prompts", "8", "--group", "4"]
+    outs = {}
+    for extra in (["--launch", "ddp"], ["--zero-stage", "0"], ["--launch", "fsdp2"], ["--zero-stage", "3"]):
+        assert main(base + extra) == 0
+        outs[" ".join(extra)] = capsys.readouterr().out
+    assert outs["--launch ddp"] == outs["--zero-stage 0"] and "ZeRO 0 x dp 2" in outs["--launch ddp"]
+    assert outs["--launch fsdp2"] == outs["--zero-stage 3"] and "ZeRO 3 x dp 2" in outs["--launch fsdp2"]
