@@ -172,3 +172,34 @@ def test_a_bool_field_given_another_type_is_refused(field, value):
     assert getattr(TidalTrainerConfig(**{field: True}), field) is True
     with pytest.raises(ValueError, match="activation_min_offload_bytes"):
         TidalTrainerConfig(activation_offload=True, activation_min_offload_bytes=-5)
+
+
+_TWO_PROCESS_CPU_ADAM = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from tests.integrations.test_hf import _args, _data, _model
+from tidal.integrations.hf import TidalTrainer, TidalTrainerConfig
+try:
+    TidalTrainer(model=_model(), args=_args({out!r}), train_dataset=_data(), tidal=TidalTrainerConfig(cpu_adam=True))
+except ValueError as e:
+    print("REFUSED:", e)
+"""
+
+
+@pytest.mark.slow
+def test_cpu_adam_with_several_processes_is_refused_before_training(tmp_path):
+    """Under torchrun (DDP) CPU Adam would step each rank on its own gradients (it takes them
+    before the all-reduce): refused when the trainer is built, on every rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    script = tmp_path / "two.py"
+    script.write_text(_TWO_PROCESS_CPU_ADAM.format(root=root, out=str(tmp_path / "out")))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("REFUSED: TidalTrainerConfig(cpu_adam=True) does not work with several processes") == 2

@@ -200,3 +200,22 @@ def test_under_fsdp_the_models_trl_loads_are_placed_whole_unless_the_arguments_s
     ddp = args("MULTI_GPU", None)
     place_models_whole(ddp)
     assert ddp.model_init_kwargs is None  # TRL sets it there itself
+
+
+def test_cpu_adam_with_several_processes_is_refused_naming_what_works():
+    """CPU Adam takes each gradient to the host as the backward produces it, before DDP's
+    all-reduce (FSDP2's reduce-scatter): every rank would step on its own gradients."""
+    from tidal import CPUAdam
+    from tidal.integrations.trl.checks import refuse_host_optimizer
+
+    opt = CPUAdam(torch.nn.Linear(2, 2).parameters())
+    refuse_host_optimizer(opt, "single", "T")  # one process: its use
+    refuse_host_optimizer(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()), "ddp", "T")
+    for launch in ("ddp", "fsdp2"):
+        with pytest.raises(
+            ValueError, match=rf"T cannot use tidal.CPUAdam with several processes \({launch}\).*'stream'"
+        ):
+            refuse_host_optimizer(opt, launch, "T")
+        wrapped = types.SimpleNamespace(optimizer=opt)  # accelerate's wrapper
+        with pytest.raises(ValueError, match="cannot use tidal.CPUAdam"):
+            refuse_host_optimizer(wrapped, launch, "T")

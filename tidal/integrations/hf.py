@@ -249,6 +249,13 @@ class TidalTrainer(ActivationFigures, CPUAdamClipping, Trainer):
                 "hooks need the eager model); set one of them off"
             )
         super().__init__(*args, **kwargs)
+        if tidal.cpu_adam and self.accelerator.num_processes > 1:
+            raise ValueError(
+                f"TidalTrainerConfig(cpu_adam=True) does not work with several processes "
+                f"({self.accelerator.num_processes} were launched): CPU Adam takes each gradient to the host as the "
+                f"backward produces it, before DDP's all-reduce, so every rank would step on its own gradients. "
+                f"Run one process, or set cpu_adam=False"
+            )
         if tidal.cpu_adam:
             a = self.args
             self.optimizer_cls_and_kwargs = (

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["own_storages", "place_models_whole", "refuse_settings"]
+__all__ = ["own_storages", "place_models_whole", "refuse_host_optimizer", "refuse_settings"]
 
 
 def own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -71,3 +71,19 @@ def place_models_whole(args: Any) -> None:
     kwargs = getattr(args, "model_init_kwargs", None)
     if kind == "FSDP" and "device_map" not in (kwargs or {}):
         args.model_init_kwargs = {**(kwargs or {}), "device_map": None}
+
+
+def refuse_host_optimizer(optimizer: Any, launch: str, who: str) -> None:
+    """``ValueError`` for :class:`tidal.CPUAdam` in a launch of several processes: it takes each
+    gradient to the host as the backward produces it, before DDP's all-reduce or FSDP2's
+    reduce-scatter has made it the gradient of the whole batch, so every rank would step on its
+    own gradients."""
+    from tidal.optim import CPUAdam
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch one
+    if launch != "single" and isinstance(inner, CPUAdam):
+        raise ValueError(
+            f"{who} cannot use tidal.CPUAdam with several processes ({launch}): it takes each gradient to the "
+            f"host as the backward produces it, before the ranks' gradients are reduced. Use torch's AdamW with "
+            f"TidalConfig(optimizer_residency='stream') (its state on the host between steps), or one process"
+        )

@@ -14,7 +14,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from tidal.activations import offload_activations
 from tidal.distributed.ddp import GradientBuckets
 from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
-from tidal.integrations.trl.checks import own_storages, place_models_whole, refuse_settings
+from tidal.integrations.trl.checks import own_storages, place_models_whole, refuse_host_optimizer, refuse_settings
 from tidal.integrations.trl.config import TidalConfig
 from tidal.distributed.fsdp import gathered, gathered_bytes, reshard_after_no_grad_forward
 from tidal.integrations.trl.launch import (
@@ -62,6 +62,7 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
             super().__init__(*args, **kwargs)
         self.tidal_config = tidal or TidalConfig()
         self._tidal_launch = check_launch(self.accelerator, type(self).__name__)
+        refuse_host_optimizer(self.optimizer, self._tidal_launch, type(self).__name__)
         if self._tidal_launch == "ddp":
             use_bucket_views(self.accelerator)  # before train() prepares (wraps) the policy
         self._tidal_buckets: GradientBuckets | None = None  # DDP's, once the wrapper exists
