@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from tidal.optim import CPUAdam
+
 __all__ = ["own_storages", "place_models_whole", "refuse_host_optimizer", "refuse_settings"]
 
 
@@ -78,8 +80,6 @@ def refuse_host_optimizer(optimizer: Any, launch: str, who: str) -> None:
     gradient to the host as the backward produces it, before DDP's all-reduce or FSDP2's
     reduce-scatter has made it the gradient of the whole batch, so every rank would step on its
     own gradients."""
-    from tidal.optim import CPUAdam
-
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch one
     if launch != "single" and isinstance(inner, CPUAdam):
         raise ValueError(
