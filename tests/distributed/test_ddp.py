@@ -119,3 +119,54 @@ def _refusals(rank: int, world: int) -> None:
 
 def test_a_wrapper_without_bucket_views_or_no_wrapper_is_refused():
     run_distributed(_refusals)
+
+
+def _interrupted(rank: int, world: int) -> None:
+    """A KeyboardInterrupt (or any exception) at every buffer of a release and of a restore:
+    the next restore gives every buffer its memory back, and training goes on as DDP alone's."""
+    from tidal import guard as guard_mod
+
+    want, _ = _train(rank, buckets=False, find_unused=True, steps=3)
+    for where in ("release", "restore"):
+        for k in range(4):
+            torch.manual_seed(0)
+            net = Net(hidden=32)
+            ddp = DDP(net, bucket_cap_mb=0.01, find_unused_parameters=True, gradient_as_bucket_view=True)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+            gb = GradientBuckets(ddp)
+            gb.watch(opt)
+            real = {"release": guard_mod.release, "unseal": guard_mod.unseal}
+            for step in range(3):
+                if step == 1:
+                    calls = [0]
+                    name = "release" if where == "release" else "unseal"
+
+                    def failing(*a, _name=name, _real=real[name], **kw):
+                        calls[0] += 1
+                        if calls[0] == k + 1:
+                            raise KeyboardInterrupt(f"injected at {where} #{k}")
+                        return _real(*a, **kw)
+
+                    setattr(guard_mod, name, failing)
+                    try:
+                        try:
+                            gb.release()
+                            gb.restore()
+                        except KeyboardInterrupt:
+                            pass
+                    finally:
+                        setattr(guard_mod, name, real[name])
+                    gb.restore()  # what the next forward's hook does, whatever was left
+                    assert all(counted_nbytes(t.untyped_storage()) > 0 for t in gb)
+                else:
+                    gb.release()
+                loss_of(ddp, batch(step, rank)).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            got = {n: p.detach() for n, p in net.named_parameters()}
+            assert all(torch.equal(want[n], got[n]) for n in want), (where, k)
+            gb.close()
+
+
+def test_an_interrupted_release_or_restore_leaves_every_bucket_restorable():
+    run_distributed(_interrupted)

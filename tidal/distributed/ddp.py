@@ -110,11 +110,13 @@ class GradientBuckets:
         where a gradient exists, or nothing is noted or everything is released already)."""
         if self._released or not self._buffers or any(p.grad is not None for p in self._params):
             return 0
+        # Marked first: interrupted part-way (any exception, KeyboardInterrupt included), the
+        # next restore() gives memory back to every buffer, released or not (it skips none).
+        self._released = True
         freed = 0
         for t, nbytes in self._buffers.values():
             guard.release(t.untyped_storage(), _RELEASED)
             freed += nbytes
-        self._released = True
         return freed
 
     def restore(self) -> None:
@@ -124,6 +126,8 @@ class GradientBuckets:
             return
         for t, nbytes in self._buffers.values():
             storage = t.untyped_storage()
+            # Both a no-op for a buffer that has its memory (a release or restore interrupted
+            # part-way): cleared only once every buffer has it, so a retry covers the rest.
             guard.unseal(storage, empty=True)
             storage.resize_(nbytes)
         self._released = False
