@@ -96,15 +96,15 @@ def main() -> None:
 
     GradientBuckets.release = counted_release
     gathers: list[int] = []  # generations run with the policy gathered once (FSDP2)
-    import tidal.integrations.trl.trainer as trainer_mod
+    import tidal.integrations.trl.launch as launch_mod
 
-    gathered = trainer_mod.gathered
+    gathered = launch_mod.gathered
 
     def counted_gathered(model):
         gathers.append(1)
         return gathered(model)
 
-    trainer_mod.gathered = counted_gathered
+    launch_mod.gathered = counted_gathered
     rank = int(os.environ.get("RANK", "0"))
     config_cls, plain_cls, tidal_cls = {
         "grpo": (trl.GRPOConfig, trl.GRPOTrainer, TidalGRPOTrainer),

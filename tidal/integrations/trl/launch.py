@@ -14,9 +14,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
+from tidal.distributed.fsdp import gathered, gathered_bytes
+from tidal.memory import phase_need_bytes
+
 __all__ = [
     "Launch",
     "check_launch",
+    "gathered_for_generation",
     "has_room_to_gather",
     "prepare_fsdp_per_block",
     "reference_sharded_per_block",
@@ -146,3 +150,20 @@ def has_room_to_gather(nbytes: int, free_bytes: int, device: torch.device) -> bo
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
+
+
+@contextlib.contextmanager
+def gathered_for_generation(policy: torch.nn.Module, ops: Any) -> Iterator[None]:
+    """An FSDP2 policy gathered once for the block (:func:`tidal.distributed.gathered`: its
+    forwards, one per generated token, then run no collective), where every rank has the room
+    for a full copy (+10%, 256 MiB) beside what the generation's turn left on its device (``ops``:
+    its :class:`~tidal.device.DeviceOps`); else nothing (each forward gathers per unit, as
+    TRL alone). The room is read before the gather and decided by all ranks alike (one
+    all-reduce). Memory cost: a full copy of the policy's parameters for the block."""
+    need = phase_need_bytes(gathered_bytes(policy))
+    free = ops.driver_free_bytes()[0] + ops.cached_free_bytes() if ops.is_accelerator else need  # the host: room
+    if not has_room_to_gather(need, free, ops.device):
+        yield
+        return
+    with gathered(policy):
+        yield

@@ -14,12 +14,12 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from tidal.activations import offload_activations
 from tidal.distributed.ddp import GradientBuckets
 from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
+from tidal.distributed.fsdp import reshard_after_no_grad_forward
 from tidal.integrations.trl.checks import own_storages, place_models_whole, refuse_host_optimizer, refuse_settings
 from tidal.integrations.trl.config import TidalConfig
-from tidal.distributed.fsdp import gathered, gathered_bytes, reshard_after_no_grad_forward
 from tidal.integrations.trl.launch import (
     check_launch,
-    has_room_to_gather,
+    gathered_for_generation,
     reference_sharded_per_block,
     runs_collectives,
     use_bucket_views,
@@ -29,7 +29,7 @@ from tidal.integrations.trl.phases import Phase, at_first_forward
 from tidal.integrations.trl.reference import SyncReference
 from tidal.integrations.trl.retry import AgainIfOutOfMemory
 from tidal.integrations.trl.schedule import KeepAndPrefetch
-from tidal.memory import host_rss_bytes, phase_need_bytes
+from tidal.memory import host_rss_bytes
 from tidal.timeshare import Timeshare
 
 __all__ = ["TidalGRPOTrainer", "TidalRLOOTrainer", "TidalRLTrainer"]
@@ -163,24 +163,12 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
             with at_first_forward(lambda: self._prefetch("generate", self._after("policy"))):
                 return super()._generate(prompts)
 
-    @contextlib.contextmanager
     def _gathered_for_generation(self):
-        """With FSDP2: the policy gathered once for the generation (its forwards, one per token,
-        then run no collective: :func:`tidal.distributed.gathered`), where every rank has the
-        room for a full copy beside what its turn left on the device; else TRL's gathers per
-        unit per forward. The room is counted before the gather, decided by all ranks alike."""
+        """With FSDP2: :func:`~tidal.integrations.trl.launch.gathered_for_generation` of the
+        policy (gathered once where every rank has the room); else nothing."""
         if self._tidal_launch != "fsdp2" or "policy" not in self.timeshare.roles:
-            yield
-            return
-        policy = self.accelerator.unwrap_model(self.model)
-        need = phase_need_bytes(gathered_bytes(policy))
-        ops = self.timeshare.ops
-        free = ops.driver_free_bytes()[0] + ops.cached_free_bytes() if ops.is_accelerator else need  # the host: room
-        if not has_room_to_gather(need, free, self.accelerator.device):
-            yield
-            return
-        with gathered(policy):
-            yield
+            return contextlib.nullcontext()
+        return gathered_for_generation(self.accelerator.unwrap_model(self.model), self.timeshare.ops)
 
     def _get_per_token_logps_and_entropies(self, model, *args: Any, **kwargs: Any):
         role = "reference" if self.ref_model is not None and model is self.ref_model else "policy"
