@@ -54,8 +54,8 @@ def refuse_settings(args: Any, who: str) -> None:
         )
     if getattr(args, "fsdp", None):
         raise ValueError(
-            f"{who} does not work with fsdp= in the training arguments; remove it, or build FSDP2 roles "
-            "with tidal.distributed directly"
+            f"{who} does not work with fsdp= in the training arguments; remove it and launch with accelerate's "
+            "FSDP2 config (accelerate launch --config_file fsdp2.yaml, fsdp_version: 2), which tidal supports"
         )
 
 

@@ -38,11 +38,12 @@ _DDP_TYPES = frozenset(
 
 def check_launch(accelerator: Any, who: str) -> Launch:
     """The launch ``accelerator`` stands for. ``ValueError`` for one tidal cannot work with:
-    DeepSpeed or FSDP through accelerate (those engines keep their own copies of the state),
-    and multi-process types other than DDP's."""
+    DeepSpeed through accelerate (its engine keeps its own copies of the state), FSDP1,
+    FSDP2's CPU offload, and multi-process types other than DDP's and FSDP's."""
     state = accelerator.state
     ways = (
-        "Launch with torchrun or with accelerate's multi_gpu config (DDP: each rank's roles take turns on its own GPU)"
+        "Launch with torchrun or with accelerate's multi_gpu config (DDP: each rank's roles take turns on its own "
+        "GPU), or with an FSDP2 config (fsdp_version: 2, as TRL's fsdp2.yaml)"
     )
     if getattr(state, "deepspeed_plugin", None) is not None:
         raise ValueError(
