@@ -312,6 +312,34 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             k["gap_s"] += getattr(r, "gap_seconds", None) or 0.0  # the compute stream's time in the verb
         return out
 
+    workload: dict = {}  # what the step's floor is computed from (see _floor)
+
+    class BesideTheGradients(TrainerCallback):
+        # Right before the optimizer step (the gradients clipped): the policy's weights and
+        # gradients on the device, and the optimizer state's bytes (all of it, wherever it is).
+        def on_pre_optimizer_step(self, a, state, control, **kw):
+            if not cuda:
+                return
+            policy = trainer.accelerator.unwrap_model(trainer.model)
+            # A sharded (DTensor) parameter, gradient or state: this rank's shard.
+            local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731
+            params = [local(p) for p in policy.parameters()]
+            weights = sum(p.numel() * p.element_size() for p in params)
+            grads = sum(local(p.grad).numel() * p.element_size() for p in policy.parameters() if p.grad is not None)
+            opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            state_bytes = sum(
+                local(t).numel() * t.element_size()
+                for st in opt.state.values()
+                for t in st.values()
+                if torch.is_tensor(t) and t.dim() > 0
+            )
+            workload.update(
+                weights_bytes=weights,
+                grads_bytes=grads,
+                optimizer_state_bytes=state_bytes,
+                device_total_bytes=torch.cuda.mem_get_info()[1],
+            )
+
     class Clock(TrainerCallback):
         # state.global_step counts the steps done: the step starting now is global_step + 1.
         # Step boundaries wait for the compute stream (all of TRL's work), not for the device:
@@ -408,7 +436,10 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         learning_rate=1e-6,
         max_steps=steps,
         num_generations=args.num_generations,
-        per_device_train_batch_size=args.batch,
+        # --micro-batch m: the step's completions in batch / m micro-batches of m, their
+        # gradients accumulated (one generation, one optimizer step a step, as without it).
+        per_device_train_batch_size=args.micro_batch or args.batch,
+        gradient_accumulation_steps=args.batch // (args.micro_batch or args.batch),
         max_completion_length=args.completion,
         logging_steps=1,
         report_to=[],
@@ -427,7 +458,11 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     reward_sevens = _char_task().reward_sevens
     rewards = [reward_sevens, args.reward_model_path] if args.reward_model_path else reward_sevens
     clock = Clock()
-    common = dict(model=model_path, reward_funcs=rewards, args=cfg, train_dataset=data, callbacks=[clock])
+    # The process's resident set before any trainer exists (imports done, no model loaded):
+    # what the host holds beyond it is the models' loading and what tidal keeps.
+    baseline_rss = host_rss_bytes()
+    callbacks = [clock, BesideTheGradients()]
+    common = dict(model=model_path, reward_funcs=rewards, args=cfg, train_dataset=data, callbacks=callbacks)
     if variant == "trl":
         trainer = GRPOTrainer(**common)
     elif variant == "ds-zero3-offload":
@@ -484,6 +519,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
 
     res = {"variant": name, "error": error, "wall_s": time.perf_counter() - t0, "tidal": tidal.__file__}
     res.update(rank=rank, launch=str(trainer.accelerator.distributed_type), nproc=trainer.accelerator.num_processes)
+    res["host_baseline_rss_bytes"] = baseline_rss
     if rss_steps:
         res["host_rss_bytes_steps"] = rss_steps
     ts = getattr(trainer, "timeshare", None)
@@ -498,6 +534,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["completions_per_s"] = args.batch * max(1, args.nproc) / res["step_s"]
         res["loss"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         res["exposed_s_per_step"] = statistics.median(exposed) if exposed else 0.0
+        res["workload"] = workload
         res["step_times_s"] = times
         res["exposed_s_steps"] = exposed
         res["host_stall_s_per_step"] = statistics.median(host_stall) if host_stall else 0.0
@@ -561,6 +598,23 @@ def _bound(r: dict, base: dict | None, line: dict | None) -> float | None:
         return None
     copy_s = (r.get("moved_gb_per_step") or 0.0) / line["bidir_gbps"] if line else 0.0
     return max(base["step_s"], copy_s)
+
+
+def _floor(r: dict, line: dict | None) -> dict | None:
+    """The step's floor: the phases' compute (their device seconds less the compute stream's
+    waits on tidal's copies) plus the optimizer state that cannot be on the device beside the
+    weights and gradients while the backward runs (it must cross between the clipped backward
+    and the step: no schedule overlaps it with compute), at the host-to-device line rate
+    measured in this run. The room counted is all the device's memory less the weights and
+    gradients: an upper bound, so the floor is a lower one. None without the phases, the
+    workload's sizes or a line rate."""
+    w, phases = r.get("workload") or {}, r.get("phase_s")
+    if not phases or not w or not line:
+        return None
+    compute = max(0.0, sum(phases.values()) - (r.get("exposed_s_per_step") or 0.0))
+    room = w["device_total_bytes"] - w["weights_bytes"] - w["grads_bytes"]
+    beyond = max(0, w["optimizer_state_bytes"] - room)
+    return {"floor_s": compute + beyond / (line["h2d_gbps"] * 1e9), "compute_s": compute, "beyond_room_bytes": beyond}
 
 
 def _x(ratio: float | None) -> str:
@@ -715,6 +769,23 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                     if not x.get("error")
                 )
             )
+        floor = None if r.get("error") else _floor(r, getattr(args, "line_rate", None))
+        if floor is not None:
+            r.update(floor)
+            print(
+                f"    floor {floor['floor_s']:.3f} s (compute {floor['compute_s']:.3f} s + "
+                f"{floor['beyond_room_bytes'] / 1e9:.1f} GB of optimizer state beyond the room beside the gradients at "
+                f"the line rate): step {r['step_s'] / floor['floor_s']:.2f}x the floor (target <= 1.10x); exposed "
+                f"{r.get('exposed_s_per_step', 0.0) / r['step_s']:.1%}"
+            )
+        held, base_rss = r.get("host_held_bytes"), r.get("host_baseline_rss_bytes")
+        peak_rss = r.get("host_peak_rss_bytes") or max(r.get("host_rss_bytes_steps") or [0])
+        if held and base_rss and peak_rss and not r.get("error"):
+            allowed = 1.10 * held + base_rss
+            print(
+                f"    host: peak RSS {peak_rss / 2**30:.1f} GiB against 1.10 x held {held / 2**30:.1f} GiB + the process "
+                f"before any trainer {base_rss / 2**30:.1f} GiB = {allowed / 2**30:.1f} GiB: {peak_rss / allowed:.2f}x"
+            )
         if r.get("phase_s"):
             print(
                 "    phases (s, median; device time on a GPU): "
@@ -802,6 +873,7 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                     "preset": args.preset,
                     "dtype": args.dtype,
                     "batch": args.batch,
+                    "micro_batch": args.micro_batch,
                     "completion": args.completion,
                     "num_generations": args.num_generations,
                     "reward_model": bool(reward_path),
@@ -830,6 +902,13 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (completions per step)")
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="completions a forward and backward takes (per_device_train_batch_size, with "
+        "gradient_accumulation_steps = batch / this); default: the whole batch at once",
+    )
     p.add_argument("--dtype", default="float32", help="weights as TRL loads them (its default: float32)")
     p.add_argument(
         "--reward-model",
@@ -888,6 +967,8 @@ def main(argv=None) -> int:
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--reward-model-path", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.micro_batch is not None and (args.micro_batch < 1 or args.batch % args.micro_batch):
+        p.error(f"--micro-batch {args.micro_batch} must divide --batch {args.batch}")
     if args._prepare:
         import torch
 
@@ -967,6 +1048,7 @@ def main(argv=None) -> int:
                 args.launch,
             ]
             + (["--sample-stacks"] if args.sample_stacks else [])
+            + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])
             + (["--reward-model-path", reward_path] if reward_path else [])
         )
         env = dict(os.environ)
@@ -1039,6 +1121,7 @@ def _merged_ranks(out: str, nproc: int, variant: str = "") -> dict | None:
         res["exposed_s_per_step"] = max(x.get("exposed_s_per_step", 0.0) for x in ranks)
     keys = ("rank", "error", "step_s", "step_min_s", "peak_bytes", "exposed_s_per_step", "moved_gb_per_step")
     keys += ("transition_gbps", "host_held_bytes", "host_pinned_bytes", "host_rss_bytes_steps", "launch")
+    keys += ("host_baseline_rss_bytes",)
     res["ranks"] = [{k: x.get(k) for k in keys} for x in ranks]
     res["nproc"] = nproc
     return res

@@ -20,6 +20,8 @@
 #   trl         *tests       GPU tests of tests/integrations, tests/timeshare, tests/state
 #               *bench       bench_trl.py, Qwen2-1.5B fp32, 64 completions x 256 tokens (VARIANTS)
 #               *7b          the same at Qwen2-7B bf16 (VARIANTS7B)
+#                14b         Qwen2.5-14B shape bf16, 64 x 256 in micro-batches of MICRO14B (16), STEPS14B
+#                            (11) steps (VARIANTS14B_ONE)
 #                stress      16 x 32 at 1.5B and at 7B (VARIANTS_STRESS); stress-1.5b, stress-7b
 #                ds          7B, DeepSpeed ZeRO-3 offload through TRL beside tidal (VARIANTSDS)
 #                demo7b      tidal demo --preset qwen2-7b --async-transitions (DEMO_FLAGS)
@@ -120,7 +122,7 @@ declare -A DEFAULT=(
 )
 declare -A EXTRA=(
   [core]="overhead ckpt1"
-  [trl]="stress stress-1.5b stress-7b ds demo7b profile contention decode"
+  [trl]="14b stress stress-1.5b stress-7b ds demo7b profile contention decode"
   [demo]=""
   [cpu_adam]="bench precision"
   [lease]="processes"
@@ -320,6 +322,12 @@ p_trl_7b() {
   need_module trl || return 0
   trl_bench trl_bench7b.log --preset qwen2-7b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-4}" \
     --variants "${VARIANTS7B:-trl,role+prefetch,stream+prefetch,trl}" --json "$OUT/trl_7b_64x256_$TAG.json"
+}
+p_trl_14b() {  # the Qwen2.5-14B shape on one GPU, 64 x 256 in micro-batches (MICRO14B, 16)
+  need_module trl || return 0
+  trl_bench trl_bench14b.log --preset qwen2.5-14b --dtype bfloat16 --batch 64 --completion 256 \
+    --micro-batch "${MICRO14B:-16}" --steps "${STEPS14B:-11}" --variants "${VARIANTS14B_ONE:-stream+prefetch}" \
+    --json "$OUT/trl_14b_64x256_$TAG.json"
 }
 p_trl_stress_1_5b() {
   need_module trl || return 0

@@ -73,3 +73,27 @@ def test_a_multi_process_variant_is_its_slowest_rank_and_highest_peak(tmp_path):
         json.dump({"variant": "y", "rank": 1, "error": "out of memory: CUDA out of memory."}, f)
     merged = bench_trl._merged_ranks(one, 2, "y")
     assert merged["variant"] == "y" and merged["error"].startswith("out of memory")
+
+
+def test_the_floor_is_compute_plus_the_state_beyond_the_room_beside_the_gradients_at_the_line_rate():
+    gb = 10**9
+    r = {
+        "phase_s": {"generate": 6.0, "reference": 1.0, "loss_forward": 1.0, "backward": 2.0},
+        "exposed_s_per_step": 1.0,  # the compute stream waited on copies: not compute
+        "workload": {
+            "weights_bytes": 30 * gb,
+            "grads_bytes": 30 * gb,
+            "optimizer_state_bytes": 59 * gb,
+            "device_total_bytes": 85 * gb,
+        },
+    }
+    line = {"h2d_gbps": 50.0}
+    got = bench_trl._floor(r, line)
+    # 59 GB of state, 25 GB of room beside the weights and gradients: 34 GB cross at 50 GB/s.
+    assert got["beyond_room_bytes"] == 34 * gb
+    assert got["compute_s"] == pytest.approx(9.0)
+    assert got["floor_s"] == pytest.approx(9.0 + 34 / 50)
+    r["workload"]["optimizer_state_bytes"] = 20 * gb  # it all fits beside them: compute alone
+    assert bench_trl._floor(r, line)["floor_s"] == pytest.approx(9.0)
+    assert bench_trl._floor({**r, "workload": {}}, line) is None
+    assert bench_trl._floor(r, None) is None

@@ -565,9 +565,10 @@ def test_a_role_the_loss_kept_goes_before_a_backward_it_has_no_room_beside(tiny,
     assert all(torch.equal(want[k], got[k]) for k in want)
     # From the second step (the backward measured), the reference leaves before each backward
     # by a load of the policy, never by the loss's switch (which keeps it); the first step's
-    # backward, not measured yet, keeps it.
+    # backward, not measured yet, keeps it, and its optimizer step (not measured either: every
+    # other role goes before it) drops it.
     drops = [r for r in ours.timeshare.records if r.roles_out == ("reference",) and r.index > 0]
-    assert [(r.kind, r.role_in) for r in drops] == 2 * [("offload", None)], [
+    assert [(r.kind, r.role_in) for r in drops] == 3 * [("offload", None)], [
         (r.index, r.kind, r.roles_out, r.role_in) for r in ours.timeshare.records
     ]
     assert all(r.bytes_out == 0 for r in drops)
@@ -915,3 +916,178 @@ def test_the_optimizer_states_prefetch_leaves_the_backward_room_outside_the_allo
     ahead = lambda t: [r.bytes_in for r in t.timeshare.records if r.kind == "optim-prefetch"]  # noqa: E731
     assert len(ahead(whole)) == 2 and all(n > 0 for n in ahead(whole)), ahead(whole)
     assert all(n == 0 for n in ahead(frag)), ahead(frag)
+
+
+def _crowded(ts) -> bool:
+    """Another role, or a prefetch (the optimizer state's included), is on the device beside the
+    policy."""
+    return len(ts.resident_roles) > 1 or bool(ts.store.prefetched_keys())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("residency", ["step", "stream"])
+def test_a_backward_out_of_memory_beside_what_tidal_kept_runs_again_with_the_same_results(
+    tiny, tmp_path, monkeypatch, residency
+):
+    """The loss's backward runs out of memory while the reference kept through the loss (the
+    device read as having room for it) and the optimizer state brought in behind the backward
+    are on the device: they go, the gradients the failed backward left are dropped, and the
+    micro-batch's forward and backward run again from the same inputs (no second generation).
+    TRL's results do not change; the log counts the runs again."""
+    from tidal.device import DeviceOps
+
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (1 << 40, 1 << 41))
+    monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
+    seen = {"raised": 0, "generations": 0}
+
+    class Crowded(_with_counters({"backward": 1 << 30})):
+        def _generate(self, prompts):
+            seen["generations"] += 1
+            return super()._generate(prompts)
+
+        def _policy_ready(self):
+            ready = super()._policy_ready()
+            if ready and not getattr(self, "_crowding", False):
+                self._crowding = True
+
+                def check(grad):  # the backward's last gradient: the others are in by now
+                    if _crowded(self.timeshare):
+                        seen["raised"] += 1
+                        raise torch.OutOfMemoryError("CUDA out of memory (faked by the test)")
+
+                self.accelerator.unwrap_model(self.model).model.embed_tokens.weight.register_hook(check)
+            return ready
+
+    cfg = TidalConfig(prefetch=True, optimizer_residency=residency)
+    with pytest.warns(UserWarning, match="loss forward and backward ran out of device memory"):
+        ours = _run(Crowded, tiny, tmp_path / "ours", tidal_config=cfg)
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    # The first step measures (nothing kept or prefetched beside its backward); the second and
+    # third run their backward again once each, generating once per step all the same.
+    retries = [h["tidal/oom_retries"] for h in ours.state.log_history if "loss" in h]
+    assert retries == [0, 1, 1] and seen["raised"] == 2, (retries, seen)
+    assert seen["generations"] == 3
+
+
+@pytest.mark.slow
+def test_a_backward_after_accumulated_gradients_is_not_run_again(tiny, tmp_path, monkeypatch):
+    """With gradients accumulated over two micro-batches, the second's backward adds to the
+    first's: a failed one cannot be taken back bit for bit, so its out-of-memory error goes on
+    as it came."""
+    from tidal.device import DeviceOps
+
+    monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (1 << 40, 1 << 41))
+    monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
+
+    class Crowded(_with_counters({"backward": 1 << 30})):
+        def _policy_ready(self):
+            ready = super()._policy_ready()
+            if ready and not getattr(self, "_crowding", False):
+                self._crowding = True
+                policy = self.accelerator.unwrap_model(self.model)
+
+                def check(grad):
+                    if _crowded(self.timeshare) and policy.model.embed_tokens.weight.grad is not None:
+                        raise torch.OutOfMemoryError("CUDA out of memory (faked by the test)")
+
+                policy.model.embed_tokens.weight.register_hook(check)
+            return ready
+
+    cfg = TidalConfig(prefetch=True)
+    with pytest.raises(torch.OutOfMemoryError, match="faked by the test"):
+        _run(
+            Crowded,
+            tiny,
+            tmp_path / "acc",
+            tidal_config=cfg,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+        )
+
+
+class _RaiseWhere(tidal.device.SyncPolicy):
+    """Raises ``torch.OutOfMemoryError`` at the named point of a transition while ``when()``."""
+
+    def __init__(self, name, when):
+        self.name, self.when, self.raised = name, when, 0
+
+    def point(self, name):
+        if name == self.name and self.when():
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (faked by the test)")
+
+
+@pytest.mark.slow
+def test_an_optimizer_step_out_of_memory_bringing_its_state_in_runs_again_with_the_same_results(
+    tiny, tmp_path, monkeypatch
+):
+    """The optimizer step runs out of memory while tidal brings its state in beside the
+    reference the loss's turn kept (before the update touches anything): the reference goes and
+    the step runs again, completing exactly this step. TRL's results do not change. (The device
+    is read as having room for the backward's need and 100 kB: the reference stays through the
+    loss, a part of the optimizer state comes in behind the backward, the step brings the rest.)"""
+    from tidal.device import DeviceOps, use_sync_policy
+
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    need = int(1.1 * (1 << 30)) + (256 << 20)  # the backward read as allocating 1 GiB
+    monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (need + 100_000, 1 << 41))
+    monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
+    box = {}
+
+    class Stepping(_with_counters({"backward": 1 << 30})):
+        def _room_for_step(self):
+            super()._room_for_step()
+            box["in_step"] = True
+
+        def _step_measured(self):
+            box["in_step"] = False
+            super()._step_measured()
+
+    def when():
+        t = box.get("trainer")
+        return box.get("in_step") and t is not None and len(t.timeshare.resident_roles) > 1
+
+    class Kept(Stepping):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            box["trainer"] = self
+
+    with use_sync_policy(_RaiseWhere("reload_allocated", when)) as policy:
+        with pytest.warns(UserWarning, match="optimizer step ran out of device memory"):
+            ours = _run(Kept, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    retries = [h["tidal/oom_retries"] for h in ours.state.log_history if "loss" in h]
+    # The first step creates the state (nothing to bring in); the second and third bring it in
+    # beside the kept reference, run out, and step again.
+    assert retries == [0, 1, 1] and policy.raised == 2, (retries, policy.raised)
+
+
+@pytest.mark.slow
+def test_an_optimizer_step_out_of_memory_in_its_update_goes_on_as_it_came(tiny, tmp_path, monkeypatch):
+    """Where the update's own arithmetic runs out of memory, some of the state has changed: the
+    step is not run again, its error goes on as it came."""
+    from tidal.device import DeviceOps
+
+    monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (1 << 40, 1 << 41))
+    monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
+
+    class Crowded(_with_counters()):
+        def _policy_ready(self):
+            ready = super()._policy_ready()
+            if ready and not getattr(self, "_crowding", False):
+                self._crowding = True
+
+                def update(opt, args, kwargs):  # after tidal's hooks: the update's first work
+                    if len(self.timeshare.resident_roles) > 1:
+                        raise torch.OutOfMemoryError("CUDA out of memory (faked by the test)")
+
+                self.optimizer.optimizer.register_step_pre_hook(update)
+            return ready
+
+    with pytest.raises(torch.OutOfMemoryError, match="faked by the test"):
+        _run(Crowded, tiny, tmp_path / "math", tidal_config=TidalConfig(prefetch=True))

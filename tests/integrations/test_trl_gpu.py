@@ -88,3 +88,64 @@ def test_a_phase_out_of_memory_beside_kept_roles_runs_again_as_trl_on_a_gpu(mode
     assert all(torch.equal(want[k], got[k]) for k in want)
     retries = [h["tidal/oom_retries"] for h in ours.state.log_history if "loss" in h]
     assert retries == [0, 3, 3], retries
+
+
+_HOLDER = """
+import sys, torch
+target = int(sys.argv[1])
+torch.cuda.init()
+free, _ = torch.cuda.mem_get_info()
+held = torch.empty(max(0, free - target), dtype=torch.uint8, device="cuda")
+print("holding", held.numel(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_with_another_process_holding_device_memory_prefetch_keeps_only_what_fits(models, tmp_path):
+    """Another process holds all of the device but room for tidal's run without prefetch
+    (its peak, reserved, and 512 MiB): TRL alone no longer fits there; tidal with prefetch,
+    whose keeps and prefetches read the driver's free memory (the other process's share
+    counted), runs without running out of memory (no phase run again) and gives TRL's
+    results."""
+    import subprocess
+    import sys
+
+    from tests.integrations.test_trl import _run, _weights
+
+    policy, _ = models
+
+    def peak_reserved(cls, out, **kw):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        trainer = _run(cls, policy, out, use_cpu=False, **kw)
+        torch.cuda.synchronize()
+        return trainer, torch.cuda.max_memory_reserved()
+
+    plain, trl_peak = peak_reserved(trl.GRPOTrainer, tmp_path / "plain")
+    want, history = _weights(plain), _history(plain)
+    del plain
+    bare, tidal_peak = peak_reserved(TidalGRPOTrainer, tmp_path / "bare", tidal_config=TidalConfig())
+    del bare
+    room = tidal_peak + (512 << 20)
+    assert room < trl_peak, (room, trl_peak)  # the hold leaves TRL alone no room: the case is real
+    gc.collect()
+    torch.cuda.empty_cache()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(room)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().startswith("holding")
+        with pytest.raises(torch.OutOfMemoryError):
+            _run(trl.GRPOTrainer, policy, tmp_path / "plain_held", use_cpu=False)
+        gc.collect()
+        torch.cuda.empty_cache()
+        ours = _run(TidalGRPOTrainer, policy, tmp_path / "ours", use_cpu=False, tidal_config=TidalConfig(prefetch=True))
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert _history(ours) == history
+    got = _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    retries = [h["tidal/oom_retries"] for h in ours.state.log_history if "loss" in h]
+    assert retries == [0, 0, 0], retries

@@ -34,6 +34,7 @@ class PhaseMemory:
         self._high = 0  # the running phase's highest peak reading so far
         self._prefetched = 0  # brought in by prefetches started in the running phase
         self._held_for_backward: int | None = None  # what the loss's forward held as the last backward started
+        self._part: tuple[str, int] | None = None  # (name, allocated at its start) of a part being measured
 
     @classmethod
     def of(cls, device: torch.device) -> "PhaseMemory | None":
@@ -81,6 +82,21 @@ class PhaseMemory:
         if growth is None:
             return None
         return growth if before is None or held <= before else growth * held // before
+
+    def begin_part(self, name: str) -> None:
+        """Measure ``name``, a part of the running phase (the optimizer step, inside the
+        backward's phase), until :meth:`end_part`: the running phase keeps its reading."""
+        self._read()  # the phase's peak so far is kept; the counter restarts for the part
+        self._part = (name, self.allocated())
+
+    def end_part(self) -> int:
+        """End the part :meth:`begin_part` started: its growth (its peak less what was
+        allocated at its start) goes in ``growth[name]`` and is returned. The device's peak
+        counter is not reset: the running phase's next reading includes the part's peak."""
+        assert self._part is not None, "end_part() without begin_part()"
+        (name, base), self._part = self._part, None
+        self.growth[name] = max(0, self._peak() - base)
+        return self.growth[name]
 
     def prefetched(self, nbytes: int) -> None:
         """A prefetch started in the running phase brought ``nbytes`` in."""

@@ -1,5 +1,7 @@
-"""A phase that runs out of device memory beside the roles its turn kept runs again once they
-are out, from the same random draws: :class:`AgainIfOutOfMemory`, a mixin of
+"""A phase that runs out of device memory beside the roles its turn kept (or a prefetch
+brought in) runs again once they are out, from the same random draws: the generation, the
+scorings and the loss's forward, the loss's forward with its backward, and the optimizer step.
+:class:`AgainIfOutOfMemory`, a mixin of
 :class:`~tidal.integrations.trl.trainer.TidalRLTrainer`."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from tidal.integrations.trl.launch import runs_collectives
+from tidal.memory import phase_need_bytes
 
 __all__ = ["AgainIfOutOfMemory", "RandomState"]
 
@@ -31,8 +34,22 @@ class RandomState:
 
 
 class AgainIfOutOfMemory:
-    """The trainer's phases run through :meth:`_again_if_out_of_memory`. Reads the trainer's
-    ``timeshare``, ``tidal_config``, ``_tidal_memory`` and ``_tidal_retries``."""
+    """The trainer's phases run through :meth:`_again_if_out_of_memory`, its micro-batches
+    through :meth:`_backward_again_if_out_of_memory`, its optimizer's ``step()`` through
+    :meth:`_step_again_if_out_of_memory`. Reads the trainer's ``timeshare``, ``tidal_config``,
+    ``_tidal_memory``, ``_tidal_launch`` and ``_tidal_retries``."""
+
+    _tidal_plain_backward = False  # a backward run again: nothing is prefetched beside it
+    _tidal_step_growth: tuple[int, int] | None = None  # the last step's (growth, state it brought in)
+
+    def _ran_again(self, what: str) -> None:
+        self._tidal_retries += 1
+        warnings.warn(
+            f"tidal: TRL's {what} ran out of device memory beside the roles its turn kept on the device "
+            f"(its need grew since the last step); they were moved out and it ran again (same results, "
+            f"{self._tidal_retries} such run(s) so far, logged as tidal/oom_retries)",
+            stacklevel=3,
+        )
 
     def _again_if_out_of_memory(self, role: str, compute: Callable[[], Any]) -> Any:
         """``compute()``: a phase's work that changes nothing but the random generators' state
@@ -56,13 +73,7 @@ class AgainIfOutOfMemory:
                 raise
         # Past the handler: the failed run's tensors, held by its traceback's frames, are freed.
         generators.restore()
-        self._tidal_retries += 1
-        warnings.warn(
-            f"tidal: TRL's {role} ran out of device memory beside the roles its turn kept on the device "
-            f"(its need grew since the last step); they were moved out and it ran again (same results, "
-            f"{self._tidal_retries} such run(s) so far, logged as tidal/oom_retries)",
-            stacklevel=2,
-        )
+        self._ran_again(role)
         if self._tidal_memory is not None:
             self._tidal_memory.rebase()  # the need counted from what the eviction left
         return compute()
@@ -88,3 +99,155 @@ class AgainIfOutOfMemory:
                 del policy.generate
             else:
                 policy.generate = own
+
+    def _backward_again_if_out_of_memory(self, step: Callable[[], Any]) -> Any:
+        """``step()``: Trainer's ``training_step`` for one micro-batch (its inputs prepared, the
+        loss's forward, its backward). With ``prefetch``, in one process, where it runs out of
+        device memory beside roles its turns kept or the optimizer state brought in behind the
+        backward, those go (:meth:`~tidal.Timeshare.evict_others`), the gradients it left are
+        dropped, the random generators are set back to where they were after the inputs were
+        prepared, and the forward and backward run again from the same inputs (no generation
+        runs again), nothing prefetched beside the backward this time: its results are those of
+        a run that never kept them.
+
+        Only where no gradient was there before the micro-batch (its optimizer step's first, or
+        only, micro-batch; or TRL's loss accumulated over one): a backward that failed part
+        way added to some gradients already there, and those additions cannot be taken back
+        bit for bit. Not with several processes (the backward's reduction is a collective the
+        other ranks are in), activation offload, or an optimizer that takes the gradients to
+        the host inside the backward (CPUAdam). Memory cost: the prepared inputs' reference and
+        the random generators' state (kilobytes, on the host)."""
+        ts, cfg = self.timeshare, self.tidal_config
+        if not cfg.prefetch or cfg.activation_offload or self._tidal_launch != "single":
+            return step()
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if optimizer is None or getattr(optimizer, "tidal_state_on_host", False):
+            return step()
+        params = [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
+        if any(p.grad is not None for p in params):
+            return step()  # a later micro-batch: the gradients before it cannot be restored
+        prepared: list[tuple[Any, RandomState]] = []
+        prepare = self._prepare_inputs
+
+        def recorded(batch: Any) -> Any:
+            inputs = prepare(batch)
+            prepared.append((inputs, RandomState(ts.device)))
+            return inputs
+
+        self._prepare_inputs = recorded
+        try:
+            return step()
+        except torch.OutOfMemoryError:
+            if not prepared or "policy" not in ts.roles or not ts.is_resident("policy"):
+                raise
+            if ts.evict_others("policy") == 0:
+                raise
+        finally:
+            del self._prepare_inputs  # the class's again
+        # Past the handler: the failed run's graph and activations, held by its traceback, are freed.
+        for p in params:
+            p.grad = None
+        inputs, generators = prepared[0]
+        generators.restore()
+        self._ran_again("loss forward and backward")
+        self._prepare_inputs = lambda batch: inputs
+        self._tidal_plain_backward = True
+        try:
+            return step()
+        finally:
+            del self._prepare_inputs
+            self._tidal_plain_backward = False
+
+    def _step_again_if_out_of_memory(self, optimizer: torch.optim.Optimizer) -> None:
+        """With ``prefetch``: ``optimizer.step()`` (the policy's, called by Trainer) makes room
+        for itself and runs again where it runs out of memory beside roles a turn kept.
+
+        Before the step: where another role is on the device, the step's need (what it
+        allocated the last time: its temporaries, plus the optimizer state it brings in now; at
+        the first step every other role goes) is left free outside the allocator's fragments,
+        moving out what that takes. Where it still runs out of memory while tidal brings the
+        optimizer state in (before the update touches anything; for a streamed step, between
+        chunks, each of which consumes its gradients), the other roles and any prefetch go and
+        ``step()`` runs again, completing exactly this step. Where the update's own arithmetic
+        ran out of memory (some state already changed), the error goes on as it came.
+
+        Installed as ``optimizer.step`` (an attribute of the instance, wrapping what was there:
+        an LR scheduler's counter included) and two step hooks after the role's. Memory cost:
+        none."""
+        if not self.tidal_config.prefetch:
+            return
+        ts, inner = self.timeshare, optimizer.step
+        state = {"outer": False, "math": False}
+
+        def math_starts(opt: Any, args: Any, kwargs: Any) -> None:
+            state["math"] = True  # after the role's pre-hook: the state is in, the update runs
+
+        def math_ended(opt: Any, args: Any, kwargs: Any) -> None:
+            state["math"] = False
+
+        optimizer.register_step_pre_hook(math_starts)
+        optimizer.register_step_post_hook(math_ended)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if state["outer"]:
+                return inner(*args, **kwargs)  # a streamed step's chunk
+            state["outer"], state["math"] = True, False
+            try:
+                self._room_for_step()
+                try:
+                    out = inner(*args, **kwargs)
+                except torch.OutOfMemoryError:
+                    if state["math"] or ts.evict_others("policy") == 0:
+                        raise
+                else:
+                    self._step_measured()
+                    return out
+                # Past the handler: what the failed step allocated, held by its traceback, is freed.
+                state["math"] = False
+                self._ran_again("optimizer step")
+                out = inner(*args, **kwargs)
+                self._step_measured()
+                return out
+            finally:
+                state["outer"] = False
+
+        optimizer.step = step
+
+    def _state_to_bring(self) -> tuple[int, int]:
+        """(bytes of the policy's optimizer state on the host that its step brings in, bytes of
+        all of it)."""
+        ts = self.timeshare
+        role = ts.role("policy")
+        entries = ts.store.resolve(role.optim_entries(ts.device, ts.config.min_offload_bytes))
+        out = [e for e in entries if ts.store.is_offloaded(e.key) and not ts.store.is_arriving(e.key)]
+        return sum(e.nbytes for e in out), sum(e.nbytes for e in entries)
+
+    def _room_for_step(self) -> None:
+        """Before the policy's optimizer step (see :meth:`_step_again_if_out_of_memory`)."""
+        ts, memory = self.timeshare, self._tidal_memory
+        if "policy" not in ts.roles:
+            return
+        bring, total = self._state_to_bring()
+        self._tidal_step_before = (bring, total)
+        if memory is not None:
+            memory.begin_part("step")
+        if len(ts.resident_roles) < 2:
+            return
+        last = self._tidal_step_growth
+        if last is None:
+            ts.evict_others("policy")  # its need is not known yet: measured alone
+            return
+        growth, came = last
+        streamed = self.tidal_config.optimizer_residency == "stream"  # its chunks in flight
+        need = growth if streamed else max(0, growth - came) + bring
+        ts.load("policy", keep_free_bytes=phase_need_bytes(need) + ts.ops.fragmented_free_bytes())
+
+    def _step_measured(self) -> None:
+        memory = self._tidal_memory
+        if memory is None or "policy" not in self.timeshare.roles:
+            return
+        growth = memory.end_part()
+        bring, total = self._tidal_step_before
+        # The state that came to the device in the step: what it brought in, and what it made
+        # (the first step creates the optimizer's state).
+        self._tidal_step_growth = (growth, bring + max(0, self._state_to_bring()[1] - total))

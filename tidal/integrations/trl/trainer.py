@@ -129,6 +129,7 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         )
         if self._tidal_launch == "fsdp2":
             reshard_after_no_grad_forward(self.accelerator.unwrap_model(self.model))
+        self._step_again_if_out_of_memory(optimizer)
         if isinstance(self.model_wrapped, torch.nn.parallel.DistributedDataParallel):
             # DDP's buckets (the gradients' memory) are freed between steps, as the gradients
             # of one process are: see tidal.distributed.GradientBuckets.
@@ -212,8 +213,16 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
                 need = self._tidal_memory.backward_need()
                 self._room_for_backward(need)
                 self._tidal_memory.start("backward")
-            self._prefetch("backward", "optimizer", growth=need)
+            if not self._tidal_plain_backward:
+                self._prefetch("backward", "optimizer", growth=need)
         return out
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # A micro-batch whose backward runs out of memory beside what tidal kept or prefetched
+        # runs again without them (see AgainIfOutOfMemory._backward_again_if_out_of_memory).
+        return self._backward_again_if_out_of_memory(
+            lambda: super(TidalRLTrainer, self).training_step(model, inputs, num_items_in_batch)
+        )
 
     # ---- logging ------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
