@@ -515,9 +515,12 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             trainer.train()
     except torch.OutOfMemoryError as e:
         error = f"out of memory: {str(e).splitlines()[0]}"
+        oom_at = _where_out_of_memory(trainer, e)
     import tidal
 
     res = {"variant": name, "error": error, "wall_s": time.perf_counter() - t0, "tidal": tidal.__file__}
+    if error:
+        res["oom_at"] = oom_at
     res.update(rank=rank, launch=str(trainer.accelerator.distributed_type), nproc=trainer.accelerator.num_processes)
     res["host_baseline_rss_bytes"] = baseline_rss
     if rss_steps:
@@ -577,6 +580,49 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         # them (at once, where they would wait out NCCL's timeout).
         sys.stdout.flush()
         os._exit(1)
+    # This run's trainer goes, with its device memory and tidal's pinned host memory (close()
+    # brings the roles back, then frees the host copies): with --in-process the next run
+    # follows in this process.
+    if ts is not None:
+        ts.close()
+    trainer = ts = None  # (the callbacks' closures read it too)
+    import gc
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def _where_out_of_memory(trainer, error: BaseException) -> dict:
+    """Where a run ran out of device memory: the step, tidal's phase and what it had on the
+    device then (its resident roles, the bytes prefetches had brought in), the allocator's
+    counts, and the innermost frames of the error's traceback that are TRL's, transformers',
+    torch's or tidal's."""
+    import traceback
+
+    import torch
+
+    out: dict = {"step": trainer.state.global_step + 1}
+    ts = getattr(trainer, "timeshare", None)
+    memory = getattr(trainer, "_tidal_memory", None)
+    if ts is not None:
+        out["resident_roles"] = sorted(ts.resident_roles)
+        out["prefetched_bytes"] = ts.store.prefetched_bytes
+    if memory is not None:
+        out["phase"] = memory._phase
+        out["phase_growth_bytes"] = dict(memory.growth)
+    if torch.cuda.is_available():
+        out["allocated_bytes"] = torch.cuda.memory_allocated()
+        out["reserved_bytes"] = torch.cuda.memory_reserved()
+        out["driver_free_bytes"] = torch.cuda.mem_get_info()[0]
+    frames = traceback.extract_tb(error.__traceback__)
+    keep = ("/trl/", "/transformers/", "/torch/", "/tidal/")
+    out["frames"] = [
+        f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+        for f in frames
+        if any(k in f.filename for k in keep)
+    ][-12:]
+    return out
 
 
 def _line_rate() -> dict | None:
@@ -709,6 +755,14 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
         after = next((b for b in results[n + 1 :] if b["variant"] == "trl" and not b.get("error")), None)
         if r.get("error"):
             line = f"  {r['variant']:8s} {r['error'][:120]}"
+            for at in [r.get("oom_at")] + [x.get("oom_at") for x in r.get("ranks", [])]:
+                if at:
+                    line += (
+                        f"\n    out of memory at step {at.get('step')}, phase {at.get('phase')}, resident "
+                        f"{at.get('resident_roles')}, prefetched {(at.get('prefetched_bytes') or 0) / 2**30:.2f} GiB, "
+                        f"allocated {(at.get('allocated_bytes') or 0) / 2**30:.2f} GiB; "
+                        + " <- ".join(reversed(at.get("frames", [])[-4:]))
+                    )
             row = f"| {date} | {gpu} | {torch.__version__} | {trl.__version__} | {what} | {args.batch}x{args.completion} | {r['variant']} | {r['error'][:80]} | - | - | - | - | - |"
         else:
             pr = r["peak_bytes"] / base["peak_bytes"] if base else None
@@ -961,7 +1015,14 @@ def main(argv=None) -> int:
         "report each variant's median step ratio against the TRL process before it, with its 95%% interval "
         "(in the JSON: paired)",
     )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="with --paired: the runs alternate in one process (each a trainer of its own, freed before the "
+        "next), so no pair spans two processes, whose steps differ more than one process's do",
+    )
     p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_sequence", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
@@ -976,6 +1037,13 @@ def main(argv=None) -> int:
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         with open(args._out, "w") as f:
             json.dump({"line_rate": _line_rate(), "gpu": gpu}, f)
+        return 0
+    if args.in_process and (not args.paired or args.nproc > 1):
+        p.error("--in-process alternates the --paired runs in one process: it needs --paired and --nproc 1")
+    if args._sequence:
+        # --paired --in-process: each run in turn in this process, its trainer freed before the next.
+        for i, v in enumerate(args._sequence.split(",")):
+            run_variant(v, args._model, args.steps, f"{args._out}.{i}", args)
         return 0
     if args._variant:
         if args._variant.startswith("before:"):
@@ -1016,41 +1084,22 @@ def main(argv=None) -> int:
     if args.paired:
         ours = [v for v in variants if v != "trl"]
         variants = [v for _ in range(args.paired) for x in ours for v in ("trl", x)]
+    if args.in_process:
+        out = os.path.join(work, "sequence.json")
+        cmd = _child_cmd(args, ["--_sequence", ",".join(variants)], out, model_path, reward_path, profile=False)
+        env = dict(os.environ)
+        env.setdefault("CUDA_VISIBLE_DEVICES", "0")
+        rc, host = _run_watching_host_memory(cmd, env)
+        for i, v in enumerate(variants):
+            path = f"{out}.{i}"
+            res = json.load(open(path)) if os.path.exists(path) else {"variant": v, "error": f"exit {rc}"}
+            res.update(host, in_process=True)
+            results.append(res)
+        _report_so_far(args, results, reward_path, final=True)
+        return 0
     for v in variants:
         out = os.path.join(work, f"{v}.json")
-        cmd = (
-            [
-                sys.executable,
-                __file__,
-                "--_variant",
-                v,
-                "--_model",
-                model_path,
-                "--_out",
-                out,
-                "--steps",
-                str(args.steps),
-                "--batch",
-                str(args.batch),
-                "--num-generations",
-                str(args.num_generations),
-                "--completion",
-                str(args.completion),
-                "--dtype",
-                args.dtype,
-                "--profile-step",
-                str(args.profile_step if not args.profile_variants or v in args.profile_variants.split(",") else 0),
-                "--before",
-                args.before,
-                "--nproc",
-                str(args.nproc),
-                "--launch",
-                args.launch,
-            ]
-            + (["--sample-stacks"] if args.sample_stacks else [])
-            + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])
-            + (["--reward-model-path", reward_path] if reward_path else [])
-        )
+        cmd = _child_cmd(args, ["--_variant", v], out, model_path, reward_path, profile=True)
         env = dict(os.environ)
         if "+expandable" in v:
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -1070,6 +1119,48 @@ def main(argv=None) -> int:
         _report_so_far(args, results, reward_path)  # a run cut short keeps what it measured
     _report_so_far(args, results, reward_path, final=True)
     return 0
+
+
+def _child_cmd(args, what: list[str], out: str, model_path: str, reward_path: str | None, *, profile: bool) -> list:
+    """The command line of a child process running ``what`` (``--_variant V`` or
+    ``--_sequence V1,V2,...``) with this run's settings, writing its JSON to ``out``."""
+    v = what[1]
+    return (
+        [
+            sys.executable,
+            __file__,
+            *what,
+            "--_model",
+            model_path,
+            "--_out",
+            out,
+            "--steps",
+            str(args.steps),
+            "--batch",
+            str(args.batch),
+            "--num-generations",
+            str(args.num_generations),
+            "--completion",
+            str(args.completion),
+            "--dtype",
+            args.dtype,
+            "--profile-step",
+            str(
+                args.profile_step
+                if profile and (not args.profile_variants or v in args.profile_variants.split(","))
+                else 0
+            ),
+            "--before",
+            args.before,
+            "--nproc",
+            str(args.nproc),
+            "--launch",
+            args.launch,
+        ]
+        + (["--sample-stacks"] if args.sample_stacks else [])
+        + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])
+        + (["--reward-model-path", reward_path] if reward_path else [])
+    )
 
 
 def _launched(cmd: list[str], args) -> list[str]:
@@ -1121,7 +1212,7 @@ def _merged_ranks(out: str, nproc: int, variant: str = "") -> dict | None:
         res["exposed_s_per_step"] = max(x.get("exposed_s_per_step", 0.0) for x in ranks)
     keys = ("rank", "error", "step_s", "step_min_s", "peak_bytes", "exposed_s_per_step", "moved_gb_per_step")
     keys += ("transition_gbps", "host_held_bytes", "host_pinned_bytes", "host_rss_bytes_steps", "launch")
-    keys += ("host_baseline_rss_bytes",)
+    keys += ("host_baseline_rss_bytes", "oom_at")
     res["ranks"] = [{k: x.get(k) for k in keys} for x in ranks]
     res["nproc"] = nproc
     return res

@@ -20,6 +20,8 @@
 #   trl         *tests       GPU tests of tests/integrations, tests/timeshare, tests/state
 #               *bench       bench_trl.py, Qwen2-1.5B fp32, 64 completions x 256 tokens (VARIANTS)
 #               *7b          the same at Qwen2-7B bf16 (VARIANTS7B)
+#                paired      1.5B fp32, 64 x 256: TRL alone and VARIANTS_PAIRED alternating in one process,
+#                            PAIRED (6) pairs: the median step ratio and its 95% interval
 #                14b         Qwen2.5-14B shape bf16, 64 x 256 in micro-batches of MICRO14B (16), STEPS14B
 #                            (11) steps (VARIANTS14B_ONE)
 #                stress      16 x 32 at 1.5B and at 7B (VARIANTS_STRESS); stress-1.5b, stress-7b
@@ -122,7 +124,7 @@ declare -A DEFAULT=(
 )
 declare -A EXTRA=(
   [core]="overhead ckpt1"
-  [trl]="14b stress stress-1.5b stress-7b ds demo7b profile contention decode"
+  [trl]="14b paired stress stress-1.5b stress-7b ds demo7b profile contention decode"
   [demo]=""
   [cpu_adam]="bench precision"
   [lease]="processes"
@@ -328,6 +330,12 @@ p_trl_14b() {  # the Qwen2.5-14B shape on one GPU, 64 x 256 in micro-batches (MI
   trl_bench trl_bench14b.log --preset qwen2.5-14b --dtype bfloat16 --batch 64 --completion 256 \
     --micro-batch "${MICRO14B:-16}" --steps "${STEPS14B:-11}" --variants "${VARIANTS14B_ONE:-stream+prefetch}" \
     --json "$OUT/trl_14b_64x256_$TAG.json"
+}
+p_trl_paired() {  # TRL alone and tidal alternating in one process, PAIRED (6) pairs: the step ratio's 95% interval
+  need_module trl || return 0
+  trl_bench trl_paired.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps "${STEPS:-3}" \
+    --variants "${VARIANTS_PAIRED:-trl,stream+prefetch+peak=17}" --paired "${PAIRED:-6}" --in-process \
+    --json "$OUT/trl_1.5b_paired_$TAG.json"
 }
 p_trl_stress_1_5b() {
   need_module trl || return 0
