@@ -1091,3 +1091,75 @@ def test_an_optimizer_step_out_of_memory_in_its_update_goes_on_as_it_came(tiny, 
 
     with pytest.raises(torch.OutOfMemoryError, match="faked by the test"):
         _run(Crowded, tiny, tmp_path / "math", tidal_config=TidalConfig(prefetch=True))
+
+
+def test_a_phase_keeps_the_most_the_allocators_fragments_reached_while_it_ran():
+    from tidal.integrations.trl.memory import PhaseMemory
+
+    gib = 1 << 30
+    dev = _FakeAllocator()
+    frags = {"now": 0, "high": 0}
+
+    def reset():
+        dev.reset()
+        frags["high"] = frags["now"]
+
+    def split(nbytes):
+        frags["now"] = nbytes
+        frags["high"] = max(frags["high"], nbytes)
+
+    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, reset, lambda: frags["high"])
+    memory.start("loss")
+    split(1 * gib)
+    memory.start("backward")
+    split(3 * gib)  # the backward's gathers and reductions split segments as it goes
+    split(2 * gib)
+    memory.take_peaks()  # a log line inside the phase keeps its reading
+    split(1 * gib)
+    memory.start("generate")
+    assert memory.fragments == {"loss": 1 * gib, "backward": 3 * gib}
+
+
+@pytest.mark.slow
+def test_the_optimizer_states_prefetch_leaves_room_for_the_fragments_the_backward_made(tiny, tmp_path, monkeypatch):
+    """FSDP2's backward splits the allocator's segments as it goes (per-unit gathers and
+    reductions): a 14B-shape step ran out of memory on an H100 with 2.92 GiB of fragments, the
+    optimizer state having come in as far as the backward's own growth allowed. The fragments'
+    peak in the last backward counts as room the backward takes: here the free memory read is
+    the backward's need less a byte plus 1 GiB, and the last backward's fragments reached 1 GiB
+    (none now): nothing may come in ahead (before: all of it)."""
+    from tidal.device import DeviceOps
+    from tidal.integrations.trl.memory import PhaseMemory
+
+    plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    need = int(1.1 * (1 << 30)) + (256 << 20)  # the backward read as allocating 1 GiB
+    monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (need - 1 + (1 << 30), 1 << 40))
+    monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
+
+    def fragmented(nbytes):
+        class Split(_with_counters({"backward": 1 << 30})):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                read = type(self._tidal_memory)._read
+
+                def _read(memory):
+                    read(memory)
+                    if "backward" in memory.fragments or "backward" in memory.growth:
+                        memory.fragments["backward"] = nbytes
+
+                self._tidal_memory._read = lambda: _read(self._tidal_memory)
+                assert isinstance(self._tidal_memory, PhaseMemory)
+
+        return Split
+
+    cfg = TidalConfig(prefetch=True)
+    split = _run(fragmented(1 << 30), tiny, tmp_path / "split", tidal_config=cfg)
+    whole = _run(fragmented(0), tiny, tmp_path / "whole", tidal_config=cfg)
+    monkeypatch.undo()
+    for ours in (split, whole):
+        assert _history(ours) == _history(plain)
+        want, got = _weights(plain), _weights(ours)
+        assert all(torch.equal(want[k], got[k]) for k in want)
+    ahead = lambda t: [r.bytes_in for r in t.timeshare.records if r.kind == "optim-prefetch"]  # noqa: E731
+    assert len(ahead(whole)) == 2 and all(n > 0 for n in ahead(whole)), ahead(whole)
+    assert all(n == 0 for n in ahead(split)), ahead(split)

@@ -101,7 +101,17 @@ sys.stdin.read()
 """
 
 
-def test_with_another_process_holding_device_memory_prefetch_keeps_only_what_fits(models, tmp_path):
+@pytest.fixture(scope="module")
+def large_policy(tmp_path_factory):
+    """A policy of about 0.5 B parameters (fp32: ~1.9 GB), saved: TRL alone holds it, its
+    gradients, AdamW's moments and the reference (~9.7 GB); tidal streaming the optimizer state
+    a fraction of that."""
+    policy = tmp_path_factory.mktemp("large_policy")
+    save_char_models(policy, hidden=2048, intermediate=8192, layers=8, heads=16, kv_heads=4)
+    return str(policy)
+
+
+def test_with_another_process_holding_device_memory_prefetch_keeps_only_what_fits(large_policy, tmp_path):
     """Another process holds all of the device but room for tidal's run without prefetch
     (its peak, reserved, and 512 MiB): TRL alone no longer fits there; tidal with prefetch,
     whose keeps and prefetches read the driver's free memory (the other process's share
@@ -112,20 +122,20 @@ def test_with_another_process_holding_device_memory_prefetch_keeps_only_what_fit
 
     from tests.integrations.test_trl import _run, _weights
 
-    policy, _ = models
-
     def peak_reserved(cls, out, **kw):
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        trainer = _run(cls, policy, out, use_cpu=False, **kw)
+        trainer = _run(cls, large_policy, out, use_cpu=False, **kw)
         torch.cuda.synchronize()
         return trainer, torch.cuda.max_memory_reserved()
 
+    streamed = dict(optimizer_residency="stream")
     plain, trl_peak = peak_reserved(trl.GRPOTrainer, tmp_path / "plain")
     want, history = _weights(plain), _history(plain)
     del plain
-    bare, tidal_peak = peak_reserved(TidalGRPOTrainer, tmp_path / "bare", tidal_config=TidalConfig())
+    bare, tidal_peak = peak_reserved(TidalGRPOTrainer, tmp_path / "bare", tidal_config=TidalConfig(**streamed))
+    bare.timeshare.close()
     del bare
     room = tidal_peak + (512 << 20)
     assert room < trl_peak, (room, trl_peak)  # the hold leaves TRL alone no room: the case is real
@@ -137,10 +147,11 @@ def test_with_another_process_holding_device_memory_prefetch_keeps_only_what_fit
     try:
         assert holder.stdout.readline().startswith("holding")
         with pytest.raises(torch.OutOfMemoryError):
-            _run(trl.GRPOTrainer, policy, tmp_path / "plain_held", use_cpu=False)
+            _run(trl.GRPOTrainer, large_policy, tmp_path / "plain_held", use_cpu=False)
         gc.collect()
         torch.cuda.empty_cache()
-        ours = _run(TidalGRPOTrainer, policy, tmp_path / "ours", use_cpu=False, tidal_config=TidalConfig(prefetch=True))
+        cfg = TidalConfig(prefetch=True, **streamed)
+        ours = _run(TidalGRPOTrainer, large_policy, tmp_path / "ours", use_cpu=False, tidal_config=cfg)
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)

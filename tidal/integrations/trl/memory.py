@@ -21,13 +21,28 @@ class PhaseMemory:
     reads and resets the device's peak counter but not the phase: its growth is the highest
     reading over the whole phase, however many log lines fall in it.
 
-    ``allocated``, ``peak`` and ``reset`` read the device's allocator (on CUDA:
-    ``torch.cuda.memory_allocated``, ``max_memory_allocated``, ``reset_peak_memory_stats``);
-    :meth:`of` builds it for a device, None where the device has no such counters."""
+    It also keeps, per phase, the most the allocator's fragments (free pieces of partly used
+    segments, which a large block cannot use) reached while it ran: a phase that splits
+    segments as it goes (FSDP2's per-unit gathers and reductions in the backward) needs room
+    beyond its own growth for the pieces it leaves.
 
-    def __init__(self, allocated: Callable[[], int], peak: Callable[[], int], reset: Callable[[], None]) -> None:
+    ``allocated``, ``peak`` and ``reset`` read the device's allocator (on CUDA:
+    ``torch.cuda.memory_allocated``, ``max_memory_allocated``, ``reset_peak_memory_stats``),
+    ``fragmented_peak`` the fragments' peak since the last reset (CUDA: the allocator's
+    ``inactive_split_bytes.all.peak``; None: not read); :meth:`of` builds it for a device, None
+    where the device has no such counters."""
+
+    def __init__(
+        self,
+        allocated: Callable[[], int],
+        peak: Callable[[], int],
+        reset: Callable[[], None],
+        fragmented_peak: Callable[[], int] | None = None,
+    ) -> None:
         self.allocated, self._peak, self._reset = allocated, peak, reset
+        self._fragmented_peak = fragmented_peak
         self.growth: dict[str, int] = {}  # phase -> bytes it allocated the last time it ran
+        self.fragments: dict[str, int] = {}  # phase -> the fragments' peak the last time it ran
         self._peaks: dict[str, int] = {}  # phase -> peak since the last take_peaks()
         self._phase: str | None = None
         self._start = 0  # allocated at the running phase's start
@@ -35,6 +50,7 @@ class PhaseMemory:
         self._prefetched = 0  # brought in by prefetches started in the running phase
         self._held_for_backward: int | None = None  # what the loss's forward held as the last backward started
         self._part: tuple[str, int] | None = None  # (name, allocated at its start) of a part being measured
+        self._frag_high = 0  # the running phase's highest fragments reading so far
 
     @classmethod
     def of(cls, device: torch.device) -> "PhaseMemory | None":
@@ -44,6 +60,7 @@ class PhaseMemory:
             lambda: torch.cuda.memory_allocated(device),
             lambda: torch.cuda.max_memory_allocated(device),
             lambda: torch.cuda.reset_peak_memory_stats(device),
+            lambda: int(torch.cuda.memory_stats(device).get("inactive_split_bytes.all.peak", 0)),
         )
 
     def _read(self) -> None:
@@ -53,12 +70,16 @@ class PhaseMemory:
             self._high = max(self._high, peak)
             self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), peak)
             self.growth[self._phase] = max(0, self._high - self._start - self._prefetched)
+            if self._fragmented_peak is not None:
+                self._frag_high = max(self._frag_high, self._fragmented_peak())
+                self.fragments[self._phase] = self._frag_high
         self._reset()
 
     def start(self, phase: str) -> None:
         """Close the running phase's reading and start ``phase``'s."""
         self._read()
         self._phase, self._start, self._high, self._prefetched = phase, self.allocated(), 0, 0
+        self._frag_high = 0
 
     def rebase(self) -> None:
         """Count the running phase's growth from what is allocated now: called once its turn's

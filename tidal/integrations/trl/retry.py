@@ -240,7 +240,7 @@ class AgainIfOutOfMemory:
         growth, came = last
         streamed = self.tidal_config.optimizer_residency == "stream"  # its chunks in flight
         need = growth if streamed else max(0, growth - came) + bring
-        ts.load("policy", keep_free_bytes=phase_need_bytes(need) + ts.ops.fragmented_free_bytes())
+        ts.load("policy", keep_free_bytes=phase_need_bytes(need) + self._fragments("backward"))
 
     def _step_measured(self) -> None:
         memory = self._tidal_memory
