@@ -834,6 +834,9 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             )
         held, base_rss = r.get("host_held_bytes"), r.get("host_baseline_rss_bytes")
         peak_rss = r.get("host_peak_rss_bytes") or max(r.get("host_rss_bytes_steps") or [0])
+        if r.get("ranks"):  # the process tree's RSS is every rank's: against every rank's held
+            held = sum(x.get("host_held_bytes") or 0 for x in r["ranks"])
+            base_rss = sum(x.get("host_baseline_rss_bytes") or 0 for x in r["ranks"])
         if held and base_rss and peak_rss and not r.get("error"):
             allowed = 1.10 * held + base_rss
             print(
