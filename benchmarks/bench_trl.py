@@ -97,6 +97,9 @@ def save_model(preset: str, path: str, reward_path: str | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    done = os.path.join(path, "bench_trl_saved")
+    if reward_path is None and os.path.exists(done):
+        return  # saved whole by an earlier run (--model-cache)
     task = _char_task()
     task.char_tokenizer(CHARS).save_pretrained(path)
     cfg = qwen2_config(preset, pad_id=task.PAD_ID, eos_id=task.EOS_ID)
@@ -114,6 +117,8 @@ def save_model(preset: str, path: str, reward_path: str | None = None) -> None:
         reward.save_pretrained(reward_path)
         del reward
     torch.cuda.empty_cache()  # this process only orchestrates: the variants run in their own
+    with open(done, "w") as f:
+        f.write(preset)  # written last: a save cut short is not taken for a whole one
 
 
 class _RawProfile:
@@ -812,6 +817,14 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 f"    throughput: {r['completions_per_s']:.2f} completions/s on {r['nproc']} GPUs against {one:.2f} on one "
                 f"in the same call: {r['completions_per_s'] / one:.2f}x (target >= {0.9 * r['nproc']:.1f}x)"
             )
+        gen_one = getattr(args, "one_gpu_generate", {}).get(r["variant"])
+        gen = (r.get("phase_s") or {}).get("generate")
+        if gen_one and gen and not r.get("error"):
+            r["one_gpu_generate_s"] = gen_one
+            print(
+                f"    generation: {gen:.3f} s a step on each of {r['nproc']} GPUs ({r.get('launch')}) against {gen_one:.3f} s "
+                f"on one GPU in the same call: {gen / gen_one:.2f}x (target <= 1.15x under FSDP2)"
+            )
         if r.get("nproc", 1) > 1 and not r.get("error"):
             print(
                 f"    {r['nproc']} processes ({r.get('launch')}): {args.batch * r['nproc'] / r['step_s']:.2f} "
@@ -1024,6 +1037,12 @@ def main(argv=None) -> int:
         help="with --paired: the runs alternate in one process (each a trainer of its own, freed before the "
         "next), so no pair spans two processes, whose steps differ more than one process's do",
     )
+    p.add_argument(
+        "--model-cache",
+        default=None,
+        help="a folder where the preset's random model is saved once and found by later runs (a 14B save takes "
+        "about a minute); default: a new temporary folder each run",
+    )
     p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_sequence", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
@@ -1055,14 +1074,17 @@ def main(argv=None) -> int:
         run_variant(args._variant, args._model, args.steps, args._out, args)
         return 0
 
-    args.one_gpu = {}
+    args.one_gpu, args.one_gpu_generate = {}, {}
     if args.one_gpu_json:
         with open(args.one_gpu_json) as f:
-            args.one_gpu = {
-                v["variant"]: v["completions_per_s"] for v in json.load(f)["variants"] if not v.get("error")
-            }
+            ones = [v for v in json.load(f)["variants"] if not v.get("error")]
+        args.one_gpu = {v["variant"]: v["completions_per_s"] for v in ones}
+        # Each generation's device seconds on one GPU: the same completions a rank generates.
+        args.one_gpu_generate = {
+            v["variant"]: v["phase_s"]["generate"] for v in ones if "generate" in v.get("phase_s", {})
+        }
     work = tempfile.mkdtemp()
-    model_path = os.path.join(work, args.preset)
+    model_path = os.path.join(args.model_cache or work, args.preset)
     t0 = time.perf_counter()
     reward_path = os.path.join(work, args.preset + "-reward") if args.reward_model else None
     # In a process of its own: this one would keep a CUDA context and the line-rate buffers in
