@@ -693,8 +693,13 @@ def _paired(results: list) -> dict:
     for i, r in enumerate(results):
         if r["variant"] == "trl" or r.get("error") or i == 0:
             continue
-        base = results[i - 1]
-        if base["variant"] != "trl" or base.get("error"):
+        # The TRL run last before it, in its round (trl, X, Y, trl, X, Y, ...): none of the
+        # same variant between them.
+        j = next((k for k in range(i - 1, -1, -1) if results[k]["variant"] == "trl"), None)
+        if j is None or any(x["variant"] == r["variant"] for x in results[j + 1 : i]):
+            continue
+        base = results[j]
+        if base.get("error"):
             continue
         row = out.setdefault(r["variant"], {"step": [], "generate": []})
         row["step"].append(r["step_s"] / base["step_s"])

@@ -97,3 +97,12 @@ def test_the_floor_is_compute_plus_the_state_beyond_the_room_beside_the_gradient
     assert bench_trl._floor(r, line)["floor_s"] == pytest.approx(9.0)
     assert bench_trl._floor({**r, "workload": {}}, line) is None
     assert bench_trl._floor(r, None) is None
+
+
+def test_with_several_variants_a_round_pairs_each_with_its_trl_run():
+    results = []
+    for i in range(3):
+        results += [_row("trl", 10.0 + i), _row("a", 11.0 + i), _row("b", 12.0 + i)]
+    got = bench_trl._paired(results)
+    assert got["a"]["ratios"] == [(11.0 + i) / (10.0 + i) for i in range(3)]
+    assert got["b"]["ratios"] == [(12.0 + i) / (10.0 + i) for i in range(3)]
