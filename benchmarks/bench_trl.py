@@ -535,6 +535,17 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["host_held_bytes"] = sum(ts.store.context.host_bytes().values())
         res["host_pinned_bytes"] = ts.store.context.pinned_bytes()
     if not error:
+        # tidal's trainer restarts the device's peak counter at each phase (its per-phase peaks,
+        # logged as tidal/peak_gib/<phase>): the step's peak is the highest of those too.
+        phase_peaks = [
+            {k.rsplit("/", 1)[-1]: float(v) * 2**30 for k, v in h.items() if k.startswith("tidal/peak_gib/")}
+            for h in trainer.state.log_history
+            if h.get("step", 0) >= 2 and "loss" in h
+        ]
+        phase_peaks = [p for p in phase_peaks if p]
+        if phase_peaks:
+            res["phase_peak_bytes_steps"] = phase_peaks
+            peaks.append(int(max(max(p.values()) for p in phase_peaks)))
         res.update(step_s=statistics.median(times), peak_bytes=max(peaks), steps_measured=len(times))
         # Interference from outside the run (the host, the machine) only ever slows a step: the
         # fastest step is the least disturbed reading of the step's own cost.

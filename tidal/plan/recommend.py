@@ -30,7 +30,9 @@ import itertools
 
 from tidal.plan.model import GIB, Bandwidth, Plan, PlanConfig, build_plan
 
-__all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK"]
+__all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK", "RESERVE_FRACTION"]
+
+RESERVE_FRACTION = 0.05  # of a GPU's memory left out of what a plan may use (allocator slack, other processes)
 
 LEVER_COSTS = {
     "timeshare": 1,
@@ -212,7 +214,7 @@ def recommend(
     *,
     gpu_mem_bytes: int,
     gpus: int = 1,
-    reserve_fraction: float = 0.05,
+    reserve_fraction: float = RESERVE_FRACTION,
     bandwidth: Bandwidth | None = None,
     allow_lora: bool = True,
     host_mem_bytes: int | None = None,

@@ -96,6 +96,25 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="roles take turns on the GPU (default on)",
     )
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw", help="default adamw (states on the GPU)")
+    p.add_argument(
+        "--fused-adamw",
+        action="store_true",
+        help="AdamW's fused step (transformers' default optimizer, adamw_torch_fused): no state-sized temporary "
+        "(default: torch's foreach step)",
+    )
+    p.add_argument(
+        "--optim-stream-mib",
+        type=mib_arg,
+        default=None,
+        help="with --optimizer adamw_offload: step() brings the states in chunks of this many MiB (tidal's "
+        'optimizer_residency="stream": 256); default: all at once',
+    )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="with --gpu-mem-gib: each phase with what TidalConfig(prefetch=True) keeps beside it in TRL where "
+        "it fits (the reference behind generation and through the loss, the policy through the scoring)",
+    )
     p.add_argument("--lora-rank", type=nonneg_int, default=0, help="LoRA rank; 0 trains the full model (default)")
     p.add_argument("--dtype", choices=_DTYPES, default="bf16", help="param/activation dtype (default bf16)")
     p.add_argument(
@@ -175,6 +194,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def _format_kept(kept: dict, gpu_mem_gib: float) -> str:
+    """The phases with what TRL's prefetching schedule keeps beside them (tidal.plan.kept_phases)."""
+    gib = 1 << 30
+    lines = [
+        f"with prefetch (TidalConfig(prefetch=True) in TRL), on {gpu_mem_gib:.2f} GiB: what each phase keeps "
+        "beside it where it fits with the phase's need (+10%, 256 MiB)"
+    ]
+    for name, k in kept.items():
+        what = ", ".join(f"+ {role} {b / gib:.2f}" for role, b in k.kept.items()) or "nothing kept"
+        lines.append(f"  {name:<16} {k.peak_bytes / gib:8.2f} GiB  ({what})")
+    return "\n".join(lines)
+
+
 def _bandwidth(args: argparse.Namespace):
     import dataclasses  # noqa: PLC0415
 
@@ -193,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     """Build the plan (and the recommendation) for ``args``; print it. Returns the exit code."""
     from tidal_recipes.cli.args import output_problem  # noqa: PLC0415
     from tidal.memory import host_memory  # noqa: PLC0415
-    from tidal.plan import GIB, PlanConfig, build_plan, format_plan, load_shape, recommend  # noqa: PLC0415
+    from tidal.plan import GIB, PlanConfig, build_plan, format_plan, kept_phases, load_shape, recommend  # noqa: PLC0415
+    from tidal.plan.recommend import RESERVE_FRACTION  # noqa: PLC0415
 
     problem = output_problem(args.json) if args.json not in (None, "-") else None
     if problem is not None:
@@ -204,6 +237,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"tidal plan: error: --launch {args.launch} is ZeRO stage {stage_of[args.launch]}, but --zero-stage "
             f"{args.zero_stage} was given too; give one of them. Nothing was run",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.prefetch and args.gpu_mem_gib is None:
+        print(
+            "tidal plan: error: --prefetch keeps what fits beside each phase: it needs --gpu-mem-gib (80 GB H100: "
+            "79.2). Nothing was run",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -251,6 +291,8 @@ def run(args: argparse.Namespace) -> int:
             action_vocab=args.action_vocab,
             sampling=args.sampling,
             cpu_adam_inflight_bytes=args.cpu_adam_inflight_mib << 20,
+            adamw_foreach=not args.fused_adamw,
+            optim_stream_chunk_bytes=args.optim_stream_mib << 20 if args.optim_stream_mib is not None else None,
             step_in_train=args.step_in_train,
             grad_ckpt=args.grad_ckpt,
             act_offload=args.act_offload,
@@ -281,10 +323,21 @@ def run(args: argparse.Namespace) -> int:
         rec = recommend(
             config, gpu_mem_bytes=int(args.gpu_mem_gib * GIB), gpus=args.gpus, bandwidth=bw, host_mem_bytes=host
         )
+    kept = None
+    if args.prefetch:
+        try:
+            kept = kept_phases(plan, int(args.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)) - config.cuda_context_bytes)
+        except ValueError as e:
+            print(f"tidal plan: error: --prefetch: {e}. Nothing was printed", file=sys.stderr)
+            return EXIT_USAGE
     if args.json is None:
         print(format_plan(plan, rec), flush=True)
+        if kept is not None:
+            print(_format_kept(kept, args.gpu_mem_gib), flush=True)
         return EXIT_OK
     data = {"plan": plan.to_dict(), "recommendation": rec.to_dict() if rec else None}
+    if kept is not None:
+        data["prefetch"] = {p: k.to_dict() for p, k in kept.items()}
     text = json.dumps(data, indent=2)
     if args.json == "-":
         print(text)

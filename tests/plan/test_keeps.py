@@ -1,0 +1,59 @@
+"""What each phase holds when tidal's TRL trainer prefetches (tidal.plan.kept_phases): the
+role kept beside a phase where its state and the phase's need (+10%, 256 MiB) fit."""
+
+import pytest
+
+from tidal.memory import phase_need_bytes
+from tidal.plan import PlanConfig, build_plan, kept_phases
+from tidal.plan.keeps import KeptPhase
+
+from tests.plan.test_model import TOY
+
+
+def _plan(**kw):
+    base = dict(shape=TOY, prompts=2, group=2, prompt_len=8, gen_len=8, micro_batch=2, padding_mask=False, misc_bytes=0)
+    return build_plan(PlanConfig(**{**base, **kw}))
+
+
+def test_with_room_for_everything_each_phase_keeps_the_role_the_schedule_keeps():
+    plan = _plan()
+    got = kept_phases(plan, 1 << 40)
+    ref = plan.timeshared["reference"].resident["reference params"]
+    policy = plan.timeshared["rollout"].resident["actor params"] + plan.timeshared["train"].resident["optimizer states"]
+    assert {p: k.kept for p, k in got.items()} == {
+        "rollout": {"reference": ref},
+        "reference": {"policy": policy},  # its weights and, moving with it ("adamw"), its AdamW state
+        "train": {"reference": ref},
+        "optimizer_step": {"reference": ref},
+    }
+    assert all(k.peak_bytes == plan.timeshared[p].peak_bytes + sum(k.kept.values()) for p, k in got.items())
+
+
+def test_a_role_is_kept_only_where_it_fits_beside_the_phases_need():
+    plan = _plan()
+    rollout = plan.timeshared["rollout"]
+    ref = plan.timeshared["reference"].resident["reference params"]
+    edge = rollout.resident_bytes + phase_need_bytes(rollout.transient_bytes) + ref
+    assert kept_phases(plan, edge)["rollout"].kept == {"reference": ref}
+    assert kept_phases(plan, edge - 1)["rollout"].kept == {}
+    # Not kept through the loss and its backward: not kept at the step either.
+    train = plan.timeshared["train"]
+    tight = train.resident_bytes + phase_need_bytes(train.transient_bytes) + ref - 1
+    got = kept_phases(plan, tight)
+    assert got["train"].kept == {} and got["optimizer_step"].kept == {}
+
+
+def test_the_policy_kept_through_the_scoring_holds_its_optimizer_state_only_where_it_moves_with_it():
+    offloaded = _plan(optimizer="adamw_offload")
+    got = kept_phases(offloaded, 1 << 40)["reference"].kept
+    assert got == {"policy": offloaded.timeshared["rollout"].resident["actor params"]}
+
+
+def test_plans_with_nothing_to_keep_are_refused():
+    with pytest.raises(ValueError, match="timeshared plan"):
+        kept_phases(_plan(timeshare=False), 1 << 40)
+    with pytest.raises(ValueError, match="LoRA"):
+        kept_phases(_plan(lora_rank=4), 1 << 40)
+    with pytest.raises(ValueError, match="usable_bytes"):
+        kept_phases(_plan(), 0)
+    assert isinstance(kept_phases(_plan(), 1 << 40)["train"], KeptPhase)

@@ -1,0 +1,81 @@
+"""What each phase holds when tidal's TRL trainer prefetches: :func:`kept_phases`.
+
+With ``TidalConfig(prefetch=True)`` (:mod:`tidal.integrations.trl`) a turn keeps another role on
+the device beside the running one where the device has room for it and for the phase's own
+need (what the phase allocated the last time, 10% more and 256 MiB:
+:func:`tidal.memory.phase_need_bytes`). The plan's timeshared phases hold only the active
+role; this adds to each phase the role the trainer's schedule keeps or brings in beside it:
+
+* ``rollout``: the reference, brought in behind generation;
+* ``reference``: the policy (its weights, and its optimizer state where it moves with the
+  policy: ``optimizer="adamw"``, ``optimizer_residency="role"``), kept through the scoring;
+* ``train``: the reference, kept through the loss and its backward;
+* ``optimizer_step``: the reference, where it was kept through ``train`` and the step's own
+  need leaves room (the trainer makes that room before the step).
+
+Not modelled: the optimizer state a prefetch brings in behind the backward (as much as the
+device has room for; it lands in the backward's peak only where the backward's own allocations
+have gone down), and the allocator's fragments, which the trainer leaves room for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tidal.memory import phase_need_bytes
+from tidal.plan.model import Phase, Plan
+
+__all__ = ["KeptPhase", "kept_phases"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeptPhase:
+    """A timeshared phase with what the prefetching schedule keeps beside it: ``kept`` (a
+    role's name -> bytes) is empty where the role did not fit."""
+
+    phase: Phase
+    kept: dict[str, int]
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.phase.peak_bytes + sum(self.kept.values())
+
+    def to_dict(self) -> dict:
+        return {"kept": dict(self.kept), "peak_bytes": self.peak_bytes}
+
+
+def kept_phases(plan: Plan, usable_bytes: int) -> dict[str, KeptPhase]:
+    """Each timeshared phase of ``plan`` with what TRL's prefetching schedule keeps beside it
+    on a GPU whose memory for allocations is ``usable_bytes`` (see the module docstring).
+
+    Raises ``ValueError`` for a plan without timeshare (every role is resident there already)
+    or a LoRA plan (the reference is the policy with its adapters off: nothing to keep), or
+    ``usable_bytes`` <= 0."""
+    c = plan.config
+    if not c.timeshare:
+        raise ValueError("kept_phases needs a timeshared plan (PlanConfig(timeshare=True))")
+    if c.lora_rank:
+        raise ValueError("kept_phases: with LoRA the reference is the policy itself; nothing is kept beside it")
+    if usable_bytes <= 0:
+        raise ValueError(f"usable_bytes must be > 0, got {usable_bytes}")
+    phases = plan.timeshared
+    reference = phases["reference"].resident.get("reference params", 0)
+    policy = phases["rollout"].resident.get("actor params", 0) + phases["train"].resident.get("optimizer states", 0)
+
+    def fits(p: Phase, extra: int) -> bool:
+        return p.resident_bytes + phase_need_bytes(p.transient_bytes) + extra <= usable_bytes
+
+    out: dict[str, KeptPhase] = {}
+    out["rollout"] = KeptPhase(
+        phase=phases["rollout"], kept={"reference": reference} if fits(phases["rollout"], reference) else {}
+    )
+    out["reference"] = KeptPhase(
+        phase=phases["reference"], kept={"policy": policy} if fits(phases["reference"], policy) else {}
+    )
+    through_train = fits(phases["train"], reference)
+    out["train"] = KeptPhase(phase=phases["train"], kept={"reference": reference} if through_train else {})
+    step = phases["optimizer_step"]
+    out["optimizer_step"] = KeptPhase(
+        phase=step, kept={"reference": reference} if through_train and fits(step, reference) else {}
+    )
+    return out
