@@ -183,3 +183,30 @@ def test_launch_names_the_zero_stage_of_ddp_and_fsdp2(capsys):
         outs[" ".join(extra)] = capsys.readouterr().out
     assert outs["--launch ddp"] == outs["--zero-stage 0"] and "ZeRO 0 x dp 2" in outs["--launch ddp"]
     assert outs["--launch fsdp2"] == outs["--zero-stage 3"] and "ZeRO 3 x dp 2" in outs["--launch fsdp2"]
+
+
+def test_prefetch_fused_adamw_and_a_streamed_step(capsys):
+    """--prefetch prints each phase with what TRL's prefetching schedule keeps beside it (and
+    needs --gpu-mem-gib); --fused-adamw drops the step's state-sized temporary; --optim-stream-mib
+    streams the offloaded states through the step (only with --optimizer adamw_offload)."""
+    base = ["--preset", "qwen2.5-14b", "--prompts", "8", "--group", "8", "--prompt-len", "8", "--micro-batch", "16"]
+    code, out, err = _run([*base, "--prefetch"], capsys)
+    assert code == 2 and "--prefetch" in err and "--gpu-mem-gib" in err and out == ""
+    code, out, _ = _run([*base, "--gpu-mem-gib", "79.2", "--prefetch", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    kept = data["prefetch"]
+    assert set(kept) == {"rollout", "reference", "train", "optimizer_step"}
+    assert set(kept["rollout"]["kept"]) <= {"reference"} and set(kept["reference"]["kept"]) <= {"policy"}
+    code, out, _ = _run([*base, "--json"], capsys)
+    foreach = json.loads(out)["plan"]["phases"]["optimizer_step"]["transient"]
+    code, out, _ = _run([*base, "--fused-adamw", "--json"], capsys)
+    fused = json.loads(out)["plan"]["phases"]["optimizer_step"]["transient"]
+    assert "adamw step temporary" in foreach and "adamw step temporary" not in fused
+    code, out, err = _run([*base, "--optim-stream-mib", "256"], capsys)
+    assert code == 2 and "adamw_offload" in err
+    code, out, _ = _run([*base, "--optimizer", "adamw_offload", "--optim-stream-mib", "256", "--json"], capsys)
+    whole = json.loads(_run([*base, "--optimizer", "adamw_offload", "--json"], capsys)[1])
+    streamed = json.loads(out)
+    step = lambda d: d["plan"]["phases"]["optimizer_step"]["resident"]["optimizer states"]  # noqa: E731
+    assert step(streamed) < step(whole)
