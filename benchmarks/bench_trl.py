@@ -1082,6 +1082,8 @@ def main(argv=None) -> int:
         # --paired --in-process: each run in turn in this process, its trainer freed before the next.
         for i, v in enumerate(args._sequence.split(",")):
             run_variant(v, args._model, args.steps, f"{args._out}.{i}", args)
+            with open(f"{args._out}.{i}") as f:  # in the log as it goes: a run cut short keeps what it measured
+                print(f"[bench_trl] run {i}: " + json.dumps({k: x for k, x in json.load(f).items() if k != "profile"}))
         return 0
     if args._variant:
         if args._variant.startswith("before:"):
