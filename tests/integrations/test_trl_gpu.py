@@ -160,3 +160,56 @@ def test_with_another_process_holding_device_memory_prefetch_keeps_only_what_fit
     assert all(torch.equal(want[k], got[k]) for k in want)
     retries = [h["tidal/oom_retries"] for h in ours.state.log_history if "loss" in h]
     assert retries == [0, 0, 0], retries
+
+
+def test_a_backward_and_an_optimizer_step_out_of_memory_beside_kept_state_run_again_as_trl_on_a_gpu(models, tmp_path):
+    """The run-again paths of the backward and the optimizer step on a GPU: the loss's backward
+    made to run out of memory while the reference kept through the loss or the optimizer state
+    brought in behind it is on the device runs again from the same inputs once they are out;
+    the optimizer step made to run out of memory while tidal brings its state in beside a kept
+    role steps again: the same run as TRL alone."""
+    from tests.integrations.test_trl import _RaiseWhere, _crowded, _run, _weights, _with_counters
+    from tidal.device import use_sync_policy
+
+    policy, _ = models
+    plain = _run(trl.GRPOTrainer, policy, tmp_path / "plain", use_cpu=False)
+    box = {"raised": 0}
+
+    class Crowded(_with_counters({"backward": 1 << 20})):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            box["trainer"] = self
+
+        def _policy_ready(self):
+            ready = super()._policy_ready()
+            if ready and not getattr(self, "_crowding", False):
+                self._crowding = True
+
+                def check(grad):
+                    if _crowded(self.timeshare):
+                        box["raised"] += 1
+                        raise torch.OutOfMemoryError("CUDA out of memory (faked by the test)")
+
+                self.accelerator.unwrap_model(self.model).model.embed_tokens.weight.register_hook(check)
+            return ready
+
+        def _room_for_step(self):
+            super()._room_for_step()
+            box["in_step"] = True
+
+        def _step_measured(self):
+            box["in_step"] = False
+            super()._step_measured()
+
+    def in_step_beside_another_role():
+        t = box.get("trainer")
+        return bool(box.get("in_step")) and t is not None and len(t.timeshare.resident_roles) > 1
+
+    with use_sync_policy(_RaiseWhere("reload_allocated", in_step_beside_another_role)) as policy_:
+        with pytest.warns(UserWarning, match="ran out of device memory"):
+            ours = _run(Crowded, policy, tmp_path / "ours", use_cpu=False, tidal_config=TidalConfig(prefetch=True))
+    assert _history(ours) == _history(plain)
+    want, got = _weights(plain), _weights(ours)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    retries = [h["tidal/oom_retries"] for h in ours.state.log_history if "loss" in h]
+    assert sum(retries) == box["raised"] + policy_.raised > 0, (retries, box, policy_.raised)
