@@ -127,12 +127,19 @@ class AgainIfOutOfMemory:
         if any(p.grad is not None for p in params):
             return step()  # a later micro-batch: the gradients before it cannot be restored
         prepared: list[tuple[Any, RandomState]] = []
+        own = vars(self).get("_prepare_inputs")  # an instance's own, put back as it was
         prepare = self._prepare_inputs
 
         def recorded(batch: Any) -> Any:
             inputs = prepare(batch)
             prepared.append((inputs, RandomState(ts.device)))
             return inputs
+
+        def restore() -> None:
+            if own is None:
+                del self._prepare_inputs
+            else:
+                self._prepare_inputs = own
 
         self._prepare_inputs = recorded
         try:
@@ -143,7 +150,7 @@ class AgainIfOutOfMemory:
             if ts.evict_others("policy") == 0:
                 raise
         finally:
-            del self._prepare_inputs  # the class's again
+            restore()
         # Past the handler: the failed run's graph and activations, held by its traceback, are freed.
         for p in params:
             p.grad = None
@@ -155,7 +162,7 @@ class AgainIfOutOfMemory:
         try:
             return step()
         finally:
-            del self._prepare_inputs
+            restore()
             self._tidal_plain_backward = False
 
     def _step_again_if_out_of_memory(self, optimizer: torch.optim.Optimizer) -> None:
