@@ -234,20 +234,19 @@ class AgainIfOutOfMemory:
         ts, memory = self.timeshare, self._tidal_memory
         if "policy" not in ts.roles:
             return
-        bring, total = self._state_to_bring()
-        self._tidal_step_before = (bring, total)
+        if len(ts.resident_roles) >= 2:
+            last = self._tidal_step_growth
+            if last is None:
+                ts.evict_others("policy")  # its need is not known yet: measured alone
+            else:
+                growth, came = last
+                streamed = self.tidal_config.optimizer_residency == "stream"  # its chunks in flight
+                need = growth if streamed else max(0, growth - came) + self._state_to_bring()[0]
+                ts.load("policy", keep_free_bytes=phase_need_bytes(need) + self._fragments("backward"))
+        # Read once the room is made (a move out gives a prefetch's memory back first).
+        self._tidal_step_before = self._state_to_bring()
         if memory is not None:
             memory.begin_part("step")
-        if len(ts.resident_roles) < 2:
-            return
-        last = self._tidal_step_growth
-        if last is None:
-            ts.evict_others("policy")  # its need is not known yet: measured alone
-            return
-        growth, came = last
-        streamed = self.tidal_config.optimizer_residency == "stream"  # its chunks in flight
-        need = growth if streamed else max(0, growth - came) + bring
-        ts.load("policy", keep_free_bytes=phase_need_bytes(need) + self._fragments("backward"))
 
     def _step_measured(self) -> None:
         memory = self._tidal_memory
