@@ -1163,3 +1163,24 @@ def test_the_optimizer_states_prefetch_leaves_room_for_the_fragments_the_backwar
     ahead = lambda t: [r.bytes_in for r in t.timeshare.records if r.kind == "optim-prefetch"]  # noqa: E731
     assert len(ahead(whole)) == 2 and all(n > 0 for n in ahead(whole)), ahead(whole)
     assert all(n == 0 for n in ahead(split)), ahead(split)
+
+
+@pytest.mark.slow
+def test_the_optimizer_step_wrapper_keeps_torch_lr_schedulers_working(tiny, tmp_path):
+    """With prefetch the policy's ``optimizer.step`` is tidal's (it makes room and runs again):
+    still a method of the optimizer, so Trainer's LR scheduler counts its steps without a
+    warning and a scheduler built on it later wraps it as it would the optimizer's own."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ours = _run(TidalGRPOTrainer, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True), max_steps=2)
+    assert not [w for w in seen if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
+    opt = ours.optimizer.optimizer
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lr = opt.param_groups[0]["lr"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr * 0.5)

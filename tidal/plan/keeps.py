@@ -60,7 +60,7 @@ def kept_phases(plan: Plan, usable_bytes: int) -> dict[str, KeptPhase]:
         raise ValueError(f"usable_bytes must be > 0, got {usable_bytes}")
     phases = plan.timeshared
     reference = phases["reference"].resident.get("reference params", 0)
-    policy = phases["rollout"].resident.get("actor params", 0) + phases["train"].resident.get("optimizer states", 0)
+    policy = phases["train"].resident.get("actor params", 0) + phases["train"].resident.get("optimizer states", 0)
 
     def fits(p: Phase, extra: int) -> bool:
         return p.resident_bytes + phase_need_bytes(p.transient_bytes) + extra <= usable_bytes

@@ -7,6 +7,7 @@ scorings and the loss's forward, the loss's forward with its backward, and the o
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
 from typing import Any, Callable
 
@@ -123,16 +124,19 @@ class AgainIfOutOfMemory:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         if optimizer is None or getattr(optimizer, "tidal_state_on_host", False):
             return step()
+        if getattr(self, "use_adaptive_entropy", False):
+            return step()  # the loss's forward moves TRL's entropy coefficient: not run twice
         params = [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
         if any(p.grad is not None for p in params):
             return step()  # a later micro-batch: the gradients before it cannot be restored
-        prepared: list[tuple[Any, RandomState]] = []
+        metrics = getattr(self, "_metrics", None)  # TRL's per-mode lists of logged values
+        prepared: list[tuple[Any, RandomState, dict]] = []
         own = vars(self).get("_prepare_inputs")  # an instance's own, put back as it was
         prepare = self._prepare_inputs
 
         def recorded(batch: Any) -> Any:
-            inputs = prepare(batch)
-            prepared.append((inputs, RandomState(ts.device)))
+            inputs = prepare(batch)  # (the generation's logged values are in TRL's lists now)
+            prepared.append((inputs, RandomState(ts.device), _list_lengths(metrics)))
             return inputs
 
         def restore() -> None:
@@ -154,7 +158,8 @@ class AgainIfOutOfMemory:
         # Past the handler: the failed run's graph and activations, held by its traceback, are freed.
         for p in params:
             p.grad = None
-        inputs, generators = prepared[0]
+        inputs, generators, counts = prepared[0]
+        _truncate_lists(metrics, counts)  # what the failed forward logged is logged by the next
         generators.restore()
         self._ran_again("loss forward and backward")
         self._prepare_inputs = lambda batch: inputs
@@ -183,6 +188,14 @@ class AgainIfOutOfMemory:
         none."""
         if not self.tidal_config.prefetch:
             return
+        if getattr(getattr(self, "optimizer", None), "scaler", None) is not None:
+            # accelerate's fp16 GradScaler swaps optimizer.step for its own during each step.
+            warnings.warn(
+                "tidal: with fp16's GradScaler the optimizer step is not run again after running out of memory "
+                "beside kept roles (accelerate swaps optimizer.step during the step); the other phases are",
+                stacklevel=2,
+            )
+            return
         ts, inner = self.timeshare, optimizer.step
         state = {"outer": False, "math": False}
 
@@ -195,7 +208,7 @@ class AgainIfOutOfMemory:
         optimizer.register_step_pre_hook(math_starts)
         optimizer.register_step_post_hook(math_ended)
 
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             if state["outer"]:
                 return inner(*args, **kwargs)  # a streamed step's chunk
             state["outer"], state["math"] = True, False
@@ -212,13 +225,17 @@ class AgainIfOutOfMemory:
                 # Past the handler: what the failed step allocated, held by its traceback, is freed.
                 state["math"] = False
                 self._ran_again("optimizer step")
+                self._measure_step()  # from what the eviction left
                 out = inner(*args, **kwargs)
                 self._step_measured()
                 return out
             finally:
                 state["outer"] = False
 
-        optimizer.step = step
+        if hasattr(inner, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True  # an LR scheduler's counter is inside: it need not wrap again
+        # A method of the optimizer, as torch's LR schedulers expect of optimizer.step.
+        optimizer.step = types.MethodType(step, optimizer)
 
     def _state_to_bring(self) -> tuple[int, int]:
         """(bytes of the policy's optimizer state on the host that its step brings in, bytes of
@@ -231,7 +248,7 @@ class AgainIfOutOfMemory:
 
     def _room_for_step(self) -> None:
         """Before the policy's optimizer step (see :meth:`_step_again_if_out_of_memory`)."""
-        ts, memory = self.timeshare, self._tidal_memory
+        ts = self.timeshare
         if "policy" not in ts.roles:
             return
         if len(ts.resident_roles) >= 2:
@@ -243,10 +260,13 @@ class AgainIfOutOfMemory:
                 streamed = self.tidal_config.optimizer_residency == "stream"  # its chunks in flight
                 need = growth if streamed else max(0, growth - came) + self._state_to_bring()[0]
                 ts.load("policy", keep_free_bytes=phase_need_bytes(need) + self._fragments("backward"))
-        # Read once the room is made (a move out gives a prefetch's memory back first).
+        self._measure_step()  # once the room is made (a move out gives a prefetch's memory back first)
+
+    def _measure_step(self) -> None:
+        """Start measuring the step from here: the state it will bring in, and its growth."""
         self._tidal_step_before = self._state_to_bring()
-        if memory is not None:
-            memory.begin_part("step")
+        if self._tidal_memory is not None:
+            self._tidal_memory.begin_part("step")
 
     def _step_measured(self) -> None:
         memory = self._tidal_memory
@@ -257,3 +277,31 @@ class AgainIfOutOfMemory:
         # The state that came to the device in the step: what it brought in, and what it made
         # (the first step creates the optimizer's state).
         self._tidal_step_growth = (growth, bring + max(0, self._state_to_bring()[1] - total))
+
+
+def _list_lengths(metrics: Any) -> dict:
+    """The length of each list in TRL's ``_metrics`` (mode -> name -> list), to take back what a
+    failed run appended."""
+    if not isinstance(metrics, dict):
+        return {}
+    return {
+        mode: {name: len(v) for name, v in names.items() if isinstance(v, list)}
+        for mode, names in metrics.items()
+        if isinstance(names, dict)
+    }
+
+
+def _truncate_lists(metrics: Any, counts: dict) -> None:
+    """Take back what a failed run appended to TRL's ``_metrics``: each list back to its length
+    before it, the lists it began removed."""
+    if not isinstance(metrics, dict):
+        return
+    for mode, names in metrics.items():
+        if not isinstance(names, dict):
+            continue
+        before = counts.get(mode, {})
+        for name in [k for k, v in names.items() if isinstance(v, list)]:
+            if name in before:
+                del names[name][before[name] :]
+            else:
+                del names[name]
