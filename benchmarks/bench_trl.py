@@ -66,7 +66,9 @@ PRESETS = {
     "qwen2.5-32b": (5120, 27648, 64, 40, 8),
 }
 # TRL's accelerate configs, by --launch (the variants run under `accelerate launch` with it)
-LAUNCH_CONFIGS = {"ddp": "multi_gpu.yaml", "fsdp2": "fsdp2.yaml"}
+# TRL's accelerate configs; zero3-offload: its zero3.yaml with parameters and optimizer state on
+# the CPU (DeepSpeedCPUAdam), the anchor a TRL user reaches for when the model does not fit.
+LAUNCH_CONFIGS = {"ddp": "multi_gpu.yaml", "fsdp2": "fsdp2.yaml", "zero3-offload": "zero3.yaml"}
 CHARS = list("0123456789+= abcdefghijklmnopqrstuvwxyz")
 
 
@@ -578,7 +580,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["transitions_by_kind"] = by_kind
         res["allocator_steps"] = allocator
         # TRL alone moves nothing; DeepSpeed's offload moves bytes this bench does not count (null).
-        res["moved_gb_per_step"] = None if variant == "ds-zero3-offload" else 0.0
+        offloading = variant == "ds-zero3-offload" or (args.nproc > 1 and args.launch == "zero3-offload")
+        res["moved_gb_per_step"] = None if offloading else 0.0
         if getattr(trainer, "timeshare", None) is not None:  # tidal's trainers
             recs = trainer.timeshare.records
             done = trainer.state.global_step
@@ -833,6 +836,14 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 f"    throughput: {r['completions_per_s']:.2f} completions/s on {r['nproc']} GPUs against {one:.2f} on one "
                 f"in the same call: {r['completions_per_s'] / one:.2f}x (target >= {0.9 * r['nproc']:.1f}x)"
             )
+        anchor = getattr(args, "anchor", None)
+        if anchor is not None and not r.get("error"):
+            r["anchor"] = {k: anchor.get(k) for k in ("variant", "launch_name", "step_s", "peak_bytes")}
+            print(
+                f"    against {anchor['variant']} under {anchor.get('launch_name')} (--anchor-json): step "
+                f"{r['step_s'] / anchor['step_s']:.2f}x ({anchor['step_s']:.3f} s), peak "
+                f"{r['peak_bytes'] / anchor['peak_bytes']:.2f}x ({anchor['peak_bytes'] / 2**30:.2f} GiB)"
+            )
         gen_one = getattr(args, "one_gpu_generate", {}).get(r["variant"])
         gen = (r.get("phase_s") or {}).get("generate")
         if gen_one and gen and not r.get("error"):
@@ -1032,12 +1043,24 @@ def main(argv=None) -> int:
         default=1,
         help="processes (one GPU each) a variant runs in, under `accelerate launch` with TRL's config for --launch",
     )
-    p.add_argument("--launch", choices=sorted(LAUNCH_CONFIGS), default="ddp", help="with --nproc > 1: ddp or fsdp2")
+    p.add_argument(
+        "--launch",
+        choices=sorted(LAUNCH_CONFIGS),
+        default="ddp",
+        help="with --nproc > 1: ddp, fsdp2, or zero3-offload (TRL alone only: tidal refuses DeepSpeed through "
+        "accelerate)",
+    )
     p.add_argument(
         "--one-gpu-json",
         default=None,
         help="with --nproc > 1: the JSON of the same workload on one GPU (this script, run just before on the "
         "same machine): each variant's throughput is printed against it",
+    )
+    p.add_argument(
+        "--anchor-json",
+        default=None,
+        help="the JSON of an anchor run of the same workload (this script, e.g. TRL alone under --launch "
+        "zero3-offload on the same GPUs): each variant's step and peak are printed against its first run that ran",
     )
     p.add_argument(
         "--paired",
@@ -1092,6 +1115,13 @@ def main(argv=None) -> int:
         run_variant(args._variant, args._model, args.steps, args._out, args)
         return 0
 
+    args.anchor = None
+    if args.anchor_json:
+        with open(args.anchor_json) as f:
+            anchor = json.load(f)
+        args.anchor = next((v for v in anchor["variants"] if not v.get("error")), None)
+        if args.anchor is not None:
+            args.anchor["launch_name"] = anchor.get("launch")
     args.one_gpu, args.one_gpu_generate = {}, {}
     if args.one_gpu_json:
         with open(args.one_gpu_json) as f:
@@ -1218,7 +1248,7 @@ def _launched(cmd: list[str], args) -> list[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mixed = "bf16" if args.launch == "ddp" else "no"  # see bf16= in run_variant
+    mixed = "no" if args.launch == "fsdp2" else "bf16"  # see bf16= in run_variant
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
     launch += ["--num_processes", str(args.nproc), "--mixed_precision", mixed, "--main_process_port", str(port)]
     if args.launch == "fsdp2":
@@ -1226,6 +1256,8 @@ def _launched(cmd: list[str], args) -> list[str]:
         # cpu_ram_efficient_loading), accelerate broadcasts the policy's, but TRL shards its
         # reference as loaded, empty on the other ranks.
         launch += ["--fsdp_cpu_ram_efficient_loading", "false"]
+    if args.launch == "zero3-offload":
+        launch += ["--offload_optimizer_device", "cpu", "--offload_param_device", "cpu"]
     return launch + cmd[1:]
 
 

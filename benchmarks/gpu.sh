@@ -68,7 +68,8 @@
 #                copies      benchmarks/bench_shared_copies.py: every GPU copying at once, plain and
 #                            as tidal's transitions (COPY_GIB, 4); needs 2 GPUs (all it finds)
 #                fsdp32b     bench_trl.py --nproc 4 --launch fsdp2, Qwen2.5-32B shape bf16 (VARIANTS32B);
-#                            needs 4 GPUs
+#                            ANCHOR32B=1: TRL alone under DeepSpeed ZeRO-3 offload first (needs the
+#                            DeepSpeed wheels); needs 4 GPUs
 #   tests       *gpu         every GPU test (-m gpu tests), resumable across calls: see below
 #
 # Output, under $OUT (./out by default): env.txt (GPUs, driver, host, versions, the commit:
@@ -582,10 +583,19 @@ p_multi_copies() {
   run multi_copies.log timeout "${COPIES_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node "$n" \
     benchmarks/bench_shared_copies.py --gib "${COPY_GIB:-4}" --json "$OUT/shared_copies_$TAG.json"
 }
-p_multi_fsdp32b() {
+p_multi_fsdp32b() {  # ANCHOR32B=1: TRL alone under DeepSpeed ZeRO-3 offload first, the anchor of the FSDP2 rows
   need_gpus 4 && need_module trl || return 0
+  local anchor=()
+  if [ "${ANCHOR32B:-0}" = 1 ]; then
+    need_module deepspeed || return 0
+    trl_bench multi_fsdp32b.log --preset qwen2.5-32b --dtype bfloat16 --batch 64 --completion 256 \
+      --steps "${ANCHOR_STEPS:-2}" --nproc 4 --launch zero3-offload --variants trl \
+      --json "$OUT/trl_32b_zero3offloadx4_$TAG.json" --model-cache /tmp/bench_models
+    anchor=(--anchor-json "$OUT/trl_32b_zero3offloadx4_$TAG.json")
+  fi
   trl_bench multi_fsdp32b.log --preset qwen2.5-32b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-5}" \
-    --nproc 4 --launch fsdp2 --variants "${VARIANTS32B:-stream+prefetch,trl}" --json "$OUT/trl_32b_fsdp2x4_$TAG.json"
+    --nproc 4 --launch fsdp2 --variants "${VARIANTS32B:-stream+prefetch,trl}" --json "$OUT/trl_32b_fsdp2x4_$TAG.json" \
+    --model-cache /tmp/bench_models ${anchor[@]+"${anchor[@]}"}
 }
 gpu_tests() {  # gpu_tests LOG: the GPU tests not yet in the ledger, until the pass's deadline
   local log=$1 before=0 rc

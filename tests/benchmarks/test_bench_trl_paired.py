@@ -106,3 +106,18 @@ def test_with_several_variants_a_round_pairs_each_with_its_trl_run():
     got = bench_trl._paired(results)
     assert got["a"]["ratios"] == [(11.0 + i) / (10.0 + i) for i in range(3)]
     assert got["b"]["ratios"] == [(12.0 + i) / (10.0 + i) for i in range(3)]
+
+
+def test_the_zero3_offload_anchor_launches_trls_zero3_config_with_everything_on_the_cpu():
+    import argparse
+
+    pytest.importorskip("trl")
+    cmd = bench_trl._launched(
+        ["python", "bench_trl.py", "--_variant", "trl"], argparse.Namespace(launch="zero3-offload", nproc=4)
+    )
+    assert cmd[cmd.index("--config_file") + 1].endswith("zero3.yaml")
+    assert cmd[cmd.index("--offload_optimizer_device") + 1] == "cpu"
+    assert cmd[cmd.index("--offload_param_device") + 1] == "cpu"
+    assert cmd[cmd.index("--num_processes") + 1] == "4" and cmd[-2:] == ["--_variant", "trl"]
+    fsdp = bench_trl._launched(["python", "bench_trl.py"], argparse.Namespace(launch="fsdp2", nproc=2))
+    assert "--offload_param_device" not in fsdp and fsdp[fsdp.index("--mixed_precision") + 1] == "no"
