@@ -40,9 +40,16 @@ def test_trl_example(tmp_path):
 def test_trl_example_under_torchrun(tmp_path):
     """As docs/trl.md says: the same script, two processes (DDP over gloo on a CPU)."""
     pytest.importorskip("trl")
+    # Each rank's stdout to a file of its own (two ranks' output into one pipe may interleave).
+    logs = tmp_path / "logs"
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
-    out = _run("trl_grpo.py", "--steps", "2", "--out", str(tmp_path / "trl"), cwd=tmp_path, launcher=torchrun)
-    assert out.count("tidal timeshare on") == 2 and "switch" in out, out[-2000:]  # one report per rank
+    torchrun += ("--log-dir", str(logs), "--redirects", "1")
+    _run("trl_grpo.py", "--steps", "2", "--out", str(tmp_path / "trl"), cwd=tmp_path, launcher=torchrun)
+    outs = sorted(logs.rglob("stdout.log"))
+    assert len(outs) == 2, outs
+    for path in outs:  # one report per rank
+        out = path.read_text()
+        assert "tidal timeshare on" in out and "switch" in out, out[-2000:]
 
 
 def test_hf_trainer_example_learns(tmp_path):
