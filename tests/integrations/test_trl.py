@@ -1008,6 +1008,31 @@ def test_a_backward_after_accumulated_gradients_is_not_run_again(tiny, tmp_path,
         )
 
 
+def _marking_the_step(base, box):
+    """``base`` that holds ``box["in_step"]`` True from the room made before the policy's
+    optimizer step to the step's measure after it, and puts itself in ``box["trainer"]``."""
+
+    class Marked(base):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            box["trainer"] = self
+
+        def _room_for_step(self):
+            super()._room_for_step()
+            box["in_step"] = True
+
+        def _step_measured(self):
+            box["in_step"] = False
+            super()._step_measured()
+
+    return Marked
+
+
+def _in_step_beside_another_role(box) -> bool:
+    t = box.get("trainer")
+    return bool(box.get("in_step")) and t is not None and len(t.timeshare.resident_roles) > 1
+
+
 class _RaiseWhere(tidal.device.SyncPolicy):
     """Raises ``torch.OutOfMemoryError`` at the named point of a transition while ``when()``."""
 
@@ -1036,26 +1061,8 @@ def test_an_optimizer_step_out_of_memory_bringing_its_state_in_runs_again_with_t
     monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (need + 100_000, 1 << 41))
     monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
     box = {}
-
-    class Stepping(_with_counters({"backward": 1 << 30})):
-        def _room_for_step(self):
-            super()._room_for_step()
-            box["in_step"] = True
-
-        def _step_measured(self):
-            box["in_step"] = False
-            super()._step_measured()
-
-    def when():
-        t = box.get("trainer")
-        return box.get("in_step") and t is not None and len(t.timeshare.resident_roles) > 1
-
-    class Kept(Stepping):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            box["trainer"] = self
-
-    with use_sync_policy(_RaiseWhere("reload_allocated", when)) as policy:
+    Kept = _marking_the_step(_with_counters({"backward": 1 << 30}), box)
+    with use_sync_policy(_RaiseWhere("reload_allocated", lambda: _in_step_beside_another_role(box))) as policy:
         with pytest.warns(UserWarning, match="optimizer step ran out of device memory"):
             ours = _run(Kept, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
     assert _history(ours) == _history(plain)

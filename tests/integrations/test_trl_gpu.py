@@ -168,18 +168,22 @@ def test_a_backward_and_an_optimizer_step_out_of_memory_beside_kept_state_run_ag
     brought in behind it is on the device runs again from the same inputs once they are out;
     the optimizer step made to run out of memory while tidal brings its state in beside a kept
     role steps again: the same run as TRL alone."""
-    from tests.integrations.test_trl import _RaiseWhere, _crowded, _run, _weights, _with_counters
+    from tests.integrations.test_trl import (
+        _RaiseWhere,
+        _crowded,
+        _in_step_beside_another_role,
+        _marking_the_step,
+        _run,
+        _weights,
+        _with_counters,
+    )
     from tidal.device import use_sync_policy
 
     policy, _ = models
     plain = _run(trl.GRPOTrainer, policy, tmp_path / "plain", use_cpu=False)
     box = {"raised": 0}
 
-    class Crowded(_with_counters({"backward": 1 << 20})):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            box["trainer"] = self
-
+    class Crowded(_marking_the_step(_with_counters({"backward": 1 << 20}), box)):
         def _policy_ready(self):
             ready = super()._policy_ready()
             if ready and not getattr(self, "_crowding", False):
@@ -193,19 +197,7 @@ def test_a_backward_and_an_optimizer_step_out_of_memory_beside_kept_state_run_ag
                 self.accelerator.unwrap_model(self.model).model.embed_tokens.weight.register_hook(check)
             return ready
 
-        def _room_for_step(self):
-            super()._room_for_step()
-            box["in_step"] = True
-
-        def _step_measured(self):
-            box["in_step"] = False
-            super()._step_measured()
-
-    def in_step_beside_another_role():
-        t = box.get("trainer")
-        return bool(box.get("in_step")) and t is not None and len(t.timeshare.resident_roles) > 1
-
-    with use_sync_policy(_RaiseWhere("reload_allocated", in_step_beside_another_role)) as policy_:
+    with use_sync_policy(_RaiseWhere("reload_allocated", lambda: _in_step_beside_another_role(box))) as policy_:
         with pytest.warns(UserWarning, match="ran out of device memory"):
             ours = _run(Crowded, policy, tmp_path / "ours", use_cpu=False, tidal_config=TidalConfig(prefetch=True))
     assert _history(ours) == _history(plain)

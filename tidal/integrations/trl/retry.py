@@ -90,16 +90,11 @@ class AgainIfOutOfMemory:
             # ranks' decoding loops where it knows the model sharded: no rank runs it alone.)
             yield
             return
-        own = vars(policy).get("generate")
         generate = policy.generate
-        policy.generate = lambda *a, **kw: self._again_if_out_of_memory("policy", lambda: generate(*a, **kw))
-        try:
+        with _instead(
+            policy, "generate", lambda *a, **kw: self._again_if_out_of_memory("policy", lambda: generate(*a, **kw))
+        ):
             yield
-        finally:
-            if own is None:
-                del policy.generate
-            else:
-                policy.generate = own
 
     def _backward_again_if_out_of_memory(self, step: Callable[[], Any]) -> Any:
         """``step()``: Trainer's ``training_step`` for one micro-batch (its inputs prepared, the
@@ -131,7 +126,6 @@ class AgainIfOutOfMemory:
             return step()  # a later micro-batch: the gradients before it cannot be restored
         metrics = getattr(self, "_metrics", None)  # TRL's per-mode lists of logged values
         prepared: list[tuple[Any, RandomState, dict]] = []
-        own = vars(self).get("_prepare_inputs")  # an instance's own, put back as it was
         prepare = self._prepare_inputs
 
         def recorded(batch: Any) -> Any:
@@ -139,22 +133,14 @@ class AgainIfOutOfMemory:
             prepared.append((inputs, RandomState(ts.device), _list_lengths(metrics)))
             return inputs
 
-        def restore() -> None:
-            if own is None:
-                del self._prepare_inputs
-            else:
-                self._prepare_inputs = own
-
-        self._prepare_inputs = recorded
         try:
-            return step()
+            with _instead(self, "_prepare_inputs", recorded):
+                return step()
         except torch.OutOfMemoryError:
             if not prepared or "policy" not in ts.roles or not ts.is_resident("policy"):
                 raise
             if ts.evict_others("policy") == 0:
                 raise
-        finally:
-            restore()
         # Past the handler: the failed run's graph and activations, held by its traceback, are freed.
         for p in params:
             p.grad = None
@@ -162,12 +148,11 @@ class AgainIfOutOfMemory:
         _truncate_lists(metrics, counts)  # what the failed forward logged is logged by the next
         generators.restore()
         self._ran_again("loss forward and backward")
-        self._prepare_inputs = lambda batch: inputs
         self._tidal_plain_backward = True
         try:
-            return step()
+            with _instead(self, "_prepare_inputs", lambda batch: inputs):
+                return step()
         finally:
-            restore()
             self._tidal_plain_backward = False
 
     def _step_again_if_out_of_memory(self, optimizer: torch.optim.Optimizer) -> None:
@@ -277,6 +262,21 @@ class AgainIfOutOfMemory:
         # The state that came to the device in the step: what it brought in, and what it made
         # (the first step creates the optimizer's state).
         self._tidal_step_growth = (growth, bring + max(0, self._state_to_bring()[1] - total))
+
+
+@contextlib.contextmanager
+def _instead(obj: Any, name: str, value: Any):
+    """``obj.name`` is ``value`` (an attribute of the instance) through the block; then what
+    the instance had of its own under that name again, or none."""
+    own = vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
 
 
 def _list_lengths(metrics: Any) -> dict:
