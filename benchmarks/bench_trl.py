@@ -288,7 +288,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
 
     phases = PhaseClock(cuda)
     phase_steps: list[dict] = []
-    tokens = TokenGaps()
+    tokens = TokenGaps(cuda)
     token_steps: list[dict | None] = []  # per measured step: the gaps between generated tokens
     sampler = None
     if args.sample_stacks:
@@ -566,7 +566,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         if any(token_steps):
             res["token_gap_s_steps"] = token_steps
             got = [t for t in token_steps if t]
-            res["token_gap_s"] = {k: statistics.median(t[k] for t in got) for k in ("longest", "median", "excess")}
+            res["token_gap_s"] = {k: statistics.median(t[k] for t in got if k in t) for k in got[0] if k != "count"}
         if copy_tail:
             res["copy_tail_s_steps"] = copy_tail
             res["copy_tail_s"] = {d: statistics.median(t[d] for t in copy_tail) for d in copy_tail[0]}
@@ -715,11 +715,16 @@ def _paired(results: list) -> dict:
         base = results[j]
         if base.get("error"):
             continue
-        row = out.setdefault(r["variant"], {"step": [], "generate": []})
+        row = out.setdefault(r["variant"], {"step": [], "generate": [], "tokens": {}})
         row["step"].append(r["step_s"] / base["step_s"])
         gen, gen0 = r.get("phase_s", {}).get("generate"), base.get("phase_s", {}).get("generate")
         if gen and gen0:
             row["generate"].append(gen / gen0)
+        # The token's time split (TokenGaps): which part of it differs from TRL alone's.
+        tok, tok0 = r.get("token_gap_s") or {}, base.get("token_gap_s") or {}
+        for k in ("median", "launch", "device", "device_forward"):
+            if tok.get(k) and tok0.get(k):
+                row["tokens"].setdefault(k, []).append(tok[k] / tok0[k])
     return {
         name: {
             "ratio_median": statistics.median(row["step"]),
@@ -728,6 +733,8 @@ def _paired(results: list) -> dict:
             "ratios": row["step"],
             "generate_ratio_median": statistics.median(row["generate"]) if row["generate"] else None,
             "generate_ratio_ci95": median_ci95(row["generate"]) if row["generate"] else None,
+            "token_ratio_medians": {k: statistics.median(v) for k, v in row["tokens"].items()},
+            "token_ratios": row["tokens"],
         }
         for name, row in out.items()
     }
@@ -892,7 +899,14 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             g = r["token_gap_s"]
             print(
                 f"    between generated tokens (host, median of steps): longest {g['longest'] * 1e3:.1f} ms, "
-                f"median {g['median'] * 1e3:.1f} ms, beyond twice the median {g['excess']:.3f} s a step"
+                f"median {g['median'] * 1e3:.1f} ms ("
+                + (f"host inside the forward {g['launch'] * 1e3:.1f} ms" if "launch" in g else "")
+                + (
+                    f"; device {g['device'] * 1e3:.1f} ms a token, {g['device_forward'] * 1e3:.1f} ms inside the forward"
+                    if "device" in g
+                    else ""
+                )
+                + f"), beyond twice the median {g['excess']:.3f} s a step"
             )
         if r.get("copy_tail_s"):
             print(
@@ -937,6 +951,12 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             + (
                 f", generation {pr['generate_ratio_median']:.3f}x" + (f" ({gci[0]:.3f}-{gci[1]:.3f})" if gci else "")
                 if pr["generate_ratio_median"] is not None
+                else ""
+            )
+            + (
+                "; a token (median ratios: gap, host in the forward, device a token, device in the forward): "
+                + ", ".join(f"{k} {v:.3f}x" for k, v in pr["token_ratio_medians"].items())
+                if pr.get("token_ratio_medians")
                 else ""
             )
         )

@@ -16,10 +16,11 @@ Used by ``bench_trl.py`` for every variant (the JSON's ``phase_s``).
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from typing import Any, Callable
 
-__all__ = ["PhaseClock"]
+__all__ = ["PhaseClock", "TokenGaps"]
 
 
 class PhaseClock:
@@ -95,12 +96,21 @@ class TokenGaps:
     (the prefill first), so a token that waited (for a copy queued ahead of its ``.item()``, say)
     shows as one long gap beside the usual ones, within one process, whatever the process's own
     speed. :meth:`wrap_trainer` hooks a TRL trainer's ``_generate`` and its policy's forward;
-    :meth:`take` returns the gaps since the last call, summarised."""
+    :meth:`take` returns the gaps since the last call, summarised.
 
-    def __init__(self) -> None:
+    Each token's gap splits into the host's time inside the policy's forward (``launch``:
+    queueing its kernels) and after it (sampling, and the ``.item()`` that waits for the
+    device); with ``cuda``, timing events at the forward's two ends also give the device's time
+    from one forward's start to the next (``device``) and inside the forward (``device_forward``).
+    A token slower on the host alone shows in ``launch``; one slower on the device in
+    ``device_forward`` with ``launch`` unchanged."""
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
         self._active = 0
-        self._times: list[float] = []
-        self._gaps: list[float] = []
+        self._open: tuple[float, Any] | None = None  # the forward running now: host time, event
+        self._marks: list[tuple[float, float, Any, Any]] = []  # per forward: host start, end; events
+        self._done: list[list[tuple[float, float, Any, Any]]] = []  # per generate() call
 
     def wrap_trainer(self, trainer: Any) -> None:
         fn = trainer._generate
@@ -108,31 +118,66 @@ class TokenGaps:
         @functools.wraps(fn)
         def generating(*args, **kwargs):
             self._active += 1
-            self._times = []
+            self._marks, self._open = [], None
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._active -= 1
-                self._gaps += [b - a for a, b in zip(self._times, self._times[1:])]
+                self._done.append(self._marks)
+                self._marks = []
 
         trainer._generate = generating
         model = trainer.accelerator.unwrap_model(trainer.model)
         model.register_forward_pre_hook(self._forward)
+        model.register_forward_hook(self._forward_end)
+
+    def _event(self) -> Any:
+        if not self.cuda:
+            return None
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _forward(self, module: Any, args: Any) -> None:
         if self._active:
-            self._times.append(time.perf_counter())
+            self._open = (time.perf_counter(), self._event())
+
+    def _forward_end(self, module: Any, args: Any, out: Any) -> None:
+        if self._active and self._open is not None:
+            start, event = self._open
+            self._marks.append((start, time.perf_counter(), event, self._event()))
+            self._open = None
 
     def take(self) -> dict[str, float] | None:
         """``longest``, ``median`` and ``count`` of the gaps since the last call (None if there
-        were none), and ``excess``: the time of the gaps beyond twice the median."""
-        gaps, self._gaps = self._gaps, []
+        were none), ``excess``: the time of the gaps beyond twice the median, and the medians of
+        ``launch`` (host) and, with ``cuda``, ``device`` and ``device_forward`` (see the class;
+        the device's work must have run)."""
+        calls, self._done = self._done, []
+        gaps: list[float] = []
+        launch: list[float] = []
+        device: list[float] = []
+        device_forward: list[float] = []
+        for marks in calls:
+            gaps += [b[0] - a[0] for a, b in zip(marks, marks[1:])]
+            launch += [m[1] - m[0] for m in marks]
+            if self.cuda:
+                device += [a[2].elapsed_time(b[2]) / 1e3 for a, b in zip(marks, marks[1:])]
+                device_forward += [m[2].elapsed_time(m[3]) / 1e3 for m in marks]
         if not gaps:
             return None
-        med = sorted(gaps)[len(gaps) // 2]
-        return {
+        med = statistics.median(gaps)
+        out = {
             "longest": max(gaps),
             "median": med,
             "count": len(gaps),
             "excess": sum(g - 2 * med for g in gaps if g > 2 * med),
+            "total": sum(gaps),
+            "launch": statistics.median(launch),
         }
+        if device:
+            out["device"] = statistics.median(device)
+            out["device_forward"] = statistics.median(device_forward)
+        return out

@@ -61,3 +61,38 @@ def test_token_gaps_show_the_one_token_that_waited_and_only_inside_generation():
     assert 0.19 <= got["longest"] < 0.4 and 0.009 <= got["median"] < 0.05
     assert 0.1 < got["excess"] < 0.4
     assert gaps.take() is None  # taken: nothing since
+
+
+def test_token_gaps_split_a_token_into_the_forward_and_what_follows_it():
+    import types
+
+    import torch
+
+    from phase_clock import TokenGaps
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            time.sleep(0.05)  # the host queueing the forward's kernels
+            return x
+
+    class Trainer:
+        def __init__(self):
+            self.model = Slow()
+            self.accelerator = types.SimpleNamespace(unwrap_model=lambda m: m)
+
+        def _generate(self):
+            for _ in range(5):
+                self.model(torch.zeros(1))
+                time.sleep(0.01)  # sampling, the read of whether every sequence finished
+
+    tr = Trainer()
+    gaps = TokenGaps()
+    gaps.wrap_trainer(tr)
+    tr._generate()
+    tr._generate()  # two calls: no gap counted across them
+    got = gaps.take()
+    assert got["count"] == 8
+    assert 0.049 <= got["launch"] < 0.08, got
+    assert 0.059 <= got["median"] < 0.1 and got["median"] - got["launch"] >= 0.009, got
+    assert 0.47 <= got["total"] < 0.8, got
+    assert "device" not in got  # no timing events without CUDA
