@@ -1307,7 +1307,7 @@ def _merged_ranks(out: str, nproc: int, variant: str = "") -> dict | None:
         res["exposed_s_per_step"] = max(x.get("exposed_s_per_step", 0.0) for x in ranks)
     keys = ("rank", "error", "step_s", "step_min_s", "peak_bytes", "exposed_s_per_step", "moved_gb_per_step")
     keys += ("transition_gbps", "host_held_bytes", "host_pinned_bytes", "host_rss_bytes_steps", "launch")
-    keys += ("host_baseline_rss_bytes", "oom_at")
+    keys += ("host_baseline_rss_bytes", "oom_at", "phase_peak_bytes_steps")  # each rank's logged phase peaks
     res["ranks"] = [{k: x.get(k) for k in keys} for x in ranks]
     res["nproc"] = nproc
     return res

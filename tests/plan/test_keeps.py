@@ -57,3 +57,23 @@ def test_plans_with_nothing_to_keep_are_refused():
     with pytest.raises(ValueError, match="usable_bytes"):
         kept_phases(_plan(), 0)
     assert isinstance(kept_phases(_plan(), 1 << 40)["train"], KeptPhase)
+
+
+def test_the_host_holds_adamws_state_only_where_a_scoring_does_not_keep_the_policy():
+    from tidal.plan import kept_host
+
+    plan = _plan()
+    roomy = kept_phases(plan, 1 << 40)
+    assert "policy" in roomy["reference"].kept
+    held = kept_host(plan, roomy)
+    assert "optimizer states (timeshare host copy)" not in held
+    assert held["actor weights (timeshare host copy)"] == plan.host["actor weights (timeshare host copy)"]
+    assert held["reference weights (timeshare host copy)"] == plan.host["reference weights (timeshare host copy)"]
+    ref = plan.timeshared["reference"]
+    policy = roomy["reference"].kept["policy"]
+    tight = kept_phases(plan, ref.resident_bytes + phase_need_bytes(ref.transient_bytes) + policy - 1)
+    assert tight["reference"].kept == {}
+    assert kept_host(plan, tight) == plan.host  # the state leaves at the scoring: its host copy is made
+    # Streamed or offloaded, the state lives on the host whatever is kept.
+    offloaded = _plan(optimizer="adamw_offload")
+    assert kept_host(offloaded, kept_phases(offloaded, 1 << 40)) == offloaded.host

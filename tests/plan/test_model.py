@@ -1,5 +1,6 @@
 """The memory model: hand-computed small cases and the effect of every lever."""
 
+import dataclasses
 import json
 
 import pytest
@@ -213,3 +214,82 @@ def test_invalid_configs_are_refused():
     ):
         with pytest.raises(ValueError):
             PlanConfig(shape="qwen2-0.5b", **bad)
+
+
+def test_trls_fused_lm_head_holds_one_logit_tile_and_its_backward_the_head_gradient_in_fp32_and_cast():
+    # TRL's fused LM head (trl.kernels.chunked_logprob): tiles of 4096 tokens x 32768 ids.
+    shape = preset("qwen2-7b")
+    base = dict(
+        shape=shape,
+        prompts=8,
+        group=8,
+        prompt_len=8,
+        gen_len=256,
+        micro_batch=64,
+        grad_ckpt=True,
+        logprob_span="completion",
+        misc_bytes=0,
+    )
+    fused = build_plan(PlanConfig(**base, lm_head="fused"))
+    logits = build_plan(PlanConfig(**base, completion_logits=True))
+    v, h, n = shape.vocab, shape.hidden, 64 * 256
+    # Scoring: a decoder layer's workspace outweighs the head's tile, far below the logits of
+    # the completion (model dtype) and their fp32 log-softmax.
+    assert set(fused.timeshared["reference"].transient) == {"layer workspace"}
+    assert fused.timeshared["reference"].transient_bytes < logits.timeshared["reference"].transient_bytes / 5
+    from tidal.plan.phases import _fused_forward
+
+    head = _fused_forward(PlanConfig(**base, lm_head="fused"), 64)
+    assert head["fused head: logit tile"] == 4096 * 32768 * 2
+    assert head["fused head: completion hidden states"] == n * h * 2
+    assert head["final hidden"] == 64 * 264 * h * 2
+    # Where the head's share is the larger (a wide vocabulary, a narrow model), it is the transient.
+    wide = dataclasses.replace(TOY, vocab=200_000)
+    c = _toy(shape=wide, lm_head="fused", logprob_span="completion")
+    assert build_plan(c).timeshared["reference"].transient == _fused_forward(c, c.micro_batch)
+    from tidal.plan.phases import _fused_backward, role_state, train_transient
+
+    cfg = PlanConfig(**base, lm_head="fused")
+    back = _fused_backward(cfg, role_state(cfg))
+    assert back["fused head: weight gradient (fp32 + cast)"] == v * h * (4 + 2)
+    assert back["fused head: hidden-state gradient (fp32 + cast)"] == n * h * (4 + 2)
+    assert back["fused head: logit tile"] == 4096 * 32768 * 2
+    # 7B: the peak is the last layers' backward with every gradient made, not the head's.
+    assert "saved activations" in fused.timeshared["train"].transient
+    assert fused.timeshared["train"].resident["grads"] == shape.param_count() * 2
+    # A wide head on a narrow model: the head's backward is the peak. In the first (here only)
+    # micro-batch no gradient exists before it (its own is counted once, among its parts).
+    c1 = _toy(shape=wide, lm_head="fused", logprob_span="completion", micro_batch=4)
+    parts, grads = train_transient(c1, role_state(c1))
+    assert "fused head: weight gradient (fp32 + cast)" in parts and grads == 0
+    c2 = _toy(shape=wide, lm_head="fused", logprob_span="completion", micro_batch=1)
+    parts, grads = train_transient(c2, role_state(c2))
+    assert "fused head: weight gradient (fp32 + cast)" in parts and grads == role_state(c2)["grads"]
+    # LoRA freezes the head: no weight gradient.
+    lora = _fused_backward(c1.replace(lora_rank=4), role_state(c1.replace(lora_rank=4)))
+    assert lora["fused head: weight gradient (fp32 + cast)"] == 0
+
+
+def test_fsdp2_rollout_gathers_the_whole_policy_once_or_two_units_per_token():
+    shape = preset("qwen2.5-14b")
+    base = dict(shape=shape, prompts=16, group=8, prompt_len=8, gen_len=256, micro_batch=16, zero_stage=3, dp=2)
+    per_unit = build_plan(PlanConfig(**base)).timeshared["rollout"].transient
+    whole = build_plan(PlanConfig(**base, zero3_rollout="whole")).timeshared
+    assert "zero3 whole policy gathered" not in per_unit and per_unit["zero3 gathered params"] > 0
+    assert whole["rollout"].transient["zero3 whole policy gathered"] == shape.param_count() * 2
+    # The other phases gather per unit as before.
+    assert whole["train"].transient["zero3 gathered params"] == per_unit["zero3 gathered params"]
+    # One GPU: nothing is sharded, nothing gathered.
+    one = build_plan(PlanConfig(**{**base, "dp": 1, "prompts": 8}, zero3_rollout="whole")).timeshared["rollout"]
+    assert not any("gathered" in k for k in one.transient)
+
+
+def test_fused_head_and_rollout_settings_are_checked():
+    with pytest.raises(ValueError, match="logprob_span='completion'"):
+        _toy(lm_head="fused")
+    with pytest.raises(ValueError, match="no action_vocab"):
+        _toy(lm_head="fused", logprob_span="completion", action_vocab=10)
+    with pytest.raises(ValueError, match="lm_head must be one of"):
+        _toy(lm_head="chunked")
+    with pytest.raises(ValueError, match="zero3_rollout must be one of"):
+        _toy(zero3_rollout="all")

@@ -24,7 +24,7 @@ from tidal.plan.model import (
     build_plan,
     predict_phases,
 )
-from tidal.plan.keeps import KeptPhase, kept_phases
+from tidal.plan.keeps import KeptPhase, kept_host, kept_phases
 from tidal.plan.recommend import LEVER_COSTS, Recommendation, recommend
 from tidal.plan.report import format_plan
 from tidal.plan.shapes import LORA_TARGETS, PRESETS, ModelShape, load_shape, preset
@@ -47,6 +47,7 @@ __all__ = [
     "Transition",
     "build_plan",
     "format_plan",
+    "kept_host",
     "kept_phases",
     "load_shape",
     "predict_phases",

@@ -10,12 +10,14 @@ from typing import Any
 from tidal.plan import activations as act
 from tidal.plan.shapes import LORA_TARGETS, ModelShape, load_shape
 
-__all__ = ["GIB", "MIB", "OPTIMIZERS", "PHASES", "SAMPLING", "PlanConfig"]
+__all__ = ["GIB", "LM_HEADS", "MIB", "OPTIMIZERS", "PHASES", "SAMPLING", "ZERO3_ROLLOUTS", "PlanConfig"]
 
 MIB, GIB = 1 << 20, 1 << 30
 PHASES = ("rollout", "reference", "train", "optimizer_step")
 OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")
 SAMPLING = ("generate", "own")
+LM_HEADS = ("logits", "fused")
+ZERO3_ROLLOUTS = ("layers", "whole")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +53,11 @@ class PlanConfig:
     2 also gradients (one layer's unsharded gradients exist before its reduce-scatter), 3
     also parameters (FSDP2: the root module's parameters stay gathered, and
     ``zero3_gathered_layers`` layers are unsharded at once: the running one and the
-    prefetched one). ``prompts`` is global; each GPU rolls out ``ceil(prompts*group/dp)``.
+    prefetched one). ``zero3_rollout``: how ZeRO 3's rollout holds the policy's parameters:
+    ``"layers"`` (unsharded unit by unit for every token, as above) or ``"whole"`` (every
+    parameter gathered once for the whole generation, as tidal's TRL trainer does under FSDP2
+    where each GPU has the room, :func:`tidal.integrations.trl.launch.gathered_for_generation`:
+    the whole model in the param dtype beside the shards). ``prompts`` is global; each GPU rolls out ``ceil(prompts*group/dp)``.
 
     LoRA: ``lora_rank > 0`` trains adapters on ``lora_targets`` (``lora_dtype``, fp32 as peft
     casts them); the reference is the same base with adapters off (no second copy).
@@ -73,6 +79,12 @@ class PlanConfig:
     token ids only, a slice of the model-dtype logits: its fp32 buffers are that narrow, and
     backward through the slice makes model-dtype vocab-wide gradients (see
     :mod:`tidal.plan.phases`); ``logit_fp32_buffers`` then does not apply.
+    ``lm_head``: ``"logits"`` (the model's LM head makes the logits, as above) or ``"fused"``
+    (TRL 1.x's GRPOTrainer and RLOOTrainer score through ``add_fused_lm_head``: the log-probs
+    and entropy of the completion's positions from ``4096 x 32768`` logit tiles in the param
+    dtype, never the whole logits; its backward accumulates the LM head's weight gradient and
+    the hidden states' gradient in fp32, then casts both. Needs ``logprob_span="completion"``;
+    ``completion_logits``, ``logit_fp32_buffers`` and ``keep_logits`` then do not apply).
     ``sampling``: ``"generate"`` (HF ``generate``) or ``"own"`` (a loop like
     :func:`tidal_recipes.grpo.rollout.sample_answers`: prefill with ``logits_to_keep=1``, one token per
     step through a DynamicCache, the previous step's logits held while the next are computed,
@@ -102,6 +114,7 @@ class PlanConfig:
     zero_stage: int = 0
     dp: int = 1
     zero3_gathered_layers: int = 2
+    zero3_rollout: str = "layers"
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = LORA_TARGETS
     lora_dtype: str = "fp32"
@@ -115,6 +128,7 @@ class PlanConfig:
     attn: str = "sdpa"
     logprob_span: str = "sequence"
     completion_logits: bool = False
+    lm_head: str = "logits"
     action_vocab: int | None = None
     logit_fp32_buffers: int = 3
     keep_logits: bool = False
@@ -155,6 +169,15 @@ class PlanConfig:
             raise ValueError(
                 "completion_logits=True computes logits of the completion only: it needs logprob_span='completion'"
             )
+        if self.lm_head not in LM_HEADS:
+            raise ValueError(f"lm_head must be one of {LM_HEADS}, got {self.lm_head!r}")
+        if self.lm_head == "fused" and (self.logprob_span != "completion" or self.action_vocab is not None):
+            raise ValueError(
+                "lm_head='fused' (TRL's fused LM head) scores the completion's positions over the whole vocabulary: "
+                "it needs logprob_span='completion' and no action_vocab"
+            )
+        if self.zero3_rollout not in ZERO3_ROLLOUTS:
+            raise ValueError(f"zero3_rollout must be one of {ZERO3_ROLLOUTS}, got {self.zero3_rollout!r}")
         if self.optim_stream_chunk_bytes is not None and (
             self.optimizer != "adamw_offload" or self.optim_stream_chunk_bytes < 1
         ):

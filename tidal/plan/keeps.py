@@ -13,6 +13,8 @@ role; this adds to each phase the role the trainer's schedule keeps or brings in
 * ``optimizer_step``: the reference, where it was kept through ``train`` and the step's own
   need leaves room (the trainer makes that room before the step).
 
+A role's host copy is made the first time it leaves the device (:func:`kept_host`).
+
 Not modelled: the optimizer state a prefetch brings in behind the backward (as much as the
 device has room for; it lands in the backward's peak only where the backward's own allocations
 have gone down), and the allocator's fragments, which the trainer leaves room for.
@@ -25,7 +27,7 @@ import dataclasses
 from tidal.memory import phase_need_bytes
 from tidal.plan.model import Phase, Plan
 
-__all__ = ["KeptPhase", "kept_phases"]
+__all__ = ["KeptPhase", "kept_host", "kept_phases"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,3 +81,20 @@ def kept_phases(plan: Plan, usable_bytes: int) -> dict[str, KeptPhase]:
         phase=step, kept={"reference": reference} if through_train and fits(step, reference) else {}
     )
     return out
+
+
+def kept_host(plan: Plan, kept: dict[str, KeptPhase]) -> dict[str, int]:
+    """The host memory the prefetching trainer holds for ``plan`` (components as
+    :attr:`~tidal.plan.model.Plan.host`), given its phases' ``kept`` (:func:`kept_phases`).
+
+    tidal takes a role's host memory the first time the role leaves the device. The
+    reference leaves as the trainer is built, the policy's weights at the first step's
+    scoring (no phase's need is known yet, so every other role goes). AdamW's state does not
+    exist then (torch creates it at the first ``step()``); where it moves with the policy
+    (``optimizer="adamw"``: ``optimizer_residency="role"``) it leaves only if a later scoring
+    does not keep the policy, so its host copy is counted only then. A streamed or offloaded
+    state (``optimizer="adamw_offload"``) lives on the host whatever is kept."""
+    host = dict(plan.host)
+    if plan.config.optimizer == "adamw" and "policy" in kept["reference"].kept:
+        host.pop("optimizer states (timeshare host copy)", None)
+    return host

@@ -249,7 +249,7 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         chunk = c.optim_stream_chunk_bytes
         step_states = min(st["optim"], int(max(big, chunk) + chunk + layer_max))
     transients = {
-        "rollout": {**rollout_transient(c), **gathered},
+        "rollout": {**rollout_transient(c), **gathered_params(c, rollout=True)},
         "reference": {**reference_transient(c), **gathered},
         "train": {**train_t, **gathered},
         "optimizer_step": step_t,

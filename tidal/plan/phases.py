@@ -23,6 +23,9 @@ __all__ = [
 ]
 
 CPU_ADAM_CHUNK = 64 << 20  # tidal.optim.cpu_adam: fp32 master bytes per update call (a larger param is alone)
+# TRL's fused LM head (trl.kernels.chunked_logprob, TRL 1.16): logits in tiles of this many
+# tokens by this many vocabulary ids
+FUSED_TOKENS, FUSED_VOCAB = 4096, 32768
 
 
 def _div(n: int, d: int) -> int:
@@ -58,10 +61,14 @@ def role_state(c: PlanConfig) -> dict[str, int]:
     }
 
 
-def gathered_params(c: PlanConfig) -> dict[str, int]:
+def gathered_params(c: PlanConfig, *, rollout: bool = False) -> dict[str, int]:
+    """ZeRO 3's unsharded parameters during a phase (``rollout``: with ``zero3_rollout="whole"``
+    every parameter, gathered once for the generation)."""
     if c.zero_stage < 3 or c.dp == 1:
         return {}
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
+    if rollout and c.zero3_rollout == "whole":
+        return {"zero3 whole policy gathered": s.param_count() * e}
     layers = min(c.zero3_gathered_layers, s.layers)
     return {"zero3 gathered params": (s.root_params() + layers * s.layer_params()) * e}
 
@@ -137,6 +144,37 @@ def _logit_positions(c: PlanConfig) -> int:
     return c.gen_len + 1 if c.completion_logits else c.seq_len
 
 
+def _fused_forward(c: PlanConfig, mb: int) -> dict[str, int]:
+    """TRL's fused LM head scoring ``mb`` sequences: the backbone's last hidden states, the
+    completion's positions gathered from them, one logit tile and the per-token statistics
+    (running max, sums, target logit: seven fp32 values a token)."""
+    s, e = c.shape, act.dtype_bytes(c.param_dtype)
+    n = mb * c.gen_len
+    return {
+        "final hidden": mb * c.seq_len * s.hidden * e,
+        "fused head: completion hidden states": n * s.hidden * e,
+        "fused head: logit tile": min(n, FUSED_TOKENS) * min(s.vocab, FUSED_VOCAB) * e,
+        "fused head: per-token statistics": n * 4 * 7,
+    }
+
+
+def _fused_backward(c: PlanConfig, st: dict[str, int]) -> dict[str, int]:
+    """The end of the fused LM head's backward, one micro-batch: its saved completion hidden
+    states; the hidden states' gradient and (unless LoRA freezes the head) the head weight's,
+    each accumulated in fp32 and cast to its dtype while the fp32 one is alive; the logit tile.
+    The head weight's gradient in its dtype becomes the head's ``.grad`` (counted here, not
+    among the gradients, for the first micro-batch)."""
+    s, e = c.shape, act.dtype_bytes(c.param_dtype)
+    n = c.micro_batch * c.gen_len
+    head = 0 if c.lora_rank else s.vocab * s.hidden
+    return {
+        "fused head: completion hidden states": n * s.hidden * e,
+        "fused head: hidden-state gradient (fp32 + cast)": n * s.hidden * (4 + e),
+        "fused head: weight gradient (fp32 + cast)": head * (4 + st["ge"]),
+        "fused head: logit tile": min(n, FUSED_TOKENS) * min(s.vocab, FUSED_VOCAB) * e,
+    }
+
+
 def reference_transient(c: PlanConfig) -> dict[str, int]:
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
     mb = c.reference_micro_batch or c.micro_batch
@@ -144,6 +182,9 @@ def reference_transient(c: PlanConfig) -> dict[str, int]:
     span = mb * (c.seq_len if c.logprob_span == "sequence" else c.gen_len)
     mask = mb * c.seq_len**2 * (1 + e) if c.padding_mask else 0
     layer = t * act.forward_workspace_bytes_per_token(s, e=e, padding_mask=c.padding_mask) + mask
+    if c.lm_head == "fused":
+        head = _fused_forward(c, mb)
+        return head if sum(head.values()) >= layer else {"layer workspace": layer}
     # logits (model dtype), then in fp32 a copy and the log-softmax output over the vocabulary
     # or, with action_vocab, over that slice only
     logits = mb * _logit_positions(c) * s.vocab * e + span * (c.action_vocab or s.vocab) * 4 * 2
@@ -225,13 +266,20 @@ def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], 
     held = min(2, s.layers) if c.act_offload else s.layers
     saved = held * (ckpt_in if c.grad_ckpt else layer)
     extra = t * act.model_extra_saved_bytes_per_token(s, e=e, grad_ckpt=c.grad_ckpt)
-    logits = _train_logits(c, st)
     grads = st["grads"]
-    if c.micro_batches == 1 and not c.lora_rank:
-        # One micro-batch: at the logits backward only the LM head's gradient exists yet.
-        first_grads = _div(s.vocab * s.hidden * st["ge"], c.dp if c.zero_stage >= 2 else 1)
+    if c.lm_head == "fused":
+        # The head's backward comes first: in the first micro-batch no gradient exists before
+        # it (its own is among its components), from the 2nd on every one does.
+        head = _fused_backward(c, st)
+        logits_part = head
+        first_grads = 0 if c.micro_batches == 1 else grads
     else:
-        first_grads = grads  # from the 2nd micro-batch on, every gradient exists
+        logits_part = {"logits + log-softmax": _train_logits(c, st)}
+        if c.micro_batches == 1 and not c.lora_rank:
+            # One micro-batch: at the logits backward only the LM head's gradient exists yet.
+            first_grads = _div(s.vocab * s.hidden * st["ge"], c.dp if c.zero_stage >= 2 else 1)
+        else:
+            first_grads = grads  # from the 2nd micro-batch on, every gradient exists
     bucket = (
         {"zero2 grad bucket": s.layer_params() * st["ge"]} if c.zero_stage >= 2 and c.dp > 1 and not c.lora_rank else {}
     )
@@ -242,7 +290,7 @@ def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], 
         "backward workspace": t * act.backward_workspace_bytes_per_token(s, e=e),
     }
     if c.optimizer != "cpu_adam":
-        at_logits = {"saved activations": saved, "model-level saved": extra, "logits + log-softmax": logits}
+        at_logits = {"saved activations": saved, "model-level saved": extra, **logits_part}
         at_layer = {**at_layer_base, **bucket}
         a, b = sum(at_logits.values()) + first_grads, sum(at_layer.values()) + grads
         return (at_logits, first_grads) if a >= b else (at_layer, grads)
@@ -253,7 +301,7 @@ def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], 
         # in-flight bound of casts at once (the gradients themselves are counted in full).
         every = _div(st["trainable"] * st["ge"], 1)
         casts = min(st["trainable"] * 4, c.cpu_adam_inflight_bytes + _largest_trainable(c) * 4)
-        at_logits = {"saved activations": saved, "model-level saved": extra, "logits + log-softmax": logits}
+        at_logits = {"saved activations": saved, "model-level saved": extra, **logits_part}
         at_layer = {**at_layer_base, "cpu adam fp32 casts in flight (last micro-batch)": casts}
         a, b = sum(at_logits.values()), sum(at_layer.values())
         return (at_logits, every) if a >= b else (at_layer, every)
@@ -266,7 +314,7 @@ def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], 
         {
             "saved activations": saved,
             "model-level saved": extra,
-            "logits + log-softmax": logits,
+            **logits_part,
             "cpu adam grads in flight (previous micro-batch)": fl["leftover"],
         },
         {**at_layer_base, **head_wait, "cpu adam grads in flight": fl["layer"]},

@@ -115,6 +115,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="with --gpu-mem-gib: each phase with what TidalConfig(prefetch=True) keeps beside it in TRL where "
         "it fits (the reference behind generation and through the loss, the policy through the scoring)",
     )
+    p.add_argument(
+        "--fused-lm-head",
+        action="store_true",
+        help="log-probs through TRL's fused LM head (GRPOTrainer / RLOOTrainer, TRL 1.x: the completion's positions "
+        "in logit tiles, never the whole logits); needs --logprob-span completion",
+    )
+    p.add_argument(
+        "--gathered-rollout",
+        action="store_true",
+        help="with --launch fsdp2: the whole policy gathered once for generation, as tidal's TRL trainer does where "
+        "each GPU has the room (default: FSDP2's per-unit gathers for every token)",
+    )
     p.add_argument("--lora-rank", type=nonneg_int, default=0, help="LoRA rank; 0 trains the full model (default)")
     p.add_argument("--dtype", choices=_DTYPES, default="bf16", help="param/activation dtype (default bf16)")
     p.add_argument(
@@ -194,8 +206,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _format_kept(kept: dict, gpu_mem_gib: float) -> str:
-    """The phases with what TRL's prefetching schedule keeps beside them (tidal.plan.kept_phases)."""
+def _format_kept(kept: dict, host: dict, gpu_mem_gib: float) -> str:
+    """The phases with what TRL's prefetching schedule keeps beside them (tidal.plan.kept_phases)
+    and the host memory it holds then (tidal.plan.kept_host)."""
     gib = 1 << 30
     lines = [
         f"with prefetch (TidalConfig(prefetch=True) in TRL), on {gpu_mem_gib:.2f} GiB: what each phase keeps "
@@ -204,6 +217,8 @@ def _format_kept(kept: dict, gpu_mem_gib: float) -> str:
     for name, k in kept.items():
         what = ", ".join(f"+ {role} {b / gib:.2f}" for role, b in k.kept.items()) or "nothing kept"
         lines.append(f"  {name:<16} {k.peak_bytes / gib:8.2f} GiB  ({what})")
+    parts = ", ".join(f"{n} {b / gib:.2f}" for n, b in host.items())
+    lines.append(f"  host held per GPU {sum(host.values()) / gib:.2f} GiB ({parts or 'nothing'})")
     return "\n".join(lines)
 
 
@@ -225,7 +240,16 @@ def run(args: argparse.Namespace) -> int:
     """Build the plan (and the recommendation) for ``args``; print it. Returns the exit code."""
     from tidal_recipes.cli.args import output_problem  # noqa: PLC0415
     from tidal.memory import host_memory  # noqa: PLC0415
-    from tidal.plan import GIB, PlanConfig, build_plan, format_plan, kept_phases, load_shape, recommend  # noqa: PLC0415
+    from tidal.plan import (  # noqa: PLC0415
+        GIB,
+        PlanConfig,
+        build_plan,
+        format_plan,
+        kept_host,
+        kept_phases,
+        load_shape,
+        recommend,
+    )
     from tidal.plan.recommend import RESERVE_FRACTION  # noqa: PLC0415
 
     problem = output_problem(args.json) if args.json not in (None, "-") else None
@@ -248,6 +272,12 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     zero_stage = stage_of[args.launch] if args.launch is not None else (args.zero_stage or 0)
+    if args.gathered_rollout and (zero_stage < 3 or args.gpus == 1):
+        print(
+            "tidal plan: note: --gathered-rollout is ignored: only a sharded policy (--launch fsdp2 with --gpus > 1) "
+            "is gathered for generation",
+            file=sys.stderr,
+        )
     sequences = args.prompts * args.group
     if args.gpus > sequences:
         print(
@@ -288,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
             attn=args.attn,
             logprob_span=args.logprob_span,
             completion_logits=args.completion_logits,
+            lm_head="fused" if args.fused_lm_head else "logits",
+            zero3_rollout="whole" if args.gathered_rollout else "layers",
             action_vocab=args.action_vocab,
             sampling=args.sampling,
             cpu_adam_inflight_bytes=args.cpu_adam_inflight_mib << 20,
@@ -333,11 +365,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json is None:
         print(format_plan(plan, rec), flush=True)
         if kept is not None:
-            print(_format_kept(kept, args.gpu_mem_gib), flush=True)
+            print(_format_kept(kept, kept_host(plan, kept), args.gpu_mem_gib), flush=True)
         return EXIT_OK
     data = {"plan": plan.to_dict(), "recommendation": rec.to_dict() if rec else None}
     if kept is not None:
         data["prefetch"] = {p: k.to_dict() for p, k in kept.items()}
+        data["prefetch_host"] = kept_host(plan, kept)
     text = json.dumps(data, indent=2)
     if args.json == "-":
         print(text)

@@ -210,3 +210,39 @@ def test_prefetch_fused_adamw_and_a_streamed_step(capsys):
     streamed = json.loads(out)
     step = lambda d: d["plan"]["phases"]["optimizer_step"]["resident"]["optimizer states"]  # noqa: E731
     assert step(streamed) < step(whole)
+
+
+def test_fused_lm_head_gathered_rollout_and_the_host_prefetch_holds(capsys):
+    """--fused-lm-head plans TRL's fused LM head (needs --logprob-span completion); --gathered-rollout
+    gathers an FSDP2 policy whole for generation (a note where nothing is sharded); with --prefetch
+    the host memory held counts AdamW's state only where a scoring does not keep the policy."""
+    base = ["--preset", "qwen2-7b", "--prompts", "8", "--group", "8", "--prompt-len", "8", "--micro-batch", "64"]
+    code, out, err = _run([*base, "--fused-lm-head"], capsys)
+    assert code == 2 and "logprob_span='completion'" in err and out == ""
+    code, out, _ = _run([*base, "--fused-lm-head", "--logprob-span", "completion", "--json"], capsys)
+    assert code == 0
+    fused = json.loads(out)["plan"]["config"]
+    assert fused["lm_head"] == "fused"
+    code, out, _ = _run(
+        [*base, "--fused-lm-head", "--logprob-span", "completion", "--gpu-mem-gib", "79.2", "--prefetch", "--json"],
+        capsys,
+    )
+    data = json.loads(out)
+    assert "policy" in data["prefetch"]["reference"]["kept"]
+    assert set(data["prefetch_host"]) == {
+        "reference weights (timeshare host copy)",
+        "actor weights (timeshare host copy)",
+    }
+    assert "optimizer states (timeshare host copy)" in data["plan"]["host"]
+    code, out, _ = _run(
+        [*base, "--fused-lm-head", "--logprob-span", "completion", "--gpu-mem-gib", "79.2", "--prefetch"], capsys
+    )
+    assert "host held per GPU 28.37 GiB" in out
+    code, out, err = _run([*base, "--gathered-rollout"], capsys)
+    assert code == 0 and "--gathered-rollout is ignored" in err
+    sharded = [*base, "--gpus", "2", "--prompts", "16", "--launch", "fsdp2", "--json"]
+    layers = json.loads(_run(sharded, capsys)[1])["plan"]["phases"]["rollout"]["transient"]
+    code, out, err = _run([*sharded, "--gathered-rollout"], capsys)
+    whole = json.loads(out)["plan"]["phases"]["rollout"]["transient"]
+    assert code == 0 and "ignored" not in err
+    assert "zero3 whole policy gathered" in whole and "zero3 whole policy gathered" not in layers
