@@ -322,6 +322,85 @@ def _gathered_worker(rank: int, world_size: int, device: str = "cpu") -> None:
         group_mod.foreach_all_gather = real
 
 
+def _hooks_off_worker(rank: int, world_size: int, device: str = "cpu") -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+
+    from tidal.distributed import gathered, hooks_off_while_gathered, reshard_after_no_grad_forward
+    from tidal.distributed.fsdp import _fsdp_modules
+
+    calls = [0]
+    real = group_mod.FSDPParamGroup.pre_forward
+
+    def counted(self, *a, **kw):
+        calls[0] += 1
+        return real(self, *a, **kw)
+
+    group_mod.FSDPParamGroup.pre_forward = counted
+    try:
+        device = device if device == "cpu" else f"cuda:{rank}"
+        per_unit, whole = _tiny_lm().to(device), _tiny_lm().to(device)
+        for m in (per_unit, whole):
+            for layer in m.model.layers:
+                fully_shard(layer)
+            fully_shard(m)
+            reshard_after_no_grad_forward(m)
+        units = _fsdp_modules(whole)
+        order = {id(m): (list(m._forward_pre_hooks), list(m._forward_hooks)) for m in units}
+        g = torch.Generator().manual_seed(rank)
+        prompts = torch.randint(2, 31, (3, 5), generator=g).to(device)
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            want = per_unit.generate(prompts, **kw)
+            with hooks_off_while_gathered(whole) as off:  # outside gathered(): nothing taken
+                assert off is False
+                assert {id(m): (list(m._forward_pre_hooks), list(m._forward_hooks)) for m in units} == order
+            with gathered(whole):
+                with hooks_off_while_gathered(whole) as off:
+                    calls[0] = 0
+                    got = whole.generate(prompts, **kw)
+                    inside = calls[0]
+                    # A hook registered meanwhile stays, after FSDP2's as it was registered after.
+                    extra = units[0].register_forward_pre_hook(lambda mod, args: None)
+                with pytest.raises(KeyboardInterrupt), hooks_off_while_gathered(whole):
+                    raise KeyboardInterrupt  # put back under any exception too
+        assert off is True and inside == 0, (off, inside)
+        assert torch.equal(want, got)
+        pre, post = order[id(units[0])]
+        assert list(units[0]._forward_pre_hooks) == [*pre, extra.id]
+        assert all(list(m._forward_hooks) == order[id(m)][1] for m in units)
+        assert all(list(m._forward_pre_hooks) == order[id(m)][0] for m in units[1:])
+        extra.remove()
+        # The hooks back: the next forward gathers and trains per unit as before.
+        ids = torch.randint(2, 31, (2, 7), generator=g).to(device)
+        a = per_unit(ids, labels=ids).loss
+        calls[0] = 0
+        b = whole(ids, labels=ids).loss
+        assert calls[0] == len(units) and torch.equal(a, b), (calls, len(units))
+        a.backward()
+        b.backward()
+        assert all(
+            torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(per_unit.parameters(), whole.parameters())
+        )
+        # A unit that casts (mixed precision) keeps its hooks: they cast its inputs and outputs.
+        cast = _tiny_lm().to(device)
+        for layer in cast.model.layers:
+            fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
+        fully_shard(cast)
+        with torch.no_grad(), gathered(cast), hooks_off_while_gathered(cast) as off:
+            assert off is False
+    finally:
+        group_mod.FSDPParamGroup.pre_forward = real
+
+
+def test_fsdp2_hooks_come_off_while_gathered_the_same_tokens_and_back_after():
+    """hooks_off_while_gathered: inside gathered(), no FSDP2 hook runs in a generation (the
+    same tokens as per-unit gathers); the hooks come back in their order, beside one registered
+    meanwhile, under an exception too; not outside gathered() or where a unit casts."""
+    pytest.importorskip("transformers")
+    run_distributed(_hooks_off_worker)
+
+
 def test_gathered_generates_what_per_unit_gathers_do_with_one_all_gather_per_unit():
     pytest.importorskip("transformers")
     run_distributed(_gathered_worker)

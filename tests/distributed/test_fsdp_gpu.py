@@ -11,7 +11,14 @@ import torch.nn as nn
 
 import tidal
 from tests.distributed.multiproc import run_distributed
-from tests.distributed.test_fsdp import Net, _equivalence_worker, _gathered_worker, _roundtrip_worker, local
+from tests.distributed.test_fsdp import (
+    Net,
+    _equivalence_worker,
+    _gathered_worker,
+    _hooks_off_worker,
+    _roundtrip_worker,
+    local,
+)
 from tidal.device import DeviceOps
 from tidal.distributed import local_state_bytes, shard_model
 
@@ -102,3 +109,10 @@ def test_gathered_generates_what_per_unit_gathers_do_on_two_gpus():
     """tidal.distributed.gathered over NCCL: the same tokens, one all-gather per unit."""
     pytest.importorskip("transformers")
     run_distributed(_gathered_worker, "cuda", backend="nccl")
+
+
+def test_fsdp2_hooks_come_off_while_gathered_on_two_gpus():
+    """hooks_off_while_gathered over NCCL: no FSDP2 hook in the gathered generation, the same
+    tokens, the hooks back in their order after."""
+    pytest.importorskip("transformers")
+    run_distributed(_hooks_off_worker, "cuda", backend="nccl")

@@ -219,3 +219,31 @@ def test_cpu_adam_with_several_processes_is_refused_naming_what_works():
         wrapped = types.SimpleNamespace(optimizer=opt)  # accelerate's wrapper
         with pytest.raises(ValueError, match="cannot use tidal.CPUAdam"):
             refuse_host_optimizer(wrapped, launch, "T")
+
+
+def test_a_gathered_policy_generates_without_transformers_synced_gpus():
+    """Gathered for generation, no forward runs a collective: the ranks need not decode in step
+    (transformers' synced_gpus, on for any sharded model: an all-reduce and a host read a
+    token). The caller's own choice stays; the instance is left as it was."""
+    from tidal.integrations.trl.launch import _unsynced_generate
+
+    seen = []
+
+    class Policy(torch.nn.Module):
+        def generate(self, *args, **kwargs):
+            seen.append(kwargs.get("synced_gpus", "unset"))
+            return args
+
+    policy = Policy()
+    with _unsynced_generate(policy):
+        assert policy.generate(1) == (1,)
+        policy.generate(synced_gpus=True)
+    policy.generate()
+    assert seen == [False, True, "unset"]
+    assert "generate" not in vars(policy)
+    own = lambda **kw: seen.append(("own", kw.get("synced_gpus")))  # noqa: E731
+    policy.generate = own  # an instance attribute already (another wrapper): put back after
+    with pytest.raises(KeyboardInterrupt), _unsynced_generate(policy):
+        policy.generate()
+        raise KeyboardInterrupt
+    assert policy.generate is own and seen[-1] == ("own", False)

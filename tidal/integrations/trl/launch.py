@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from tidal.distributed.fsdp import gathered, gathered_bytes
+from tidal.distributed.fsdp import gathered, gathered_bytes, hooks_off_while_gathered
 from tidal.memory import phase_need_bytes
 
 __all__ = [
@@ -160,11 +160,39 @@ def gathered_for_generation(policy: torch.nn.Module, ops: Any) -> Iterator[None]
     for a full copy (+10%, 256 MiB) beside what the generation's turn left on its device (``ops``:
     its :class:`~tidal.device.DeviceOps`); else nothing (each forward gathers per unit, as
     TRL alone). The room is read before the gather and decided by all ranks alike (one
-    all-reduce). Memory cost: a full copy of the policy's parameters for the block."""
+    all-reduce). Memory cost: a full copy of the policy's parameters for the block.
+
+    Gathered, each token's forward runs no collective and no FSDP2 hook
+    (:func:`~tidal.distributed.fsdp.hooks_off_while_gathered`), and ``policy.generate`` decodes
+    without transformers' ``synced_gpus`` (which it turns on for any sharded model: an
+    all-reduce and a host read every token, so that ranks whose forwards gather per unit stay
+    in step): each rank decodes at its own pace, and one that finishes first waits for the
+    others in the next phase's first collective. The values are the same."""
     need = phase_need_bytes(gathered_bytes(policy))
     free = ops.driver_free_bytes()[0] + ops.cached_free_bytes() if ops.is_accelerator else need  # the host: room
     if not has_room_to_gather(need, free, ops.device):
         yield
         return
-    with gathered(policy):
+    with gathered(policy), hooks_off_while_gathered(policy), _unsynced_generate(policy):
         yield
+
+
+@contextlib.contextmanager
+def _unsynced_generate(policy: torch.nn.Module) -> Iterator[None]:
+    """``policy.generate`` with ``synced_gpus=False`` unless the caller passes it: an attribute
+    of the instance for the block (one the instance had already is put back after)."""
+    generate = policy.generate
+    had = "generate" in vars(policy)
+
+    def unsynced(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("synced_gpus", False)
+        return generate(*args, **kwargs)
+
+    policy.generate = unsynced
+    try:
+        yield
+    finally:
+        if had:
+            policy.generate = generate
+        else:
+            del policy.generate
