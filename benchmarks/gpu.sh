@@ -556,12 +556,13 @@ p_multi_tests() {
   run multi_tests.log env CUDA_VISIBLE_DEVICES=0 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu \
     tests/integrations/test_trl_gpu.py -rsfE -p no:cacheprovider
 }
-p_multi_fsdp14b() {  # ONE14B=1: one GPU first, the same variants, for the throughput and generation ratios
+p_multi_fsdp14b() {  # ONE14B=1: one GPU first (STEPS_ONE steps), the same variants, for the throughput and generation ratios
   need_gpus 2 && need_module trl || return 0
   local one=()
   if [ "${ONE14B:-0}" = 1 ]; then
-    trl_bench multi_fsdp14b.log --preset qwen2.5-14b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-4}" \
-      --variants "${VARIANTS14B_ONE:-stream+prefetch}" --json "$OUT/trl_14b_one_$TAG.json" --model-cache /tmp/bench_models
+    trl_bench multi_fsdp14b.log --preset qwen2.5-14b --dtype bfloat16 --batch 64 --completion 256 \
+      --steps "${STEPS_ONE:-${STEPS:-4}}" --variants "${VARIANTS14B_ONE:-stream+prefetch}" \
+      --json "$OUT/trl_14b_one_$TAG.json" --model-cache /tmp/bench_models
     one=(--one-gpu-json "$OUT/trl_14b_one_$TAG.json")
   fi
   trl_bench multi_fsdp14b.log --preset qwen2.5-14b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-4}" \
