@@ -545,6 +545,61 @@ def test_a_log_line_inside_a_phase_does_not_reset_what_the_phase_allocated():
     assert memory.take_peaks() == {"backward": 12 * gib, "generate": 6 * gib}
 
 
+def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has_still_to_allocate():
+    """Generation of an FSDP2 policy gathers it whole before its first forward, where the
+    reference's prefetch starts: the gathered copy is part of the generation's growth, but
+    already allocated then. Left free a second time, it kept the reference out of a 14B
+    generation on 2 H100s with 33 GiB free (2026-11-27). The prefetch leaves the rest of the
+    phase's growth (its KV cache), +10% and 256 MiB."""
+    import types
+
+    from tidal.integrations.trl.memory import PhaseMemory
+    from tidal.integrations.trl.schedule import KeepAndPrefetch
+    from tidal.memory import phase_need_bytes
+
+    gib = 1 << 30
+    dev = _FakeAllocator()
+    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    asked: list[dict] = []
+
+    class Timeshare:
+        roles = {"policy": None, "reference": None}
+        ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 0)
+
+        def is_resident(self, role):
+            return role == "policy"
+
+        def role_bytes(self, role):
+            return 14 * gib
+
+        def prefetch(self, role, **kw):
+            asked.append({"role": role, **kw})
+
+    class Trainer(KeepAndPrefetch):
+        timeshare = Timeshare()
+        tidal_config = TidalConfig(prefetch=True)
+        _tidal_memory = memory
+        _tidal_depth = 1
+
+    trainer = Trainer()
+    dev.set(14 * gib)  # the policy's shards
+    for step in range(2):
+        memory.start("generate")
+        memory.rebase()  # its turn's switch ran
+        dev.set(41 * gib)  # the whole policy gathered
+        assert memory.grown() == 27 * gib
+        trainer._prefetch("generate", "reference")  # at the first forward
+        dev.set(43 * gib)  # the KV cache
+        dev.set(14 * gib)  # resharded, the cache freed
+        memory.start("reference")
+    assert memory.growth["generate"] == 29 * gib
+    assert len(asked) == 1  # the first generation's growth was not known yet
+    assert asked[0]["role"] == "reference" and asked[0]["leave_free_bytes"] == phase_need_bytes(2 * gib)
+    # Not inside its phase (a caller naming another), the whole growth is left, as before.
+    trainer._prefetch("generate", "reference")
+    assert asked[-1]["leave_free_bytes"] == phase_need_bytes(29 * gib)
+
+
 @pytest.mark.slow
 def test_a_role_the_loss_kept_goes_before_a_backward_it_has_no_room_beside(tiny, tmp_path):
     """The loss's turn keeps the reference on the last step's reading of the loss and backward;

@@ -92,6 +92,19 @@ class PhaseMemory:
         self._reset()
         self._start = self._high = self.allocated()
 
+    @property
+    def phase(self) -> str | None:
+        """The running phase (None before the first :meth:`start`)."""
+        return self._phase
+
+    def grown(self) -> int:
+        """What the running phase has allocated so far, from its start (or its switch's
+        :meth:`rebase`), less what prefetches started in it brought in: the part of its growth
+        in place already (an FSDP2 policy gathered for generation before its first forward)."""
+        if self._phase is None:
+            return 0
+        return max(0, self.allocated() - self._start - self._prefetched)
+
     def backward_need(self) -> int | None:
         """What the backward (with the optimizer step after it) will allocate, called as it
         starts: its growth the last time, scaled up by how much more the loss's forward holds

@@ -59,7 +59,8 @@ class KeepAndPrefetch:
     def _prefetch(self, phase: str, then: str, *, growth: int | None = None) -> None:
         """With ``TidalConfig(prefetch=True)``: start bringing ``then`` in behind ``phase``
         (``"optimizer"``: the policy's optimizer state, ahead of its step), leaving free what
-        ``phase`` allocated the last time it ran (or ``growth`` bytes), +10%, 256 MiB."""
+        ``phase`` allocated the last time it ran less what it has allocated so far this time
+        (or ``growth`` bytes), +10%, 256 MiB."""
         ts, cfg = self.timeshare, self.tidal_config
         if not cfg.prefetch:
             return
@@ -71,9 +72,16 @@ class KeepAndPrefetch:
         leave, limit = None, None
         memory = self._tidal_memory
         if memory is not None:
-            growth = growth if growth is not None else memory.growth.get(phase)
             if growth is None:
-                return  # its needs are not known yet: measured this time, used the next
+                growth = memory.growth.get(phase)
+                if growth is None:
+                    return  # its needs are not known yet: measured this time, used the next
+                if memory.phase == phase:
+                    # Started inside the phase: what it allocated already (the policy gathered
+                    # whole for an FSDP2 generation, before its first forward) is not left free
+                    # twice: at 14B on 2 H100s the reference could not come in behind
+                    # generation for it (2026-11-27).
+                    growth = max(0, growth - memory.grown())
             leave = phase_need_bytes(growth)
             if then == "optimizer":
                 # Brought in as the backward starts, whose large blocks (the activations' and
