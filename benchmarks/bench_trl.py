@@ -400,6 +400,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 sampler.stop()
             # As it goes: a run cut by its time limit still shows each step it finished.
             print(f"[bench_trl] {name} step {state.global_step}: {wall:.3f} s", flush=True)
+            if state.global_step <= 1 or (profile_step and state.global_step == profile_step):
+                tokens.take()  # a step not measured: its tokens are not the next one's
             if profile_step and state.global_step == profile_step:
                 if self.prof is not None:
                     try:
