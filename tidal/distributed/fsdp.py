@@ -269,7 +269,7 @@ def hooks_off_while_gathered(model: torch.nn.Module) -> Iterator[bool]:
     :func:`gathered`'s use)."""
     modules = _fsdp_modules(model)
     taken: list[tuple[torch.nn.Module, str, list, dict]] = []
-    usable = getattr(model, _GATHERED_ATTR, False)
+    usable = bool(modules) and getattr(model, _GATHERED_ATTR, False)
     ids: dict[int, set[int]] = {}
     for m in modules if usable else []:
         state = m._get_fsdp_state()
