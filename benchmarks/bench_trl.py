@@ -284,11 +284,11 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             return 0.0
         return sum(getattr(r, "host_seconds", 0.0) + getattr(r, "stall_seconds", 0.0) for r in ts.records)
 
-    from phase_clock import PhaseClock, TokenGaps
+    from phase_clock import HostProbe, PhaseClock, TokenGaps
 
     phases = PhaseClock(cuda)
     phase_steps: list[dict] = []
-    tokens = TokenGaps(cuda)
+    tokens = TokenGaps(cuda, HostProbe("cuda" if cuda else "cpu"))
     token_steps: list[dict | None] = []  # per measured step: the gaps between generated tokens
     sampler = None
     if args.sample_stacks:
@@ -717,7 +717,7 @@ def _paired(results: list) -> dict:
         base = results[j]
         if base.get("error"):
             continue
-        row = out.setdefault(r["variant"], {"step": [], "generate": [], "tokens": {}})
+        row = out.setdefault(r["variant"], {"step": [], "generate": [], "tokens": {}, "generate_per_probe": []})
         row["step"].append(r["step_s"] / base["step_s"])
         gen, gen0 = r.get("phase_s", {}).get("generate"), base.get("phase_s", {}).get("generate")
         if gen and gen0:
@@ -727,6 +727,10 @@ def _paired(results: list) -> dict:
         for k in ("median", "launch", "device", "device_forward"):
             if tok.get(k) and tok0.get(k):
                 row["tokens"].setdefault(k, []).append(tok[k] / tok0[k])
+        if gen and gen0 and tok.get("probe") and tok0.get("probe"):
+            # Generation per unit of the host's speed (HostProbe) beside it: a host-bound
+            # decode's ratio with the host's drift between the two runs taken out.
+            row["generate_per_probe"].append((gen / tok["probe"]) / (gen0 / tok0["probe"]))
     return {
         name: {
             "ratio_median": statistics.median(row["step"]),
@@ -737,6 +741,13 @@ def _paired(results: list) -> dict:
             "generate_ratio_ci95": median_ci95(row["generate"]) if row["generate"] else None,
             "token_ratio_medians": {k: statistics.median(v) for k, v in row["tokens"].items()},
             "token_ratios": row["tokens"],
+            "generate_per_probe_ratio_median": (
+                statistics.median(row["generate_per_probe"]) if row["generate_per_probe"] else None
+            ),
+            "generate_per_probe_ratio_ci95": median_ci95(row["generate_per_probe"])
+            if row["generate_per_probe"]
+            else None,
+            "generate_per_probe_ratios": row["generate_per_probe"],
         }
         for name, row in out.items()
     }
@@ -909,6 +920,7 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                     else ""
                 )
                 + f"), beyond twice the median {g['excess']:.3f} s a step"
+                + (f"; the host probe beside it {g['probe'] * 1e6:.2f} us an op" if g.get("probe") else "")
             )
         if r.get("copy_tail_s"):
             print(
@@ -953,6 +965,16 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             + (
                 f", generation {pr['generate_ratio_median']:.3f}x" + (f" ({gci[0]:.3f}-{gci[1]:.3f})" if gci else "")
                 if pr["generate_ratio_median"] is not None
+                else ""
+            )
+            + (
+                f"; generation over the host probe beside it {pr['generate_per_probe_ratio_median']:.3f}x"
+                + (
+                    f" ({pr['generate_per_probe_ratio_ci95'][0]:.3f}-{pr['generate_per_probe_ratio_ci95'][1]:.3f})"
+                    if pr.get("generate_per_probe_ratio_ci95")
+                    else ""
+                )
+                if pr.get("generate_per_probe_ratio_median") is not None
                 else ""
             )
             + (

@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any, Callable
 
-__all__ = ["PhaseClock", "TokenGaps"]
+__all__ = ["HostProbe", "PhaseClock", "TokenGaps"]
 
 
 class PhaseClock:
@@ -91,6 +91,36 @@ class PhaseClock:
             self.wrap(trainer.optimizer, "step", "optimizer")
 
 
+class HostProbe:
+    """The host's speed at queueing device work, read beside each generation: seconds per op of
+    a fixed loop (``rounds`` of ``ops`` in-place adds on a one-element tensor of the device, each
+    round then waited for), the median round. A host-bound decode (each token's forward takes
+    as long on the device as the host takes to queue it) costs in proportion to it, so a
+    generation's time over the probe's reading beside it compares runs whose host ran at
+    different speeds (the host's per-token time drifted 2.2x within one process on an H100
+    machine, 2026-11-27). About ``rounds * ops`` launches a reading (1000: a few ms)."""
+
+    def __init__(self, device: Any = "cpu", *, ops: int = 200, rounds: int = 5) -> None:
+        import torch
+
+        self.x = torch.zeros(1, device=device)
+        self.ops, self.rounds = ops, rounds
+        self.cuda = self.x.is_cuda
+
+    def read(self) -> float:
+        import torch
+
+        times = []
+        for _ in range(self.rounds):
+            t = time.perf_counter()
+            for _ in range(self.ops):
+                self.x.add_(1.0)
+            if self.cuda:
+                torch.cuda.current_stream(self.x.device).synchronize()  # the round's ops have run
+            times.append((time.perf_counter() - t) / self.ops)
+        return statistics.median(times)
+
+
 class TokenGaps:
     """The host's time between the policy's forwards inside generation: one per generated token
     (the prefill first), so a token that waited (for a copy queued ahead of its ``.item()``, say)
@@ -105,8 +135,10 @@ class TokenGaps:
     A token slower on the host alone shows in ``launch``; one slower on the device in
     ``device_forward`` with ``launch`` unchanged."""
 
-    def __init__(self, cuda: bool = False) -> None:
+    def __init__(self, cuda: bool = False, probe: "HostProbe | None" = None) -> None:
         self.cuda = cuda
+        self.probe = probe  # read before and after each generate() call (``probe``: their mean)
+        self._probes: list[float] = []
         self._active = 0
         self._open: tuple[float, Any] | None = None  # the forward running now: host time, event
         self._marks: list[tuple[float, float, Any, Any]] = []  # per forward: host start, end; events
@@ -117,6 +149,7 @@ class TokenGaps:
 
         @functools.wraps(fn)
         def generating(*args, **kwargs):
+            before = self.probe.read() if self.probe is not None and not self._active else None
             self._active += 1
             self._marks, self._open = [], None
             try:
@@ -125,6 +158,8 @@ class TokenGaps:
                 self._active -= 1
                 self._done.append(self._marks)
                 self._marks = []
+                if before is not None:
+                    self._probes.append((before + self.probe.read()) / 2)
 
         trainer._generate = generating
         model = trainer.accelerator.unwrap_model(trainer.model)
@@ -154,8 +189,10 @@ class TokenGaps:
         """``longest``, ``median`` and ``count`` of the gaps since the last call (None if there
         were none), ``excess``: the time of the gaps beyond twice the median, and the medians of
         ``launch`` (host) and, with ``cuda``, ``device`` and ``device_forward`` (see the class;
-        the device's work must have run)."""
+        the device's work must have run); with a ``probe``, ``probe``: its reading beside the
+        calls (the median of each call's mean of before and after)."""
         calls, self._done = self._done, []
+        probes, self._probes = self._probes, []
         gaps: list[float] = []
         launch: list[float] = []
         device: list[float] = []
@@ -180,4 +217,6 @@ class TokenGaps:
         if device:
             out["device"] = statistics.median(device)
             out["device_forward"] = statistics.median(device_forward)
+        if probes:
+            out["probe"] = statistics.median(probes)
         return out

@@ -5,6 +5,8 @@ import os
 import sys
 import time
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from phase_clock import PhaseClock  # noqa: E402
 
@@ -96,3 +98,62 @@ def test_token_gaps_split_a_token_into_the_forward_and_what_follows_it():
     assert 0.059 <= got["median"] < 0.1 and got["median"] - got["launch"] >= 0.009, got
     assert 0.47 <= got["total"] < 0.8, got
     assert "device" not in got  # no timing events without CUDA
+
+
+def test_the_host_probe_is_read_around_each_generation_and_reported_beside_its_tokens():
+    import types
+
+    import torch
+
+    from phase_clock import HostProbe, TokenGaps
+
+    real = HostProbe("cpu", ops=50, rounds=3)
+    first = real.read()
+    assert 0 < first < 0.01  # seconds an op: microseconds on any host
+
+    class Probe:
+        readings = iter([1.0, 3.0, 5.0, 9.0])
+
+        def read(self):
+            return next(self.readings)
+
+    class Trainer:
+        def __init__(self):
+            self.model = torch.nn.Linear(2, 2)
+            self.accelerator = types.SimpleNamespace(unwrap_model=lambda m: m)
+
+        def _generate(self):
+            for _ in range(3):
+                self.model(torch.zeros(1, 2))
+
+    tr = Trainer()
+    gaps = TokenGaps(probe=Probe())
+    gaps.wrap_trainer(tr)
+    tr._generate()  # read 1 before, 3 after: 2
+    tr._generate()  # 5, 9: 7
+    got = gaps.take()
+    assert got["probe"] == 4.5  # the median of the calls' means
+    assert TokenGaps().take() is None
+
+
+def test_paired_generation_over_the_host_probe_takes_the_hosts_drift_out():
+    import bench_trl
+
+    def row(variant, gen, probe):
+        return {
+            "variant": variant,
+            "step_s": gen + 1.0,
+            "error": None,
+            "phase_s": {"generate": gen},
+            "token_gap_s": {"probe": probe},
+        }
+
+    # The host slows down run by run; tidal's generation is 1.01x TRL's at the same host speed.
+    results = []
+    for i in range(6):
+        speed = 1.0 + 0.2 * i
+        results += [row("trl", 10.0 * speed, 1e-5 * speed), row("stream", 10.1 * speed * 1.1, 1e-5 * speed * 1.1)]
+    got = bench_trl._paired(results)["stream"]
+    assert got["generate_ratio_median"] == pytest.approx(1.111, abs=1e-3)  # the drift in the raw ratio
+    assert got["generate_per_probe_ratio_median"] == pytest.approx(1.01)
+    assert got["generate_per_probe_ratio_ci95"] == pytest.approx((1.01, 1.01))
