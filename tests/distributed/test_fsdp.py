@@ -382,6 +382,24 @@ def _hooks_off_worker(rank: int, world_size: int, device: str = "cpu") -> None:
         assert all(
             torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(per_unit.parameters(), whole.parameters())
         )
+        # A unit of several modules (accelerate groups a model's tail: the final norm with the
+        # LM head) loses the hooks of each, and gets them back.
+        grouped = _tiny_lm().to(device)
+        for layer in grouped.model.layers:
+            fully_shard(layer)
+        fully_shard([grouped.model.norm, grouped.lm_head], reshard_after_forward=False)
+        fully_shard(grouped)
+        tail = (grouped.model.norm, grouped.lm_head)
+        before = [(list(t._forward_pre_hooks), list(t._forward_hooks)) for t in tail]
+        assert all(b[0] and b[1] for b in before)  # FSDP2's group hooks on each module
+        with torch.no_grad(), gathered(grouped):
+            with hooks_off_while_gathered(grouped) as off:
+                calls[0] = 0
+                again = grouped.generate(prompts, **kw)
+                assert off is True and calls[0] == 0
+                assert all(not t._forward_pre_hooks and not t._forward_hooks for t in tail)
+        assert torch.equal(again, want)
+        assert [(list(t._forward_pre_hooks), list(t._forward_hooks)) for t in tail] == before
         # A unit that casts (mixed precision) keeps its hooks: they cast its inputs and outputs.
         cast = _tiny_lm().to(device)
         for layer in cast.model.layers:

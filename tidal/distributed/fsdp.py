@@ -262,35 +262,35 @@ def hooks_off_while_gathered(model: torch.nn.Module) -> Iterator[bool]:
 
     With every parameter already unsharded those hooks do nothing the forward needs, except
     where a unit casts: a mixed-precision policy (``param_dtype`` or ``output_dtype``) casts
-    the inputs and outputs in them, so then the hooks stay (yields False). So do they on a
-    unit FSDP2 groups with others (``fully_shard([a, b])``), or outside :func:`gathered`.
-    The hooks come back as the block ends, in their places among any hooks registered
-    meanwhile. Not for a block that runs a backward (no grad is ever enabled inside
-    :func:`gathered`'s use)."""
+    the inputs and outputs in them, so then the hooks stay (yields False), as they do outside
+    :func:`gathered`. Units of several modules (``fully_shard([norm, lm_head])``, as accelerate
+    groups a model's tail) lose the hooks of each. The hooks come back as the block ends, in
+    their places among any hooks registered meanwhile. Not for a block that runs a backward
+    (no grad is ever enabled inside :func:`gathered`'s use)."""
     modules = _fsdp_modules(model)
-    taken: list[tuple[torch.nn.Module, str, list, dict]] = []
+    ids: dict[int, set[int]] = {}  # a module -> the ids of its FSDP2 state's forward hooks
     usable = bool(modules) and getattr(model, _GATHERED_ATTR, False)
-    ids: dict[int, set[int]] = {}
     for m in modules if usable else []:
         state = m._get_fsdp_state()
         mp = getattr(state, "_mp_policy", None)
-        handles = [getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None)]
-        if mp is None or mp.param_dtype is not None or mp.output_dtype is not None or None in handles:
+        hook_ids = _hook_ids(getattr(state, "_pre_forward_hook_handle", None))
+        hook_ids |= _hook_ids(getattr(state, "_post_forward_hook_handle", None))
+        if mp is None or mp.param_dtype is not None or mp.output_dtype is not None or not hook_ids:
             usable = False
             break
-        if len(getattr(state, "_modules", (m,))) != 1 or not all(hasattr(h, "id") for h in handles):
-            usable = False  # a grouped unit's hooks are one handle over several modules
-            break
-        ids[id(m)] = {h.id for h in handles}
+        for owner in getattr(state, "_modules", (m,)):
+            ids[id(owner)] = hook_ids
     if not usable:
         yield False
         return
+    taken: list[tuple[torch.nn.Module, str, list, dict]] = []
+    owners = {id(o): o for m in modules for o in getattr(m._get_fsdp_state(), "_modules", (m,))}
     try:
-        for m in modules:
+        for key, m in owners.items():
             for name in ("_forward_pre_hooks", "_forward_hooks"):
                 hooks = getattr(m, name)
                 order = list(hooks)
-                off = {k: hooks[k] for k in order if k in ids[id(m)]}
+                off = {k: hooks[k] for k in order if k in ids[key]}
                 for k in off:
                     del hooks[k]
                 taken.append((m, name, order, off))
@@ -306,6 +306,16 @@ def hooks_off_while_gathered(model: torch.nn.Module) -> Iterator[bool]:
                 elif k in now:
                     hooks[k] = now.pop(k)
             hooks.update(now)  # registered during the block: after them, as registered
+
+
+def _hook_ids(handle: Any) -> set[int]:
+    """The hook ids a removable handle stands for (a group's handle holds one per module)."""
+    if handle is None:
+        return set()
+    inner = getattr(handle, "handles", None)
+    if inner is not None:
+        return {h.id for h in inner}
+    return {handle.id}
 
 
 def _groups(module: FSDPModule) -> list:
