@@ -95,7 +95,7 @@ nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available(
 print("torch", torch.__version__, "cuda", torch.version.cuda, "| NCCL", nccl,
       "| transformers", transformers.__version__, "| GPUs", torch.cuda.device_count())
 found = []
-for name in ("deepspeed", "trl", "datasets", "torch_memory_saver"):
+for name in ("accelerate", "deepspeed", "trl", "datasets", "torch_memory_saver"):
     try:
         found.append(f"{name} {metadata.version(name)}")
     except metadata.PackageNotFoundError:
