@@ -137,6 +137,17 @@ def test_fsdp2_launch_is_bit_identical_to_trl_alone_moving_each_ranks_shards(fla
         assert rank["buckets_freed"] == []  # no DDP here
 
 
+def test_fsdp2_with_only_rank_0_loading_the_weights_trains_as_trl_alone_does_with_every_rank_loading(tiny, tmp_path):
+    """fsdp_cpu_ram_efficient_loading: only the first rank's weights count (the other ranks'
+    models stand empty: here loaded and filled with NaN); the reference's shards reach them as
+    the policy's do, so tidal's run gives the logs and weights of TRL alone with every rank
+    loading the weights. Sharded as TRL shards it (as loaded), the reference would hold NaN on
+    the other rank."""
+    ours = _check_same_as_trl(_launch("torchrun", tiny, tmp_path, "--fsdp2", "--ram-efficient"))
+    for rank in ours:
+        assert rank["gathered_generations"] == 3 and rank["reference_units"] > 2
+
+
 def _accelerator(num_processes: int, distributed_type: str, **plugins) -> types.SimpleNamespace:
     state = types.SimpleNamespace(
         distributed_type=distributed_type,

@@ -37,6 +37,9 @@ def _weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+_RAM_EFFICIENT = [False]  # the FSDP2 plugin's cpu_ram_efficient_loading for the next run
+
+
 def _fsdp2_on_cpu() -> None:
     """accelerate turns FSDP on only for GPU launches (a CPU launch is MULTI_CPU, with no FSDP
     plugin): here the CPU launch gets the FSDP2 plugin TRL's fsdp2.yaml gives a GPU launch, so
@@ -56,9 +59,43 @@ def _fsdp2_on_cpu() -> None:
                 transformer_cls_names_to_wrap=["Qwen2DecoderLayer"],
                 reshard_after_forward=True,
                 state_dict_type="FULL_STATE_DICT",
+                cpu_ram_efficient_loading=_RAM_EFFICIENT[0],
             )
+        elif getattr(self, "fsdp_plugin", None) is not None:
+            self.fsdp_plugin.cpu_ram_efficient_loading = _RAM_EFFICIENT[0]
 
     state.AcceleratorState.__init__ = with_fsdp2
+
+
+def _ram_efficient_loading(on: bool) -> None:
+    """The next run's FSDP2 loading as with ``fsdp_cpu_ram_efficient_loading: true``: only
+    rank 0's weights count, accelerate sends every rank its shards. The other ranks' models
+    here are loaded and then filled with NaN, standing for the weights they never read (meta
+    tensors under transformers' loading for that launch): a rank that shards its own copy as
+    loaded trains on them and its results differ."""
+    import accelerate.state as state
+    from transformers.modeling_utils import PreTrainedModel
+
+    _RAM_EFFICIENT[0] = on
+    if not hasattr(PreTrainedModel, "_tidal_loaded"):
+        load = PreTrainedModel.from_pretrained.__func__
+
+        def from_pretrained(cls, *args, **kwargs):
+            model = load(cls, *args, **kwargs)
+            if _RAM_EFFICIENT[0] and int(os.environ.get("RANK", "0")) != 0:
+                with torch.no_grad():
+                    # The parameters only: transformers computes the non-persistent buffers
+                    # (rotary frequencies) on every rank, as they are not sent.
+                    for t in model.parameters():
+                        if t.is_floating_point() and t.device.type != "meta":
+                            t.fill_(float("nan"))
+            return model
+
+        PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+        PreTrainedModel._tidal_loaded = True
+    shared = getattr(state.AcceleratorState, "_shared_state", {})
+    if shared.get("fsdp_plugin") is not None:
+        shared["fsdp_plugin"].cpu_ram_efficient_loading = on
 
 
 def main() -> None:
@@ -81,6 +118,11 @@ def main() -> None:
     p.add_argument("--save-weights", action="store_true", help="rank 0 also saves the final weights (whole)")
     p.add_argument("--fsdp2", action="store_true", help="an FSDP2 launch (see _fsdp2_on_cpu)")
     p.add_argument("--sync-ref", action="store_true", help="sync_ref_model=True, every step")
+    p.add_argument(
+        "--ram-efficient",
+        action="store_true",
+        help="with --fsdp2: tidal's runs load as with fsdp_cpu_ram_efficient_loading (only rank 0 loads)",
+    )
     a = p.parse_args()
     if a.fsdp2:
         _fsdp2_on_cpu()
@@ -116,6 +158,8 @@ def main() -> None:
         seen[kind] = seen.get(kind, 0) + 1
         name = kind if seen[kind] == 1 else f"{kind}{seen[kind]}"  # trl, trl2, ...
         cls, extra = (plain_cls, {}) if kind == "trl" else (tidal_cls, {"tidal": cfg})
+        if a.fsdp2:
+            _ram_efficient_loading(a.ram_efficient and kind == "tidal")
         freed.clear()
         gathers.clear()
         out = os.path.join(a.out, name)

@@ -99,31 +99,24 @@ def runs_collectives(model: torch.nn.Module) -> bool:
 
 
 def prepare_fsdp_per_block(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
-    """TRL's ``prepare_fsdp`` for a model it does not train (the reference), with FSDP2: each
-    transformer block its own unit, as accelerate shards the policy (its auto-wrap policy),
-    then the root, with TRL's settings. TRL shards the whole model as one unit, so each of its
-    forwards gathers all of it at once: at 32B on 4 GPUs, 64 GB in bf16 beside the shards. The
+    """TRL's ``prepare_fsdp`` for a model it does not train (the reference), with FSDP2: sharded
+    as accelerate shards the policy (``fsdp2_prepare_model``: each transformer block its own
+    unit by the plugin's auto-wrap policy, the embedding and the model's tail units of their
+    own, then the root), frozen first (``requires_grad=False``: under mixed precision accelerate
+    upcasts what trains to fp32, which a reference never does). TRL shards the whole model as
+    one unit, so each of its forwards gathers all of it at once: at 32B on 4 GPUs, 64 GB in bf16
+    beside the shards. With the plugin's ``cpu_ram_efficient_loading`` only rank 0's weights
+    count: accelerate sends each rank its shards from them, as it does the policy's (TRL's own
+    sharding keeps what each rank loaded, which that launch leaves empty on the others). The
     values a forward computes do not change. FSDP1 goes to TRL's own."""
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
     from trl.models import utils as trl_models
 
     plugin = accelerator.state.fsdp_plugin
     if isinstance(model, FSDPModule) or plugin.fsdp_version != 2:
         return trl_models.prepare_fsdp(model, accelerator)
-    mesh = getattr(accelerator, "torch_device_mesh", None)
-    kwargs: dict = {
-        "reshard_after_forward": plugin.reshard_after_forward,
-        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
-        "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
-    }
-    plugin.set_auto_wrap_policy(model)
-    wrap = fsdp2_prepare_auto_wrap_policy(plugin, model)
-    if wrap is not None:
-        for module in get_module_children_bottom_up(model)[:-1]:
-            if wrap(module) and not isinstance(module, FSDPModule):
-                fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    model.requires_grad_(False)
+    model = fsdp2_prepare_model(accelerator, model)
     model.eval()
     return model
 
