@@ -1284,6 +1284,7 @@ def _launched(cmd: list[str], args) -> list[str]:
     """``cmd`` (a variant's process: ``python bench_trl.py --_variant ...``) under ``accelerate
     launch`` with ``--nproc`` processes and TRL's config for ``--launch`` (its multi_gpu.yaml or
     fsdp2.yaml, as a TRL user launches), on a free port."""
+    variant = cmd[cmd.index("--_variant") + 1] if "--_variant" in cmd else ""
     import socket
 
     import trl
@@ -1295,10 +1296,11 @@ def _launched(cmd: list[str], args) -> list[str]:
     mixed = "no" if args.launch == "fsdp2" else "bf16"  # see bf16= in run_variant
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
     launch += ["--num_processes", str(args.nproc), "--mixed_precision", mixed, "--main_process_port", str(port)]
-    if args.launch == "fsdp2":
-        # Every rank loads the weights: with only the first loading them (fsdp2.yaml's
-        # cpu_ram_efficient_loading), accelerate broadcasts the policy's, but TRL shards its
-        # reference as loaded, empty on the other ranks.
+    if args.launch == "fsdp2" and variant == "trl":
+        # TRL alone: every rank loads the weights. With only the first loading them (fsdp2.yaml's
+        # cpu_ram_efficient_loading), accelerate sends the policy's shards, but TRL shards its
+        # reference as loaded, empty on the other ranks. tidal's variants keep fsdp2.yaml's
+        # setting: their reference's shards come from rank 0's weights as the policy's do.
         launch += ["--fsdp_cpu_ram_efficient_loading", "false"]
     if args.launch == "zero3-offload":
         launch += ["--offload_optimizer_device", "cpu", "--offload_param_device", "cpu"]

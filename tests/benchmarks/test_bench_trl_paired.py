@@ -121,3 +121,10 @@ def test_the_zero3_offload_anchor_launches_trls_zero3_config_with_everything_on_
     assert cmd[cmd.index("--num_processes") + 1] == "4" and cmd[-2:] == ["--_variant", "trl"]
     fsdp = bench_trl._launched(["python", "bench_trl.py"], argparse.Namespace(launch="fsdp2", nproc=2))
     assert "--offload_param_device" not in fsdp and fsdp[fsdp.index("--mixed_precision") + 1] == "no"
+    # FSDP2: TRL alone's ranks each load the weights (its reference is sharded as loaded);
+    # tidal's keep fsdp2.yaml's loading on rank 0 only.
+    ns = argparse.Namespace(launch="fsdp2", nproc=2)
+    alone = bench_trl._launched(["python", "bench_trl.py", "--_variant", "trl"], ns)
+    ours = bench_trl._launched(["python", "bench_trl.py", "--_variant", "stream+prefetch"], ns)
+    assert alone[alone.index("--fsdp_cpu_ram_efficient_loading") + 1] == "false"
+    assert "--fsdp_cpu_ram_efficient_loading" not in ours
