@@ -239,7 +239,7 @@ def _bandwidth(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Build the plan (and the recommendation) for ``args``; print it. Returns the exit code."""
     from tidal_recipes.cli.args import output_problem  # noqa: PLC0415
-    from tidal.memory import host_memory  # noqa: PLC0415
+    from tidal.memory import host_memory, phase_need_bytes  # noqa: PLC0415
     from tidal.plan import (  # noqa: PLC0415
         GIB,
         PlanConfig,
@@ -357,11 +357,23 @@ def run(args: argparse.Namespace) -> int:
         )
     kept = None
     if args.prefetch:
+        usable = int(args.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)) - config.cuda_context_bytes
         try:
-            kept = kept_phases(plan, int(args.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)) - config.cuda_context_bytes)
+            kept = kept_phases(plan, usable)
         except ValueError as e:
             print(f"tidal plan: error: --prefetch: {e}. Nothing was printed", file=sys.stderr)
             return EXIT_USAGE
+        rollout = plan.timeshared["rollout"]
+        if config.zero3_rollout == "whole" and config.zero_stage >= 3 and config.dp > 1:
+            need = rollout.resident_bytes + phase_need_bytes(rollout.transient_bytes)
+            if need > usable:
+                print(
+                    f"tidal plan: note: --gathered-rollout: the whole policy does not fit beside the shards (a "
+                    f"{rollout.peak_bytes / GIB:.2f} GiB rollout, {need / GIB:.2f} GiB with the 10% and 256 MiB the "
+                    f"trainer leaves, of {usable / GIB:.2f} GiB usable): tidal's trainer then gathers per unit, as "
+                    f"without the flag",
+                    file=sys.stderr,
+                )
     if args.json is None:
         print(format_plan(plan, rec), flush=True)
         if kept is not None:

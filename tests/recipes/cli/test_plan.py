@@ -246,3 +246,12 @@ def test_fused_lm_head_gathered_rollout_and_the_host_prefetch_holds(capsys):
     whole = json.loads(out)["plan"]["phases"]["rollout"]["transient"]
     assert code == 0 and "ignored" not in err
     assert "zero3 whole policy gathered" in whole and "zero3 whole policy gathered" not in layers
+
+
+def test_a_gathered_rollout_that_does_not_fit_says_the_trainer_gathers_per_unit(capsys):
+    common = ["--prompt-len", "8", "--gen-len", "256", "--micro-batch", "16", "--launch", "fsdp2", "--gathered-rollout"]
+    common += ["--gpu-mem-gib", "79.2", "--prefetch"]
+    code, _, err = _run(["--preset", "qwen2.5-32b", "--gpus", "4", "--prompts", "32", "--group", "8", *common], capsys)
+    assert code == 0 and "does not fit beside the shards" in err and "gathers per unit" in err
+    code, _, err = _run(["--preset", "qwen2.5-14b", "--gpus", "2", "--prompts", "16", "--group", "8", *common], capsys)
+    assert code == 0 and "does not fit" not in err
