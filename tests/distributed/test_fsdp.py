@@ -364,6 +364,9 @@ def _hooks_off_worker(rank: int, world_size: int, device: str = "cpu") -> None:
                     extra = units[0].register_forward_pre_hook(lambda mod, args: None)
                 with pytest.raises(KeyboardInterrupt), hooks_off_while_gathered(whole):
                     raise KeyboardInterrupt  # put back under any exception too
+            with gathered(whole), hooks_off_while_gathered(whole), torch.enable_grad():
+                with pytest.raises(RuntimeError, match="with grad enabled inside hooks_off_while_gathered"):
+                    whole(prompts)  # its gradients would never be reduced: refused before it runs
         assert off is True and inside == 0, (off, inside)
         assert torch.equal(want, got)
         pre, post = order[id(units[0])]

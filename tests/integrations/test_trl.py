@@ -550,7 +550,8 @@ def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has
     reference's prefetch starts: the gathered copy is part of the generation's growth, but
     already allocated then. Left free a second time, it kept the reference out of a 14B
     generation on 2 H100s with 33 GiB free (2026-11-27). The prefetch leaves the rest of the
-    phase's growth (its KV cache), +10% and 256 MiB."""
+    phase's growth (its KV cache), +10% and 256 MiB; but all of it where the last generation
+    gathered per unit (its growth did not hold the whole policy: the cache is still to come)."""
     import types
 
     from tidal.integrations.trl.memory import PhaseMemory
@@ -580,21 +581,30 @@ def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has
         tidal_config = TidalConfig(prefetch=True)
         _tidal_memory = memory
         _tidal_depth = 1
+        _tidal_gathered = (0, 0)
 
     trainer = Trainer()
     dev.set(14 * gib)  # the policy's shards
-    for step in range(2):
+
+    def generation(gathered: bool):
+        trainer._tidal_gathered = (27 * gib if gathered else 0, trainer._tidal_gathered[0])
         memory.start("generate")
         memory.rebase()  # its turn's switch ran
-        dev.set(41 * gib)  # the whole policy gathered
-        assert memory.grown() == 27 * gib
+        dev.set(41 * gib if gathered else 15 * gib)  # the whole policy gathered, or one unit
         trainer._prefetch("generate", "reference")  # at the first forward
-        dev.set(43 * gib)  # the KV cache
+        dev.set(dev.now + 2 * gib)  # the KV cache
         dev.set(14 * gib)  # resharded, the cache freed
         memory.start("reference")
+
+    generation(gathered=True)
+    assert asked == []  # the first generation's growth was not known yet
+    generation(gathered=True)
     assert memory.growth["generate"] == 29 * gib
-    assert len(asked) == 1  # the first generation's growth was not known yet
-    assert asked[0]["role"] == "reference" and asked[0]["leave_free_bytes"] == phase_need_bytes(2 * gib)
+    assert asked[-1]["role"] == "reference" and asked[-1]["leave_free_bytes"] == phase_need_bytes(2 * gib)
+    generation(gathered=False)  # per unit this time: nothing up front
+    assert asked[-1]["leave_free_bytes"] == phase_need_bytes(29 * gib)
+    generation(gathered=True)  # gathered after a generation that was not: its whole growth left
+    assert asked[-1]["leave_free_bytes"] == phase_need_bytes(3 * gib)
     # Not inside its phase (a caller naming another), the whole growth is left, as before.
     trainer._prefetch("generate", "reference")
     assert asked[-1]["leave_free_bytes"] == phase_need_bytes(29 * gib)

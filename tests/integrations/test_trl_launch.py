@@ -133,6 +133,7 @@ def test_fsdp2_launch_is_bit_identical_to_trl_alone_moving_each_ranks_shards(fla
         switches = [m for m in rank["moves"] if m[0] == "switch" and m[1] == ["policy"]]
         assert len(switches) == steps and all(0 < m[3] <= replica for m in switches), switches
         assert rank["gathered_generations"] == steps
+        assert rank["hooks_off"] == [True] * steps  # each generation without FSDP2's hooks
         assert rank["reference_units"] > 2  # its blocks and the root, not the root alone
         assert rank["buckets_freed"] == []  # no DDP here
 

@@ -11,6 +11,7 @@ every rank: its own weights' digest, which must agree across ranks).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -147,6 +148,16 @@ def main() -> None:
         return gathered(model)
 
     launch_mod.gathered = counted_gathered
+    hooks_off: list[bool] = []  # whether each gathered generation ran without FSDP2's hooks
+    off = launch_mod.hooks_off_while_gathered
+
+    @contextlib.contextmanager
+    def counted_off(model):
+        with off(model) as taken:
+            hooks_off.append(taken)
+            yield taken
+
+    launch_mod.hooks_off_while_gathered = counted_off
     rank = int(os.environ.get("RANK", "0"))
     config_cls, plain_cls, tidal_cls = {
         "grpo": (trl.GRPOConfig, trl.GRPOTrainer, TidalGRPOTrainer),
@@ -162,6 +173,7 @@ def main() -> None:
             _ram_efficient_loading(a.ram_efficient and kind == "tidal")
         freed.clear()
         gathers.clear()
+        hooks_off.clear()
         out = os.path.join(a.out, name)
         args = config_cls(
             output_dir=out,
@@ -204,6 +216,7 @@ def main() -> None:
             report["moves"] = [[r.kind, list(r.roles_out), r.role_in, r.bytes_out, r.bytes_in] for r in recs]
             report["buckets_freed"] = list(freed)
             report["gathered_generations"] = len(gathers)
+            report["hooks_off"] = list(hooks_off)
             if trainer.ref_model is not None:
                 from torch.distributed.fsdp import FSDPModule
 

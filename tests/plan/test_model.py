@@ -268,6 +268,15 @@ def test_trls_fused_lm_head_holds_one_logit_tile_and_its_backward_the_head_gradi
     # LoRA freezes the head: no weight gradient.
     lora = _fused_backward(c1.replace(lora_rank=4), role_state(c1.replace(lora_rank=4)))
     assert lora["fused head: weight gradient (fp32 + cast)"] == 0
+    # fp32 gradients are their own cast (.to(fp32) returns the tensor): 4 bytes, not 8; the tile
+    # is TRL's full 32768 ids even where the vocabulary is narrower (the toy's 200,000 is wider).
+    f32 = _toy(shape=wide, lm_head="fused", logprob_span="completion", micro_batch=4, param_dtype="fp32")
+    back32 = _fused_backward(f32, role_state(f32))
+    assert back32["fused head: weight gradient (fp32 + cast)"] == wide.vocab * wide.hidden * 4
+    assert back32["fused head: hidden-state gradient (fp32 + cast)"] == 4 * 8 * wide.hidden * 4
+    narrow = dataclasses.replace(TOY, vocab=1000)
+    cn = _toy(shape=narrow, lm_head="fused", logprob_span="completion")
+    assert _fused_backward(cn, role_state(cn))["fused head: logit tile"] == min(2 * 8, 4096) * 32768 * 2
 
 
 def test_fsdp2_rollout_gathers_the_whole_policy_once_or_two_units_per_token():

@@ -265,8 +265,12 @@ def hooks_off_while_gathered(model: torch.nn.Module) -> Iterator[bool]:
     the inputs and outputs in them, so then the hooks stay (yields False), as they do outside
     :func:`gathered`. Units of several modules (``fully_shard([norm, lm_head])``, as accelerate
     groups a model's tail) lose the hooks of each. The hooks come back as the block ends, in
-    their places among any hooks registered meanwhile. Not for a block that runs a backward
-    (no grad is ever enabled inside :func:`gathered`'s use)."""
+    their places among any hooks registered meanwhile (those go after them, even one
+    registered with ``prepend=True``).
+
+    Raises ``RuntimeError`` from a forward of ``model`` run with grad enabled inside the block,
+    before it runs: without FSDP2's hooks its gradients would never be reduce-scattered (a
+    decode loop runs under ``torch.no_grad()``)."""
     modules = _fsdp_modules(model)
     ids: dict[int, set[int]] = {}  # a module -> the ids of its FSDP2 state's forward hooks
     usable = bool(modules) and getattr(model, _GATHERED_ATTR, False)
@@ -285,6 +289,7 @@ def hooks_off_while_gathered(model: torch.nn.Module) -> Iterator[bool]:
         return
     taken: list[tuple[torch.nn.Module, str, list, dict]] = []
     owners = {id(o): o for m in modules for o in getattr(m._get_fsdp_state(), "_modules", (m,))}
+    guard = model.register_forward_pre_hook(_refuse_grad, prepend=True)
     try:
         for key, m in owners.items():
             for name in ("_forward_pre_hooks", "_forward_hooks"):
@@ -296,6 +301,7 @@ def hooks_off_while_gathered(model: torch.nn.Module) -> Iterator[bool]:
                 taken.append((m, name, order, off))
         yield True
     finally:
+        guard.remove()
         for m, name, order, off in taken:
             hooks = getattr(m, name)
             now = dict(hooks)
@@ -306,6 +312,15 @@ def hooks_off_while_gathered(model: torch.nn.Module) -> Iterator[bool]:
                 elif k in now:
                     hooks[k] = now.pop(k)
             hooks.update(now)  # registered during the block: after them, as registered
+
+
+def _refuse_grad(module: torch.nn.Module, args: Any) -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{type(module).__name__} ran a forward with grad enabled inside hooks_off_while_gathered(): FSDP2's "
+            f"hooks are off there, so its gradients would not be reduce-scattered. Run it under torch.no_grad(), or "
+            f"outside the block"
+        )
 
 
 def _hook_ids(handle: Any) -> set[int]:

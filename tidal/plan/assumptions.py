@@ -62,16 +62,26 @@ def assumptions(c, bw) -> list[str]:
             f"({c.sampling_fp32_buffers} fp32 buffers of width "
             + (f"{c.action_vocab}: the action ids only)." if c.action_vocab else "vocab).")
         ),
-        "Reference: one no-grad forward micro-batch; its largest transient is the logits"
-        + (" of the completion + 1 positions only (logits_to_keep)" if c.completion_logits else "")
-        + (
-            f" plus fp32 log-softmax buffers over {c.action_vocab} action ids"
-            if c.action_vocab
-            else " plus the fp32 copy and log-softmax output"
-        )
-        + " (or one layer's workspace if larger).",
         (
-            f"Train: log-probs from logits (micro-batch x {'sequence' if c.logprob_span == 'sequence' else 'completion'} "
+            "Reference: one no-grad forward micro-batch through TRL's fused LM head: the last hidden states, the "
+            "completion's positions gathered from them, one 4096 x 32768 logit tile and seven fp32 statistics a token "
+            "(or one layer's workspace if larger)."
+            if c.lm_head == "fused"
+            else "Reference: one no-grad forward micro-batch; its largest transient is the logits"
+            + (" of the completion + 1 positions only (logits_to_keep)" if c.completion_logits else "")
+            + (
+                f" plus fp32 log-softmax buffers over {c.action_vocab} action ids"
+                if c.action_vocab
+                else " plus the fp32 copy and log-softmax output"
+            )
+            + " (or one layer's workspace if larger)."
+        ),
+        (
+            "Train: log-probs through TRL's fused LM head; its backward holds the saved completion hidden states, the "
+            "hidden states' and (unless LoRA) the head weight's gradients accumulated in fp32 and cast to their dtype "
+            "while the fp32 ones live, and one logit tile"
+            if c.lm_head == "fused"
+            else f"Train: log-probs from logits (micro-batch x {'sequence' if c.logprob_span == 'sequence' else 'completion'} "
             f"x vocab) with {c.logit_fp32_buffers} fp32 vocab-sized buffers alive at the backward peak (log-softmax "
             "output, its incoming and outgoing gradient)"
             + (" next to the model-dtype logits" if c.keep_logits else ", the model-dtype logits no longer referenced")
@@ -159,7 +169,13 @@ def assumptions(c, bw) -> list[str]:
             f"ZeRO stage {c.zero_stage} over {c.dp} GPUs shards {parts[c.zero_stage]}"
             + (
                 f"; FSDP2 keeps the root module (embeddings, LM head) gathered and {c.zero3_gathered_layers} "
-                "layers unsharded at once (running + prefetched)."
+                "layers unsharded at once (running + prefetched)"
+                + (
+                    "; the rollout gathers the whole policy once beside the shards (tidal's TRL trainer, where each "
+                    "GPU has the room)."
+                    if c.zero3_rollout == "whole"
+                    else "."
+                )
                 if c.zero_stage == 3
                 else "; one layer's unsharded gradients exist before its reduce-scatter."
                 if c.zero_stage == 2

@@ -153,7 +153,7 @@ def _fused_forward(c: PlanConfig, mb: int) -> dict[str, int]:
     return {
         "final hidden": mb * c.seq_len * s.hidden * e,
         "fused head: completion hidden states": n * s.hidden * e,
-        "fused head: logit tile": min(n, FUSED_TOKENS) * min(s.vocab, FUSED_VOCAB) * e,
+        "fused head: logit tile": min(n, FUSED_TOKENS) * FUSED_VOCAB * e,  # its full width, whatever the vocabulary
         "fused head: per-token statistics": n * 4 * 7,
     }
 
@@ -161,17 +161,19 @@ def _fused_forward(c: PlanConfig, mb: int) -> dict[str, int]:
 def _fused_backward(c: PlanConfig, st: dict[str, int]) -> dict[str, int]:
     """The end of the fused LM head's backward, one micro-batch: its saved completion hidden
     states; the hidden states' gradient and (unless LoRA freezes the head) the head weight's,
-    each accumulated in fp32 and cast to its dtype while the fp32 one is alive; the logit tile.
+    each accumulated in fp32 and cast to its dtype while the fp32 one is alive (no cast for an
+    fp32 one); the logit tile (32768 ids wide whatever the vocabulary: TRL's buffer).
     The head weight's gradient in its dtype becomes the head's ``.grad`` (counted here, not
     among the gradients, for the first micro-batch)."""
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
     n = c.micro_batch * c.gen_len
     head = 0 if c.lora_rank else s.vocab * s.hidden
+    cast = lambda b: b if b < 4 else 0  # noqa: E731  (an fp32 tensor's .to(fp32) is itself: no copy)
     return {
         "fused head: completion hidden states": n * s.hidden * e,
-        "fused head: hidden-state gradient (fp32 + cast)": n * s.hidden * (4 + e),
-        "fused head: weight gradient (fp32 + cast)": head * (4 + st["ge"]),
-        "fused head: logit tile": min(n, FUSED_TOKENS) * min(s.vocab, FUSED_VOCAB) * e,
+        "fused head: hidden-state gradient (fp32 + cast)": n * s.hidden * (4 + cast(e)),
+        "fused head: weight gradient (fp32 + cast)": head * (4 + cast(st["ge"])),
+        "fused head: logit tile": min(n, FUSED_TOKENS) * FUSED_VOCAB * e,
     }
 
 

@@ -222,6 +222,32 @@ def _format_kept(kept: dict, host: dict, gpu_mem_gib: float) -> str:
     return "\n".join(lines)
 
 
+def _say_whether_the_policy_gathers(plan, usable: int) -> None:
+    """With --gathered-rollout: whether tidal's trainer would gather the whole policy (it does
+    where each GPU has the gathered copy's bytes + 10% and 256 MiB free beside what the
+    rollout's turn left) and, if so, whether the generation's own need then fits too."""
+    from tidal.memory import phase_need_bytes  # noqa: PLC0415
+    from tidal.plan import GIB  # noqa: PLC0415
+
+    rollout = plan.timeshared["rollout"]
+    whole = rollout.transient.get("zero3 whole policy gathered", 0)
+    if rollout.resident_bytes + phase_need_bytes(whole) > usable:
+        print(
+            f"tidal plan: note: --gathered-rollout: the whole policy ({whole / GIB:.2f} GiB) does not fit beside the "
+            f"rollout's {rollout.resident_bytes / GIB:.2f} GiB with the 10% and 256 MiB the trainer leaves "
+            f"({usable / GIB:.2f} GiB usable): tidal's trainer then gathers per unit, as planned without the flag",
+            file=sys.stderr,
+        )
+    elif rollout.resident_bytes + phase_need_bytes(rollout.transient_bytes) > usable:
+        print(
+            f"tidal plan: warning: --gathered-rollout: tidal's trainer gathers the whole policy here, and the "
+            f"generation's {rollout.peak_bytes / GIB:.2f} GiB peak (its KV cache beside it) leaves less than 10% and "
+            f"256 MiB of the {usable / GIB:.2f} GiB usable: it may run out of memory; fewer sequences a GPU or more "
+            f"GPUs make room",
+            file=sys.stderr,
+        )
+
+
 def _bandwidth(args: argparse.Namespace):
     import dataclasses  # noqa: PLC0415
 
@@ -239,7 +265,7 @@ def _bandwidth(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Build the plan (and the recommendation) for ``args``; print it. Returns the exit code."""
     from tidal_recipes.cli.args import output_problem  # noqa: PLC0415
-    from tidal.memory import host_memory, phase_need_bytes  # noqa: PLC0415
+    from tidal.memory import host_memory  # noqa: PLC0415
     from tidal.plan import (  # noqa: PLC0415
         GIB,
         PlanConfig,
@@ -272,10 +298,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     zero_stage = stage_of[args.launch] if args.launch is not None else (args.zero_stage or 0)
-    if args.gathered_rollout and (zero_stage < 3 or args.gpus == 1):
+    if args.gathered_rollout and args.gpus == 1:
         print(
             "tidal plan: note: --gathered-rollout is ignored: only a sharded policy (--launch fsdp2 with --gpus > 1) "
             "is gathered for generation",
+            file=sys.stderr,
+        )
+    elif args.gathered_rollout and zero_stage < 3:
+        print(
+            "tidal plan: note: --gathered-rollout applies only where ZeRO 3 (FSDP2) shards the policy: not to this "
+            "plan, to the recommendation's zero3 lever if it takes it",
             file=sys.stderr,
         )
     sequences = args.prompts * args.group
@@ -355,6 +387,10 @@ def run(args: argparse.Namespace) -> int:
         rec = recommend(
             config, gpu_mem_bytes=int(args.gpu_mem_gib * GIB), gpus=args.gpus, bandwidth=bw, host_mem_bytes=host
         )
+    if args.gpu_mem_gib is not None and config.zero3_rollout == "whole" and config.zero_stage >= 3 and config.dp > 1:
+        _say_whether_the_policy_gathers(
+            plan, int(args.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)) - config.cuda_context_bytes
+        )
     kept = None
     if args.prefetch:
         usable = int(args.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)) - config.cuda_context_bytes
@@ -363,17 +399,6 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"tidal plan: error: --prefetch: {e}. Nothing was printed", file=sys.stderr)
             return EXIT_USAGE
-        rollout = plan.timeshared["rollout"]
-        if config.zero3_rollout == "whole" and config.zero_stage >= 3 and config.dp > 1:
-            need = rollout.resident_bytes + phase_need_bytes(rollout.transient_bytes)
-            if need > usable:
-                print(
-                    f"tidal plan: note: --gathered-rollout: the whole policy does not fit beside the shards (a "
-                    f"{rollout.peak_bytes / GIB:.2f} GiB rollout, {need / GIB:.2f} GiB with the 10% and 256 MiB the "
-                    f"trainer leaves, of {usable / GIB:.2f} GiB usable): tidal's trainer then gathers per unit, as "
-                    f"without the flag",
-                    file=sys.stderr,
-                )
     if args.json is None:
         print(format_plan(plan, rec), flush=True)
         if kept is not None:

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.tensor import DTensor
 
 from tidal.distributed.fsdp import gathered, gathered_bytes, hooks_off_while_gathered
 from tidal.memory import phase_need_bytes
@@ -147,27 +148,37 @@ def has_room_to_gather(nbytes: int, free_bytes: int, device: torch.device) -> bo
 
 
 @contextlib.contextmanager
-def gathered_for_generation(policy: torch.nn.Module, ops: Any) -> Iterator[None]:
+def gathered_for_generation(policy: torch.nn.Module, ops: Any) -> Iterator[int]:
     """An FSDP2 policy gathered once for the block (:func:`tidal.distributed.gathered`: its
     forwards, one per generated token, then run no collective), where every rank has the room
     for a full copy (+10%, 256 MiB) beside what the generation's turn left on its device (``ops``:
     its :class:`~tidal.device.DeviceOps`); else nothing (each forward gathers per unit, as
     TRL alone). The room is read before the gather and decided by all ranks alike (one
-    all-reduce). Memory cost: a full copy of the policy's parameters for the block.
+    all-reduce). Memory cost: a full copy of the policy's parameters for the block. Yields the
+    bytes gathered (0 where it gathers per unit).
 
-    Gathered, each token's forward runs no collective and no FSDP2 hook
-    (:func:`~tidal.distributed.fsdp.hooks_off_while_gathered`), and ``policy.generate`` decodes
+    Gathered whole (no parameter still a ``DTensor``: no tensor or context parallel
+    dimension), each token's forward runs no collective and no FSDP2 hook
+    (:func:`~tidal.distributed.fsdp.hooks_off_while_gathered`, where no unit casts), and
+    ``policy.generate`` decodes
     without transformers' ``synced_gpus`` (which it turns on for any sharded model: an
     all-reduce and a host read every token, so that ranks whose forwards gather per unit stay
     in step): each rank decodes at its own pace, and one that finishes first waits for the
     others in the next phase's first collective. The values are the same."""
-    need = phase_need_bytes(gathered_bytes(policy))
+    whole = gathered_bytes(policy)
+    need = phase_need_bytes(whole)
     free = ops.driver_free_bytes()[0] + ops.cached_free_bytes() if ops.is_accelerator else need  # the host: room
     if not has_room_to_gather(need, free, ops.device):
-        yield
+        yield 0
         return
-    with gathered(policy), hooks_off_while_gathered(policy), _unsynced_generate(policy):
-        yield
+    with gathered(policy):
+        if any(isinstance(p, DTensor) for p in policy.parameters()):
+            # Still sharded along another dimension (tensor or context parallel): its forwards
+            # run collectives, so the ranks decode in step, with FSDP2's hooks, as TRL alone.
+            yield whole
+            return
+        with hooks_off_while_gathered(policy), _unsynced_generate(policy):
+            yield whole
 
 
 @contextlib.contextmanager

@@ -11,8 +11,9 @@ __all__ = ["KeepAndPrefetch"]
 
 class KeepAndPrefetch:
     """Reads the trainer's ``timeshare``, ``tidal_config``, ``_tidal_memory`` (a
-    :class:`~tidal.integrations.trl.memory.PhaseMemory`, None off an accelerator) and
-    ``_tidal_depth`` (how many phases are open)."""
+    :class:`~tidal.integrations.trl.memory.PhaseMemory`, None off an accelerator),
+    ``_tidal_depth`` (how many phases are open) and ``_tidal_gathered`` (see
+    :meth:`_allocated_up_front`)."""
 
     def _keep_free(self, role: str, phase: str) -> int | None:
         """With ``prefetch``: the bytes the turn of ``role`` for ``phase`` keeps free beside it
@@ -59,8 +60,8 @@ class KeepAndPrefetch:
     def _prefetch(self, phase: str, then: str, *, growth: int | None = None) -> None:
         """With ``TidalConfig(prefetch=True)``: start bringing ``then`` in behind ``phase``
         (``"optimizer"``: the policy's optimizer state, ahead of its step), leaving free what
-        ``phase`` allocated the last time it ran less what it has allocated so far this time
-        (or ``growth`` bytes), +10%, 256 MiB."""
+        ``phase`` allocated the last time it ran less what of it is allocated already
+        (:meth:`_allocated_up_front`; or ``growth`` bytes), +10%, 256 MiB."""
         ts, cfg = self.timeshare, self.tidal_config
         if not cfg.prefetch:
             return
@@ -77,11 +78,10 @@ class KeepAndPrefetch:
                 if growth is None:
                     return  # its needs are not known yet: measured this time, used the next
                 if memory.phase == phase:
-                    # Started inside the phase: what it allocated already (the policy gathered
-                    # whole for an FSDP2 generation, before its first forward) is not left free
-                    # twice: at 14B on 2 H100s the reference could not come in behind
-                    # generation for it (2026-11-27).
-                    growth = max(0, growth - memory.grown())
+                    # Started inside the phase: what it allocated already is not left free
+                    # twice (at 14B on 2 H100s the reference could not come in behind
+                    # generation for it, 2026-11-27).
+                    growth = max(0, growth - self._allocated_up_front(phase))
             leave = phase_need_bytes(growth)
             if then == "optimizer":
                 # Brought in as the backward starts, whose large blocks (the activations' and
@@ -99,6 +99,18 @@ class KeepAndPrefetch:
             rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit, keep_free_bytes=keep)
         if rec is not None and memory is not None:
             memory.prefetched(rec.bytes_in)
+
+    def _allocated_up_front(self, phase: str) -> int:
+        """What the running ``phase`` allocated before its first forward that its growth the
+        last time held too: an FSDP2 policy gathered whole for generation, where the last
+        generation gathered it as well (``_tidal_gathered``: the bytes gathered for this
+        generation and for the last, 0 where per unit). Nothing otherwise: a generation
+        gathered now after one that gathered per unit has that growth still to come (its KV
+        cache)."""
+        now, last = self._tidal_gathered
+        if phase != "generate" or not now or now != last or self._tidal_memory is None:
+            return 0
+        return min(now, self._tidal_memory.grown())
 
     def _room_for_backward(self, need: int | None) -> None:
         """With ``prefetch``: right before the backward, the loss's activations now allocated,

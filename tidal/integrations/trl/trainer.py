@@ -108,6 +108,7 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         self._tidal_figures: dict[str, float] = {}  # activation offload since the last log
         self._tidal_memory = PhaseMemory.of(self.timeshare.device)
         self._tidal_depth = 0
+        self._tidal_gathered = (0, 0)  # bytes gathered for this generation and the last (FSDP2)
         self._tidal_retries = 0  # phases run again after running out of memory beside kept roles
         self._tidal_retries_logged = 0
 
@@ -154,9 +155,10 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
     def _generate(self, prompts: list):
         with (
             self._turn("policy", "generate"),
-            self._gathered_for_generation(),
+            self._gathered_for_generation() as gathered,
             self._generate_again_if_out_of_memory(),
         ):
+            self._tidal_gathered = (gathered or 0, self._tidal_gathered[0])  # this generation's, the last's
             # Queued once the generation's first forward starts, not before: a small
             # host-to-device copy (the prompts, what generate() builds from them) queued behind
             # gigabytes of prefetch waits for all of them (0.30 s of a Qwen2-7B step's generation
