@@ -702,18 +702,20 @@ def median_ci95(values: list[float]) -> tuple[float, float] | None:
 
 
 def _paired(results: list) -> dict:
-    """Per tidal variant run alternately with TRL alone (``--paired``): each of its processes
-    against the TRL process just before it, the ratio of their median steps (and of their
-    generation phases): the median ratio, its 95% interval (:func:`median_ci95`) and n."""
+    """Per tidal variant run in rounds with TRL alone (``--paired``): each of its runs against
+    the TRL run of its round, the ratio of their median steps (and of their generation phases):
+    the median ratio, its 95% interval (:func:`median_ci95`) and n. The TRL run of a run's round
+    is the nearest before it with no run of the same variant between them, else the nearest
+    after it so (rounds run trl A B, then B A trl)."""
     out: dict = {}
     for i, r in enumerate(results):
-        if r["variant"] == "trl" or r.get("error") or i == 0:
+        if r["variant"] == "trl" or r.get("error"):
             continue
-        # The TRL run last before it, in its round (trl, X, Y, trl, X, Y, ...): none of the
-        # same variant between them.
         j = next((k for k in range(i - 1, -1, -1) if results[k]["variant"] == "trl"), None)
         if j is None or any(x["variant"] == r["variant"] for x in results[j + 1 : i]):
-            continue
+            j = next((k for k in range(i + 1, len(results)) if results[k]["variant"] == "trl"), None)
+            if j is None or any(x["variant"] == r["variant"] for x in results[i + 1 : j]):
+                continue
         base = results[j]
         if base.get("error"):
             continue
@@ -958,7 +960,7 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
         ci = pr["ratio_ci95"]
         gci = pr["generate_ratio_ci95"]
         print(
-            f"  paired against the TRL process before each: {name} step {pr['ratio_median']:.3f}x TRL's (median of "
+            f"  paired against the TRL run of each round: {name} step {pr['ratio_median']:.3f}x TRL's (median of "
             f"{pr['n']} pairs; 95% interval "
             + (f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "needs >= 6 pairs")
             + ")"
@@ -1110,9 +1112,9 @@ def main(argv=None) -> int:
         "--paired",
         type=int,
         default=0,
-        help="run TRL alone and each tidal variant alternately in N processes each (trl, X, trl, X, ...) and "
-        "report each variant's median step ratio against the TRL process before it, with its 95%% interval "
-        "(in the JSON: paired)",
+        help="run TRL alone and each tidal variant in N rounds (trl X Y, then Y X trl, ...; a process each, or one "
+        "process with --in-process) and report each variant's median step ratio against the TRL run of its round, "
+        "with its 95%% interval (in the JSON: paired)",
     )
     p.add_argument(
         "--in-process",
@@ -1199,8 +1201,12 @@ def main(argv=None) -> int:
     results = []
     variants = args.variants.split(",")
     if args.paired:
+        # Rounds of TRL alone and each variant, every other round in reverse (trl A B, B A trl,
+        # trl A B, ...): each variant runs as often after its TRL run as before it, so a host
+        # whose speed drifts through the call (2.2x within one process on an H100 machine,
+        # 2026-11-27) favours neither side.
         ours = [v for v in variants if v != "trl"]
-        variants = [v for _ in range(args.paired) for x in ours for v in ("trl", x)]
+        variants = [v for r in range(args.paired) for v in (["trl", *ours] if r % 2 == 0 else [*ours, "trl"])]
     if args.in_process:
         out = os.path.join(work, "sequence.json")
         cmd = _child_cmd(args, ["--_sequence", ",".join(variants)], out, model_path, reward_path, profile=False)

@@ -128,3 +128,18 @@ def test_the_zero3_offload_anchor_launches_trls_zero3_config_with_everything_on_
     ours = bench_trl._launched(["python", "bench_trl.py", "--_variant", "stream+prefetch"], ns)
     assert alone[alone.index("--fsdp_cpu_ram_efficient_loading") + 1] == "false"
     assert "--fsdp_cpu_ram_efficient_loading" not in ours
+
+
+def test_rounds_run_in_turn_reversed_and_each_run_pairs_with_its_rounds_trl_run():
+    """trl A B, then B A trl: each variant runs as often after its TRL run as before it, so a
+    host whose speed drifts through the call favours neither side; every run pairs with the TRL
+    run of its own round."""
+    order = ["trl", "A", "B", "B", "A", "trl", "trl", "A", "B", "B", "A", "trl"]
+    steps = {0: 10.0, 5: 20.0, 6: 30.0, 11: 40.0}  # the TRL runs: the host slows down
+    results = [_row(v, steps.get(i, 0.0)) for i, v in enumerate(order)]
+    for i, v in enumerate(order):
+        if v != "trl":
+            base = steps[{0: 0, 1: 5, 2: 6, 3: 11}[i // 3]]  # its round's TRL run
+            results[i]["step_s"] = base * (1.1 if v == "A" else 1.2)
+    got = bench_trl._paired(results)
+    assert got["A"]["ratios"] == pytest.approx([1.1] * 4) and got["B"]["ratios"] == pytest.approx([1.2] * 4)
