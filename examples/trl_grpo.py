@@ -54,6 +54,9 @@ def main() -> None:
     )
     trainer.train()  # logs carry tidal/transitions, tidal/moved_gb, tidal/gbps
     print(trainer.timeshare.report())
+    if torch.distributed.is_initialized():  # under torchrun: every rank done, then the group closed
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -238,6 +238,9 @@ def main() -> None:
         if kind == "tidal":
             trainer.timeshare.close()
         del trainer
+    if torch.distributed.is_initialized():  # every rank done, then its process group closed
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
