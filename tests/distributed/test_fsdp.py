@@ -262,12 +262,25 @@ def _tiny_lm(seed: int = 0):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def _sharded_lm(device: str):
+    """The tiny LM, each decoder layer an FSDP2 unit, then the root; resharded after a forward
+    with grad disabled, as tidal's trainer has its roles."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tidal.distributed import reshard_after_no_grad_forward
+
+    m = _tiny_lm().to(device)
+    for layer in m.model.layers:
+        fully_shard(layer)
+    fully_shard(m)
+    reshard_after_no_grad_forward(m)
+    return m
+
+
 def _gathered_worker(rank: int, world_size: int, device: str = "cpu") -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
 
-    from torch.distributed.fsdp import fully_shard
-
-    from tidal.distributed import gathered, gathered_bytes, reshard_after_no_grad_forward
+    from tidal.distributed import gathered, gathered_bytes
     from tidal.distributed.fsdp import _fsdp_modules
 
     gathers = [0]
@@ -280,12 +293,7 @@ def _gathered_worker(rank: int, world_size: int, device: str = "cpu") -> None:
     group_mod.foreach_all_gather = counted
     try:
         device = device if device == "cpu" else f"cuda:{rank}"
-        per_unit, whole = _tiny_lm().to(device), _tiny_lm().to(device)
-        for m in (per_unit, whole):
-            for layer in m.model.layers:
-                fully_shard(layer)
-            fully_shard(m)
-            reshard_after_no_grad_forward(m)
+        per_unit, whole = _sharded_lm(device), _sharded_lm(device)
         g = torch.Generator().manual_seed(rank)
         prompts = torch.randint(2, 31, (3, 5), generator=g).to(device)
         kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -326,7 +334,7 @@ def _hooks_off_worker(rank: int, world_size: int, device: str = "cpu") -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
 
-    from tidal.distributed import gathered, hooks_off_while_gathered, reshard_after_no_grad_forward
+    from tidal.distributed import gathered, hooks_off_while_gathered
     from tidal.distributed.fsdp import _fsdp_modules
 
     calls = [0]
@@ -339,12 +347,7 @@ def _hooks_off_worker(rank: int, world_size: int, device: str = "cpu") -> None:
     group_mod.FSDPParamGroup.pre_forward = counted
     try:
         device = device if device == "cpu" else f"cuda:{rank}"
-        per_unit, whole = _tiny_lm().to(device), _tiny_lm().to(device)
-        for m in (per_unit, whole):
-            for layer in m.model.layers:
-                fully_shard(layer)
-            fully_shard(m)
-            reshard_after_no_grad_forward(m)
+        per_unit, whole = _sharded_lm(device), _sharded_lm(device)
         units = _fsdp_modules(whole)
         order = {id(m): (list(m._forward_pre_hooks), list(m._forward_hooks)) for m in units}
         g = torch.Generator().manual_seed(rank)
