@@ -16,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tidal.distributed.fsdp import gathered, gathered_bytes, hooks_off_while_gathered
+from tidal.integrations.trl.phases import instead
 from tidal.memory import phase_need_bytes
 
 __all__ = [
@@ -181,22 +182,13 @@ def gathered_for_generation(policy: torch.nn.Module, ops: Any) -> Iterator[int]:
             yield whole
 
 
-@contextlib.contextmanager
-def _unsynced_generate(policy: torch.nn.Module) -> Iterator[None]:
+def _unsynced_generate(policy: torch.nn.Module):
     """``policy.generate`` with ``synced_gpus=False`` unless the caller passes it: an attribute
     of the instance for the block (one the instance had already is put back after)."""
     generate = policy.generate
-    had = "generate" in vars(policy)
 
     def unsynced(*args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("synced_gpus", False)
         return generate(*args, **kwargs)
 
-    policy.generate = unsynced
-    try:
-        yield
-    finally:
-        if had:
-            policy.generate = generate
-        else:
-            del policy.generate
+    return instead(policy, "generate", unsynced)

@@ -12,7 +12,7 @@ import torch
 
 from tidal.integrations.trl.memory import PhaseMemory
 
-__all__ = ["Phase", "PhaseOwner", "at_first_forward"]
+__all__ = ["Phase", "PhaseOwner", "at_first_forward", "instead"]
 
 
 @contextlib.contextmanager
@@ -41,6 +41,21 @@ def at_first_forward(fn: Callable[[], None]):
     if not fired:
         fired = True
         fn()
+
+
+@contextlib.contextmanager
+def instead(obj: Any, name: str, value: Any):
+    """``obj.name`` is ``value`` (an attribute of the instance) through the block; then what
+    the instance had of its own under that name again, or none."""
+    own = vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
 
 
 class PhaseOwner(Protocol):

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from tidal.integrations.trl.launch import runs_collectives
+from tidal.integrations.trl.phases import instead
 from tidal.memory import phase_need_bytes
 
 __all__ = ["AgainIfOutOfMemory", "RandomState"]
@@ -91,7 +92,7 @@ class AgainIfOutOfMemory:
             yield
             return
         generate = policy.generate
-        with _instead(
+        with instead(
             policy, "generate", lambda *a, **kw: self._again_if_out_of_memory("policy", lambda: generate(*a, **kw))
         ):
             yield
@@ -134,7 +135,7 @@ class AgainIfOutOfMemory:
             return inputs
 
         try:
-            with _instead(self, "_prepare_inputs", recorded):
+            with instead(self, "_prepare_inputs", recorded):
                 return step()
         except torch.OutOfMemoryError:
             if not prepared or "policy" not in ts.roles or not ts.is_resident("policy"):
@@ -150,7 +151,7 @@ class AgainIfOutOfMemory:
         self._ran_again("loss forward and backward")
         self._tidal_plain_backward = True
         try:
-            with _instead(self, "_prepare_inputs", lambda batch: inputs):
+            with instead(self, "_prepare_inputs", lambda batch: inputs):
                 return step()
         finally:
             self._tidal_plain_backward = False
@@ -262,21 +263,6 @@ class AgainIfOutOfMemory:
         # The state that came to the device in the step: what it brought in, and what it made
         # (the first step creates the optimizer's state).
         self._tidal_step_growth = (growth, bring + max(0, self._state_to_bring()[1] - total))
-
-
-@contextlib.contextmanager
-def _instead(obj: Any, name: str, value: Any):
-    """``obj.name`` is ``value`` (an attribute of the instance) through the block; then what
-    the instance had of its own under that name again, or none."""
-    own = vars(obj).get(name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if own is None:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, own)
 
 
 def _list_lengths(metrics: Any) -> dict:
