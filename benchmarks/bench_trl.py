@@ -1029,6 +1029,8 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                     "line_rate": getattr(args, "line_rate", None),
                     "nproc": args.nproc,
                     "launch": args.launch if args.nproc > 1 else "single",
+                    "trl_loading": args.trl_loading if args.nproc > 1 and args.launch == "fsdp2" else None,
+                    "host_floor_gib": args.host_floor_gib,
                     "pooled": pooled,
                     "paired": _paired(results),
                     "variants": results,
@@ -1127,6 +1129,21 @@ def main(argv=None) -> int:
         default=None,
         help="a folder where the preset's random model is saved once and found by later runs (a 14B save takes "
         "about a minute); default: a new temporary folder each run",
+    )
+    p.add_argument(
+        "--trl-loading",
+        choices=("every-rank", "rank0"),
+        default="every-rank",
+        help="TRL alone under --launch fsdp2: every rank loads the weights (default; the values right), or only "
+        "rank 0, as fsdp2.yaml says (the host holds one copy, not one a rank; TRL's reference is then empty on the "
+        "other ranks: its memory is right, its values are not, so only for where it runs out of memory)",
+    )
+    p.add_argument(
+        "--host-floor-gib",
+        type=float,
+        default=0.0,
+        help="stop a variant (its whole process group) when the host's available memory falls below this many GiB, "
+        "and record it as out of host memory with what its processes held; 0 (default): never",
     )
     p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_sequence", default=None, help=argparse.SUPPRESS)
@@ -1232,11 +1249,19 @@ def main(argv=None) -> int:
             # One process, one GPU: TRL loads a model given by path with device_map="auto",
             # over every GPU the process sees (on a 4-GPU machine the one-GPU run spanned four).
             env["CUDA_VISIBLE_DEVICES"] = "0"
-        rc, host = _run_watching_host_memory(cmd, env)
+        rc, host = _run_watching_host_memory(cmd, env, floor_bytes=int(args.host_floor_gib * 2**30))
         res = _merged_ranks(out, args.nproc, v) if args.nproc > 1 else None
         if res is None:
             res = json.load(open(out)) if os.path.exists(out) else {"variant": v, "error": f"exit {rc}"}
         res.update(host)
+        if "host_stopped" in host:
+            h = host["host_stopped"]
+            res["error"] = (
+                f"out of host memory: stopped by the bench when the host's available memory fell to "
+                f"{h['available_bytes'] / 2**30:.1f} GiB (floor {h['floor_bytes'] / 2**30:.1f}) after {h['after_s']} s, "
+                f"the run's processes holding {h['tree_rss_bytes'] / 2**30:.1f} GiB"
+                + (f" (the run's own error before that: {res['error']})" if res.get("error") else "")
+            )
         results.append(res)
         print(json.dumps({k: x for k, x in res.items() if k != "profile"}), flush=True)
         _report_so_far(args, results, reward_path)  # a run cut short keeps what it measured
@@ -1302,7 +1327,7 @@ def _launched(cmd: list[str], args) -> list[str]:
     mixed = "no" if args.launch == "fsdp2" else "bf16"  # see bf16= in run_variant
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
     launch += ["--num_processes", str(args.nproc), "--mixed_precision", mixed, "--main_process_port", str(port)]
-    if args.launch == "fsdp2" and variant == "trl":
+    if args.launch == "fsdp2" and variant == "trl" and args.trl_loading == "every-rank":
         # TRL alone: every rank loads the weights. With only the first loading them (fsdp2.yaml's
         # cpu_ram_efficient_loading), accelerate sends the policy's shards, but TRL shards its
         # reference as loaded, empty on the other ranks. tidal's variants keep fsdp2.yaml's
@@ -1345,34 +1370,55 @@ def _merged_ranks(out: str, nproc: int, variant: str = "") -> dict | None:
     return res
 
 
-def _tree_rss_bytes(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants (``/proc``; 0 where unreadable)."""
-    total, todo = 0, [pid]
+def _tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants now (``/proc``; those that end meanwhile are skipped)."""
+    pids, todo = [], [pid]
     while todo:
         p = todo.pop()
+        pids.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _tree_rss_bytes(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (``/proc``; 0 where unreadable)."""
+    total = 0
+    for p in _tree_pids(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
                         total += int(line.split()[1]) * 1024
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
         except (OSError, ValueError):
             continue
     return total
 
 
-def _run_watching_host_memory(cmd: list[str], env: dict, interval_s: float = 0.5) -> tuple[int, dict]:
+def _run_watching_host_memory(
+    cmd: list[str], env: dict, interval_s: float = 0.5, floor_bytes: int = 0
+) -> tuple[int, dict]:
     """Run a variant's process; return its exit status and the host memory seen while it ran:
     its process tree's peak resident bytes and the lowest ``MemAvailable`` (or cgroup room), read
     every ``interval_s``. A variant killed by the kernel (exit -9) with the available memory near
-    0 ran the host out of memory."""
+    0 ran the host out of memory. With ``floor_bytes``, the process and its descendants are killed as soon
+    as the available memory falls below it (``host_stopped`` says when and at what): a run
+    that would take the host's last memory is stopped before the kernel's killer picks a
+    process (the machine's own, or this one) and before the host stops answering."""
+    import signal
+
     from tidal.device import host_memory
 
+    # In this process's group, not a new one: a `timeout` around the bench ends the variant too.
     proc = subprocess.Popen(cmd, env=env)
-    peak_rss, min_avail, total = 0, None, None
+    peak_rss, min_avail, total, stopped = 0, None, None, None
+    t0 = time.perf_counter()
     while proc.poll() is None:
-        peak_rss = max(peak_rss, _tree_rss_bytes(proc.pid))
+        rss = _tree_rss_bytes(proc.pid)
+        peak_rss = max(peak_rss, rss)
         try:
             mem = host_memory()
         except OSError:
@@ -1380,12 +1426,29 @@ def _run_watching_host_memory(cmd: list[str], env: dict, interval_s: float = 0.5
         if mem is not None:
             total = mem.total_bytes
             min_avail = mem.available_bytes if min_avail is None else min(min_avail, mem.available_bytes)
+            if floor_bytes and mem.available_bytes < floor_bytes and stopped is None:
+                stopped = {
+                    "after_s": round(time.perf_counter() - t0, 1),
+                    "available_bytes": mem.available_bytes,
+                    "floor_bytes": floor_bytes,
+                    "tree_rss_bytes": rss,
+                }
+                print(
+                    f"[bench_trl] host memory available {mem.available_bytes / 2**30:.1f} GiB of "
+                    f"{total / 2**30:.1f} fell below the floor of {floor_bytes / 2**30:.1f} GiB after "
+                    f"{stopped['after_s']} s (the run's processes hold {rss / 2**30:.1f} GiB): stopping it",
+                    flush=True,
+                )
+                for p in reversed(_tree_pids(proc.pid)):  # the ranks first, the launcher last
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         time.sleep(interval_s)
-    return proc.returncode, {
-        "host_peak_rss_bytes": peak_rss,
-        "host_min_available_bytes": min_avail,
-        "host_total_bytes": total,
-    }
+    res = {"host_peak_rss_bytes": peak_rss, "host_min_available_bytes": min_avail, "host_total_bytes": total}
+    if stopped is not None:
+        res["host_stopped"] = stopped
+    return proc.returncode, res
 
 
 if __name__ == "__main__":

@@ -67,9 +67,16 @@
 #                            --launch ddp (VARIANTS_DDP); needs 4 GPUs
 #                copies      benchmarks/bench_shared_copies.py: every GPU copying at once, plain and
 #                            as tidal's transitions (COPY_GIB, 4); needs 2 GPUs (all it finds)
-#                fsdp32b     bench_trl.py --nproc 4 --launch fsdp2, Qwen2.5-32B shape bf16 (VARIANTS32B);
-#                            ANCHOR32B=1: TRL alone under DeepSpeed ZeRO-3 offload first (needs the
-#                            DeepSpeed wheels); needs 4 GPUs
+#                save        SAVE_PRESETS (qwen2.5-32b qwen2.5-14b) saved to /tmp/bench_models in the
+#                            background on the last GPU, one after the other, while the next parts
+#                            (or the next call, on a warm machine) run; the parts below wait for it
+#                zero3       TRL alone under DeepSpeed ZeRO-3 offload on 4 GPUs (ZERO3_PRESET,
+#                            qwen2.5-32b; ANCHOR_STEPS), stopped as out of host memory when the
+#                            host's available memory falls below HOST_FLOOR_GIB (24); needs the
+#                            DeepSpeed wheels
+#                fsdp4       bench_trl.py --nproc 4 --launch fsdp2 (FSDP4_PRESET, qwen2.5-32b;
+#                            VARIANTS4: stream+prefetch,trl; TRL_LOADING, every-rank); ANCHOR_JSON:
+#                            a zero3 JSON (of this call or carried) its rows are set against
 #   tests       *gpu         every GPU test (-m gpu tests), resumable across calls: see below
 #
 # Output, under $OUT (./out by default): env.txt (GPUs, driver, host, versions, the commit:
@@ -130,7 +137,7 @@ declare -A EXTRA=(
   [cpu_adam]="bench precision"
   [lease]="processes"
   [deepspeed]="bench-1.5b"
-  [multi]="ddp7b copies fsdp32b"
+  [multi]="ddp7b copies save zero3 fsdp4"
 )
 ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two multi"
 
@@ -584,19 +591,52 @@ p_multi_copies() {
   run multi_copies.log timeout "${COPIES_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node "$n" \
     benchmarks/bench_shared_copies.py --gib "${COPY_GIB:-4}" --json "$OUT/shared_copies_$TAG.json"
 }
-p_multi_fsdp32b() {  # ANCHOR32B=1: TRL alone under DeepSpeed ZeRO-3 offload first, the anchor of the FSDP2 rows
-  need_gpus 4 && need_module trl || return 0
-  local anchor=()
-  if [ "${ANCHOR32B:-0}" = 1 ]; then
-    need_module deepspeed || return 0
-    trl_bench multi_fsdp32b.log --preset qwen2.5-32b --dtype bfloat16 --batch 64 --completion 256 \
-      --steps "${ANCHOR_STEPS:-2}" --nproc 4 --launch zero3-offload --variants trl \
-      --json "$OUT/trl_32b_zero3offloadx4_$TAG.json" --model-cache /tmp/bench_models
-    anchor=(--anchor-json "$OUT/trl_32b_zero3offloadx4_$TAG.json")
+p_multi_save() {  # in the background: the parts that need a model wait for it (wait_saved)
+  need_gpus 2 || return 0
+  local presets=${SAVE_PRESETS:-qwen2.5-32b qwen2.5-14b} last
+  note_log multi_save.log
+  if [ "$DRY" = 1 ]; then echo "  (background) save $presets on the last GPU"; return 0; fi
+  last=$(( $(nvidia-smi -L | grep -c '^GPU') - 1 ))
+  mkdir -p /tmp/bench_models
+  echo "== $(date -u '+%H:%M:%S') saving $presets on GPU $last in the background" >> "$OUT/multi_save.log"
+  # setsid: it outlives this call (the next one, on the same warm machine, finds the models).
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  setsid nohup env CUDA_VISIBLE_DEVICES="$last" bash -c '
+    for p in $0; do echo $$ > /tmp/bench_models/$p.saving; done  # all at once: a wait finds each
+    for p in $0; do
+      python3 benchmarks/bench_trl.py --_prepare --preset $p --_model /tmp/bench_models/$p \
+        --_out /tmp/bench_models/$p.prepared.json > /tmp/bench_models/$p.save.log 2>&1
+      echo "exit $? at $(date -u +%H:%M:%S)" >> /tmp/bench_models/$p.save.log
+      rm -f /tmp/bench_models/$p.saving
+    done' "$presets" > /dev/null 2>&1 < /dev/null &
+}
+wait_saved() {  # wait_saved PRESET: until the background save of PRESET (if one runs) ends
+  local p=$1 t=0
+  if [ "$DRY" = 1 ]; then return 0; fi
+  while [ -f "/tmp/bench_models/$p.saving" ] && kill -0 "$(cat "/tmp/bench_models/$p.saving")" 2>/dev/null; do
+    sleep 2; t=$(( t + 2 ))
+  done
+  if [ -f "/tmp/bench_models/$p.save.log" ]; then
+    { echo "== $p: waited $t s for its background save; its log:"; cat "/tmp/bench_models/$p.save.log"; } >> "$OUT/multi_save.log"
   fi
-  trl_bench multi_fsdp32b.log --preset qwen2.5-32b --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-5}" \
-    --nproc 4 --launch fsdp2 --variants "${VARIANTS32B:-stream+prefetch,trl}" --json "$OUT/trl_32b_fsdp2x4_$TAG.json" \
-    --model-cache /tmp/bench_models ${anchor[@]+"${anchor[@]}"}
+}
+p_multi_zero3() {  # the anchor of the fsdp4 rows: TRL alone under DeepSpeed ZeRO-3 with parameters and optimizer on the CPU
+  need_gpus 4 && need_module trl && need_module deepspeed || return 0
+  local p=${ZERO3_PRESET:-qwen2.5-32b}
+  wait_saved "$p"
+  trl_bench multi_zero3.log --preset "$p" --dtype bfloat16 --batch 64 --completion 256 --steps "${ANCHOR_STEPS:-2}" \
+    --nproc 4 --launch zero3-offload --variants trl --json "$OUT/trl_${p}_zero3offloadx4_$TAG.json" \
+    --model-cache /tmp/bench_models --host-floor-gib "${HOST_FLOOR_GIB:-24}"
+}
+p_multi_fsdp4() {
+  need_gpus 4 && need_module trl || return 0
+  local p=${FSDP4_PRESET:-qwen2.5-32b} anchor=()
+  wait_saved "$p"
+  if [ -n "${ANCHOR_JSON:-}" ]; then anchor=(--anchor-json "$ANCHOR_JSON"); fi
+  trl_bench multi_fsdp4.log --preset "$p" --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-5}" \
+    --nproc 4 --launch fsdp2 --variants "${VARIANTS4:-stream+prefetch,trl}" --json "$OUT/trl_${p}_fsdp2x4_$TAG.json" \
+    --model-cache /tmp/bench_models --trl-loading "${TRL_LOADING:-every-rank}" --host-floor-gib "${HOST_FLOOR_GIB:-24}" \
+    ${anchor[@]+"${anchor[@]}"}
 }
 gpu_tests() {  # gpu_tests LOG: the GPU tests not yet in the ledger, until the pass's deadline
   local log=$1 before=0 rc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -33,6 +34,51 @@ def test_a_child_of_a_child_counts_and_a_kill_shows_as_its_signal():
     rc, host = bench_trl._run_watching_host_memory([sys.executable, "-c", code], dict(os.environ), interval_s=0.1)
     assert rc == -signal.SIGKILL
     assert host["host_peak_rss_bytes"] >= 190 * MiB, host
+
+
+def test_a_run_below_the_host_floor_is_stopped_whole_and_says_so(tmp_path):
+    """A run that takes the host's available memory below the floor (here: 1 GiB more, the
+    floor 300 MiB below what is available) is killed with its descendants (a grandchild that
+    holds nothing included), long before its own end."""
+    from tidal.device import host_memory
+
+    floor = host_memory().available_bytes - 300 * MiB
+    pid_file = tmp_path / "grandchild"
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); "
+        "x = bytearray(1 << 30); time.sleep(60)"  # touched: resident
+    )
+    t0 = time.perf_counter()
+    rc, host = bench_trl._run_watching_host_memory(
+        [sys.executable, "-c", code], dict(os.environ), interval_s=0.1, floor_bytes=floor
+    )
+    assert time.perf_counter() - t0 < 30
+    assert rc == -signal.SIGKILL
+    stopped = host["host_stopped"]
+    assert stopped["floor_bytes"] == floor and stopped["available_bytes"] < floor
+    assert stopped["tree_rss_bytes"] >= 250 * MiB  # read as it crossed, mid-allocation
+    grandchild = int(pid_file.read_text())  # written before the allocation that crossed the floor
+    for _ in range(50):
+        if _state(grandchild) in ("Z", "gone"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the grandchild {grandchild} is still running")
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_without_a_floor_nothing_is_stopped():
+    rc, host = bench_trl._run_watching_host_memory([sys.executable, "-c", "pass"], dict(os.environ), interval_s=0.1)
+    assert rc == 0 and "host_stopped" not in host
 
 
 def test_with_several_trl_processes_each_variant_is_also_set_against_the_one_before_it(capsys):

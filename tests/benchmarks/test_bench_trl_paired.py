@@ -113,21 +113,28 @@ def test_the_zero3_offload_anchor_launches_trls_zero3_config_with_everything_on_
 
     pytest.importorskip("trl")
     cmd = bench_trl._launched(
-        ["python", "bench_trl.py", "--_variant", "trl"], argparse.Namespace(launch="zero3-offload", nproc=4)
+        ["python", "bench_trl.py", "--_variant", "trl"],
+        argparse.Namespace(launch="zero3-offload", nproc=4, trl_loading="every-rank"),
     )
     assert cmd[cmd.index("--config_file") + 1].endswith("zero3.yaml")
     assert cmd[cmd.index("--offload_optimizer_device") + 1] == "cpu"
     assert cmd[cmd.index("--offload_param_device") + 1] == "cpu"
     assert cmd[cmd.index("--num_processes") + 1] == "4" and cmd[-2:] == ["--_variant", "trl"]
-    fsdp = bench_trl._launched(["python", "bench_trl.py"], argparse.Namespace(launch="fsdp2", nproc=2))
+    fsdp = bench_trl._launched(
+        ["python", "bench_trl.py"], argparse.Namespace(launch="fsdp2", nproc=2, trl_loading="every-rank")
+    )
     assert "--offload_param_device" not in fsdp and fsdp[fsdp.index("--mixed_precision") + 1] == "no"
     # FSDP2: TRL alone's ranks each load the weights (its reference is sharded as loaded);
     # tidal's keep fsdp2.yaml's loading on rank 0 only.
-    ns = argparse.Namespace(launch="fsdp2", nproc=2)
+    ns = argparse.Namespace(launch="fsdp2", nproc=2, trl_loading="every-rank")
     alone = bench_trl._launched(["python", "bench_trl.py", "--_variant", "trl"], ns)
     ours = bench_trl._launched(["python", "bench_trl.py", "--_variant", "stream+prefetch"], ns)
     assert alone[alone.index("--fsdp_cpu_ram_efficient_loading") + 1] == "false"
     assert "--fsdp_cpu_ram_efficient_loading" not in ours
+    # --trl-loading rank0 (where every rank loading would not fit the host): as fsdp2.yaml says.
+    ns.trl_loading = "rank0"
+    alone = bench_trl._launched(["python", "bench_trl.py", "--_variant", "trl"], ns)
+    assert "--fsdp_cpu_ram_efficient_loading" not in alone
 
 
 def test_rounds_run_in_turn_reversed_and_each_run_pairs_with_its_rounds_trl_run():
