@@ -417,6 +417,73 @@ def _hooks_off_worker(rank: int, world_size: int, device: str = "cpu") -> None:
         group_mod.FSDPParamGroup.pre_forward = real
 
 
+def _lent_worker(rank: int, world_size: int, device: str = "cpu") -> None:
+    """The policy's role lends its shards unit by unit as gathered() unshards them: inside, no
+    shard holds device memory and (on a GPU) the device holds the full copy in their place;
+    the tokens are per-unit gathering's; after, every shard is back bit for bit and trains as
+    before, also after an exception inside."""
+    from tidal.distributed import gathered, gathered_bytes
+    from tidal.distributed.fsdp import _fsdp_modules, _groups
+    from tidal.state.collect import unique_storage_bytes
+    from tests.helpers import is_out
+
+    device = device if device == "cpu" else f"cuda:{rank}"
+    per_unit, whole = _sharded_lm(device), _sharded_lm(device)
+    opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    ts = tidal.Timeshare(device)
+    ts.add_role("policy", model=whole, optimizer=opt)
+    shards = [fp.sharded_param for m in _fsdp_modules(whole) for g in _groups(m) for fp in g.fsdp_params]
+    before = [p.to_local().detach().clone() for p in shards]
+    local = unique_storage_bytes(whole.parameters())
+    g = torch.Generator().manual_seed(rank)
+    prompts = torch.randint(2, 31, (3, 5), generator=g).to(device)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cuda = device != "cpu"
+    with torch.no_grad():
+        want = per_unit.generate(prompts, **kw)
+        with ts.use("policy"):
+            at_start = torch.cuda.memory_allocated(device) if cuda else 0
+            with ts.lending("policy") as lend, gathered(whole, on_unit=lend.out):
+                lent = lend.lent_bytes
+                assert all(is_out(p.to_local()) for p in shards)
+                if cuda:  # the full copy where the shards were
+                    added = torch.cuda.memory_allocated(device) - at_start
+                    assert abs(added - (gathered_bytes(whole) - local)) < (1 << 20), (
+                        added,
+                        gathered_bytes(whole),
+                        local,
+                    )
+                got = whole.generate(prompts, **kw)
+            assert not any(is_out(p.to_local()) for p in shards)
+            with pytest.raises(KeyboardInterrupt), ts.lending("policy") as lend, gathered(whole, on_unit=lend.out):
+                raise KeyboardInterrupt
+        assert lent == local > 0, (lent, local)
+        assert torch.equal(want, got), (want, got)
+        assert all(torch.equal(p.to_local(), b) for p, b in zip(shards, before))
+        assert all(isinstance(p, DTensor) for p in whole.parameters())
+        notes = [(r.kind, r.bytes_out, r.bytes_in) for r in ts.records if "lent" in r.note]
+        units = len(_fsdp_modules(whole))
+        # Out unit by unit as each is gathered, back at once after the reshard; in both blocks.
+        assert [n[0] for n in notes] == (["offload"] * units + ["reload"]) * 2, notes
+        assert sum(n[1] for n in notes[:units]) == notes[units][2] == local
+    ids = torch.randint(2, 31, (2, 7), generator=g).to(device)
+    with ts.use("policy"):
+        a = per_unit(ids, labels=ids).loss
+        b = whole(ids, labels=ids).loss
+        a.backward()
+        b.backward()
+    assert torch.equal(a, b)
+    assert all(
+        torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(per_unit.parameters(), whole.parameters())
+    )
+    ts.close()
+
+
+def test_the_policy_lends_its_shards_while_gathered_and_gets_them_back_bit_exact():
+    pytest.importorskip("transformers")
+    run_distributed(_lent_worker)
+
+
 def test_fsdp2_hooks_come_off_while_gathered_the_same_tokens_and_back_after():
     """hooks_off_while_gathered: inside gathered(), no FSDP2 hook runs in a generation (the
     same tokens as per-unit gathers); the hooks come back in their order, beside one registered

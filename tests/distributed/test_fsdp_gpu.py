@@ -16,6 +16,7 @@ from tests.distributed.test_fsdp import (
     _equivalence_worker,
     _gathered_worker,
     _hooks_off_worker,
+    _lent_worker,
     _roundtrip_worker,
     local,
 )
@@ -116,3 +117,11 @@ def test_fsdp2_hooks_come_off_while_gathered_on_two_gpus():
     tokens, the hooks back in their order after."""
     pytest.importorskip("transformers")
     run_distributed(_hooks_off_worker, "cuda", backend="nccl")
+
+
+def test_the_policy_lends_its_shards_while_gathered_on_two_gpus():
+    """Timeshare.lending with gathered() over NCCL: each unit's shards go to the host as it is
+    gathered (the device holds the full copy in their place, by the allocator's count), the
+    same tokens, the shards back bit for bit after, under an exception too."""
+    pytest.importorskip("transformers")
+    run_distributed(_lent_worker, "cuda", backend="nccl")

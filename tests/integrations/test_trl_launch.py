@@ -138,6 +138,21 @@ def test_fsdp2_launch_is_bit_identical_to_trl_alone_moving_each_ranks_shards(fla
         assert rank["buckets_freed"] == []  # no DDP here
 
 
+def test_fsdp2_policy_lending_its_shards_for_the_gathered_generation_trains_as_trl_alone(tiny, tmp_path):
+    """Where a full copy of the policy fits only once its own shards are out (forced here): each
+    generation gathers unit by unit, lending each unit's shards to the host as it goes, and
+    gets them back after the reshard; logs and weights are TRL alone's."""
+    ours = _check_same_as_trl(_launch("torchrun", tiny, tmp_path, "--fsdp2", "--lend"))
+    replica = ours[0]["param_bytes"]
+    for rank in ours:
+        lent = [m for m in rank["moves"] if "lent" in m[5]]
+        back = [m for m in lent if m[0] == "reload"]
+        assert len(back) == 3 and rank["gathered_generations"] == 3 and rank["hooks_off"] == [True] * 3
+        # Each step the rank's shards (about half the policy on each of 2 ranks) out, and back.
+        assert all(0 < m[4] == back[0][4] <= 0.6 * replica for m in back), (back, replica)
+        assert sum(m[3] for m in lent if m[0] == "offload") == 3 * back[0][4]
+
+
 def test_fsdp2_with_only_rank_0_loading_the_weights_trains_as_trl_alone_does_with_every_rank_loading(tiny, tmp_path):
     """fsdp_cpu_ram_efficient_loading: only the first rank's weights count (the other ranks'
     models stand empty: here loaded and filled with NaN); the reference's shards reach them as
@@ -178,19 +193,23 @@ def test_launches_tidal_cannot_work_with_are_refused_naming_the_one_that_works()
         check_launch(_accelerator(2, "FSDP", fsdp=fsdp(cpu_offload=CPUOffloadPolicy())), "T")
 
 
-def _room_decided_alike(rank: int, world: int) -> None:
-    from tidal.integrations.trl.launch import has_room_to_gather
+def _mode_decided_alike(rank: int, world: int) -> None:
+    from tidal.integrations.trl.launch import gather_mode
 
+    cpu = torch.device("cpu")
     # Rank 1 alone lacks the room: no rank gathers (a gather it ran out of memory in would
     # leave the other waiting); with room everywhere, every rank does.
-    assert has_room_to_gather(100, 50 if rank == 1 else 1000, torch.device("cpu")) is False
-    assert has_room_to_gather(100, 100, torch.device("cpu")) is True
+    assert gather_mode(100, 50 if rank == 1 else 1000, 0, cpu) == "per-unit"
+    assert gather_mode(100, 100, 0, cpu) == "whole"
+    # Where a rank has the room only once its shards are out, every rank lends them.
+    assert gather_mode(100, 60 if rank == 0 else 1000, 40, cpu) == "lending"
+    assert gather_mode(100, 60 if rank == 0 else 1000, 39, cpu) == "per-unit"
 
 
 def test_the_gather_for_generation_is_decided_by_every_rank_alike():
     from tests.distributed.multiproc import run_distributed
 
-    run_distributed(_room_decided_alike)
+    run_distributed(_mode_decided_alike)
 
 
 def test_under_fsdp_the_models_trl_loads_are_placed_whole_unless_the_arguments_say_otherwise():

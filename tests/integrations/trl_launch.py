@@ -5,7 +5,7 @@ every rank: its own weights' digest, which must agree across ranks).
 
     torchrun --nproc_per_node 2 tests/integrations/trl_launch.py MODEL OUT [--algo grpo|rloo]
         [--prefetch] [--residency step|stream|role] [--steps N] [--accumulation N] [--runs trl,tidal]
-        [--fsdp2] [--sync-ref] [--save-weights]
+        [--fsdp2 [--lend] [--ram-efficient]] [--sync-ref] [--save-weights]
 """
 
 from __future__ import annotations
@@ -120,6 +120,11 @@ def main() -> None:
     p.add_argument("--fsdp2", action="store_true", help="an FSDP2 launch (see _fsdp2_on_cpu)")
     p.add_argument("--sync-ref", action="store_true", help="sync_ref_model=True, every step")
     p.add_argument(
+        "--lend",
+        action="store_true",
+        help="with --fsdp2: the policy gathered for generation lends its shards to the host (as without the room)",
+    )
+    p.add_argument(
         "--ram-efficient",
         action="store_true",
         help="with --fsdp2: tidal's runs load as with fsdp_cpu_ram_efficient_loading (only rank 0 loads)",
@@ -143,9 +148,9 @@ def main() -> None:
 
     gathered = launch_mod.gathered
 
-    def counted_gathered(model):
+    def counted_gathered(model, **kw):
         gathers.append(1)
-        return gathered(model)
+        return gathered(model, **kw)
 
     launch_mod.gathered = counted_gathered
     hooks_off: list[bool] = []  # whether each gathered generation ran without FSDP2's hooks
@@ -158,6 +163,10 @@ def main() -> None:
             yield taken
 
     launch_mod.hooks_off_while_gathered = counted_off
+    if a.lend:
+        # As where a full copy fits only once the policy's own shards are out (at 32B on 4 GPUs).
+        mode = launch_mod.gather_mode
+        launch_mod.gather_mode = lambda *args: "lending" if mode(*args) == "whole" else mode(*args)
     rank = int(os.environ.get("RANK", "0"))
     config_cls, plain_cls, tidal_cls = {
         "grpo": (trl.GRPOConfig, trl.GRPOTrainer, TidalGRPOTrainer),
@@ -213,7 +222,7 @@ def main() -> None:
         }
         if kind == "tidal":
             recs = trainer.timeshare.records
-            report["moves"] = [[r.kind, list(r.roles_out), r.role_in, r.bytes_out, r.bytes_in] for r in recs]
+            report["moves"] = [[r.kind, list(r.roles_out), r.role_in, r.bytes_out, r.bytes_in, r.note] for r in recs]
             report["buckets_freed"] = list(freed)
             report["gathered_generations"] = len(gathers)
             report["hooks_off"] = list(hooks_off)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -212,11 +212,16 @@ def gathered_bytes(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def gathered(model: torch.nn.Module) -> Iterator[None]:
+def gathered(model: torch.nn.Module, *, on_unit: Callable[[list[torch.Tensor]], None] | None = None) -> Iterator[None]:
     """All-gather every FSDP2 unit of ``model`` once, keep the full parameters through the
     block, and reshard as it ends: forwards inside run no collective (generation then costs
     one all-gather of the model, not one per layer per token, and a rank finishing early
     waits for nobody). The same values as gathering per unit per forward, so the same results.
+
+    ``on_unit``: called after each unit's gather with its sharded parameters (DTensors), which
+    nothing reads again until the block has resharded: a timeshare's
+    :meth:`~tidal.Timeshare.lending` moves their local shards to the host, so that the gather
+    needs room for one unit's shards at a time beside the full copy, not all of them.
 
     Collective on entry: every rank must enter together, in the same order of modules; decide
     that on every rank alike (with the room: :func:`gathered_bytes`), as an all-gather that
@@ -238,6 +243,8 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
             m.set_reshard_after_forward(False, recurse=False)  # the forwards in the block keep them
         for m in modules:
             m.unshard()
+            if on_unit is not None:
+                on_unit([fp.sharded_param for g in _groups(m) for fp in g.fsdp_params])
         yield
     finally:
         # FSDP's own settings back as they were (set_reshard_after_forward has no getter).

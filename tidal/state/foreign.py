@@ -281,6 +281,7 @@ class MovedOutMessages:
             why,
             getattr(role, "optimizer_residency", None),
             bool(getattr(role, "optimizer_locked", False)),
+            ts is not None and storage._cdata in ts.lent_keys,
         )
         msg = self._cache.get(key)
         if msg is None:
@@ -288,7 +289,7 @@ class MovedOutMessages:
         return msg
 
 
-def _message(owner: str, kind: str, name: str, why: str, residency: str | None, locked: bool) -> str:
+def _message(owner: str, kind: str, name: str, why: str, residency: str | None, locked: bool, lent: bool) -> str:
     if not owner:
         return (
             "tidal: this tensor's bytes were moved to host memory by tidal, and its device storage holds none "
@@ -318,6 +319,12 @@ def _message(owner: str, kind: str, name: str, why: str, residency: str | None, 
                 f"the role with optimizer_residency='role' to keep it on the device while the role is resident"
             )
         return f"tidal: role {owner!r} is offloaded: its {tensor} is in host memory. Use the role inside {use}. {read}"
+    if lent:  # out while its role is resident: lent to a block (Timeshare.lending)
+        return (
+            f"tidal: the {tensor} of role {owner!r} is lent to host memory for a Timeshare.lending() block, "
+            f"where the role's own code does not read it (an FSDP2 shard while the full parameters are gathered); "
+            f"it comes back when the block ends. Read it after the block, or its values through state_dict()"
+        )
     return (
         f"tidal: role {owner!r} is offloaded: its {tensor} has no device memory now (its bytes are in host "
         f"memory). Use the role inside {use}; to read its values without loading it, use state_dict()"

@@ -29,6 +29,7 @@ from tidal.state.store import OffloadStore
 from tidal.timeshare.config import TimeshareConfig
 from tidal.timeshare.evict import EvictionChoice, check_keep_free_bytes
 from tidal.timeshare.hooks import RoleHooks
+from tidal.timeshare.lending import Lending, local_storage_key
 from tidal.timeshare.optim_state import OptimizerStateMoves
 from tidal.timeshare.prefetching import Prefetching
 from tidal.timeshare.registration import Registration, timeshare_of
@@ -113,6 +114,8 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         # Set before a transition changes anything and cleared once the roles' flags agree with
         # the store again: if it is still set, an exception interrupted one (see _recover).
         self._interrupted = False
+        # Storages a lending() block has out while their role stays resident (what a read says).
+        self.lent_keys: set[int] = set()
 
     # ---- registration ------------------------------------------------------------------------
     @property
@@ -189,6 +192,47 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
                         self._settle_optimizer(role)
                 finally:
                     self._idle.notify_all()  # a use() in another thread may wait for this role
+
+    @contextlib.contextmanager
+    def lending(self, name: str) -> Iterator[Lending]:
+        """For the block, ``name`` (resident, and in a :meth:`use` block of this thread) lends
+        the device memory of parameters its own code will not read inside it:
+        ``lend.out(tensors)`` moves their storages to the host, and every one comes back as the
+        block ends, also when it raises. What it is for: an FSDP2 policy's shards while its full
+        parameters are gathered for generation (:func:`tidal.distributed.gathered`'s
+        ``on_unit``), so that the full copy needs room only for itself. Between ``out`` and
+        the end the role still counts as resident: nothing else brings it in or out, and a
+        lent tensor that foreign code reads raises the moved-out error.
+
+        The parameters are taken as they are when the block begins (a module whose parameters
+        are swapped inside, as FSDP2's gather does, still lends its shards). The block must
+        free what it took in their place before it ends (FSDP2: reshard inside it).
+
+        Memory cost: host memory for the lent storages (the role's own host copies, where it
+        has been out before); the copies out and back are waited for (in the records, as an
+        offload and a reload noted "lent").
+
+        Raises ``ValueError`` before any work if ``name`` is not resident or not in use in
+        this thread; from ``out``, ``ValueError`` for a tensor not the role's; at the end,
+        what the reload raises (``InsufficientMemoryError`` where the lent bytes do not fit),
+        the timeshare then marked interrupted so that its next verb settles the role."""
+        self._check_open()
+        role = self.role(name)
+        if not role.resident or threading.get_ident() not in role.users:
+            raise ValueError(
+                f"lending({name!r}): the role must be resident and in use in this thread; call it inside "
+                f"`with timeshare.use({name!r}):`"
+            )
+        with self._lock:
+            params = {e.key: e for e in self._live(role, optim=False) if e.kind == "param" and e.nbytes > 0}
+            held = {k: e for k, e in params.items() if not self.store.is_offloaded(k)}
+            own = {local_storage_key(p) for m in role.modules for p in m.parameters()}
+            own.update(local_storage_key(p) for p in role.loose_params())
+        lend = Lending(self, name, held, own)
+        try:
+            yield lend
+        finally:
+            lend.back()
 
     @serialised
     def load(

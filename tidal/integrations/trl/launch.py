@@ -18,12 +18,13 @@ from torch.distributed.tensor import DTensor
 from tidal.distributed.fsdp import gathered, gathered_bytes, hooks_off_while_gathered
 from tidal.integrations.trl.phases import instead
 from tidal.memory import phase_need_bytes
+from tidal.state.collect import unique_storage_bytes
 
 __all__ = [
     "Launch",
     "check_launch",
     "gathered_for_generation",
-    "has_room_to_gather",
+    "gather_mode",
     "prepare_fsdp_per_block",
     "reference_sharded_per_block",
     "runs_collectives",
@@ -138,25 +139,37 @@ def reference_sharded_per_block(trainer_cls: type) -> Iterator[None]:
             m.prepare_fsdp = fn
 
 
-def has_room_to_gather(nbytes: int, free_bytes: int, device: torch.device) -> bool:
-    """Whether every rank has ``nbytes`` free (each passes its own reading): one all-reduce, so
-    that every rank decides alike (a gather that runs out of memory on one rank leaves the
-    others waiting in it)."""
-    ok = torch.tensor([1 if free_bytes >= nbytes else 0], dtype=torch.int32, device=device)
+GatherMode = Literal["per-unit", "lending", "whole"]
+_MODES: tuple[GatherMode, ...] = ("per-unit", "lending", "whole")  # in order of what they need
+
+
+def gather_mode(need_bytes: int, free_bytes: int, lendable_bytes: int, device: torch.device) -> GatherMode:
+    """How every rank gathers the policy for generation, each passing its own readings:
+    ``"whole"`` where every rank has ``need_bytes`` free, else ``"lending"`` where every rank
+    has them once its shards (``lendable_bytes``) are out on the host, else ``"per-unit"``. One
+    all-reduce, so that every rank decides alike (a gather that runs out of memory on one rank
+    leaves the others waiting in it)."""
+    own = 2 if free_bytes >= need_bytes else (1 if free_bytes + lendable_bytes >= need_bytes else 0)
+    mode = torch.tensor([own], dtype=torch.int32, device=device)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+        dist.all_reduce(mode, op=dist.ReduceOp.MIN)
+    return _MODES[int(mode.item())]
 
 
 @contextlib.contextmanager
-def gathered_for_generation(policy: torch.nn.Module, ops: Any) -> Iterator[int]:
+def gathered_for_generation(policy: torch.nn.Module, timeshare: Any, role: str = "policy") -> Iterator[int]:
     """An FSDP2 policy gathered once for the block (:func:`tidal.distributed.gathered`: its
     forwards, one per generated token, then run no collective), where every rank has the room
-    for a full copy (+10%, 256 MiB) beside what the generation's turn left on its device (``ops``:
-    its :class:`~tidal.device.DeviceOps`); else nothing (each forward gathers per unit, as
-    TRL alone). The room is read before the gather and decided by all ranks alike (one
-    all-reduce). Memory cost: a full copy of the policy's parameters for the block. Yields the
-    bytes gathered (0 where it gathers per unit).
+    for a full copy (+10%, 256 MiB) beside what the generation's turn left on its device; where
+    that room is there only without the policy's own shards, each unit's shards go to the host
+    as soon as the unit is gathered (``timeshare.lending(role)``: nothing reads them until the
+    reshard) and come back after it; else nothing (each forward gathers per unit, as TRL
+    alone). The room is read before the gather and decided by all ranks alike (one
+    all-reduce). ``timeshare``: the :class:`~tidal.Timeshare` whose ``role`` (in use) the
+    policy is. Memory cost: a full copy of the policy's parameters for the block, less its
+    shards where they are lent; lent, a copy of the shards out and back (host memory: the
+    role's own host copy). Yields the device bytes the gather added (0 where it gathers per
+    unit).
 
     Gathered whole (no parameter still a ``DTensor``: no tensor or context parallel
     dimension), each token's forward runs no collective and no FSDP2 hook
@@ -166,20 +179,27 @@ def gathered_for_generation(policy: torch.nn.Module, ops: Any) -> Iterator[int]:
     all-reduce and a host read every token, so that ranks whose forwards gather per unit stay
     in step): each rank decodes at its own pace, and one that finishes first waits for the
     others in the next phase's first collective. The values are the same."""
+    ops = timeshare.ops
     whole = gathered_bytes(policy)
     need = phase_need_bytes(whole)
     free = ops.driver_free_bytes()[0] + ops.cached_free_bytes() if ops.is_accelerator else need  # the host: room
-    if not has_room_to_gather(need, free, ops.device):
+    shards = unique_storage_bytes(policy.parameters(), ops.device) if ops.is_accelerator else 0
+    mode = gather_mode(need, free, shards, ops.device)
+    if mode == "per-unit":
         yield 0
         return
-    with gathered(policy):
+    with contextlib.ExitStack() as stack:
+        # Entered first, left last: the lent shards come back once the full copy is freed.
+        lend = stack.enter_context(timeshare.lending(role)) if mode == "lending" else None
+        stack.enter_context(gathered(policy, on_unit=lend.out if lend is not None else None))
+        added = whole - (lend.lent_bytes if lend is not None else 0)
         if any(isinstance(p, DTensor) for p in policy.parameters()):
             # Still sharded along another dimension (tensor or context parallel): its forwards
             # run collectives, so the ranks decode in step, with FSDP2's hooks, as TRL alone.
-            yield whole
+            yield added
             return
         with hooks_off_while_gathered(policy), _unsynced_generate(policy):
-            yield whole
+            yield added
 
 
 def _unsynced_generate(policy: torch.nn.Module):

@@ -168,10 +168,11 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
 
     def _gathered_for_generation(self):
         """With FSDP2: :func:`~tidal.integrations.trl.launch.gathered_for_generation` of the
-        policy (gathered once where every rank has the room); else nothing."""
+        policy (gathered once where every rank has the room, its shards lent to the host where
+        the room is there only without them); else nothing."""
         if self._tidal_launch != "fsdp2" or "policy" not in self.timeshare.roles:
             return contextlib.nullcontext()
-        return gathered_for_generation(self.accelerator.unwrap_model(self.model), self.timeshare.ops)
+        return gathered_for_generation(self.accelerator.unwrap_model(self.model), self.timeshare, "policy")
 
     def _get_per_token_logps_and_entropies(self, model, *args: Any, **kwargs: Any):
         role = "reference" if self.ref_model is not None and model is self.ref_model else "policy"
