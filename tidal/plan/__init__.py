@@ -6,6 +6,7 @@ Imports only the standard library (no torch, no CUDA): a plan is arithmetic on s
 * :class:`PlanConfig` -> :func:`build_plan` -> :class:`Plan` (per-phase breakdown, peaks with
   and without timeshare, transition times, assumptions);
 * :func:`predict_phases`: the calibration hook (predicted peak allocated bytes per phase);
+* :func:`gathered_rollout`: how tidal's TRL trainer holds a sharded policy for generation;
 * :func:`recommend`: the cheapest set of memory levers that fits a GPU;
 * :func:`step_flops`: a step's matmul FLOPs by phase (its compute floor at a measured rate).
 """
@@ -22,6 +23,7 @@ from tidal.plan.model import (
     PlanConfig,
     Transition,
     build_plan,
+    gathered_rollout,
     predict_phases,
 )
 from tidal.plan.keeps import KeptPhase, kept_host, kept_phases
@@ -47,6 +49,7 @@ __all__ = [
     "Transition",
     "build_plan",
     "format_plan",
+    "gathered_rollout",
     "kept_host",
     "kept_phases",
     "load_shape",

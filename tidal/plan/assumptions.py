@@ -174,6 +174,10 @@ def assumptions(c, bw) -> list[str]:
                     "; the rollout gathers the whole policy once beside the shards (tidal's TRL trainer, where each "
                     "GPU has the room)."
                     if c.zero3_rollout == "whole"
+                    else "; the rollout gathers the whole policy once and lends the shards to the host meanwhile "
+                    "(tidal's TRL trainer, where the room is there only without them): out unit by unit as each is "
+                    "gathered, back after, not overlapped with compute."
+                    if c.zero3_rollout == "lent"
                     else "."
                 )
                 if c.zero_stage == 3

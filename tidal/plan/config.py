@@ -17,7 +17,7 @@ PHASES = ("rollout", "reference", "train", "optimizer_step")
 OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")
 SAMPLING = ("generate", "own")
 LM_HEADS = ("logits", "fused")
-ZERO3_ROLLOUTS = ("layers", "whole")
+ZERO3_ROLLOUTS = ("layers", "whole", "lent")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,10 +54,12 @@ class PlanConfig:
     also parameters (FSDP2: the root module's parameters stay gathered, and
     ``zero3_gathered_layers`` layers are unsharded at once: the running one and the
     prefetched one). ``zero3_rollout``: how ZeRO 3's rollout holds the policy's parameters:
-    ``"layers"`` (unsharded unit by unit for every token, as above) or ``"whole"`` (every
+    ``"layers"`` (unsharded unit by unit for every token, as above), ``"whole"`` (every
     parameter gathered once for the whole generation, as tidal's TRL trainer does under FSDP2
     where each GPU has the room, :func:`tidal.integrations.trl.launch.gathered_for_generation`:
-    the whole model in the param dtype beside the shards). ``prompts`` is global; each GPU rolls out ``ceil(prompts*group/dp)``.
+    the whole model in the param dtype beside the shards) or ``"lent"`` (gathered whole, the
+    shards lent to the host for the generation, as the trainer does where the room is there
+    only without them: :func:`tidal.plan.gathered_rollout` chooses as it does). ``prompts`` is global; each GPU rolls out ``ceil(prompts*group/dp)``.
 
     LoRA: ``lora_rank > 0`` trains adapters on ``lora_targets`` (``lora_dtype``, fp32 as peft
     casts them); the reference is the same base with adapters off (no second copy).

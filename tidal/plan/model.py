@@ -44,6 +44,8 @@ __all__ = [
     "Transition",
     "Plan",
     "build_plan",
+    "gathered_rollout",
+    "lends_shards",
     "predict_phases",
     "PHASES",
     "OPTIMIZERS",
@@ -221,6 +223,33 @@ class Plan:
         }
 
 
+def lends_shards(c: PlanConfig) -> bool:
+    """Whether the rollout lends the policy's shards to the host (``zero3_rollout="lent"``,
+    where the policy is sharded: ZeRO 3 over several GPUs, full-parameter)."""
+    return c.zero3_rollout == "lent" and c.zero_stage >= 3 and c.dp > 1 and not c.lora_rank
+
+
+def gathered_rollout(c: PlanConfig, usable_bytes: int, *, bandwidth: Bandwidth | None = None) -> str:
+    """How tidal's TRL trainer holds a sharded policy for generation on GPUs of
+    ``usable_bytes`` (:func:`tidal.integrations.trl.launch.gathered_for_generation`'s rule on
+    the plan's figures): ``"whole"`` where the gathered copy + 10% and 256 MiB fits beside what
+    the rollout's turn leaves, ``"lent"`` where it fits once the policy's shards are out,
+    else ``"layers"``. ``c`` as planned with ``zero3_rollout="whole"`` or ``"lent"``; a plan
+    with nothing sharded (one GPU, ZeRO < 3) returns ``c.zero3_rollout``."""
+    if c.zero_stage < 3 or c.dp == 1:
+        return c.zero3_rollout
+    whole = dataclasses.replace(c, zero3_rollout="whole")
+    rollout = build_plan(whole, bandwidth=bandwidth).timeshared["rollout"]
+    # tidal.memory.phase_need_bytes (torch's side of tidal; the plan imports no torch)
+    need = int(1.1 * rollout.transient.get("zero3 whole policy gathered", 0)) + (256 << 20)
+    if rollout.resident_bytes + need <= usable_bytes:
+        return "whole"
+    shards = rollout.resident.get("actor params", 0)
+    if rollout.resident_bytes - shards + need <= usable_bytes and not c.lora_rank:
+        return "lent"
+    return "layers"
+
+
 def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Plan:
     """Predict every phase of one RL step for ``config``, in both residency modes."""
     c, bw = config, bandwidth or Bandwidth()
@@ -256,6 +285,9 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
     }
 
     rollout_weights = {"rollout weights": st["rollout_copy"]} if st["rollout_copy"] else {"actor params": actor_params}
+    lent = lends_shards(c)
+    if lent:  # out on the host while the whole copy generates
+        rollout_weights = {"actor params (lent to the host while gathered)": 0}
     ref_weights = (
         {"actor params (base shared, adapters off)": actor_params}
         if c.lora_rank
@@ -320,6 +352,16 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         for a, b, o, i in moves
         if o or i
     ]
+    if lent:  # within the rollout: the shards out as their units are gathered, back after (not overlapped)
+        transitions.append(
+            Transition(
+                before="rollout",
+                after="rollout",
+                bytes_out=actor_params,
+                bytes_in=actor_params,
+                seconds=bw.seconds(actor_params, 0) + bw.seconds(0, actor_params),
+            )
+        )
 
     streamed: dict[str, int] = {}
     if c.optimizer == "cpu_adam":

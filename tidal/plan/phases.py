@@ -62,12 +62,12 @@ def role_state(c: PlanConfig) -> dict[str, int]:
 
 
 def gathered_params(c: PlanConfig, *, rollout: bool = False) -> dict[str, int]:
-    """ZeRO 3's unsharded parameters during a phase (``rollout``: with ``zero3_rollout="whole"``
-    every parameter, gathered once for the generation)."""
+    """ZeRO 3's unsharded parameters during a phase (``rollout``: with ``zero3_rollout``
+    ``"whole"`` or ``"lent"`` every parameter, gathered once for the generation)."""
     if c.zero_stage < 3 or c.dp == 1:
         return {}
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
-    if rollout and c.zero3_rollout == "whole":
+    if rollout and c.zero3_rollout in ("whole", "lent"):
         return {"zero3 whole policy gathered": s.param_count() * e}
     layers = min(c.zero3_gathered_layers, s.layers)
     return {"zero3 gathered params": (s.root_params() + layers * s.layer_params()) * e}

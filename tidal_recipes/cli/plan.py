@@ -222,23 +222,36 @@ def _format_kept(kept: dict, host: dict, gpu_mem_gib: float) -> str:
     return "\n".join(lines)
 
 
-def _say_whether_the_policy_gathers(plan, usable: int) -> None:
-    """With --gathered-rollout: whether tidal's trainer would gather the whole policy (it does
-    where each GPU has the gathered copy's bytes + 10% and 256 MiB free beside what the
-    rollout's turn left) and, if so, whether the generation's own need then fits too."""
-    from tidal.memory import phase_need_bytes  # noqa: PLC0415
-    from tidal.plan import GIB  # noqa: PLC0415
+def _as_the_trainer_gathers(config, usable: int, bw):
+    """With --gathered-rollout: the config as tidal's trainer would hold the policy for
+    generation (tidal.plan.gathered_rollout), with a note where that is not the whole policy
+    beside its shards, and a warning where the generation's own need then leaves less than
+    the trainer's 10% and 256 MiB."""
+    import dataclasses  # noqa: PLC0415
 
-    rollout = plan.timeshared["rollout"]
-    whole = rollout.transient.get("zero3 whole policy gathered", 0)
-    if rollout.resident_bytes + phase_need_bytes(whole) > usable:
+    from tidal.memory import phase_need_bytes  # noqa: PLC0415
+    from tidal.plan import GIB, build_plan, gathered_rollout  # noqa: PLC0415
+
+    mode = gathered_rollout(config, usable, bandwidth=bw)
+    whole = build_plan(dataclasses.replace(config, zero3_rollout="whole"), bandwidth=bw).timeshared["rollout"]
+    gathered = whole.transient.get("zero3 whole policy gathered", 0)
+    if mode == "layers":
         print(
-            f"tidal plan: note: --gathered-rollout: the whole policy ({whole / GIB:.2f} GiB) does not fit beside the "
-            f"rollout's {rollout.resident_bytes / GIB:.2f} GiB with the 10% and 256 MiB the trainer leaves "
-            f"({usable / GIB:.2f} GiB usable): tidal's trainer then gathers per unit, as planned without the flag",
+            f"tidal plan: note: --gathered-rollout: the whole policy ({gathered / GIB:.2f} GiB) does not fit with the "
+            f"10% and 256 MiB the trainer leaves ({usable / GIB:.2f} GiB usable), even with the policy's shards lent "
+            f"to the host: tidal's trainer then gathers per unit, as planned here",
             file=sys.stderr,
         )
-    elif rollout.resident_bytes + phase_need_bytes(rollout.transient_bytes) > usable:
+    elif mode == "lent":
+        print(
+            f"tidal plan: note: --gathered-rollout: the whole policy ({gathered / GIB:.2f} GiB) fits only without its "
+            f"shards ({whole.resident.get('actor params', 0) / GIB:.2f} GiB): tidal's trainer lends them to the host "
+            f"for the generation, as planned here",
+            file=sys.stderr,
+        )
+    config = dataclasses.replace(config, zero3_rollout=mode)
+    rollout = build_plan(config, bandwidth=bw).timeshared["rollout"]
+    if mode != "layers" and rollout.resident_bytes + phase_need_bytes(rollout.transient_bytes) > usable:
         print(
             f"tidal plan: warning: --gathered-rollout: tidal's trainer gathers the whole policy here, and the "
             f"generation's {rollout.peak_bytes / GIB:.2f} GiB peak (its KV cache beside it) leaves less than 10% and "
@@ -246,6 +259,7 @@ def _say_whether_the_policy_gathers(plan, usable: int) -> None:
             f"GPUs make room",
             file=sys.stderr,
         )
+    return config
 
 
 def _bandwidth(args: argparse.Namespace):
@@ -366,6 +380,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"tidal plan: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if args.gpu_mem_gib is not None and config.zero3_rollout == "whole" and config.zero_stage >= 3 and config.dp > 1:
+        usable = int(args.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)) - config.cuda_context_bytes
+        config = _as_the_trainer_gathers(config, usable, bw)
     plan = build_plan(config, bandwidth=bw)
     if plan.device_peak_bytes > MAX_GIB * GIB:  # what no GPU holds: the numbers are a typo
         print(
@@ -386,10 +403,6 @@ def run(args: argparse.Namespace) -> int:
                 host = None  # no /proc/meminfo: the host is not checked (the summary says so)
         rec = recommend(
             config, gpu_mem_bytes=int(args.gpu_mem_gib * GIB), gpus=args.gpus, bandwidth=bw, host_mem_bytes=host
-        )
-    if args.gpu_mem_gib is not None and config.zero3_rollout == "whole" and config.zero_stage >= 3 and config.dp > 1:
-        _say_whether_the_policy_gathers(
-            plan, int(args.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)) - config.cuda_context_bytes
         )
     kept = None
     if args.prefetch:

@@ -250,17 +250,32 @@ def test_fused_lm_head_gathered_rollout_and_the_host_prefetch_holds(capsys):
     assert "zero3 whole policy gathered" in whole and "zero3 whole policy gathered" not in layers
 
 
-def test_a_gathered_rollout_that_does_not_fit_says_the_trainer_gathers_per_unit(capsys):
+def test_a_gathered_rollout_is_planned_as_the_trainer_gathers_whole_lending_or_per_unit(capsys):
     """The trainer gathers where the whole policy + 10% and 256 MiB is free beside the rollout's
-    turn: 32B on 4 H100s has not the room (per unit, as without the flag), 14B on 2 has; on a
-    smaller GPU the 14B gather fits but not the KV cache beside it (a warning)."""
+    turn, lends the shards to the host where it is free only without them, else gathers per
+    unit: 14B on 2 H100s gathers beside its shards, 32B on 4 lends them (the rollout planned
+    without them, their copies out and back among the transitions), 32B on 4 GPUs of 60 GiB
+    gathers per unit (planned so); on a smaller GPU the 14B gather fits but not the KV cache
+    beside it (a warning)."""
     common = ["--prompt-len", "8", "--gen-len", "256", "--micro-batch", "16", "--launch", "fsdp2", "--gathered-rollout"]
     b32 = ["--preset", "qwen2.5-32b", "--gpus", "4", "--prompts", "32", "--group", "8", *common]
-    code, _, err = _run([*b32, "--gpu-mem-gib", "79.2"], capsys)
-    assert code == 0 and "does not fit beside" in err and "gathers per unit" in err
+    code, out, err = _run([*b32, "--gpu-mem-gib", "79.2", "--json"], capsys)
+    plan = json.loads(out)["plan"]
+    rollout = plan["phases"]["rollout"]
+    assert code == 0 and "fits only without its shards" in err and "lends them to the host" in err
+    assert plan["config"]["zero3_rollout"] == "lent"
+    assert "actor params" not in rollout["resident"] and "zero3 whole policy gathered" in rollout["transient"]
+    shards = plan["phases"]["train"]["resident"]["actor params"]
+    lent = [t for t in plan["transitions"] if t["before"] == t["after"] == "rollout"]
+    assert len(lent) == 1 and lent[0]["bytes_out"] == lent[0]["bytes_in"] == shards
+    code, out, err = _run([*b32, "--gpu-mem-gib", "60", "--json"], capsys)
+    plan = json.loads(out)["plan"]
+    assert code == 0 and "even with the policy's shards lent" in err and "gathers per unit" in err
+    assert plan["config"]["zero3_rollout"] == "layers"
+    assert "zero3 gathered params" in plan["phases"]["rollout"]["transient"]
     b14 = ["--preset", "qwen2.5-14b", "--gpus", "2", "--prompts", "16", "--group", "8", *common]
-    code, _, err = _run([*b14, "--gpu-mem-gib", "79.2", "--prefetch"], capsys)
-    assert code == 0 and "gathered-rollout" not in err
+    code, out, err = _run([*b14, "--gpu-mem-gib", "79.2", "--prefetch"], capsys)
+    assert code == 0 and "gathered-rollout" not in err and "rollout -> rollout" not in out
     code, _, err = _run([*b14, "--gpu-mem-gib", "50"], capsys)
     assert code == 0 and "warning" in err and "may run out of memory" in err and "does not fit" not in err
     code, _, err = _run(b14, capsys)  # no GPU size given: nothing to say
