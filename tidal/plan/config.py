@@ -59,7 +59,14 @@ class PlanConfig:
     where each GPU has the room, :func:`tidal.integrations.trl.launch.gathered_for_generation`:
     the whole model in the param dtype beside the shards) or ``"lent"`` (gathered whole, the
     shards lent to the host for the generation, as the trainer does where the room is there
-    only without them: :func:`tidal.plan.gathered_rollout` chooses as it does). ``prompts`` is global; each GPU rolls out ``ceil(prompts*group/dp)``.
+    only without them: :func:`tidal.plan.gathered_rollout` chooses as it does).
+    ``sync_each_micro_batch``: with ZeRO >= 2 over several GPUs and more than one micro-batch,
+    the gradients are reduce-scattered after every micro-batch (accelerate's
+    ``GradientAccumulationPlugin(sync_each_batch=True)``; in TRL,
+    ``accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}}``); by
+    default (False) they are not: FSDP2 under accelerate's ``no_sync``
+    (``set_requires_gradient_sync(False)``), what Trainer does between optimizer steps, keeps
+    every gradient unsharded until the last micro-batch reduce-scatters the sum. ``prompts`` is global; each GPU rolls out ``ceil(prompts*group/dp)``.
 
     LoRA: ``lora_rank > 0`` trains adapters on ``lora_targets`` (``lora_dtype``, fp32 as peft
     casts them); the reference is the same base with adapters off (no second copy).
@@ -117,6 +124,7 @@ class PlanConfig:
     dp: int = 1
     zero3_gathered_layers: int = 2
     zero3_rollout: str = "layers"
+    sync_each_micro_batch: bool = False
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = LORA_TARGETS
     lora_dtype: str = "fp32"

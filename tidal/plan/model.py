@@ -28,6 +28,7 @@ from tidal.plan import activations as act
 from tidal.plan.assumptions import assumptions
 from tidal.plan.config import GIB, MIB, OPTIMIZERS, PHASES, PlanConfig
 from tidal.plan.phases import (
+    accumulates_unsharded,
     cpu_adam_step_transient,
     gathered_params,
     reference_transient,
@@ -258,6 +259,8 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
     actor_params = st["base"] + st["adapters"]
     optim_in_train = st["optim"] if c.optimizer == "adamw" else 0
     train_t, train_grads = train_transient(c, st)
+    # FSDP2 under accelerate's no_sync keeps them whole until the last micro-batch
+    train_grads_key = "grads (unsharded through the micro-batches)" if accumulates_unsharded(c) else "grads"
     step_t = {"adamw step temporary": st["step_temp"]} if st["step_temp"] else {}
     if c.optimizer == "cpu_adam":
         step_t = cpu_adam_step_transient(c)
@@ -296,7 +299,7 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
     ts_res = {
         "rollout": rollout_weights,
         "reference": ref_weights,
-        "train": {"actor params": actor_params, "grads": train_grads, "optimizer states": optim_in_train},
+        "train": {"actor params": actor_params, train_grads_key: train_grads, "optimizer states": optim_in_train},
         "optimizer_step": {"actor params": actor_params, "grads": st["grads"], "optimizer states": step_states},
     }
     everything = {
@@ -306,7 +309,7 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         "optimizer states": optim_in_train,
     }
     all_res = {p: dict(everything) for p in PHASES}
-    all_res["train"]["grads"] = train_grads
+    all_res["train"][train_grads_key] = train_grads
     all_res["optimizer_step"].update({"grads": st["grads"], "optimizer states": st["optim"]})
     if c.optim_stream_chunk_bytes is not None:  # the states are on the host even with every role "resident"
         all_res["optimizer_step"]["optimizer states"] = step_states

@@ -249,6 +249,12 @@ def _cpu_adam_inflight(c: PlanConfig, st: dict[str, int]) -> dict[str, int]:
     }
 
 
+def accumulates_unsharded(c: PlanConfig) -> bool:
+    """Whether sharded gradients (ZeRO >= 2 over several GPUs) are held unsharded, whole,
+    through the step's micro-batches (see ``PlanConfig.sync_each_micro_batch``)."""
+    return c.zero_stage >= 2 and c.dp > 1 and c.micro_batches > 1 and not c.sync_each_micro_batch
+
+
 def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], int]:
     """Train transient components at the peak, and the gradient bytes resident then."""
     s, e = c.shape, act.dtype_bytes(c.param_dtype)
@@ -268,7 +274,7 @@ def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], 
     held = min(2, s.layers) if c.act_offload else s.layers
     saved = held * (ckpt_in if c.grad_ckpt else layer)
     extra = t * act.model_extra_saved_bytes_per_token(s, e=e, grad_ckpt=c.grad_ckpt)
-    grads = st["grads"]
+    grads = st["trainable"] * st["ge"] if accumulates_unsharded(c) else st["grads"]
     if c.lm_head == "fused":
         # The head's backward comes first: in the first micro-batch no gradient exists before
         # it (its own is among its components), from the 2nd on every one does.
@@ -283,7 +289,9 @@ def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], 
         else:
             first_grads = grads  # from the 2nd micro-batch on, every gradient exists
     bucket = (
-        {"zero2 grad bucket": s.layer_params() * st["ge"]} if c.zero_stage >= 2 and c.dp > 1 and not c.lora_rank else {}
+        {"zero2 grad bucket": s.layer_params() * st["ge"]}
+        if c.zero_stage >= 2 and c.dp > 1 and not c.lora_rank and not accumulates_unsharded(c)
+        else {}
     )
     at_layer_base = {
         "saved activations": saved,

@@ -127,6 +127,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="with --launch fsdp2: the whole policy gathered once for generation, as tidal's TRL trainer does where "
         "each GPU has the room (default: FSDP2's per-unit gathers for every token)",
     )
+    p.add_argument(
+        "--sync-each-micro-batch",
+        action="store_true",
+        help="with --launch fsdp2 and several micro-batches: the gradients reduce-scattered after each one "
+        "(GRPOConfig(accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': True}})); default: held "
+        "unsharded, whole, until the last, as FSDP2 does under Trainer's gradient accumulation",
+    )
     p.add_argument("--lora-rank", type=nonneg_int, default=0, help="LoRA rank; 0 trains the full model (default)")
     p.add_argument("--dtype", choices=_DTYPES, default="bf16", help="param/activation dtype (default bf16)")
     p.add_argument(
@@ -366,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
             completion_logits=args.completion_logits,
             lm_head="fused" if args.fused_lm_head else "logits",
             zero3_rollout="whole" if args.gathered_rollout else "layers",
+            sync_each_micro_batch=args.sync_each_micro_batch,
             action_vocab=args.action_vocab,
             sampling=args.sampling,
             cpu_adam_inflight_bytes=args.cpu_adam_inflight_mib << 20,
