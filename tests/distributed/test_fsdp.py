@@ -442,17 +442,17 @@ def _lent_worker(rank: int, world_size: int, device: str = "cpu") -> None:
     with torch.no_grad():
         want = per_unit.generate(prompts, **kw)
         with ts.use("policy"):
+            if cuda:  # the same gather without lending, for the device bytes the lending saves
+                at_start = torch.cuda.memory_allocated(device)
+                with gathered(whole):
+                    plain_added = torch.cuda.memory_allocated(device) - at_start
             at_start = torch.cuda.memory_allocated(device) if cuda else 0
             with ts.lending("policy") as lend, gathered(whole, on_unit=lend.out):
                 lent = lend.lent_bytes
                 assert all(is_out(p.to_local()) for p in shards)
-                if cuda:  # the full copy where the shards were
-                    added = torch.cuda.memory_allocated(device) - at_start
-                    assert abs(added - (gathered_bytes(whole) - local)) < (1 << 20), (
-                        added,
-                        gathered_bytes(whole),
-                        local,
-                    )
+                if cuda:  # the full copy where the shards were: the device holds the shards less
+                    saved = plain_added - (torch.cuda.memory_allocated(device) - at_start)
+                    assert abs(saved - local) < (1 << 20), (saved, local, plain_added, gathered_bytes(whole))
                 got = whole.generate(prompts, **kw)
             assert not any(is_out(p.to_local()) for p in shards)
             with pytest.raises(KeyboardInterrupt), ts.lending("policy") as lend, gathered(whole, on_unit=lend.out):

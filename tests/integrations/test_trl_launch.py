@@ -141,10 +141,15 @@ def test_fsdp2_launch_is_bit_identical_to_trl_alone_moving_each_ranks_shards(fla
 def test_fsdp2_policy_lending_its_shards_for_the_gathered_generation_trains_as_trl_alone(tiny, tmp_path):
     """Where a full copy of the policy fits only once its own shards are out (forced here): each
     generation gathers unit by unit, lending each unit's shards to the host as it goes, and
-    gets them back after the reshard; logs and weights are TRL alone's."""
-    ours = _check_same_as_trl(_launch("torchrun", tiny, tmp_path, "--fsdp2", "--lend"))
+    gets them back after the reshard; logs and weights are TRL alone's. With prefetch, what
+    comes in behind the gathered generation writes nothing of the policy back (its modules hold
+    the gathered copy then: a write-back copied all of it to new host slots, 2026-11-27)."""
+    ours = _check_same_as_trl(_launch("torchrun", tiny, tmp_path, "--fsdp2", "--lend", "--prefetch"))
     replica = ours[0]["param_bytes"]
     for rank in ours:
+        shards = max(m[3] for m in rank["moves"] if m[0] == "switch" and m[1] == ["policy"])
+        prefetches = [m for m in rank["moves"] if m[0] == "prefetch"]
+        assert prefetches and all(m[3] <= shards + 1024 for m in prefetches), (prefetches, shards)
         lent = [m for m in rank["moves"] if "lent" in m[5]]
         back = [m for m in lent if m[0] == "reload"]
         assert len(back) == 3 and rank["gathered_generations"] == 3 and rank["hooks_off"] == [True] * 3
