@@ -293,6 +293,27 @@ def test_fsdp2_rollout_gathers_the_whole_policy_once_or_two_units_per_token():
     assert not any("gathered" in k for k in one.transient)
 
 
+def test_fsdp2_gradients_unsharded_through_micro_batches_and_traded_with_activations_in_one():
+    """Under accumulation FSDP2 (accelerate's no_sync) holds every gradient unsharded until the
+    last micro-batch; reduce-scattered each micro-batch (sync_each_micro_batch) only the shards.
+    In one micro-batch the sharded gradients arrive as the activations go: the larger counts."""
+    shape = preset("qwen2.5-32b")
+    base = dict(shape=shape, prompts=32, group=8, prompt_len=8, gen_len=256, zero_stage=3, dp=4, grad_ckpt=True)
+    base.update(lm_head="fused", logprob_span="completion")  # the peak in the layers' backward, not the head's
+    acc = build_plan(PlanConfig(**base, micro_batch=16)).timeshared["train"]
+    assert acc.resident["grads (unsharded through the micro-batches)"] == shape.param_count() * 2
+    synced = build_plan(PlanConfig(**base, micro_batch=16, sync_each_micro_batch=True)).timeshared["train"]
+    assert synced.resident["grads"] == -(-shape.param_count() * 2 // 4)
+    assert acc.peak_bytes - synced.peak_bytes >= shape.param_count() * 2 * 3 // 4 - (1 << 30)
+    one = build_plan(PlanConfig(**base, micro_batch=64)).timeshared["train"]
+    grads = one.resident["grads"]
+    ddp = build_plan(PlanConfig(**{**base, "zero_stage": 0}, micro_batch=64)).timeshared["train"]
+    saved = ddp.transient["saved activations"]  # what one micro-batch of 64 saves, unsharded or not
+    assert grads > saved and "saved activations" not in one.transient  # the larger: the gradients
+    one_small = build_plan(PlanConfig(**{**base, "gen_len": 8192}, micro_batch=64)).timeshared["train"]
+    assert one_small.transient["saved activations"] > 0  # activations larger than the gradients: the excess
+
+
 def test_fused_head_and_rollout_settings_are_checked():
     with pytest.raises(ValueError, match="logprob_span='completion'"):
         _toy(lm_head="fused")

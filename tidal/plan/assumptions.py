@@ -180,6 +180,15 @@ def assumptions(c, bw) -> list[str]:
                     if c.zero3_rollout == "lent"
                     else "."
                 )
+                + (
+                    " In one micro-batch the backward holds the larger of the saved activations and the sharded "
+                    "gradients, not both: each unit's gradient arrives as its activations are freed."
+                    if c.micro_batches == 1 and not c.lora_rank
+                    else " Through the micro-batches every gradient is held unsharded (accelerate's no_sync), "
+                    "reduce-scattered at the last."
+                    if c.micro_batches > 1 and not c.sync_each_micro_batch
+                    else ""
+                )
                 if c.zero_stage == 3
                 else "; one layer's unsharded gradients exist before its reduce-scatter."
                 if c.zero_stage == 2

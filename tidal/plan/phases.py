@@ -302,6 +302,12 @@ def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], 
     if c.optimizer != "cpu_adam":
         at_logits = {"saved activations": saved, "model-level saved": extra, **logits_part}
         at_layer = {**at_layer_base, **bucket}
+        if c.zero_stage >= 3 and c.dp > 1 and c.micro_batches == 1 and not c.lora_rank:
+            # One micro-batch, sharded gradients: each unit's arrives (reduce-scattered) as the
+            # backward frees that unit's saved activations, so the two trade places and the
+            # backward holds the larger of them, not their sum (DDP's buckets, and the
+            # gradients of earlier micro-batches, exist whole from the backward's start).
+            at_layer["saved activations"] = max(0, saved - grads)
         a, b = sum(at_logits.values()) + first_grads, sum(at_layer.values()) + grads
         return (at_logits, first_grads) if a >= b else (at_layer, grads)
     fl = _cpu_adam_inflight(c, st)
