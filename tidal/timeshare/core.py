@@ -1,6 +1,6 @@
 """What the parts of the timeshare below it use of a :class:`~tidal.Timeshare`, as protocols:
-the optimizer-residency strategies and the streamed step (:class:`TimeshareCore`), and the
-rules for threads (:class:`ThreadedTimeshare`). They name the timeshare's members they read,
+the optimizer-residency strategies and the streamed step (:class:`TimeshareCore`), the
+rules for threads (:class:`ThreadedTimeshare`) and a role's lending (:class:`LendingTimeshare`). They name the timeshare's members they read,
 so those modules do not import the timeshare that imports them."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tidal.timeshare.config import TimeshareConfig
 from tidal.timeshare.role import Role
 from tidal.timeshare.telemetry import TransitionRecord
 
-__all__ = ["ThreadedTimeshare", "TimeshareCore"]
+__all__ = ["LendingTimeshare", "ThreadedTimeshare", "TimeshareCore"]
 
 
 class TimeshareCore(Protocol):
@@ -66,3 +66,25 @@ class ThreadedTimeshare(Protocol):
         room_source: Any = None,
         keep_free_bytes: int | None = None,
     ) -> list[Role]: ...
+
+
+class LendingTimeshare(Protocol):
+    """What :class:`tidal.timeshare.lending.Lending` uses of its timeshare: the lock and store,
+    the storages lent now, the guarded move that settles the roles' flags if it is
+    interrupted, and the records."""
+
+    _lock: threading.RLock
+    store: OffloadStore
+    lent_keys: set[int]
+
+    def _check_open(self) -> None: ...
+
+    def _start_clock(self) -> None: ...
+
+    def _guarded(
+        self, move: Any, *, touches_model: bool, recovering: bool = False, settled_by_caller: bool = False
+    ): ...
+
+    def record_move(
+        self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
+    ) -> TransitionRecord: ...

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
 from tidal.state.collect import StateEntry, storage_key
-
-if TYPE_CHECKING:
-    from tidal.timeshare.timeshare import Timeshare
+from tidal.timeshare.core import LendingTimeshare
 
 __all__ = ["Lending"]
 
@@ -32,7 +30,7 @@ class Lending:
     moves, on the device when the block began, by key; ``own``: the keys of all its
     parameters' storages then (those too small to move stay where they are)."""
 
-    def __init__(self, ts: Timeshare, name: str, entries: dict[int, StateEntry], own: set[int]) -> None:
+    def __init__(self, ts: LendingTimeshare, name: str, entries: dict[int, StateEntry], own: set[int]) -> None:
         self._ts = ts
         self._name = name
         self._entries = entries
