@@ -282,6 +282,7 @@ def _gathered_worker(rank: int, world_size: int, device: str = "cpu") -> None:
 
     from tidal.distributed import gathered, gathered_bytes
     from tidal.distributed.fsdp import _fsdp_modules
+    from tidal.state.collect import ModuleSlots
 
     gathers = [0]
     real = group_mod.foreach_all_gather
@@ -306,6 +307,12 @@ def _gathered_worker(rank: int, world_size: int, device: str = "cpu") -> None:
                 entry = gathers[0]
                 got = whole.generate(prompts, **kw)
                 inside = gathers[0] - entry
+                # What a role of the model holds is still its shards, while FSDP2's modules hold
+                # the gathered copy (a write-back once copied that instead).
+                assert not any(isinstance(p, DTensor) for p in whole.parameters())
+                named = ModuleSlots([whole], verify=True).named()[0]
+                assert [n for n, _ in named] == [n for n, _ in whole.named_parameters(remove_duplicate=False)]
+                assert all(isinstance(t, DTensor) for _, t in named)
         assert torch.equal(want, got), (want, got)
         # One all-gather per unit on entry, none in the block's forwards; per unit per token
         # otherwise.

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from tidal.state.collect import unique_storage_bytes
+from tidal.state.collect import fsdp_param_groups, unique_storage_bytes
 
 __all__ = [
     "ZERO_STAGES",
@@ -340,14 +340,7 @@ def _hook_ids(handle: Any) -> set[int]:
     return {handle.id}
 
 
-def _groups(module: FSDPModule) -> list:
-    """The module's FSDP parameter groups: a list since torch 2.12, one (or None) before."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [group] if group is not None else []
+_groups = fsdp_param_groups  # the module's FSDP parameter groups (tidal.state reads them too)
 
 
 def zero_stage_of(model: torch.nn.Module) -> int | None:

@@ -15,7 +15,7 @@ they are: moving them costs time and saves nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, Literal, Sequence
+from typing import Any, Iterable, Iterator, Literal, Sequence
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -161,27 +161,38 @@ class ModuleSlots:
         self._generation = -1
         self._params: list[tuple[torch.nn.Module, str, str]] = []
         self._buffers: list[tuple[torch.nn.Module, str, str]] = []
+        self._sharded: dict[tuple[int, str], Any] = {}  # (id(module), name) -> FSDP2's FSDPParam
 
     def _refresh(self) -> None:
         if self._generation == _STRUCTURE[0]:
             return
         params, buffers = [], []
+        sharded: dict[tuple[int, str], Any] = {}
         for i, top in enumerate(self.modules):
             prefix = f"model{i}." if i else ""
             if _walks_itself(top):
                 continue
+            sharded.update(fsdp_param_slots(top))
             # The order of named_parameters / named_buffers(remove_duplicate=False).
             for mname, m in top.named_modules(remove_duplicate=False):
                 dot = f"{prefix}{mname}." if mname else prefix
                 params.extend((m, n, dot + n) for n in m._parameters)
                 buffers.extend((m, n, dot + n) for n in m._buffers)
-        self._params, self._buffers = params, buffers
+        self._params, self._buffers, self._sharded = params, buffers, sharded
         self._generation = _STRUCTURE[0]
 
+    def _param(self, m: torch.nn.Module, n: str) -> torch.Tensor | None:
+        """The parameter in slot ``n`` of ``m``: an FSDP2 one's shard (its ``DTensor``) also while
+        FSDP2 has the unsharded one there (inside a forward, or a whole gather): what a role
+        holds between turns, whatever FSDP2 is doing with the module now."""
+        fp = self._sharded.get((id(m), n))
+        return fp.sharded_param if fp is not None else m._parameters.get(n)
+
     def named(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-        """(parameters, buffers) as (name, tensor), in registration order, duplicates kept."""
+        """(parameters, buffers) as (name, tensor), in registration order, duplicates kept;
+        an FSDP2-managed parameter is always its shard (see :meth:`_param`)."""
         self._refresh()
-        params = [(name, t) for m, n, name in self._params if (t := m._parameters.get(n)) is not None]
+        params = [(name, t) for m, n, name in self._params if (t := self._param(m, n)) is not None]
         buffers = [(name, t) for m, n, name in self._buffers if (t := m._buffers.get(n)) is not None]
         for i, top in enumerate(self.modules):
             if _walks_itself(top):
@@ -194,8 +205,20 @@ class ModuleSlots:
 
     def _check(self, params: list, buffers: list) -> None:
         """Raise RuntimeError if the cached slots list other tensors than a module walk."""
+
+        def fresh_params(top: torch.nn.Module):
+            if _walks_itself(top):
+                return top.named_parameters(remove_duplicate=False)
+            sharded = fsdp_param_slots(top)  # found again, as the walk is
+            return [
+                (f"{mname}." + n if mname else n, fp.sharded_param if (fp := sharded.get((id(m), n))) else p)
+                for mname, m in top.named_modules(remove_duplicate=False)
+                for n, p in m._parameters.items()
+                if p is not None
+            ]
+
         for what, cached, walk in (
-            ("parameters", params, lambda m: m.named_parameters(remove_duplicate=False)),
+            ("parameters", params, fresh_params),
             ("buffers", buffers, lambda m: m.named_buffers(remove_duplicate=False)),
         ):
             fresh = [((f"model{i}." if i else "") + n, t) for i, top in enumerate(self.modules) for n, t in walk(top)]
@@ -209,6 +232,34 @@ class ModuleSlots:
                     f"written into module._parameters directly); register it with "
                     f"register_parameter / register_buffer / setattr instead"
                 )
+
+
+def fsdp_param_groups(module: torch.nn.Module) -> list:
+    """An FSDP2 module's parameter groups (a list since torch 2.12, one or None before); none
+    for any other module."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+def fsdp_param_slots(top: torch.nn.Module) -> dict[tuple[int, str], Any]:
+    """(id(module), attribute name) -> FSDP2's ``FSDPParam`` for every parameter FSDP2 manages
+    under ``top``, tied ones under each of their names."""
+    out: dict[tuple[int, str], Any] = {}
+    for m in top.modules():
+        for group in fsdp_param_groups(m):
+            for fp in group.fsdp_params:
+                info = fp._module_info
+                out[(id(info.module), info.param_name)] = fp
+                for shared, name in zip(info.shared_modules, info.shared_param_names):
+                    out[(id(shared), name)] = fp
+    return out
 
 
 def _walks_itself(m: torch.nn.Module) -> bool:

@@ -96,13 +96,7 @@ class KeepAndPrefetch:
             # Written back ahead: only what the turn of `then` will move out (the policy's
             # after the scoring is the loss's).
             keep = self._keep_free(then, "loss" if then == "policy" else then)
-            # Not while the policy is gathered for generation: its modules then hold the full
-            # copy, not the shards its role moves, and a write-back would copy the full copy to
-            # new host slots (61 GiB pinned a rank at 32B on 4 GPUs, 2026-11-27).
-            gathered = phase == "generate" and bool(self._tidal_gathered[0])
-            rec = ts.prefetch(
-                then, leave_free_bytes=leave, limit_bytes=limit, keep_free_bytes=keep, write_back=not gathered
-            )
+            rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit, keep_free_bytes=keep)
         if rec is not None and memory is not None:
             memory.prefetched(rec.bytes_in)
 
