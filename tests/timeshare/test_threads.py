@@ -288,3 +288,25 @@ def test_two_threads_alternating_their_roles_get_fair_turns():
     assert not errors, errors
     assert min(turns.values()) / max(turns.values()) >= 0.2, turns
     assert min(turns.values()) > 10, turns
+
+
+def test_a_yield_to_an_earlier_wait_does_not_count_once_that_thread_waits_again():
+    """Thread T yielded to thread M while M waited (M's ticket 5); M then got its turn, left,
+    and waits again later in line (ticket 9), before T looked again. T does not wait on M's new
+    wait: once it did, and M, yielding to T, saw each waiting for the other and raised that the
+    wait could never end (under load, in about 3 of 4 runs of the test above)."""
+    from tidal.timeshare.threads import _reaches, _waits_on
+
+    a, b = _models()
+    ts = tidal.Timeshare("cpu")
+    ts.add_role("a", model=a)
+    ts.add_role("b", model=b)
+    me, other = 1, 2
+    ts._waiting[other] = ("a", {"b"}, {me: 5}, 7, None)  # T waits for "a", yielded to M's wait 5
+    ts._waiting[me] = ("b", {"a"}, {other: 7}, 9, None)  # M waits again, yielding to T
+    assert _waits_on(ts, other) == set()
+    assert not _reaches(ts, {other}, me)
+    ts._waiting[me] = ("b", {"a"}, {}, 5, None)  # M still in the wait T yielded to: T waits on it
+    assert _waits_on(ts, other) == {me}
+    ts._waiting.clear()
+    ts.close()

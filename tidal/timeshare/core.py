@@ -54,7 +54,7 @@ class ThreadedTimeshare(Protocol):
     _lock: threading.RLock
     _idle: threading.Condition
     _roles: dict[str, Role]
-    _waiting: dict[int, tuple[str, set[str], set[int], int, int | None]]
+    _waiting: dict[int, tuple[str, set[str], dict[int, int], int, int | None]]
 
     def _check_open(self) -> None: ...
 

@@ -63,7 +63,10 @@ def _waits_on(ts: ThreadedTimeshare, t: int) -> set[int]:
         blockers = _blockers(ts, ts._roles[role], t, keep)
     except ValueError:  # it cannot fit at all: its own load raises when it looks again
         blockers = set()
-    return blockers | {w for w in yields if w in ts._waiting}
+    # A thread it yielded to counts only in the same wait (its ticket then): one that has
+    # since returned and waits again, later in line, is not waited on (that stale yield once
+    # made two threads each seem to wait for the other).
+    return blockers | {w for w, ticket in yields.items() if w in ts._waiting and ts._waiting[w][3] == ticket}
 
 
 def _reaches(ts: ThreadedTimeshare, start: set[int], target: int) -> bool:
@@ -91,22 +94,22 @@ def wait_for_room(
     threads waited for are themselves waiting for this one (the wait could never end), or if
     the timeshare is closed meanwhile."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    waits: dict[int, tuple[str, set[str], set[int], int, int | None]] = ts._waiting
+    waits: dict[int, tuple[str, set[str], dict[int, int], int, int | None]] = ts._waiting
     try:
         while True:
             ts._check_open()
             busy = _blockers(ts, role, me, keep_free_bytes)
-            yields: set[int] = set()
+            yields: dict[int, int] = {}  # thread -> the ticket of the wait it is yielded to in
             if not busy and me not in role.users:
                 # Let those who began to wait earlier for this role to go out have their turn
                 # (earlier only: two threads never yield to each other).
                 mine = waits[me][3] if me in waits else None
                 yields = {
-                    t
+                    t: ticket
                     for t, (_, needs, _, ticket, _) in waits.items()
                     if t != me and role.name in needs and (mine is None or ticket < mine)
                 }
-                busy = yields
+                busy = set(yields)
             if not busy:
                 return
             if _reaches(ts, busy, me):

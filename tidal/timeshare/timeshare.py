@@ -99,7 +99,7 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         self._idle = threading.Condition(self._lock)
         # thread -> (the role its use() waits to load, roles that load moves out, threads it yields to, ticket,
         # the bytes its switch keeps free)
-        self._waiting: dict[int, tuple[str, set[str], set[int], int, int | None]] = {}
+        self._waiting: dict[int, tuple[str, set[str], dict[int, int], int, int | None]] = {}
         self._roles: dict[str, Role] = {}
         self.records: list[TransitionRecord] = []
         self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory
