@@ -150,8 +150,8 @@ class ModuleSlots:
     holds it and its attribute name, found once (a module walk costs milliseconds for a large
     model) and found again only after some module, parameter or buffer is registered anywhere
     in the process. Reading a slot gives whatever tensor is there now, so a tensor replaced
-    under the same name (``module.weight = ...``, FSDP2 swapping sharded and unsharded
-    parameters) is seen at once. Modules whose ``named_parameters``/``named_buffers`` are
+    under the same name (``module.weight = ...``) is seen at once; a slot FSDP2 manages reads
+    its shard, whether FSDP2 holds the sharded or the unsharded parameter there now. Modules whose ``named_parameters``/``named_buffers`` are
     their own (adapters that expose state held elsewhere) are walked every time."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], *, verify: bool = False) -> None:
