@@ -76,7 +76,9 @@
 #                            DeepSpeed wheels
 #                fsdp4       bench_trl.py --nproc 4 --launch fsdp2 (FSDP4_PRESET, qwen2.5-32b;
 #                            VARIANTS4: stream+prefetch,trl; TRL_LOADING, every-rank); ANCHOR_JSON:
-#                            a zero3 JSON (of this call or carried) its rows are set against
+#                            a zero3 JSON (of this call or carried) its rows are set against. One
+#                            micro-batch a rank unless BENCH_ARGS says --micro-batch (under
+#                            accumulation FSDP2 holds every gradient unsharded: 61 GiB at 32B)
 #   tests       *gpu         every GPU test (-m gpu tests), resumable across calls: see below
 #
 # Output, under $OUT (./out by default): env.txt (GPUs, driver, host, versions, the commit:
