@@ -277,6 +277,19 @@ def _sharded_lm(device: str):
     return m
 
 
+def _trains_alike(per_unit: nn.Module, whole: nn.Module, ids: torch.Tensor) -> None:
+    """A forward with grad and its backward give ``whole`` the loss and the gradient shards of
+    ``per_unit`` (the same model, never gathered), bit for bit."""
+    a = per_unit(ids, labels=ids).loss
+    b = whole(ids, labels=ids).loss
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)
+    assert all(
+        torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(per_unit.parameters(), whole.parameters())
+    )
+
+
 def _gathered_worker(rank: int, world_size: int, device: str = "cpu") -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
 
@@ -324,15 +337,7 @@ def _gathered_worker(rank: int, world_size: int, device: str = "cpu") -> None:
         assert all(isinstance(p, DTensor) for p in whole.parameters())
         full = sum(p.numel() * p.element_size() for p in _tiny_lm().parameters())
         assert gathered_bytes(whole) == full
-        ids = torch.randint(2, 31, (2, 7), generator=g).to(device)
-        a = per_unit(ids, labels=ids).loss
-        b = whole(ids, labels=ids).loss
-        a.backward()
-        b.backward()
-        assert torch.equal(a, b)
-        assert all(
-            torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(per_unit.parameters(), whole.parameters())
-        )
+        _trains_alike(per_unit, whole, torch.randint(2, 31, (2, 7), generator=g).to(device))
     finally:
         group_mod.foreach_all_gather = real
 
@@ -479,16 +484,8 @@ def _lent_worker(rank: int, world_size: int, device: str = "cpu") -> None:
         blocks = 3 if cuda else 2
         assert [n[0] for n in notes] == (["offload"] * units + ["reload"]) * blocks, notes
         assert sum(n[1] for n in notes[:units]) == notes[units][2] == local
-    ids = torch.randint(2, 31, (2, 7), generator=g).to(device)
     with ts.use("policy"):
-        a = per_unit(ids, labels=ids).loss
-        b = whole(ids, labels=ids).loss
-        a.backward()
-        b.backward()
-    assert torch.equal(a, b)
-    assert all(
-        torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(per_unit.parameters(), whole.parameters())
-    )
+        _trains_alike(per_unit, whole, torch.randint(2, 31, (2, 7), generator=g).to(device))
     ts.close()
 
 
