@@ -320,6 +320,23 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         return out
 
     workload: dict = {}  # what the step's floor is computed from (see _floor)
+    stopped: dict = {}  # where --deadline-s ended the training early
+
+    def since_launch() -> str:
+        return f" (+{time.time() - args._launched:.1f} s after the launch)" if args._launched else ""
+
+    def _past_deadline(step_s: float) -> bool:
+        """Whether another step like this one (+15%), and 20 s to write the results, would end
+        past the deadline, on any rank: the ranks decide alike, or one would wait in a
+        collective for the others forever."""
+        late = time.time() + 1.15 * step_s + 20.0 > args._deadline
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([float(late)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            late = bool(flag.item())
+        return late
 
     class BesideTheGradients(TrainerCallback):
         # Right before the optimizer step (the gradients clipped): the policy's weights and
@@ -399,7 +416,15 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             if sampler is not None:
                 sampler.stop()
             # As it goes: a run cut by its time limit still shows each step it finished.
-            print(f"[bench_trl] {name} step {state.global_step}: {wall:.3f} s", flush=True)
+            print(f"[bench_trl] {name} step {state.global_step}: {wall:.3f} s{since_launch()}", flush=True)
+            if args._deadline and state.global_step < state.max_steps and _past_deadline(wall):
+                control.should_training_stop = True
+                stopped.update(after_steps=state.global_step, of_steps=state.max_steps)
+                print(
+                    f"[bench_trl] {name}: ending after step {state.global_step} of {state.max_steps}: another "
+                    f"would end past the bench's deadline",
+                    flush=True,
+                )
             if state.global_step <= 1 or (profile_step and state.global_step == profile_step):
                 tokens.take()  # a step not measured: its tokens are not the next one's
             if profile_step and state.global_step == profile_step:
@@ -510,6 +535,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             kw["prefetch_peak_bytes"] = int(float(settings["peak"]) * 2**30)
         tidal_cfg = TidalConfig(optimizer_residency=residency, prefetch="prefetch" in extras, **kw)
         trainer = TidalGRPOTrainer(**common, tidal=tidal_cfg)
+    print(f"[bench_trl] {name} rank {rank}: trainer ready{since_launch()}", flush=True)
     if profile_step:
         _annotate_for_profile(trainer)
     phases.wrap_trainer(trainer)
@@ -527,8 +553,13 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         oom_at = _where_out_of_memory(trainer, e)
     import tidal
 
+    oom = error is not None
+    if not error and not times:
+        error = "no measured step: the deadline came before the second step ended"
     res = {"variant": name, "error": error, "wall_s": time.perf_counter() - t0, "tidal": tidal.__file__}
-    if error:
+    if stopped:
+        res["stopped_by_deadline"] = stopped
+    if oom:
         res["oom_at"] = oom_at
     res.update(rank=rank, launch=str(trainer.accelerator.distributed_type), nproc=trainer.accelerator.num_processes)
     res["host_baseline_rss_bytes"] = baseline_rss
@@ -596,11 +627,13 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["profile"] = profiled
     with open(out_json, "w") as f:
         json.dump(res, f)
-    if error and args.nproc > 1:
-        # The other ranks wait for this one in a collective: ending it lets the launcher end
-        # them (at once, where they would wait out NCCL's timeout).
+    if args.nproc > 1:
+        # After an error the other ranks wait for this one in a collective: ending it lets the
+        # launcher end them (at once, where they would wait out NCCL's timeout). Without one,
+        # nothing follows in this process: bringing a 32B policy's roles back only to free them
+        # would spend the call's time after the results are written.
         sys.stdout.flush()
-        os._exit(1)
+        os._exit(1 if error else 0)
     # This run's trainer goes, with its device memory and tidal's pinned host memory (close()
     # brings the roles back, then frees the host copies): with --in-process the next run
     # follows in this process.
@@ -850,6 +883,9 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
                 f"{r['variant']} | {r['step_s']:.3f} | {_x(sr)} | {r['peak_bytes'] / 2**30:.2f} | {_x(pr)} | {share:.3f} | "
                 f"{r.get('transition_gbps', 0):.1f} |"
             )
+        if r.get("stopped_by_deadline"):
+            d = r["stopped_by_deadline"]
+            line += f"\n    ended by the bench's deadline after step {d['after_steps']} of {d['of_steps']}"
         print(line)
         one = getattr(args, "one_gpu", {}).get(r["variant"])
         if one is not None and not r.get("error"):
@@ -1145,6 +1181,17 @@ def main(argv=None) -> int:
         help="stop a variant (its whole process group) when the host's available memory falls below this many GiB, "
         "and record it as out of host memory with what its processes held; 0 (default): never",
     )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=0.0,
+        help="end each variant's training after the step that leaves less than that step's time (+15%%, and 20 s "
+        "to write its results) before this many seconds from the bench's start, all ranks alike; the JSON says "
+        "how many steps ran and that the deadline ended it (a call's time limit then still yields the steps "
+        "run); 0 (default): no deadline",
+    )
+    p.add_argument("--_deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--_launched", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--_variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_sequence", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_prepare", action="store_true", help=argparse.SUPPRESS)
@@ -1197,6 +1244,7 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp()
     model_path = os.path.join(args.model_cache or work, args.preset)
     t0 = time.perf_counter()
+    args._deadline = time.time() + args.deadline_s if args.deadline_s > 0 else 0.0
     reward_path = os.path.join(work, args.preset + "-reward") if args.reward_model else None
     # In a process of its own: this one would keep a CUDA context and the line-rate buffers in
     # its cache on the GPU all run long (2.67 GiB seen beside every variant), memory neither TRL
@@ -1278,6 +1326,10 @@ def _child_cmd(args, what: list[str], out: str, model_path: str, reward_path: st
             sys.executable,
             __file__,
             *what,
+            "--_deadline",
+            repr(args._deadline),
+            "--_launched",
+            repr(time.time()),
             "--_model",
             model_path,
             "--_out",
@@ -1365,6 +1417,7 @@ def _merged_ranks(out: str, nproc: int, variant: str = "") -> dict | None:
     keys = ("rank", "error", "step_s", "step_min_s", "peak_bytes", "exposed_s_per_step", "moved_gb_per_step")
     keys += ("transition_gbps", "host_held_bytes", "host_pinned_bytes", "host_rss_bytes_steps", "launch")
     keys += ("host_baseline_rss_bytes", "oom_at", "phase_peak_bytes_steps")  # each rank's logged phase peaks
+    keys += ("step_times_s", "stopped_by_deadline")
     res["ranks"] = [{k: x.get(k) for k in keys} for x in ranks]
     res["nproc"] = nproc
     return res

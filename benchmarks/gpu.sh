@@ -319,7 +319,10 @@ trl_bench() {  # trl_bench LOG ARGS...: one bench_trl.py run
   local log=$1
   shift
   TAILN=40
-  run "$log" timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_trl.py --results "$OUT/RESULTS.md" "$@" ${BENCH_ARGS:-}
+  # The bench ends its training where another step would pass the time limit (30 s kept to
+  # write the results): a run cut by the call's limit still yields the steps it ran.
+  run "$log" timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_trl.py --results "$OUT/RESULTS.md" "$@" \
+    --deadline-s "$(( ${BENCH_TIMEOUT:-540} - 30 ))" ${BENCH_ARGS:-}
 }
 p_trl_tests() {
   run trl_tests.log timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/integrations tests/timeshare tests/state -rs \
