@@ -559,14 +559,24 @@ p_two_ckpt() {  # ~170 s on 2x H200: 8 transition cycles, 3 saves and 3 loads pe
   run two_bench.log timeout -k 10 "$(limit "${CKPT_TIMEOUT:-230}")" python3 benchmarks/bench_checkpoint.py --cycles 8 \
     --repeats 3 --budget-s 170 --results "$OUT/RESULTS.md" --json "$OUT/ckpt.json"
 }
-p_multi_tests() {
+p_multi_tests() {  # ONE_GPU_ON=k: the one-GPU tests on GPU k (absolute), beside the others, not after them
   need_gpus 2 || return 0
   need_module trl || return 0
+  # One process, one GPU: TRL loads a model it is given by path with device_map="auto", over every GPU it sees.
+  local one=(timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/integrations/test_trl_gpu.py -rsfE \
+    -p no:cacheprovider) pid=""
+  if [ -n "${ONE_GPU_ON:-}" ]; then
+    note_log multi_tests_one.log  # here: the background shell's own note would be lost
+    run multi_tests_one.log env CUDA_VISIBLE_DEVICES="$ONE_GPU_ON" "${one[@]}" &
+    pid=$!
+  fi
   run multi_tests.log timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/distributed/test_ddp_gpu.py \
     tests/distributed/test_fsdp_gpu.py tests/integrations/test_trl_launch_gpu.py -rsfE -p no:cacheprovider --durations=10
-  # One process, one GPU: TRL loads a model it is given by path with device_map="auto", over every GPU it sees.
-  run multi_tests.log env CUDA_VISIBLE_DEVICES=0 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu \
-    tests/integrations/test_trl_gpu.py -rsfE -p no:cacheprovider
+  if [ -n "$pid" ]; then
+    wait "$pid" || PART_RC=1  # its PART_RC was set in the background shell
+  else
+    run multi_tests.log env CUDA_VISIBLE_DEVICES=0 "${one[@]}"
+  fi
 }
 p_multi_fsdp14b() {  # ONE14B=1: one GPU first (STEPS_ONE steps), the same variants, for the throughput and generation ratios
   need_gpus 2 && need_module trl || return 0
