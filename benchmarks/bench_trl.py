@@ -256,6 +256,11 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     cuda = torch.cuda.is_available()
     profile_step = args.profile_step
     rank = int(os.environ.get("RANK", "0"))
+    if cuda:
+        # This rank's GPU before the first CUDA call below (the host probe's tensor): made on
+        # the default device, each rank's CUDA context and tensor sat on GPU 0 (3 x 614 MiB
+        # beside rank 0 on 4 H100s, 2026-11-28). accelerate sets the same device later.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if args.nproc > 1:
         out_json = f"{out_json}.rank{rank}"  # the parent merges the ranks' files
     from tidal.memory import host_rss_bytes
@@ -665,7 +670,14 @@ def _where_out_of_memory(trainer, error: BaseException) -> dict:
     if memory is not None:
         out["phase"] = memory._phase
         out["phase_growth_bytes"] = dict(memory.growth)
+        out["phase_start_bytes"] = memory._start  # allocated as the phase's count began
+        out["phase_fragments_bytes"] = dict(memory.fragments)
+    if hasattr(trainer, "_tidal_gathered"):
+        out["gathered_bytes"] = list(trainer._tidal_gathered)  # this generation's gather, the last's
     if torch.cuda.is_available():
+        # The peak of the failing phase (its counter restarts at each phase), before the failed
+        # allocation: the error's own message says what was allocated as it failed.
+        out["peak_bytes"] = torch.cuda.max_memory_allocated()
         out["allocated_bytes"] = torch.cuda.memory_allocated()
         out["reserved_bytes"] = torch.cuda.memory_reserved()
         out["driver_free_bytes"] = torch.cuda.mem_get_info()[0]

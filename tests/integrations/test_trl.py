@@ -545,6 +545,34 @@ def test_a_log_line_inside_a_phase_does_not_reset_what_the_phase_allocated():
     assert memory.take_peaks() == {"backward": 12 * gib, "generate": 6 * gib}
 
 
+def test_a_phase_run_again_after_out_of_memory_keeps_its_whole_need():
+    """A generation runs out of memory beside a prefetch (2026-11-28: a 32B shape's second step
+    on 4 H100s, the policy gathered whole before its first forward); the prefetched role goes
+    and the generation runs again. Counted from what the eviction left, the gathered copy (in
+    place before the part that ran again) must stay in the phase's growth, and the prefetch's
+    bytes, gone with the eviction, must not be taken off it: the next step's prefetch would
+    otherwise leave free only the KV cache's part, and run out of memory again."""
+    from tidal.integrations.trl.memory import PhaseMemory
+
+    gib = 1 << 30
+    dev = _FakeAllocator()
+    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    dev.set(15 * gib)  # the policy's shards
+    memory.start("generate")
+    memory.rebase()  # its turn's switch ran
+    dev.set(61 * gib)  # gathered whole, its shards lent
+    gathered = memory.grown()
+    memory.prefetched(9 * gib)  # the reference, behind it
+    dev.set(70 * gib)
+    dev.set(72 * gib)  # the KV cache, then out of memory
+    dev.set(61 * gib)  # the failed run's cache freed, the prefetched reference moved out
+    memory.rebase(grown_bytes=gathered)
+    dev.set(66 * gib)  # the generation again: its KV cache
+    dev.set(15 * gib)
+    memory.start("reference")
+    assert memory.growth["generate"] == 51 * gib  # the gathered copy's 46 and the cache's 5
+
+
 def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has_still_to_allocate():
     """Generation of an FSDP2 policy gathers it whole before its first forward, where the
     reference's prefetch starts: the gathered copy is part of the generation's growth, but
@@ -608,6 +636,14 @@ def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has
     # Not inside its phase (a caller naming another), the whole growth is left, as before.
     trainer._prefetch("generate", "reference")
     assert asked[-1]["leave_free_bytes"] == phase_need_bytes(29 * gib)
+    # The allocator's fragments, which the KV cache's blocks cannot always use, are left too:
+    # the most the last generation left, or those there now if more.
+    memory.fragments["generate"] = 1 * gib
+    generation(gathered=True)
+    assert asked[-1]["leave_free_bytes"] == phase_need_bytes(2 * gib) + 1 * gib
+    Timeshare.ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 3 * gib)
+    trainer._prefetch("generate", "reference")
+    assert asked[-1]["leave_free_bytes"] == phase_need_bytes(29 * gib) + 3 * gib
 
 
 @pytest.mark.slow

@@ -169,6 +169,20 @@ def test_fsdp2_policy_lending_its_shards_for_the_gathered_generation_trains_as_t
         assert sum(m[3] for m in lent if m[0] == "offload") == 3 * back[0][4]
 
 
+def test_a_gathered_generation_out_of_memory_on_one_rank_runs_again_there_and_trains_as_trl_alone(tiny, tmp_path):
+    """Gathered whole for generation, a rank's forwards run no collective: where one rank's
+    generation runs out of memory beside what its turn kept or a prefetch brought in (a
+    Qwen2.5-32B shape's second step on 4 H100s, 2026-11-28), that rank moves those out and
+    generates again from the same random draws, alone; the other waits for it in the next
+    collective. Logs and weights are TRL alone's; the rank's log counts the run again."""
+    ours = _check_same_as_trl(
+        _launch("torchrun", tiny, tmp_path, "--fsdp2", "--lend", "--prefetch", "--oom-generation-on", "1")
+    )
+    retries = [sum(h.get("tidal/oom_retries", 0) for h in rank["tidal_logs"]) for rank in ours]
+    assert retries == [0, 1], retries
+    assert all(rank["gathered_generations"] == 3 for rank in ours)
+
+
 def test_fsdp2_with_only_rank_0_loading_the_weights_trains_as_trl_alone_does_with_every_rank_loading(tiny, tmp_path):
     """fsdp_cpu_ram_efficient_loading: only the first rank's weights count (the other ranks'
     models stand empty: here loaded and filled with NaN); the reference's shards reach them as

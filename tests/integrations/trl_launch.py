@@ -99,6 +99,26 @@ def _ram_efficient_loading(on: bool) -> None:
         shared["fsdp_plugin"].cpu_ram_efficient_loading = on
 
 
+def _out_of_memory_once_in_a_crowded_generation(trainer) -> None:
+    """The first forward of ``trainer``'s policy in a generation gathered whole (no parameter
+    a DTensor) with another role's state on the device (resident, or brought in by a prefetch)
+    raises ``torch.OutOfMemoryError``, once."""
+    from torch.distributed.tensor import DTensor
+
+    policy, ts = trainer.model, trainer.timeshare
+    state = {"raised": False}
+
+    def crowded(module, args):
+        if state["raised"] or torch.is_grad_enabled():
+            return
+        gathered = not any(isinstance(p, DTensor) for p in policy.parameters())
+        if gathered and (len(ts.resident_roles) > 1 or ts.store.prefetched_keys()):
+            state["raised"] = True
+            raise torch.OutOfMemoryError("CUDA out of memory (faked by the test)")
+
+    policy.register_forward_pre_hook(crowded)
+
+
 def main() -> None:
     import trl
     from datasets import Dataset
@@ -123,6 +143,13 @@ def main() -> None:
         "--lend",
         action="store_true",
         help="with --fsdp2: the policy gathered for generation lends its shards to the host (as without the room)",
+    )
+    p.add_argument(
+        "--oom-generation-on",
+        type=int,
+        default=None,
+        help="tidal's runs: this rank's policy raises torch.OutOfMemoryError once, in a forward of a "
+        "gathered generation with another role's state on its device (as a step whose generation grew)",
     )
     p.add_argument(
         "--ram-efficient",
@@ -211,6 +238,8 @@ def main() -> None:
             train_dataset=Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(16)]}),
             **extra,
         )
+        if kind == "tidal" and a.oom_generation_on == rank:
+            _out_of_memory_once_in_a_crowded_generation(trainer)
         trainer.train()
         policy = trainer.accelerator.unwrap_model(trainer.model)
         digest = _weights_digest(policy)

@@ -101,6 +101,18 @@ def runs_collectives(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def decodes_in_step(policy: torch.nn.Module) -> bool:
+    """A generation by ``policy`` as it is now takes part in collectives, so no rank can run it
+    again alone: :func:`runs_collectives`, except an FSDP2 policy held gathered whole
+    (:func:`gathered_for_generation`: no parameter a ``DTensor``), whose forwards gather
+    nothing and whose ``generate`` runs without transformers' ``synced_gpus``."""
+    if isinstance(policy, torch.nn.parallel.DistributedDataParallel):
+        return True
+    if not any(isinstance(m, FSDPModule) for m in policy.modules()):
+        return False
+    return any(isinstance(p, DTensor) for p in policy.parameters())
+
+
 def prepare_fsdp_per_block(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
     """TRL's ``prepare_fsdp`` for a model it does not train (the reference), with FSDP2: sharded
     as accelerate shards the policy (``fsdp2_prepare_model``: each transformer block its own

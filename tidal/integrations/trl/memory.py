@@ -81,16 +81,24 @@ class PhaseMemory:
         self._phase, self._start, self._high, self._prefetched = phase, self.allocated(), 0, 0
         self._frag_high = 0
 
-    def rebase(self) -> None:
+    def rebase(self, grown_bytes: int = 0) -> None:
         """Count the running phase's growth from what is allocated now: called once its turn's
         switch has run, so that what the switch freed (a role moved out) or brought in is not
         read as the phase's own need. The switch's peak stays in the phase's peak for the log;
         the phase's growth is first published when it is next read (a phase running for the
-        first time has none yet: what is prefetched behind it waits for its measure)."""
+        first time has none yet: what is prefetched behind it waits for its measure).
+
+        Also called where a phase runs again after an out-of-memory error, once the roles
+        beside it (and what prefetches brought in) went: ``grown_bytes`` of what is allocated
+        now is the phase's own, allocated before the part that ran again (an FSDP2 policy
+        gathered for generation), and stays in its growth; what prefetches had brought in is
+        gone and no longer subtracted."""
         if self._phase is not None:
             self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), self._peak())
         self._reset()
-        self._start = self._high = self.allocated()
+        self._high = self.allocated()
+        self._start = self._high - grown_bytes
+        self._prefetched = 0
 
     @property
     def phase(self) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from tidal.integrations.trl.launch import runs_collectives
+from tidal.integrations.trl.launch import decodes_in_step
 from tidal.integrations.trl.phases import instead
 from tidal.memory import phase_need_bytes
 
@@ -68,6 +68,10 @@ class AgainIfOutOfMemory:
         if not self.tidal_config.prefetch or role not in ts.roles or not ts.is_resident(role):
             return compute()
         generators = RandomState(ts.device)
+        memory = self._tidal_memory
+        # What the phase allocated before this part (a policy gathered for generation): its
+        # own need, still allocated when the part runs again.
+        before = memory.grown() if memory is not None else 0
         try:
             return compute()
         except torch.OutOfMemoryError:
@@ -76,8 +80,8 @@ class AgainIfOutOfMemory:
         # Past the handler: the failed run's tensors, held by its traceback's frames, are freed.
         generators.restore()
         self._ran_again(role)
-        if self._tidal_memory is not None:
-            self._tidal_memory.rebase()  # the need counted from what the eviction left
+        if memory is not None:
+            memory.rebase(grown_bytes=before)  # the need counted from what the eviction left
         return compute()
 
     @contextlib.contextmanager
@@ -86,9 +90,10 @@ class AgainIfOutOfMemory:
         :meth:`_again_if_out_of_memory` for the block: an attribute of the unwrapped policy's
         instance, removed as the block ends."""
         policy = self.accelerator.unwrap_model(self.model)
-        if not self.tidal_config.prefetch or "policy" not in self.timeshare.roles or runs_collectives(policy):
-            # (A sharded policy's generation may gather per unit, and transformers syncs the
-            # ranks' decoding loops where it knows the model sharded: no rank runs it alone.)
+        if not self.tidal_config.prefetch or "policy" not in self.timeshare.roles or decodes_in_step(policy):
+            # (A sharded policy's generation that gathers per unit, and transformers syncs the
+            # ranks' decoding loops where it knows the model sharded: no rank runs it alone.
+            # Gathered whole for it, each rank decodes alone and can run it again alone.)
             yield
             return
         generate = policy.generate
