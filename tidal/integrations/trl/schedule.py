@@ -62,7 +62,8 @@ class KeepAndPrefetch:
         (``"optimizer"``: the policy's optimizer state, ahead of its step), leaving free what
         ``phase`` allocated the last time it ran less what of it is allocated already
         (:meth:`_allocated_up_front`; or ``growth`` bytes), +10%, 256 MiB; behind the backward
-        and the generation, also the allocator's fragments (:meth:`_fragments`)."""
+        also the allocator's fragments (:meth:`_fragments`), behind the generation the most
+        they reached in the last one."""
         ts, cfg = self.timeshare, self.tidal_config
         if not cfg.prefetch:
             return
@@ -89,11 +90,12 @@ class KeepAndPrefetch:
                 # weights' gradients) the free pieces of the allocator's partly used segments
                 # cannot hold: as for the loss's keep, those do not count as the backward's room.
                 leave += self._fragments("backward")
-            elif phase == "generate":
-                # Nor can they always hold the KV cache's growing blocks: a 32B shape's second
-                # generation on 4 H100s ran out of memory asking for 158 MiB with 1.09 GiB of
-                # them free (2026-11-28).
-                leave += self._fragments("generate")
+            elif phase == "generate" and memory is not None:
+                # Nor can the pieces the last generation's own growing KV cache left in them hold
+                # its next blocks: a 32B shape's second generation on 4 H100s ran out of memory
+                # asking for 158 MiB with 1.09 GiB of them free (2026-11-28). Those its prefetch
+                # found there (the backward's) stay counted as room: its role's blocks are small.
+                leave += memory.fragments.get("generate", 0)
             if cfg.prefetch_peak_bytes is not None:
                 limit = max(0, cfg.prefetch_peak_bytes - memory.allocated() - leave)
         if then == "optimizer":
