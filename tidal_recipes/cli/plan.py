@@ -269,12 +269,52 @@ def _as_the_trainer_gathers(config, usable: int, bw):
     return config
 
 
+def _line_rate_of(path: str, gpus: int) -> str | dict:
+    """What ``--bench-json PATH`` gives the plan: a ``tidal bench --json`` file as it is; a
+    ``benchmarks/bench_shared_copies.py --json`` file (every rank of a host copying at once) as
+    the rates its slowest rank got with all copying, which each rank of a multi-GPU run can count
+    on (a note says so). A one-GPU rate planning several GPUs gets a note: the ranks of one host
+    share its memory and PCIe fabric (4 H100s: 0.55x of one GPU's device-to-host rate each, 0.75x
+    host-to-device, 2026-11-27)."""
+    import json  # noqa: PLC0415
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return path  # Bandwidth.from_bench_json says what is wrong with it
+    ranks = data.get("ranks") if isinstance(data, dict) else None
+    if isinstance(ranks, list) and ranks and all(isinstance(r, dict) and "shared" in r for r in ranks):
+        try:
+            line = {
+                f"{name}_gbps": min(float(r["shared"][key]) for r in ranks)
+                for name, key in (("d2h", "d2h"), ("h2d", "h2d"), ("bidir", "both"))
+            }
+        except (KeyError, TypeError, ValueError):
+            return {"line_rate": None}  # refused below, with what a usable file holds
+        print(
+            f"tidal plan: note: --bench-json: the rates the slowest of {len(ranks)} ranks got with every rank "
+            f"copying at once: device to host {line['d2h_gbps']:.1f}, host to device {line['h2d_gbps']:.1f}, both "
+            f"{line['bidir_gbps']:.1f} GB/s"
+            + (f" (measured on {len(ranks)} GPUs, planned for {gpus})" if gpus != len(ranks) else ""),
+            file=sys.stderr,
+        )
+        return {"line_rate": line}
+    if gpus > 1:
+        print(
+            f"tidal plan: note: --bench-json holds one GPU's line rate; {gpus} ranks of one host copying at once each "
+            "get less (benchmarks/bench_shared_copies.py --json measures it; pass its file here)",
+            file=sys.stderr,
+        )
+    return path  # read by Bandwidth.from_bench_json, which names the file in any error
+
+
 def _bandwidth(args: argparse.Namespace):
     import dataclasses  # noqa: PLC0415
 
     from tidal.plan import Bandwidth  # noqa: PLC0415
 
-    bw = Bandwidth.from_bench_json(args.bench_json) if args.bench_json else Bandwidth()
+    bw = Bandwidth.from_bench_json(_line_rate_of(args.bench_json, args.gpus)) if args.bench_json else Bandwidth()
     over = {
         k: v
         for k, v in (("d2h_gbps", args.d2h_gbps), ("h2d_gbps", args.h2d_gbps), ("bidir_gbps", args.bidir_gbps))

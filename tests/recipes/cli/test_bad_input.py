@@ -245,6 +245,7 @@ def test_plan_config_with_sizes_that_make_no_sense(tmp_path, capsys, change, exp
         ({"line_rate": {"d2h_gbps": 0, "h2d_gbps": 10, "bidir_gbps": 20}}, "d2h_gbps must be a finite number"),
         ({"line_rate": {"d2h_gbps": 10, "h2d_gbps": "x", "bidir_gbps": 20}}, "unusable line rate"),
         ("{not json", "is not a JSON file"),
+        ({"ranks": [{"shared": {"d2h": 30.0}}]}, "has no line_rate with d2h_gbps, h2d_gbps and bidir_gbps"),
     ],
 )
 def test_plan_bench_json_that_makes_no_sense(tmp_path, capsys, monkeypatch, content, expect):

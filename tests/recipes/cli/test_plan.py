@@ -106,6 +106,28 @@ def test_config_json_and_bench_bandwidth(capsys, tmp_path):
     assert code == 0 and "llama" in out and "D2H 11 GB/s" in out
 
 
+def test_a_shared_copies_json_plans_each_rank_at_the_rate_the_slowest_got_with_all_copying(capsys, tmp_path):
+    """Several GPUs of one host share its memory and PCIe fabric: ``bench_shared_copies.py``'s
+    file gives the plan the rates its slowest rank got with every rank copying at once, a
+    note saying so; a one-GPU rate planning several GPUs gets a note that it is too high."""
+    shared = tmp_path / "shared.json"
+    ranks = [
+        {"rank": 0, "shared": {"d2h": 31.0, "h2d": 40.0, "both": 42.0}},
+        {"rank": 1, "shared": {"d2h": 30.0, "h2d": 41.0, "both": 43.0}},
+    ]
+    shared.write_text(json.dumps({"world": 2, "ranks": ranks}))
+    flags = ["--preset", "qwen2-0.5b", "--gpus", "2", "--launch", "ddp", "--prompts", "4", "--group", "4"]
+    code, out, err = _run([*flags, "--bench-json", str(shared)], capsys)
+    assert code == 0 and "D2H 30 GB/s and H2D 40 GB/s" in out and "at most 42 GB/s" in out, out
+    assert "the slowest of 2 ranks got with every rank copying at once" in err
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"line_rate": {"d2h_gbps": 55.0, "h2d_gbps": 55.0, "bidir_gbps": 90.0}}))
+    code, out, err = _run([*flags, "--bench-json", str(one)], capsys)
+    assert code == 0 and "D2H 55 GB/s" in out and "holds one GPU's line rate; 2 ranks" in err
+    code, out, err = _run(["--preset", "qwen2-0.5b", "--bench-json", str(one)], capsys)
+    assert code == 0 and "note" not in err  # one GPU planned: its own rate
+
+
 def test_usage_errors(capsys, tmp_path):
     code, _, err = _run(["--config", str(tmp_path / "missing.json")], capsys)
     assert code == 2 and "neither a preset" in err
