@@ -95,7 +95,7 @@
 #
 # Time: the `two` parts and the `tests` part end within BUDGET seconds of this command's start
 # (570: a device call may run 600; no limit by default with `all`), each benchmark part has its
-# own timeout. The tests record every outcome in a ledger (TESTS_LEDGER, by default
+# own timeout; a bench_trl.py part's is cut to what is left of BUDGET where that is less. The tests record every outcome in a ledger (TESTS_LEDGER, by default
 # /tmp/tidal-gpu/tests.ledger, kept while the machine stays warm, copied to $OUT/tests.ledger);
 # the next call runs only the tests not in it, and tests.log ends with the tally over all calls.
 # TESTS_FRESH=1 starts a new ledger; on a fresh machine carry the returned ledger and pass
@@ -319,10 +319,14 @@ trl_bench() {  # trl_bench LOG ARGS...: one bench_trl.py run
   local log=$1
   shift
   TAILN=40
-  # The bench ends its training where another step would pass the time limit (30 s kept to
-  # write the results): a run cut by the call's limit still yields the steps it ran.
-  run "$log" timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_trl.py --results "$OUT/RESULTS.md" "$@" \
-    --deadline-s "$(( ${BENCH_TIMEOUT:-540} - 30 ))" ${BENCH_ARGS:-}
+  # The limit: BENCH_TIMEOUT, or what is left of BUDGET if less (a part before it, a wait for
+  # a background save, took some). The bench ends its training where another step would pass
+  # it (30 s kept to write the results): a run cut short still yields the steps it ran.
+  local limit=${BENCH_TIMEOUT:-540}
+  if [ "$DRY" != 1 ] && [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
+  if [ "$limit" -lt 60 ]; then limit=60; fi
+  run "$log" timeout "$limit" python3 benchmarks/bench_trl.py --results "$OUT/RESULTS.md" "$@" \
+    --deadline-s "$(( limit - 30 ))" ${BENCH_ARGS:-}
 }
 p_trl_tests() {
   run trl_tests.log timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/integrations tests/timeshare tests/state -rs \
