@@ -451,6 +451,9 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 exposed.append(exposed_s(trainer) - self.exposed0)  # settles the stalls per_kind reads
                 host_stall.append(host_stall_s(trainer) - self.host_stall0)
                 phase_steps.append(phases.take())  # the compute stream has run the step's work
+                if rank == 0:  # as it goes, as the step times: a run cut short keeps them too
+                    took = ", ".join(f"{k} {v:.2f}" for k, v in sorted(phase_steps[-1].items()))
+                    print(f"[bench_trl] {name} step {state.global_step} phases (device s): {took}", flush=True)
                 token_steps.append(tokens.take())
                 if self.tail is not None:
                     begin, ends = self.tail
