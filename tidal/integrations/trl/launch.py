@@ -106,11 +106,15 @@ def decodes_in_step(policy: torch.nn.Module) -> bool:
     again alone: :func:`runs_collectives`, except an FSDP2 policy held gathered whole
     (:func:`gathered_for_generation`: no parameter a ``DTensor``), whose forwards gather
     nothing and whose ``generate`` runs without transformers' ``synced_gpus``."""
-    if isinstance(policy, torch.nn.parallel.DistributedDataParallel):
-        return True
-    if not any(isinstance(m, FSDPModule) for m in policy.modules()):
+    if not runs_collectives(policy):
         return False
-    return any(isinstance(p, DTensor) for p in policy.parameters())
+    return isinstance(policy, torch.nn.parallel.DistributedDataParallel) or _still_sharded(policy)
+
+
+def _still_sharded(model: torch.nn.Module) -> bool:
+    """A parameter of ``model`` is a ``DTensor``: not gathered (or sharded along another
+    dimension too, tensor or context parallel), so its forwards run collectives."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def prepare_fsdp_per_block(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
@@ -205,7 +209,7 @@ def gathered_for_generation(policy: torch.nn.Module, timeshare: Any, role: str =
         lend = stack.enter_context(timeshare.lending(role)) if mode == "lending" else None
         stack.enter_context(gathered(policy, on_unit=lend.out if lend is not None else None))
         added = whole - (lend.lent_bytes if lend is not None else 0)
-        if any(isinstance(p, DTensor) for p in policy.parameters()):
+        if _still_sharded(policy):
             # Still sharded along another dimension (tensor or context parallel): its forwards
             # run collectives, so the ranks decode in step, with FSDP2's hooks, as TRL alone.
             yield added

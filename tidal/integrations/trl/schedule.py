@@ -90,7 +90,7 @@ class KeepAndPrefetch:
                 # weights' gradients) the free pieces of the allocator's partly used segments
                 # cannot hold: as for the loss's keep, those do not count as the backward's room.
                 leave += self._fragments("backward")
-            elif phase == "generate" and memory is not None:
+            elif phase == "generate":
                 # Nor can the pieces the last generation's own growing KV cache left in them hold
                 # its next blocks: a 32B shape's second generation on 4 H100s ran out of memory
                 # asking for 158 MiB with 1.09 GiB of them free (2026-11-28). Those its prefetch
