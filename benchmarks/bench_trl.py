@@ -1216,6 +1216,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.micro_batch is not None and (args.micro_batch < 1 or args.batch % args.micro_batch):
         p.error(f"--micro-batch {args.micro_batch} must divide --batch {args.batch}")
+    for flag, path in (("--anchor-json", args.anchor_json), ("--one-gpu-json", args.one_gpu_json)):
+        if path and not os.path.isfile(path):
+            # Before any model is saved or process launched: a wrong path wastes no GPU time.
+            p.error(f"{flag} {path}: no such file (give the path of a JSON this bench wrote, e.g. under gpu.sh's $OUT)")
     if args._prepare:
         import torch
 

@@ -76,7 +76,8 @@
 #                            DeepSpeed wheels
 #                fsdp4       bench_trl.py --nproc 4 --launch fsdp2 (FSDP4_PRESET, qwen2.5-32b;
 #                            VARIANTS4: stream+prefetch,trl; TRL_LOADING, every-rank); ANCHOR_JSON:
-#                            a zero3 JSON (of this call or carried) its rows are set against. One
+#                            a zero3 JSON its rows are set against (by default this call's zero3
+#                            part's, for the same preset, where it ran). One
 #                            micro-batch a rank unless BENCH_ARGS says --micro-batch (under
 #                            accumulation FSDP2 holds every gradient unsharded: 61 GiB at 32B)
 #   tests       *gpu         every GPU test (-m gpu tests), resumable across calls: see below
@@ -651,7 +652,12 @@ p_multi_fsdp4() {
   need_gpus 4 && need_module trl || return 0
   local p=${FSDP4_PRESET:-qwen2.5-32b} anchor=()
   wait_saved "$p"
-  if [ -n "${ANCHOR_JSON:-}" ]; then anchor=(--anchor-json "$ANCHOR_JSON"); fi
+  # The anchor: ANCHOR_JSON, else the zero3 part's JSON of this call (same preset), if it ran.
+  if [ -n "${ANCHOR_JSON:-}" ]; then
+    anchor=(--anchor-json "$ANCHOR_JSON")
+  elif [ -f "$OUT/trl_${p}_zero3offloadx4_$TAG.json" ]; then
+    anchor=(--anchor-json "$OUT/trl_${p}_zero3offloadx4_$TAG.json")
+  fi
   trl_bench multi_fsdp4.log --preset "$p" --dtype bfloat16 --batch 64 --completion 256 --steps "${STEPS:-5}" \
     --nproc 4 --launch fsdp2 --variants "${VARIANTS4:-stream+prefetch,trl}" --json "$OUT/trl_${p}_fsdp2x4_$TAG.json" \
     --model-cache /tmp/bench_models --trl-loading "${TRL_LOADING:-every-rank}" --host-floor-gib "${HOST_FLOOR_GIB:-24}" \

@@ -150,3 +150,15 @@ def test_rounds_run_in_turn_reversed_and_each_run_pairs_with_its_rounds_trl_run(
             results[i]["step_s"] = base * (1.1 if v == "A" else 1.2)
     got = bench_trl._paired(results)
     assert got["A"]["ratios"] == pytest.approx([1.1] * 4) and got["B"]["ratios"] == pytest.approx([1.2] * 4)
+
+
+@pytest.mark.parametrize("flag", ["--anchor-json", "--one-gpu-json"])
+def test_a_missing_anchor_or_one_gpu_json_is_refused_before_any_work(flag, tmp_path, capsys):
+    missing = tmp_path / "out" / "anchor.json"
+    cache = tmp_path / "models"
+    with pytest.raises(SystemExit) as e:
+        bench_trl.main([flag, str(missing), "--model-cache", str(cache), "--steps", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {missing}: no such file" in err
+    assert not cache.exists()  # no model saved, no process launched
