@@ -77,3 +77,26 @@ def test_the_host_holds_adamws_state_only_where_a_scoring_does_not_keep_the_poli
     # Streamed or offloaded, the state lives on the host whatever is kept.
     offloaded = _plan(optimizer="adamw_offload")
     assert kept_host(offloaded, kept_phases(offloaded, 1 << 40)) == offloaded.host
+
+
+def test_an_optimizer_state_on_the_host_comes_in_behind_the_backward_where_it_fits_whole():
+    from tidal.plan.keeps import PREFETCHED_STATE
+
+    plan = _plan(optimizer="adamw_offload", optim_stream_chunk_bytes=1 << 10)
+    state = plan.host["optimizer states (timeshare host copy)"]
+    ref = plan.timeshared["reference"].resident["reference params"]
+    train, step = plan.timeshared["train"], plan.timeshared["optimizer_step"]
+    roomy = kept_phases(plan, 1 << 40)
+    assert roomy["train"].kept == {"reference": ref, PREFETCHED_STATE: state}
+    # The step finds the whole state there, where alone it would hold its streamed chunks.
+    chunks = step.resident["optimizer states"]
+    assert 0 < chunks < state
+    assert roomy["optimizer_step"].kept == {"reference": ref, PREFETCHED_STATE: state - chunks}
+    assert roomy["optimizer_step"].peak_bytes == step.peak_bytes - chunks + state + ref
+    # Whole or not at all: one byte short of the state beside the reference and the need.
+    edge = train.resident_bytes + phase_need_bytes(train.transient_bytes) + ref + state
+    assert PREFETCHED_STATE in kept_phases(plan, edge)["train"].kept
+    short = kept_phases(plan, edge - 1)
+    assert short["train"].kept == {"reference": ref} and PREFETCHED_STATE not in short["optimizer_step"].kept
+    # Moving with the policy ("adamw"), the state is on the device through the backward already.
+    assert all(PREFETCHED_STATE not in k.kept for k in kept_phases(_plan(), 1 << 40).values())

@@ -9,15 +9,18 @@ role; this adds to each phase the role the trainer's schedule keeps or brings in
 * ``rollout``: the reference, brought in behind generation;
 * ``reference``: the policy (its weights, and its optimizer state where it moves with the
   policy: ``optimizer="adamw"``, ``optimizer_residency="role"``), kept through the scoring;
-* ``train``: the reference, kept through the loss and its backward;
+* ``train``: the reference, kept through the loss and its backward; and, where the optimizer
+  state lives on the host between steps (``optimizer="adamw_offload"``), that state, brought in
+  behind the backward for the step;
 * ``optimizer_step``: the reference, where it was kept through ``train`` and the step's own
-  need leaves room (the trainer makes that room before the step).
+  need leaves room (the trainer makes that room before the step); the whole optimizer state
+  where ``train`` brought it in (the step finds it there instead of streaming it).
 
 A role's host copy is made the first time it leaves the device (:func:`kept_host`).
 
-Not modelled: the optimizer state a prefetch brings in behind the backward (as much as the
-device has room for; it lands in the backward's peak only where the backward's own allocations
-have gone down), and the allocator's fragments, which the trainer leaves room for.
+Each is kept whole or not at all. Not modelled: the part of a role or of the optimizer state
+the trainer brings in where only part fits (it fills the room left), and the allocator's
+fragments, which the trainer leaves free beside a phase's need.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ import dataclasses
 from tidal.memory import phase_need_bytes
 from tidal.plan.model import Phase, Plan
 
-__all__ = ["KeptPhase", "kept_host", "kept_phases"]
+__all__ = ["PREFETCHED_STATE", "KeptPhase", "kept_host", "kept_phases"]
+
+# The key of the optimizer state brought in behind the backward, in a KeptPhase's ``kept``.
+PREFETCHED_STATE = "optimizer state (prefetched)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,11 +81,18 @@ def kept_phases(plan: Plan, usable_bytes: int) -> dict[str, KeptPhase]:
         phase=phases["reference"], kept={"policy": policy} if fits(phases["reference"], policy) else {}
     )
     through_train = fits(phases["train"], reference)
-    out["train"] = KeptPhase(phase=phases["train"], kept={"reference": reference} if through_train else {})
+    in_train = {"reference": reference} if through_train else {}
+    # On the host between steps: prefetch_optimizer brings it in as the backward starts.
+    state = plan.host.get("optimizer states (timeshare host copy)", 0) if c.optimizer == "adamw_offload" else 0
+    state_in = bool(state) and fits(phases["train"], sum(in_train.values()) + state)
+    if state_in:
+        in_train[PREFETCHED_STATE] = state
+    out["train"] = KeptPhase(phase=phases["train"], kept=in_train)
     step = phases["optimizer_step"]
-    out["optimizer_step"] = KeptPhase(
-        phase=step, kept={"reference": reference} if through_train and fits(step, reference) else {}
-    )
+    at_step = {"reference": reference} if through_train and fits(step, reference) else {}
+    if state_in:  # the whole state, where the step alone would hold its streamed chunks
+        at_step[PREFETCHED_STATE] = state - step.resident.get("optimizer states", 0)
+    out["optimizer_step"] = KeptPhase(phase=step, kept=at_step)
     return out
 
 
