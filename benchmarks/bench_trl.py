@@ -767,8 +767,12 @@ def _paired(results: list) -> dict:
         base = results[j]
         if base.get("error"):
             continue
-        row = out.setdefault(r["variant"], {"step": [], "generate": [], "tokens": {}, "generate_per_probe": []})
+        row = out.setdefault(
+            r["variant"], {"step": [], "generate": [], "tokens": {}, "generate_per_probe": [], "peak": []}
+        )
         row["step"].append(r["step_s"] / base["step_s"])
+        if r.get("peak_bytes") and base.get("peak_bytes"):
+            row["peak"].append(r["peak_bytes"] / base["peak_bytes"])
         gen, gen0 = r.get("phase_s", {}).get("generate"), base.get("phase_s", {}).get("generate")
         if gen and gen0:
             row["generate"].append(gen / gen0)
@@ -787,6 +791,8 @@ def _paired(results: list) -> dict:
             "ratio_ci95": median_ci95(row["step"]),
             "n": len(row["step"]),
             "ratios": row["step"],
+            "peak_ratios": row["peak"],
+            "generate_ratios": row["generate"],
             "generate_ratio_median": statistics.median(row["generate"]) if row["generate"] else None,
             "generate_ratio_ci95": median_ci95(row["generate"]) if row["generate"] else None,
             "token_ratio_medians": {k: statistics.median(v) for k, v in row["tokens"].items()},

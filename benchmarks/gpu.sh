@@ -21,7 +21,8 @@
 #               *bench       bench_trl.py, Qwen2-1.5B fp32, 64 completions x 256 tokens (VARIANTS)
 #               *7b          the same at Qwen2-7B bf16 (VARIANTS7B)
 #                paired      1.5B fp32, 64 x 256: TRL alone and VARIANTS_PAIRED alternating in one process,
-#                            PAIRED (6) pairs: the median step ratio and its 95% interval
+#                            PAIRED (6) pairs: the median step ratio and its 95% interval; PAIRED_GPUS=k:
+#                            k such processes at once, one a GPU, their pairs pooled
 #                14b         Qwen2.5-14B shape bf16, 64 x 256 in micro-batches of MICRO14B (16), STEPS14B
 #                            (11) steps (VARIANTS14B_ONE)
 #                stress      16 x 32 at 1.5B and at 7B (VARIANTS_STRESS); stress-1.5b, stress-7b
@@ -351,9 +352,25 @@ p_trl_14b() {  # the Qwen2.5-14B shape on one GPU, 64 x 256 in micro-batches (MI
 }
 p_trl_paired() {  # TRL alone and tidal alternating in one process, PAIRED (6) pairs: the step ratio's 95% interval
   need_module trl || return 0
-  trl_bench trl_paired.log --preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps "${STEPS:-3}" \
-    --variants "${VARIANTS_PAIRED:-trl,stream+prefetch+peak=17}" --paired "${PAIRED:-6}" --in-process \
-    --json "$OUT/trl_1.5b_paired_$TAG.json"
+  local args=(--preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps "${STEPS:-3}"
+    --variants "${VARIANTS_PAIRED:-trl,stream+prefetch+peak=17}" --paired "${PAIRED:-6}" --in-process)
+  local k=${PAIRED_GPUS:-1} i pids=() files=()
+  if [ "$k" = 1 ]; then
+    trl_bench trl_paired.log "${args[@]}" --json "$OUT/trl_1.5b_paired_$TAG.json"
+    return
+  fi
+  need_gpus "$k" || return 0
+  # PAIRED_GPUS=k: k such processes at once, one a GPU, their pairs pooled (pool_paired.py):
+  # k times the pairs in a call's time. They share the host (cores, memory, PCIe fabric).
+  for (( i = 0; i < k; i++ )); do
+    note_log "trl_paired.gpu$i.log"  # here: the background shell's own note would be lost
+    if [ "$DRY" = 1 ]; then echo "  (in the background, GPU $i:)"; fi
+    { export CUDA_VISIBLE_DEVICES=$i; trl_bench "trl_paired.gpu$i.log" "${args[@]}" --json "$OUT/trl_1.5b_paired_$TAG.gpu$i.json"; } &
+    pids+=($!)
+    files+=("$OUT/trl_1.5b_paired_$TAG.gpu$i.json")
+  done
+  for i in "${pids[@]}"; do wait "$i" || PART_RC=1; done  # each one's PART_RC was set in its own shell
+  run trl_paired.log python3 benchmarks/pool_paired.py "${files[@]}" --json "$OUT/trl_1.5b_paired_$TAG.json"
 }
 p_trl_stress_1_5b() {
   need_module trl || return 0

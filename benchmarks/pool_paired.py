@@ -1,0 +1,133 @@
+"""Pool the pairs of several ``bench_trl.py --paired`` runs into one ratio and its 95% interval.
+
+Each input is the JSON of one bench process (``--paired N --in-process``) that ran TRL alone and
+tidal in turn on its own GPU; ``gpu.sh trl:paired`` with ``PAIRED_GPUS=k`` runs k of them at
+once, one a GPU of one machine. Every pair stays inside its process (a tidal run against the TRL
+run of its round, as ``bench_trl._paired`` pairs them), so what differs between processes (the
+GPU, the host's speed then) cancels within each ratio; the pooled figures are the median of all
+the processes' ratios and the distribution-free interval for it (``bench_trl.median_ci95``).
+
+    python3 benchmarks/pool_paired.py --json OUT.json IN.json [IN.json ...]
+
+The processes share the host: its memory, its PCIe fabric and its cores. The output says how
+many ran at once, so a reader can weigh that against one process alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_trl import _paired, median_ci95  # noqa: E402
+
+__all__ = ["pool"]
+
+
+def _summary(values: list[float]) -> dict:
+    return {
+        "ratio_median": statistics.median(values) if values else None,
+        "ratio_ci95": median_ci95(values) if values else None,
+        "n": len(values),
+    }
+
+
+def pool(runs: list[dict]) -> dict:
+    """``runs``: the JSON objects of bench_trl.py ``--paired`` processes. Returns, per tidal
+    variant, the step ratio's median, 95% interval and n over every process's pairs (the
+    ``paired`` field of bench_trl's JSON, with ``processes``), the same for the generation phase
+    and for the generation per unit of the host's speed, the highest peak ratio, and each process's own ``paired``
+    summary under ``per_process``. Raises ``ValueError`` when no input holds a pair, or when the
+    inputs measured different workloads (preset, dtype, batch, completion)."""
+    if not runs:
+        raise ValueError("no bench JSON given: pass the files bench_trl.py --paired wrote")
+    keys = ("preset", "dtype", "batch", "completion")
+    shapes = {tuple(r.get(k) for k in keys) for r in runs}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"the runs measured different workloads {sorted(map(str, shapes))} ({', '.join(keys)}): pool one"
+        )
+    out: dict = {}
+    for i, run in enumerate(runs):
+        for name, p in _paired(run.get("variants", [])).items():
+            row = out.setdefault(name, {"step": [], "generate": [], "per_probe": [], "peak": [], "per_process": []})
+            row["step"] += p["ratios"]
+            row["peak"] += p["peak_ratios"]
+            row["generate"] += p["generate_ratios"]
+            row["per_probe"] += p["generate_per_probe_ratios"]
+            row["per_process"].append({"process": i, "gpu": run.get("gpu"), **_summary(p["ratios"])})
+    if not out:
+        raise ValueError("no pair in the inputs: each needs TRL alone and a tidal variant run in turn (--paired)")
+    pooled = {}
+    for name, row in out.items():
+        gen, probe = _summary(row["generate"]), _summary(row["per_probe"])
+        pooled[name] = {
+            **_summary(row["step"]),
+            "processes": len(row["per_process"]),
+            "ratios": row["step"],
+            # The highest of tidal's peaks against its pair's TRL peak: the "at <= 0.5x" side.
+            "peak_ratio_max": max(row["peak"]) if row["peak"] else None,
+            "generate_ratio_median": gen["ratio_median"],
+            "generate_ratio_ci95": gen["ratio_ci95"],
+            "generate_per_probe_ratio_median": probe["ratio_median"],
+            "generate_per_probe_ratio_ci95": probe["ratio_ci95"],
+            "per_process": row["per_process"],
+        }
+    return pooled
+
+
+def _fmt(ci) -> str:
+    return f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "no interval (fewer than 6)"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("inputs", nargs="+", help="bench_trl.py --paired JSON files, one a process")
+    p.add_argument("--json", required=True, help="where to write the pooled JSON")
+    args = p.parse_args(argv)
+    missing = [f for f in args.inputs if not os.path.isfile(f)]
+    if missing:
+        p.error(f"no such file: {', '.join(missing)} (a bench process that died writes none: see its log)")
+    runs = []
+    for f in args.inputs:
+        with open(f) as fh:
+            runs.append(json.load(fh))
+    try:
+        pooled = pool(runs)
+    except ValueError as e:
+        p.error(str(e))
+    first = runs[0]
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                **{
+                    k: first.get(k) for k in ("preset", "dtype", "batch", "completion", "gpu", "torch", "trl", "commit")
+                },
+                "processes_at_once": len(runs),
+                "inputs": [os.path.basename(x) for x in args.inputs],
+                "paired": pooled,
+            },
+            f,
+        )
+    print(f"pooled {len(runs)} processes that ran at once, one a GPU ({first.get('gpu')}):")
+    for name, r in pooled.items():
+        print(
+            f"  {name}: step {r['ratio_median']:.3f}x TRL alone's (median of {r['n']} pairs; 95% interval "
+            f"{_fmt(r['ratio_ci95'])}) at peaks up to {r['peak_ratio_max'] or float('nan'):.2f}x its; generation {r['generate_ratio_median'] or float('nan'):.3f}x "
+            f"({_fmt(r['generate_ratio_ci95'])}); per unit of the host's speed "
+            f"{r['generate_per_probe_ratio_median'] or float('nan'):.3f}x"
+        )
+        for q in r["per_process"]:
+            print(f"    process {q['process']}: {q['ratio_median']:.3f}x over {q['n']} pairs")
+    print(
+        "targets (64 x 256, 1.5B fp32): the step's interval's upper end <= 1.05 at <= 0.5x TRL's peak; generation <= 1.02x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
