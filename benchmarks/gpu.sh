@@ -63,7 +63,9 @@
 #   multi       *tests       the multi-process GPU tests (DDP, FSDP2, TRL under accelerate launch) and
 #                            the TRL integration's one-GPU tests; needs 2 GPUs
 #               *fsdp14b     bench_trl.py --nproc 2 --launch fsdp2, Qwen2.5-14B shape bf16, 64 x 256 a
-#                            rank (VARIANTS14B); needs 2 GPUs
+#                            rank (VARIANTS14B); needs 2 GPUs. ONE14B=1: one GPU first, the same
+#                            variants (VARIANTS14B_ONE); ONE14B=beside: one GPU (GPU 2) at the same
+#                            time as the two, their generations compared (needs 3 GPUs)
 #                ddp7b       bench_trl.py at Qwen2-7B bf16, 64 x 256: tidal on one GPU, then --nproc 4
 #                            --launch ddp (VARIANTS_DDP); needs 4 GPUs
 #                copies      benchmarks/bench_shared_copies.py: every GPU copying at once, plain and
@@ -600,9 +602,58 @@ p_multi_tests() {  # ONE_GPU_ON=k: the one-GPU tests on GPU k (absolute), beside
     run multi_tests.log env CUDA_VISIBLE_DEVICES=0 "${one[@]}"
   fi
 }
-p_multi_fsdp14b() {  # ONE14B=1: one GPU first (STEPS_ONE steps), the same variants, for the throughput and generation ratios
+GENERATION_BESIDE='
+import json, statistics, sys
+
+# The generation of the FSDP2 run against that of the one-GPU run that ran at the same time
+# (ONE14B=beside): per variant, the medians of their steps generate phase (device seconds) and
+# of a token, and the generation per unit of the host probe beside it (the host speed then).
+one, many = (json.load(open(path)) for path in sys.argv[1:3])
+rows = {}
+for v in many["variants"]:
+    name = v["variant"]
+    o = next((x for x in one["variants"] if x["variant"] == name and not x.get("error")), None)
+    g = [s["generate"] for s in v.get("phase_s_steps") or [] if "generate" in s]
+    g1 = [s["generate"] for s in (o or {}).get("phase_s_steps") or [] if "generate" in s]
+    if v.get("error") or not g or not g1:
+        continue
+    t, t1 = v.get("token_gap_s") or {}, o.get("token_gap_s") or {}
+    ratio = statistics.median(g) / statistics.median(g1)
+    row = {"generate_s": g, "one_gpu_generate_s": g1, "ratio": ratio}
+    if t.get("median") and t1.get("median"):
+        row["token_ratio"] = t["median"] / t1["median"]
+    if t.get("probe") and t1.get("probe"):
+        row["per_probe_ratio"] = ratio * t1["probe"] / t["probe"]
+    rows[name] = row
+    nproc, tok, probe = many.get("nproc"), row.get("token_ratio", float("nan")), row.get("per_probe_ratio", float("nan"))
+    print(
+        f"{name}: generation {statistics.median(g):.2f} s a step on each of {nproc} GPUs against "
+        f"{statistics.median(g1):.2f} s on one GPU at the same time: {ratio:.3f}x (target <= 1.15x); "
+        f"a token {tok:.3f}x; per unit of the host probe {probe:.3f}x"
+    )
+json.dump({"beside": rows, "one_gpu": sys.argv[1], "several": sys.argv[2]}, open(sys.argv[3], "w"))
+if not rows:
+    sys.exit("no variant ran in both: see their logs")
+'
+p_multi_fsdp14b() {  # ONE14B=1: one GPU first (STEPS_ONE steps); ONE14B=beside: at the same time, on the GPU after them
   need_gpus 2 && need_module trl || return 0
   local one=()
+  if [ "${ONE14B:-0}" = beside ]; then
+    # The one-GPU run beside the FSDP2 run, at the same time: both see the host's speed of the
+    # moment, which sets a host-bound decode's pace (it drifted 2x within one process).
+    need_gpus 3 || return 0
+    local bench=(--preset qwen2.5-14b --dtype bfloat16 --batch 64 --completion 256 --model-cache /tmp/bench_models)
+    if [ "$DRY" = 1 ]; then echo "  (in the background, GPU 2:)"; fi
+    { export CUDA_VISIBLE_DEVICES=2; trl_bench multi_fsdp14b_one.log "${bench[@]}" --steps "${STEPS_ONE:-${STEPS:-4}}" \
+      --variants "${VARIANTS14B_ONE:-stream+prefetch}" --json "$OUT/trl_14b_one_$TAG.json"; } &
+    local pid=$!
+    CUDA_VISIBLE_DEVICES=0,1 trl_bench multi_fsdp14b.log "${bench[@]}" --steps "${STEPS:-4}" --nproc 2 --launch fsdp2 \
+      --variants "${VARIANTS14B:-stream+prefetch}" --json "$OUT/trl_14b_fsdp2x2_$TAG.json"
+    wait "$pid" || PART_RC=1
+    pyrun multi_fsdp14b.log "generation beside one GPU" "$GENERATION_BESIDE" "$OUT/trl_14b_one_$TAG.json" \
+      "$OUT/trl_14b_fsdp2x2_$TAG.json" "$OUT/trl_14b_beside_$TAG.json"
+    return
+  fi
   if [ "${ONE14B:-0}" = 1 ]; then
     trl_bench multi_fsdp14b.log --preset qwen2.5-14b --dtype bfloat16 --batch 64 --completion 256 \
       --steps "${STEPS_ONE:-${STEPS:-4}}" --variants "${VARIANTS14B_ONE:-stream+prefetch}" \
