@@ -990,6 +990,11 @@ def _report_so_far(args, results: list, reward_path, *, final: bool = False) -> 
             avail = r.get("host_min_available_bytes")
             print(
                 f"    host memory: the variant's processes peaked at {r['host_peak_rss_bytes'] / 2**30:.1f} GiB resident"
+                + (
+                    f" ({r['host_peak_rss_at_s']:.0f} s after the launch)"
+                    if r.get("host_peak_rss_at_s") is not None
+                    else ""
+                )
                 + (f"; the host's available memory fell to {avail / 2**30:.1f} GiB" if avail is not None else "")
                 + (f" of {r['host_total_bytes'] / 2**30:.1f} GiB" if r.get("host_total_bytes") else "")
             )
@@ -1477,11 +1482,12 @@ def _tree_rss_bytes(pid: int) -> int:
 
 
 def _run_watching_host_memory(
-    cmd: list[str], env: dict, interval_s: float = 0.5, floor_bytes: int = 0
+    cmd: list[str], env: dict, interval_s: float = 0.5, floor_bytes: int = 0, timeline_every_s: float = 5.0
 ) -> tuple[int, dict]:
     """Run a variant's process; return its exit status and the host memory seen while it ran:
-    its process tree's peak resident bytes and the lowest ``MemAvailable`` (or cgroup room), read
-    every ``interval_s``. A variant killed by the kernel (exit -9) with the available memory near
+    its process tree's peak resident bytes and when (seconds after the launch), the lowest
+    ``MemAvailable`` (or cgroup room), read every ``interval_s``, and a reading every
+    ``timeline_every_s`` (``host_rss_timeline``: [seconds, tree RSS, available]). A variant killed by the kernel (exit -9) with the available memory near
     0 ran the host out of memory. With ``floor_bytes``, the process and its descendants are killed as soon
     as the available memory falls below it (``host_stopped`` says when and at what): a run
     that would take the host's last memory is stopped before the kernel's killer picks a
@@ -1492,15 +1498,21 @@ def _run_watching_host_memory(
 
     # In this process's group, not a new one: a `timeout` around the bench ends the variant too.
     proc = subprocess.Popen(cmd, env=env)
-    peak_rss, min_avail, total, stopped = 0, None, None, None
+    peak_rss, peak_at, min_avail, total, stopped = 0, None, None, None, None
+    timeline, last_kept = [], -1e9
     t0 = time.perf_counter()
     while proc.poll() is None:
         rss = _tree_rss_bytes(proc.pid)
-        peak_rss = max(peak_rss, rss)
+        now = time.perf_counter() - t0
+        if rss > peak_rss:
+            peak_rss, peak_at = rss, round(now, 1)
         try:
             mem = host_memory()
         except OSError:
             mem = None
+        if now - last_kept >= timeline_every_s:  # when the memory went up: loading, a step
+            timeline.append([round(now, 1), rss, mem.available_bytes if mem is not None else None])
+            last_kept = now
         if mem is not None:
             total = mem.total_bytes
             min_avail = mem.available_bytes if min_avail is None else min(min_avail, mem.available_bytes)
@@ -1523,7 +1535,13 @@ def _run_watching_host_memory(
                     except ProcessLookupError:
                         pass
         time.sleep(interval_s)
-    res = {"host_peak_rss_bytes": peak_rss, "host_min_available_bytes": min_avail, "host_total_bytes": total}
+    res = {
+        "host_peak_rss_bytes": peak_rss,
+        "host_peak_rss_at_s": peak_at,
+        "host_min_available_bytes": min_avail,
+        "host_total_bytes": total,
+        "host_rss_timeline": timeline,
+    }
     if stopped is not None:
         res["host_stopped"] = stopped
     return proc.returncode, res

@@ -25,6 +25,22 @@ def test_the_watch_sees_a_childs_resident_memory_and_its_exit_status():
     assert host["host_total_bytes"] > 0 and 0 < host["host_min_available_bytes"] <= host["host_total_bytes"]
 
 
+def test_the_watch_says_when_the_peak_came_and_keeps_a_timeline():
+    # 100 MiB at first, 400 MiB from 1.2 s on: the peak is the second, and the timeline has both.
+    code = "import time; a = bytearray(100 << 20); time.sleep(1.2); b = bytearray(300 << 20); time.sleep(0.8)"
+    rc, host = bench_trl._run_watching_host_memory(
+        [sys.executable, "-c", code], dict(os.environ), interval_s=0.05, timeline_every_s=0.2
+    )
+    assert rc == 0
+    assert host["host_peak_rss_at_s"] >= 1.0, host["host_peak_rss_at_s"]
+    times = [t for t, _, _ in host["host_rss_timeline"]]
+    assert times == sorted(times) and all(b - a >= 0.2 - 1e-9 for a, b in zip(times, times[1:]))
+    early = [rss for t, rss, _ in host["host_rss_timeline"] if 0.3 <= t <= 0.9]
+    late = [rss for t, rss, _ in host["host_rss_timeline"] if t >= 1.5]
+    assert early and late and max(early) < 300 * MiB <= min(late) - 50 * MiB
+    assert all(avail is None or avail > 0 for _, _, avail in host["host_rss_timeline"])
+
+
 def test_a_child_of_a_child_counts_and_a_kill_shows_as_its_signal():
     code = (
         "import os, signal, subprocess, sys, time; "
