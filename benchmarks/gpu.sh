@@ -642,6 +642,12 @@ p_multi_fsdp14b() {  # ONE14B=1: one GPU first (STEPS_ONE steps); ONE14B=beside:
     # The one-GPU run beside the FSDP2 run, at the same time: both see the host's speed of the
     # moment, which sets a host-bound decode's pace (it drifted 2x within one process).
     need_gpus 3 || return 0
+    wait_saved qwen2.5-14b
+    if [ "$DRY" != 1 ] && ! [ -f /tmp/bench_models/qwen2.5-14b/bench_trl_saved ]; then
+      # Two benches saving one model into one folder at once would write over each other.
+      echo "== ONE14B=beside needs the model saved first: name multi:save before this part" >> "$OUT/multi_fsdp14b.log"
+      note_log multi_fsdp14b.log; PART_RC=1; return 0
+    fi
     local bench=(--preset qwen2.5-14b --dtype bfloat16 --batch 64 --completion 256 --model-cache /tmp/bench_models)
     if [ "$DRY" = 1 ]; then echo "  (in the background, GPU 2:)"; fi
     { export CUDA_VISIBLE_DEVICES=2; trl_bench multi_fsdp14b_one.log "${bench[@]}" --steps "${STEPS_ONE:-${STEPS:-4}}" \
