@@ -98,5 +98,9 @@ def test_an_optimizer_state_on_the_host_comes_in_behind_the_backward_where_it_fi
     assert PREFETCHED_STATE in kept_phases(plan, edge)["train"].kept
     short = kept_phases(plan, edge - 1)
     assert short["train"].kept == {"reference": ref} and PREFETCHED_STATE not in short["optimizer_step"].kept
+    # Not streamed, the step brings the whole state in anyway: nothing beyond it at the step.
+    whole = _plan(optimizer="adamw_offload")
+    got = kept_phases(whole, 1 << 40)
+    assert PREFETCHED_STATE in got["train"].kept and PREFETCHED_STATE not in got["optimizer_step"].kept
     # Moving with the policy ("adamw"), the state is on the device through the backward already.
     assert all(PREFETCHED_STATE not in k.kept for k in kept_phases(_plan(), 1 << 40).values())

@@ -90,8 +90,9 @@ def kept_phases(plan: Plan, usable_bytes: int) -> dict[str, KeptPhase]:
     out["train"] = KeptPhase(phase=phases["train"], kept=in_train)
     step = phases["optimizer_step"]
     at_step = {"reference": reference} if through_train and fits(step, reference) else {}
-    if state_in:  # the whole state, where the step alone would hold its streamed chunks
-        at_step[PREFETCHED_STATE] = state - step.resident.get("optimizer states", 0)
+    beyond_chunks = state - step.resident.get("optimizer states", 0)
+    if state_in and beyond_chunks > 0:  # the whole state, where the step alone holds its streamed chunks
+        at_step[PREFETCHED_STATE] = beyond_chunks
     out["optimizer_step"] = KeptPhase(phase=step, kept=at_step)
     return out
 
