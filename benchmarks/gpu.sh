@@ -372,7 +372,14 @@ p_trl_paired() {  # TRL alone and tidal alternating in one process, PAIRED (6) p
     files+=("$OUT/trl_1.5b_paired_$TAG.gpu$i.json")
   done
   for i in "${pids[@]}"; do wait "$i" || PART_RC=1; done  # each one's PART_RC was set in its own shell
-  run trl_paired.log python3 benchmarks/pool_paired.py "${files[@]}" --json "$OUT/trl_1.5b_paired_$TAG.json"
+  # A process that died wrote no JSON: the others' pairs are still pooled (its log says why).
+  local have=() f
+  for f in "${files[@]}"; do
+    if [ "$DRY" = 1 ] || [ -f "$f" ]; then have+=("$f"); else echo "== no $f: pooled without it" >> "$OUT/trl_paired.log"; fi
+  done
+  note_log trl_paired.log
+  if [ ${#have[@]} = 0 ]; then PART_RC=1; return 0; fi
+  run trl_paired.log python3 benchmarks/pool_paired.py "${have[@]}" --json "$OUT/trl_1.5b_paired_$TAG.json"
 }
 p_trl_stress_1_5b() {
   need_module trl || return 0
