@@ -42,6 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+import lockstep  # noqa: E402  (benchmarks/, beside this file)
+
 
 def _char_task():
     """tidal_recipes/grpo/char_task.py loaded on its own: the package's __init__ imports tidal,
@@ -248,6 +250,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer
 
     times: list[float] = []
+    lockstep_steps: list[dict] = []  # --lockstep: per measured step, its rendezvous with the partner
     peaks: list[int] = []
     allocator: list[dict] = []  # per measured step: the caching allocator's counters, and reserved bytes
     exposed: list[float] = []
@@ -343,6 +346,16 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             late = bool(flag.item())
         return late
 
+    last_wall = [0.0]  # the last step's wall time in this run
+
+    def _lockstep_patience() -> float:
+        """How long to wait for the lockstep partner: the lockstep's own limit, less where the
+        deadline leaves room for only one more step like the last (and its results) after it."""
+        if not args._deadline:
+            return args._lockstep.timeout_s
+        room = args._deadline - time.time() - 1.15 * last_wall[0] - 30.0
+        return max(1.0, min(args._lockstep.timeout_s, room))
+
     class BesideTheGradients(TrainerCallback):
         # Right before the optimizer step (the gradients clipped): the policy's weights and
         # gradients on the device, and the optimizer state's bytes (all of it, wherever it is).
@@ -380,6 +393,13 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 torch.cuda.current_stream().synchronize()
                 if state.global_step == 1:  # after the warm-up step
                     torch.cuda.reset_peak_memory_stats()
+            self.lockstep = None
+            if args._lockstep is not None:
+                # --lockstep: this step starts with the partner process's (lockstep.py beside
+                # this file), before the clock does: the wait is no part of the step.
+                key = f"{args._run_index}/{state.global_step + 1}"
+                met, waited = args._lockstep.barrier(key, timeout_s=_lockstep_patience())
+                self.lockstep = {"key": key, "met": met, "wait_s": waited, "started_at": time.time()}
             self.prof = None
             if profile_step and state.global_step + 1 == profile_step:
                 _annotate(trainer.optimizer, "step", "phase:optimizer")
@@ -422,7 +442,15 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 sampler.stop()
             # As it goes: a run cut by its time limit still shows each step it finished.
             print(f"[bench_trl] {name} step {state.global_step}: {wall:.3f} s{since_launch()}", flush=True)
-            if args._deadline and state.global_step < state.max_steps and _past_deadline(wall):
+            late = bool(args._deadline) and state.global_step < state.max_steps and _past_deadline(wall)
+            if args._lockstep is not None and args._deadline and state.global_step < state.max_steps:
+                # Both processes end their runs after the same step (the partner would wait for
+                # a step that never starts): late if either's next step would pass the deadline.
+                late = args._lockstep.agree(
+                    f"end/{args._run_index}/{state.global_step}", late, timeout_s=_lockstep_patience()
+                )
+            last_wall[0] = wall
+            if late:
                 control.should_training_stop = True
                 stopped.update(after_steps=state.global_step, of_steps=state.max_steps)
                 print(
@@ -447,6 +475,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 return  # the profiled step's time is not a measurement
             if state.global_step > 1:
                 times.append(wall)
+                if self.lockstep is not None:
+                    lockstep_steps.append(self.lockstep)
                 rss_steps.append(host_rss_bytes())
                 exposed.append(exposed_s(trainer) - self.exposed0)  # settles the stalls per_kind reads
                 host_stall.append(host_stall_s(trainer) - self.host_stall0)
@@ -598,6 +628,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         res["exposed_s_per_step"] = statistics.median(exposed) if exposed else 0.0
         res["workload"] = workload
         res["step_times_s"] = times
+        if lockstep_steps:
+            res["lockstep_steps"] = lockstep_steps
         res["exposed_s_steps"] = exposed
         res["host_stall_s_per_step"] = statistics.median(host_stall) if host_stall else 0.0
         # Each phase's device seconds per measured step (benchmarks/phase_clock.py), and medians.
@@ -1187,6 +1219,22 @@ def main(argv=None) -> int:
         "next), so no pair spans two processes, whose steps differ more than one process's do",
     )
     p.add_argument(
+        "--lockstep",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --paired --in-process and one tidal variant: this process and a partner (the same command "
+        "with --lockstep-rank 1, on another GPU of the machine) start every step together, one running TRL alone "
+        "while the other runs tidal, swapping each run; rank 0 hosts the rendezvous at HOST:PORT "
+        "(benchmarks/lockstep.py). pool_paired.py --lockstep pairs their steps",
+    )
+    p.add_argument(
+        "--lockstep-rank",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="with --lockstep: 0 runs the --paired order (TRL alone first), 1 its complement",
+    )
+    p.add_argument(
         "--model-cache",
         default=None,
         help="a folder where the preset's random model is saved once and found by later runs (a 14B save takes "
@@ -1241,12 +1289,33 @@ def main(argv=None) -> int:
         return 0
     if args.in_process and (not args.paired or args.nproc > 1):
         p.error("--in-process alternates the --paired runs in one process: it needs --paired and --nproc 1")
+    if args.lockstep and not args._sequence:  # (the child running the sequence is given it whole)
+        ours = [v for v in args.variants.split(",") if v != "trl"]
+        if not args.in_process or len(ours) != 1:
+            p.error(
+                "--lockstep pairs TRL alone with one tidal variant, run in turn in one process: it needs --paired N "
+                f"--in-process and --variants trl,<one variant> (got --variants {args.variants})"
+            )
+        try:
+            lockstep.parse_address(args.lockstep)
+        except ValueError as e:
+            p.error(str(e))
+    args._lockstep, args._run_index = None, 0
     if args._sequence:
         # --paired --in-process: each run in turn in this process, its trainer freed before the next.
+        if args.lockstep:
+            args._lockstep = lockstep.Lockstep(args.lockstep, args.lockstep_rank)
         for i, v in enumerate(args._sequence.split(",")):
+            args._run_index = i
             run_variant(v, args._model, args.steps, f"{args._out}.{i}", args)
             with open(f"{args._out}.{i}") as f:  # in the log as it goes: a run cut short keeps what it measured
-                print(f"[bench_trl] run {i}: " + json.dumps({k: x for k, x in json.load(f).items() if k != "profile"}))
+                done = json.load(f)
+                print(f"[bench_trl] run {i}: " + json.dumps({k: x for k, x in done.items() if k != "profile"}))
+            if done.get("stopped_by_deadline"):
+                # The deadline ended this run early: the next would not finish either (with
+                # --lockstep the partner ended the same run at the same step and stops here too).
+                print(f"[bench_trl] the deadline ended run {i}: runs {i + 1}- not run", flush=True)
+                break
         return 0
     if args._variant:
         if args._variant.startswith("before:"):
@@ -1302,6 +1371,10 @@ def main(argv=None) -> int:
         # 2026-11-27) favours neither side.
         ours = [v for v in variants if v != "trl"]
         variants = [v for r in range(args.paired) for v in (["trl", *ours] if r % 2 == 0 else [*ours, "trl"])]
+        if args.lockstep_rank == 1:
+            # The partner of rank 0's order: tidal where it runs TRL alone and the reverse, so
+            # every step of each runs beside a step of the other, on each GPU in turn.
+            variants = [ours[0] if v == "trl" else "trl" for v in variants]
     if args.in_process:
         out = os.path.join(work, "sequence.json")
         cmd = _child_cmd(args, ["--_sequence", ",".join(variants)], out, model_path, reward_path, profile=False)
@@ -1310,7 +1383,8 @@ def main(argv=None) -> int:
         rc, host = _run_watching_host_memory(cmd, env)
         for i, v in enumerate(variants):
             path = f"{out}.{i}"
-            res = json.load(open(path)) if os.path.exists(path) else {"variant": v, "error": f"exit {rc}"}
+            why = "not run: an earlier run was ended by the bench's deadline" if rc == 0 else f"exit {rc}"
+            res = json.load(open(path)) if os.path.exists(path) else {"variant": v, "error": why}
             res.update(host, in_process=True)
             results.append(res)
         _report_so_far(args, results, reward_path, final=True)
@@ -1390,6 +1464,7 @@ def _child_cmd(args, what: list[str], out: str, model_path: str, reward_path: st
         + (["--sample-stacks"] if args.sample_stacks else [])
         + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])
         + (["--reward-model-path", reward_path] if reward_path else [])
+        + (["--lockstep", args.lockstep, "--lockstep-rank", str(args.lockstep_rank)] if args.lockstep else [])
     )
 
 

@@ -22,7 +22,8 @@
 #               *7b          the same at Qwen2-7B bf16 (VARIANTS7B)
 #                paired      1.5B fp32, 64 x 256: TRL alone and VARIANTS_PAIRED alternating in one process,
 #                            PAIRED (6) pairs: the median step ratio and its 95% interval; PAIRED_GPUS=k:
-#                            k such processes at once, one a GPU, their pairs pooled
+#                            k such processes at once, one a GPU, their pairs pooled; with LOCKSTEP=1 and
+#                            PAIRED_GPUS=2 the two start each step together, TRL alone beside tidal
 #                14b         Qwen2.5-14B shape bf16, 64 x 256 in micro-batches of MICRO14B (16), STEPS14B
 #                            (11) steps (VARIANTS14B_ONE)
 #                stress      16 x 32 at 1.5B and at 7B (VARIANTS_STRESS); stress-1.5b, stress-7b
@@ -364,10 +365,19 @@ p_trl_paired() {  # TRL alone and tidal alternating in one process, PAIRED (6) p
   need_gpus "$k" || return 0
   # PAIRED_GPUS=k: k such processes at once, one a GPU, their pairs pooled (pool_paired.py):
   # k times the pairs in a call's time. They share the host (cores, memory, PCIe fabric).
+  # LOCKSTEP=1 (k = 2): the two start every step together, one running TRL alone while the
+  # other runs tidal (lockstep.py): each tidal step is paired with the TRL step beside it too.
+  local pool_args=() port=${LOCKSTEP_PORT:-29611}
+  if [ "${LOCKSTEP:-0}" = 1 ]; then
+    if [ "$k" != 2 ]; then echo "LOCKSTEP=1 pairs two processes: set PAIRED_GPUS=2" >&2; PART_RC=1; return 0; fi
+    pool_args=(--lockstep)
+  fi
   for (( i = 0; i < k; i++ )); do
     note_log "trl_paired.gpu$i.log"  # here: the background shell's own note would be lost
     if [ "$DRY" = 1 ]; then echo "  (in the background, GPU $i:)"; fi
-    { export CUDA_VISIBLE_DEVICES=$i; trl_bench "trl_paired.gpu$i.log" "${args[@]}" --json "$OUT/trl_1.5b_paired_$TAG.gpu$i.json"; } &
+    local more=()
+    if [ "${LOCKSTEP:-0}" = 1 ]; then more=(--lockstep "127.0.0.1:$port" --lockstep-rank "$i"); fi
+    { export CUDA_VISIBLE_DEVICES=$i; trl_bench "trl_paired.gpu$i.log" "${args[@]}" "${more[@]}" --json "$OUT/trl_1.5b_paired_$TAG.gpu$i.json"; } &
     pids+=($!)
     files+=("$OUT/trl_1.5b_paired_$TAG.gpu$i.json")
   done
@@ -379,7 +389,8 @@ p_trl_paired() {  # TRL alone and tidal alternating in one process, PAIRED (6) p
   done
   note_log trl_paired.log
   if [ ${#have[@]} = 0 ]; then PART_RC=1; return 0; fi
-  run trl_paired.log python3 benchmarks/pool_paired.py "${have[@]}" --json "$OUT/trl_1.5b_paired_$TAG.json"
+  if [ ${#pool_args[@]} -gt 0 ] && [ ${#have[@]} != 2 ]; then pool_args=(); fi  # a partner died: in-process pairs only
+  run trl_paired.log python3 benchmarks/pool_paired.py "${have[@]}" "${pool_args[@]}" --json "$OUT/trl_1.5b_paired_$TAG.json"
 }
 p_trl_stress_1_5b() {
   need_module trl || return 0

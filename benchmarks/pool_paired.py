@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_trl import _paired, median_ci95  # noqa: E402
 
-__all__ = ["pool"]
+__all__ = ["lockstep_pairs", "pool"]
 
 
 def _summary(values: list[float]) -> dict:
@@ -80,6 +80,63 @@ def pool(runs: list[dict]) -> dict:
     return pooled
 
 
+def lockstep_pairs(a: dict, b: dict) -> dict:
+    """The steps of two ``bench_trl.py --lockstep`` processes (ranks 0 and 1, ``a`` and ``b``)
+    that started together: where one ran TRL alone and the other tidal, each measured step of
+    tidal against the step of TRL alone that began with it (the same rendezvous key, met on both
+    sides). Returns, per tidal variant: the step ratio's median, 95% interval and n, the same for
+    the generation phase, the medians with tidal on rank 0's GPU and on rank 1's (a GPU's own
+    speed shows as their difference), and the largest gap between two paired steps' starts.
+    Raises ``ValueError`` when the inputs hold no such step, or measured different workloads."""
+    keys = ("preset", "dtype", "batch", "completion")
+    if tuple(a.get(k) for k in keys) != tuple(b.get(k) for k in keys):
+        raise ValueError(f"the two processes measured different workloads ({', '.join(keys)}): pair one")
+    out: dict = {}
+    for ra, rb in zip(a.get("variants", []), b.get("variants", [])):
+        names = (ra["variant"], rb["variant"])
+        if names.count("trl") != 1 or ra.get("error") or rb.get("error"):
+            continue
+        ours, base, side = (rb, ra, 1) if names[0] == "trl" else (ra, rb, 0)
+        met = {s["key"]: (k, s) for k, s in enumerate(ours.get("lockstep_steps", [])) if s["met"]}
+        row = out.setdefault(
+            ours["variant"], {"step": [], "generate": [], "by_side": {0: [], 1: []}, "skew": [], "keys": []}
+        )
+        for k, s in enumerate(base.get("lockstep_steps", [])):
+            if not s["met"] or s["key"] not in met:
+                continue
+            j, t = met[s["key"]]
+            ratio = ours["step_times_s"][j] / base["step_times_s"][k]
+            row["step"].append(ratio)
+            row["by_side"][side].append(ratio)
+            row["skew"].append(abs(t["started_at"] - s["started_at"]))
+            row["keys"].append(s["key"])
+            gen = (ours.get("phase_s_steps") or [{}] * (j + 1))[j].get("generate")
+            gen0 = (base.get("phase_s_steps") or [{}] * (k + 1))[k].get("generate")
+            if gen and gen0:
+                row["generate"].append(gen / gen0)
+    if not any(r["step"] for r in out.values()):
+        raise ValueError(
+            "no step of tidal started together with one of TRL alone: pass the JSON of bench_trl.py --lockstep "
+            "rank 0 and rank 1 (the same call)"
+        )
+    result = {}
+    for name, row in out.items():
+        gen = _summary(row["generate"])
+        result[name] = {
+            **_summary(row["step"]),
+            "ratios": row["step"],
+            "keys": row["keys"],
+            "generate_ratio_median": gen["ratio_median"],
+            "generate_ratio_ci95": gen["ratio_ci95"],
+            "generate_ratios": row["generate"],
+            "ratio_median_by_gpu": {
+                f"tidal on rank {side}'s GPU": statistics.median(v) if v else None for side, v in row["by_side"].items()
+            },
+            "start_skew_s_max": max(row["skew"]),
+        }
+    return result
+
+
 def _fmt(ci) -> str:
     return f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "no interval (fewer than 6)"
 
@@ -88,7 +145,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("inputs", nargs="+", help="bench_trl.py --paired JSON files, one a process")
     p.add_argument("--json", required=True, help="where to write the pooled JSON")
+    p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="the two inputs are bench_trl.py --lockstep ranks 0 and 1: also pair each step of tidal with the "
+        "step of TRL alone that started with it on the other GPU (in the JSON: lockstep)",
+    )
     args = p.parse_args(argv)
+    if args.lockstep and len(args.inputs) != 2:
+        p.error(f"--lockstep pairs two processes (ranks 0 and 1): got {len(args.inputs)} inputs")
     missing = [f for f in args.inputs if not os.path.isfile(f)]
     if missing:
         p.error(f"no such file: {', '.join(missing)} (a bench process that died writes none: see its log)")
@@ -98,6 +163,7 @@ def main(argv=None) -> int:
             runs.append(json.load(fh))
     try:
         pooled = pool(runs)
+        together = lockstep_pairs(*runs) if args.lockstep else None
     except ValueError as e:
         p.error(str(e))
     first = runs[0]
@@ -110,6 +176,7 @@ def main(argv=None) -> int:
                 "processes_at_once": len(runs),
                 "inputs": [os.path.basename(x) for x in args.inputs],
                 "paired": pooled,
+                **({"lockstep": together} if together is not None else {}),
             },
             f,
         )
@@ -123,6 +190,13 @@ def main(argv=None) -> int:
         )
         for q in r["per_process"]:
             print(f"    process {q['process']}: {q['ratio_median']:.3f}x over {q['n']} pairs")
+    for name, r in (together or {}).items():
+        by = ", ".join(f"{k} {v:.3f}x" for k, v in r["ratio_median_by_gpu"].items() if v is not None)
+        print(
+            f"  {name}, steps started together on two GPUs: step {r['ratio_median']:.3f}x TRL alone's (median of "
+            f"{r['n']} steps; 95% interval {_fmt(r['ratio_ci95'])}); generation {r['generate_ratio_median'] or float('nan'):.3f}x "
+            f"({_fmt(r['generate_ratio_ci95'])}); {by}; starts at most {r['start_skew_s_max'] * 1e3:.0f} ms apart"
+        )
     print(
         "targets (64 x 256, 1.5B fp32): the step's interval's upper end <= 1.05 at <= 0.5x TRL's peak; generation <= 1.02x"
     )

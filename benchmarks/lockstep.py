@@ -1,0 +1,88 @@
+"""Two bench processes that start each training step together (``bench_trl.py --lockstep``).
+
+A paired comparison in one process alternates TRL alone and tidal in time, and the host's speed
+drifts between the two runs of a pair (a host-bound decode's token went from 79 to 36 ms within
+one process on an H100 machine, 2026-11-27). Here two processes, one a GPU of one machine, run
+complementary sequences (where one runs TRL alone, the other runs tidal, and the next run
+swaps them) and wait for each other at the start of every step: each step of tidal then runs
+beside a step of TRL alone under the same host, and the GPU each side runs on alternates run by
+run. ``pool_paired.py --lockstep`` pairs those steps.
+
+The rendezvous is a ``torch.distributed.TCPStore`` on the host (no process group, no
+accelerator). A partner that does not come within ``timeout_s`` (it died, or its deadline ended
+its run sooner) leaves this process on its own: the step is recorded as not in lockstep, and no
+later step waits again.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+__all__ = ["Lockstep", "parse_address"]
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); ``ValueError`` naming the expected form otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--lockstep {text!r}: give HOST:PORT, e.g. 127.0.0.1:29611")
+    return host, int(port)
+
+
+class Lockstep:
+    """``rank`` 0 hosts the store at ``address`` (``HOST:PORT``), rank 1 connects to it (waiting
+    up to ``timeout_s`` for it to appear). :meth:`barrier` returns once both processes reached
+    the same key, or after ``timeout_s`` without the partner (then False, and every later
+    barrier returns False at once)."""
+
+    WORLD = 2
+
+    def __init__(self, address: str, rank: int, *, timeout_s: float = 300.0, poll_s: float = 0.002) -> None:
+        if rank not in (0, 1):
+            raise ValueError(f"--lockstep-rank {rank}: two processes step together, ranks 0 and 1")
+        import torch.distributed as dist
+
+        host, port = parse_address(address)
+        self.rank, self.timeout_s, self.poll_s = rank, timeout_s, poll_s
+        self.lost = False
+        self.store = dist.TCPStore(
+            host,
+            port,
+            world_size=self.WORLD,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+
+    def barrier(self, key: str, *, timeout_s: float | None = None) -> tuple[bool, float]:
+        """Wait at ``key`` for the partner, at most ``timeout_s`` (default: the constructor's):
+        (whether both met there, seconds waited)."""
+        t0 = time.perf_counter()
+        if self.lost:
+            return False, 0.0
+        self.store.add(key, 1)
+        deadline = t0 + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            if int(self.store.add(key, 0)) >= self.WORLD:
+                # The partner may have given up on this key before we came: then it is not a pair.
+                met = int(self.store.add(key + "/gone", 0)) == 0
+                if not met:
+                    self.lost = True
+                return met, time.perf_counter() - t0
+            if time.perf_counter() > deadline:
+                self.store.add(key + "/gone", 1)
+                self.lost = True
+                return False, time.perf_counter() - t0
+            time.sleep(self.poll_s)
+
+    def agree(self, key: str, flag: bool, *, timeout_s: float | None = None) -> bool:
+        """Whether either process raised ``flag`` at ``key`` (e.g. "another step would pass the
+        deadline"), so that both decide alike and neither waits for a step the other will not
+        run. Without the partner: ``flag``."""
+        if self.lost:
+            return flag
+        if flag:
+            self.store.add(key + "/flag", 1)
+        met, _ = self.barrier(key, timeout_s=timeout_s)
+        return flag or (met and int(self.store.add(key + "/flag", 0)) > 0)

@@ -1,0 +1,222 @@
+"""benchmarks/lockstep.py and ``pool_paired.py --lockstep``: two bench processes that start each
+step together, one running TRL alone while the other runs tidal, and the pairing of those steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+sys.path.insert(0, BENCH)
+
+lockstep = pytest.importorskip("lockstep")
+pool_paired = pytest.importorskip("pool_paired")
+pytest.importorskip("torch.distributed")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_both_leave_the_barrier_only_once_both_came():
+    address = f"127.0.0.1:{_port()}"
+    first = lockstep.Lockstep(address, 0, timeout_s=30)
+    got = {}
+
+    def partner():
+        second = lockstep.Lockstep(address, 1, timeout_s=30)
+        time.sleep(0.5)  # comes late: rank 0 must wait for it
+        got[1] = second.barrier("0/1")
+        got["left_1"] = time.perf_counter()
+
+    t = threading.Thread(target=partner)
+    t.start()
+    got[0] = first.barrier("0/1")
+    left_0 = time.perf_counter()
+    t.join()
+    assert got[0][0] and got[1][0]  # both met
+    assert got[0][1] >= 0.4 > got[1][1]  # rank 0 waited for the late one, which did not wait
+    assert abs(left_0 - got["left_1"]) < 0.2
+
+
+def test_a_partner_that_never_comes_leaves_this_process_on_its_own():
+    ls = lockstep.Lockstep(f"127.0.0.1:{_port()}", 0, timeout_s=0.3)
+    met, waited = ls.barrier("0/1")
+    assert not met and waited >= 0.3
+    t0 = time.perf_counter()
+    assert ls.barrier("0/2") == (False, 0.0)  # no later step waits again
+    assert time.perf_counter() - t0 < 0.1
+
+
+def test_a_step_the_partner_gave_up_on_is_no_pair_on_either_side():
+    address = f"127.0.0.1:{_port()}"
+    early = lockstep.Lockstep(address, 0, timeout_s=0.2)
+    late = lockstep.Lockstep(address, 1, timeout_s=5)
+    assert early.barrier("3/2")[0] is False  # gave up before the partner came
+    assert late.barrier("3/2")[0] is False  # came to a count of two, but the other had left
+
+
+@pytest.mark.parametrize("bad", ["29611", "host:", ":29611", "host:port", "host:70000"])
+def test_an_address_not_host_colon_port_is_refused(bad):
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        lockstep.parse_address(bad)
+    with pytest.raises(ValueError, match="ranks 0 and 1"):
+        lockstep.Lockstep("127.0.0.1:1", 2)
+
+
+def _run(variants, steps, *, started=0.0, gen_share=0.8, error=None):
+    """One process's JSON: per run its variant, step times, phases and rendezvous keys."""
+    out = []
+    for i, (v, times) in enumerate(zip(variants, steps)):
+        out.append(
+            {
+                "variant": v,
+                "error": error if i == 1 else None,
+                "step_s": sorted(times)[len(times) // 2],
+                "step_times_s": times,
+                "phase_s_steps": [{"generate": gen_share * t} for t in times],
+                "lockstep_steps": [
+                    {"key": f"{i}/{k + 2}", "met": True, "wait_s": 0.0, "started_at": started + 100 * i + 10 * k}
+                    for k in range(len(times))
+                ],
+            }
+        )
+    return {"preset": "qwen2-1.5b", "dtype": "float32", "batch": 64, "completion": 256, "variants": out}
+
+
+def test_each_tidal_step_pairs_with_the_trl_step_that_started_beside_it():
+    # Run by run the host slows 1.5x for both (what pairing in time could not take out);
+    # tidal is 1.04x on rank 0's GPU and 1.02x on rank 1's.
+    host = [1.0, 1.5, 2.25, 1.5]
+    a = _run(
+        ["trl", "stream", "stream", "trl"],
+        [[10 * h, 11 * h] for h in host[:1]]
+        + [[10 * host[1] * 1.04, 11 * host[1] * 1.04], [10 * host[2] * 1.04, 11 * host[2] * 1.04]]
+        + [[10 * host[3], 11 * host[3]]],
+    )
+    b = _run(
+        ["stream", "trl", "trl", "stream"],
+        [[10 * host[0] * 1.02, 11 * host[0] * 1.02]]
+        + [[10 * h, 11 * h] for h in host[1:3]]
+        + [[10 * host[3] * 1.02, 11 * host[3] * 1.02]],
+        started=0.004,
+    )
+    got = pool_paired.lockstep_pairs(a, b)["stream"]
+    assert got["n"] == 8
+    assert sorted(got["ratios"]) == pytest.approx([1.02] * 4 + [1.04] * 4)
+    assert got["ratio_median"] == pytest.approx(1.03)
+    assert got["ratio_ci95"] == pytest.approx((1.02, 1.04))
+    assert got["generate_ratio_median"] == pytest.approx(1.03)
+    assert got["ratio_median_by_gpu"] == pytest.approx({"tidal on rank 0's GPU": 1.04, "tidal on rank 1's GPU": 1.02})
+    assert got["start_skew_s_max"] == pytest.approx(0.004)
+
+
+def test_steps_that_did_not_start_together_or_runs_that_failed_are_not_paired():
+    a = _run(["trl", "stream", "trl"], [[10.0, 10.0], [10.5, 10.5], [10.0, 10.0]], error="out of memory")
+    b = _run(["stream", "trl", "stream"], [[10.2, 10.2], [10.0, 10.0], [10.3, 10.3]])
+    b["variants"][0]["lockstep_steps"][1]["met"] = False  # its partner gave up on that step
+    got = pool_paired.lockstep_pairs(a, b)["stream"]
+    # Run 0: one step met on both sides; run 1: rank 0's run failed; run 2: both steps.
+    assert got["keys"] == ["0/2", "2/2", "2/3"]
+    assert got["ratios"] == pytest.approx([1.02, 1.03, 1.03])
+    with pytest.raises(ValueError, match="no step of tidal started together"):
+        pool_paired.lockstep_pairs(a, _run(["trl", "trl", "trl"], [[1.0]] * 3))
+    with pytest.raises(ValueError, match="different workloads"):
+        pool_paired.lockstep_pairs(a, {**b, "batch": 32})
+
+
+def test_the_command_line_pairs_two_lockstep_processes_and_refuses_one(tmp_path, capsys):
+    files = []
+    for i, (vs, r) in enumerate([(["trl", "stream"] * 3, 1.0), (["stream", "trl"] * 3, 1.0)]):
+        steps = [[10.0 * (1.03 if v == "stream" else 1.0)] * 2 for v in vs]
+        f = tmp_path / f"r{i}.json"
+        f.write_text(json.dumps(_run(vs, steps)))
+        files.append(str(f))
+    out = tmp_path / "pooled.json"
+    assert pool_paired.main([*files, "--lockstep", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["lockstep"]["stream"]["n"] == 12 and data["lockstep"]["stream"]["ratio_median"] == pytest.approx(1.03)
+    assert "steps started together on two GPUs" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        pool_paired.main([files[0], "--lockstep", "--json", str(out)])
+    assert e.value.code == 2 and "two processes" in capsys.readouterr().err
+
+
+def test_the_bench_refuses_lockstep_without_one_variant_in_turn_before_any_work(tmp_path, capsys):
+    bench_trl = pytest.importorskip("bench_trl")
+    cache = tmp_path / "models"
+    for extra in (
+        ["--variants", "trl,stream", "--paired", "2"],  # not --in-process
+        ["--variants", "trl,stream,role", "--paired", "2", "--in-process"],  # two tidal variants
+    ):
+        with pytest.raises(SystemExit) as e:
+            bench_trl.main([*extra, "--lockstep", "127.0.0.1:29611", "--model-cache", str(cache)])
+        assert e.value.code == 2 and "--lockstep pairs TRL alone with one tidal variant" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_trl.main(
+            [
+                "--variants",
+                "trl,stream",
+                "--paired",
+                "2",
+                "--in-process",
+                "--lockstep",
+                "nohost",
+                "--model-cache",
+                str(cache),
+            ]
+        )
+    assert "HOST:PORT" in capsys.readouterr().err
+    assert not cache.exists()  # no model saved, no process launched
+
+
+@pytest.mark.slow
+def test_two_tiny_bench_processes_step_together_and_pool(tmp_path):
+    """End to end on a CPU: two bench processes (the tiny preset), complementary orders, every
+    measured step started with the partner's, pooled by ``pool_paired.py --lockstep``."""
+    pytest.importorskip("trl")
+    address = f"127.0.0.1:{_port()}"
+    procs = []
+    for r in (0, 1):
+        cmd = [sys.executable, os.path.join(BENCH, "bench_trl.py"), "--preset", "tiny", "--dtype", "float32"]
+        cmd += ["--batch", "8", "--completion", "8", "--steps", "3", "--variants", "trl,stream+prefetch"]
+        cmd += ["--paired", "2", "--in-process", "--lockstep", address, "--lockstep-rank", str(r)]
+        cmd += ["--json", str(tmp_path / f"r{r}.json"), "--results", str(tmp_path / f"R{r}.md")]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, out[-3000:]
+    runs = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1)]
+    assert [v["variant"] for v in runs[0]["variants"]] == ["trl", "stream+prefetch", "stream+prefetch", "trl"]
+    assert [v["variant"] for v in runs[1]["variants"]] == ["stream+prefetch", "trl", "trl", "stream+prefetch"]
+    for run in runs:
+        for i, v in enumerate(run["variants"]):
+            assert v["error"] is None
+            assert [s["key"] for s in v["lockstep_steps"]] == [f"{i}/2", f"{i}/3"]  # the measured steps
+            assert all(s["met"] for s in v["lockstep_steps"])
+    got = pool_paired.lockstep_pairs(*runs)["stream+prefetch"]
+    assert got["n"] == 8 and got["start_skew_s_max"] < 0.5
+
+
+def test_both_processes_take_the_flag_either_raised():
+    address = f"127.0.0.1:{_port()}"
+    a = lockstep.Lockstep(address, 0, timeout_s=30)
+    got = {}
+    t = threading.Thread(
+        target=lambda: got.update(b=lockstep.Lockstep(address, 1, timeout_s=30).agree("end/0/1", True))
+    )
+    t.start()
+    got["a"] = a.agree("end/0/1", False)
+    t.join()
+    assert got == {"a": True, "b": True}
+    alone = lockstep.Lockstep(f"127.0.0.1:{_port()}", 0, timeout_s=0.2)
+    assert alone.agree("end/0/1", False) is False and alone.agree("end/0/2", True) is True  # its own flag
