@@ -42,7 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-import lockstep  # noqa: E402  (benchmarks/, beside this file)
+import host_clock  # noqa: E402  (benchmarks/, beside this file)
+import lockstep  # noqa: E402
 
 
 def _char_task():
@@ -269,6 +270,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     from tidal.memory import host_rss_bytes
 
     rss_steps: list[int] = []  # this process's resident set at each measured step's end
+    host_given: list[dict] = []  # per measured step: what the host gave it (host_clock.py)
 
     def exposed_s(trainer) -> float:
         ts = getattr(trainer, "timeshare", None)
@@ -383,6 +385,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             )
 
     class Clock(TrainerCallback):
+        given_clock = host_clock.HostClock()  # what the host gave each step
+
         # state.global_step counts the steps done: the step starting now is global_step + 1.
         # Step boundaries wait for the compute stream (all of TRL's work), not for the device:
         # copies tidal queued without a host wait (an optimizer state's trip back to the host)
@@ -432,12 +436,14 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                     end.record(getattr(ts.store.engine, name))
                     ends[name[:3]] = end
                 self.tail = (begin, ends)
+            self.given_clock.start()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
             if cuda:
                 torch.cuda.current_stream().synchronize()
             wall = time.perf_counter() - self.t0
+            given = self.given_clock.stop()
             if sampler is not None:
                 sampler.stop()
             # As it goes: a run cut by its time limit still shows each step it finished.
@@ -478,6 +484,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 if self.lockstep is not None:
                     lockstep_steps.append(self.lockstep)
                 rss_steps.append(host_rss_bytes())
+                host_given.append(given)
                 exposed.append(exposed_s(trainer) - self.exposed0)  # settles the stalls per_kind reads
                 host_stall.append(host_stall_s(trainer) - self.host_stall0)
                 phase_steps.append(phases.take())  # the compute stream has run the step's work
@@ -603,6 +610,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     res["host_baseline_rss_bytes"] = baseline_rss
     if rss_steps:
         res["host_rss_bytes_steps"] = rss_steps
+    if host_given:
+        res["host_given_steps"] = host_given
     ts = getattr(trainer, "timeshare", None)
     if ts is not None:
         res["host_held_bytes"] = sum(ts.store.context.host_bytes().values())

@@ -23,7 +23,8 @@
 #                paired      1.5B fp32, 64 x 256: TRL alone and VARIANTS_PAIRED alternating in one process,
 #                            PAIRED (6) pairs: the median step ratio and its 95% interval; PAIRED_GPUS=k:
 #                            k such processes at once, one a GPU, their pairs pooled; with LOCKSTEP=1 and
-#                            PAIRED_GPUS=2 the two start each step together, TRL alone beside tidal
+#                            PAIRED_GPUS=2 the two start each step together, TRL alone beside tidal;
+#                            PIN_CORES=1: each process on its own share of the host's cores
 #                14b         Qwen2.5-14B shape bf16, 64 x 256 in micro-batches of MICRO14B (16), STEPS14B
 #                            (11) steps (VARIANTS14B_ONE)
 #                stress      16 x 32 at 1.5B and at 7B (VARIANTS_STRESS); stress-1.5b, stress-7b
@@ -377,7 +378,16 @@ p_trl_paired() {  # TRL alone and tidal alternating in one process, PAIRED (6) p
     if [ "$DRY" = 1 ]; then echo "  (in the background, GPU $i:)"; fi
     local more=()
     if [ "${LOCKSTEP:-0}" = 1 ]; then more=(--lockstep "127.0.0.1:$port" --lockstep-rank "$i"); fi
-    { export CUDA_VISIBLE_DEVICES=$i; trl_bench "trl_paired.gpu$i.log" "${args[@]}" "${more[@]}" --json "$OUT/trl_1.5b_paired_$TAG.gpu$i.json"; } &
+    { export CUDA_VISIBLE_DEVICES=$i
+      if [ "${PIN_CORES:-0}" = 1 ] && [ "$DRY" != 1 ]; then
+        # PIN_CORES=1: each process (and what it starts) on its own k-th of the host's cores,
+        # with as many intra-op threads: the host-bound decodes do not meet on a core.
+        local n per
+        n=$(nproc); per=$(( n / k ))
+        taskset -cp "$(( i * per ))-$(( (i + 1) * per - 1 ))" $BASHPID >> "$OUT/trl_paired.gpu$i.log"
+        export OMP_NUM_THREADS=$per
+      fi
+      trl_bench "trl_paired.gpu$i.log" "${args[@]}" "${more[@]}" --json "$OUT/trl_1.5b_paired_$TAG.gpu$i.json"; } &
     pids+=($!)
     files+=("$OUT/trl_1.5b_paired_$TAG.gpu$i.json")
   done
