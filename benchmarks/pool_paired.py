@@ -80,19 +80,28 @@ def pool(runs: list[dict]) -> dict:
     return pooled
 
 
-def lockstep_pairs(a: dict, b: dict) -> dict:
-    """The steps of two ``bench_trl.py --lockstep`` processes (ranks 0 and 1, ``a`` and ``b``)
-    that started together: where one ran TRL alone and the other tidal, each measured step of
-    tidal against the step of TRL alone that began with it (the same rendezvous key, met on both
-    sides). Returns, per tidal variant: the step ratio's median, 95% interval and n, the same for
-    the generation phase, the medians with tidal on rank 0's GPU and on rank 1's (a GPU's own
-    speed shows as their difference), and the largest gap between two paired steps' starts.
-    Raises ``ValueError`` when the inputs hold no such step, or measured different workloads."""
+def lockstep_pairs(*runs: dict) -> dict:
+    """The steps of ``bench_trl.py --lockstep`` processes, given as ranks 0 and 1 of one
+    lockstep, then of the next (other calls or machines), that started together: where one ran
+    TRL alone and the other tidal, each measured step of tidal against the step of TRL alone
+    that began with it (the same rendezvous key, met on both sides). Returns, per tidal variant:
+    the step ratio's median, 95% interval and n, the same over the runs' medians (a run is the
+    independent unit) and for the generation phase, the medians with tidal on rank 0's GPU and
+    on rank 1's (a GPU's own speed shows as their difference), and the largest gap between two
+    paired steps' starts. Raises ``ValueError`` for an odd number of inputs, when they hold no
+    such step, or measured different workloads."""
+    if not runs or len(runs) % 2:
+        raise ValueError(f"--lockstep pairs processes two by two (ranks 0 and 1 of each): got {len(runs)} inputs")
     keys = ("preset", "dtype", "batch", "completion")
-    if tuple(a.get(k) for k in keys) != tuple(b.get(k) for k in keys):
-        raise ValueError(f"the two processes measured different workloads ({', '.join(keys)}): pair one")
+    if len({tuple(r.get(k) for k in keys) for r in runs}) > 1:
+        raise ValueError(f"the processes measured different workloads ({', '.join(keys)}): pair one")
     out: dict = {}
-    for ra, rb in zip(a.get("variants", []), b.get("variants", [])):
+    both = [
+        (f"{i // 2}:" if len(runs) > 2 else "", ra, rb)
+        for i in range(0, len(runs), 2)
+        for ra, rb in zip(runs[i].get("variants", []), runs[i + 1].get("variants", []))
+    ]
+    for prefix, ra, rb in both:
         names = (ra["variant"], rb["variant"])
         if names.count("trl") != 1 or ra.get("error") or rb.get("error"):
             continue
@@ -109,7 +118,7 @@ def lockstep_pairs(a: dict, b: dict) -> dict:
             row["step"].append(ratio)
             row["by_side"][side].append(ratio)
             row["skew"].append(abs(t["started_at"] - s["started_at"]))
-            row["keys"].append(s["key"])
+            row["keys"].append(prefix + s["key"])
             gen = (ours.get("phase_s_steps") or [{}] * (j + 1))[j].get("generate")
             gen0 = (base.get("phase_s_steps") or [{}] * (k + 1))[k].get("generate")
             if gen and gen0:
@@ -122,8 +131,21 @@ def lockstep_pairs(a: dict, b: dict) -> dict:
     result = {}
     for name, row in out.items():
         gen = _summary(row["generate"])
+        # The steps of one run share more than the host of the moment (a run's host-bound decode
+        # kept its own pace: 37 to 60 ms a token between runs of one process on an H200
+        # machine, 2026-11-28): a run's median ratio is the independent unit, its interval the
+        # one to quote.
+        by_run: dict[str, list] = {}
+        for key, ratio in zip(row["keys"], row["step"]):
+            by_run.setdefault(key.split("/")[0], []).append(ratio)
+        per_run = [statistics.median(v) for v in by_run.values()]
+        run_summary = _summary(per_run)
         result[name] = {
             **_summary(row["step"]),
+            "run_ratio_median": run_summary["ratio_median"],
+            "run_ratio_ci95": run_summary["ratio_ci95"],
+            "runs": run_summary["n"],
+            "run_ratios": per_run,
             "ratios": row["step"],
             "keys": row["keys"],
             "generate_ratio_median": gen["ratio_median"],
@@ -148,12 +170,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--lockstep",
         action="store_true",
-        help="the two inputs are bench_trl.py --lockstep ranks 0 and 1: also pair each step of tidal with the "
-        "step of TRL alone that started with it on the other GPU (in the JSON: lockstep)",
+        help="the inputs are bench_trl.py --lockstep ranks 0 and 1 (of one call, then of the next, ...): also pair "
+        "each step of tidal with the step of TRL alone that started with it on the other GPU (in the JSON: lockstep)",
     )
     args = p.parse_args(argv)
-    if args.lockstep and len(args.inputs) != 2:
-        p.error(f"--lockstep pairs two processes (ranks 0 and 1): got {len(args.inputs)} inputs")
+    if args.lockstep and len(args.inputs) % 2:
+        p.error(f"--lockstep pairs processes two by two (ranks 0 and 1 of each): got {len(args.inputs)} inputs")
     missing = [f for f in args.inputs if not os.path.isfile(f)]
     if missing:
         p.error(f"no such file: {', '.join(missing)} (a bench process that died writes none: see its log)")
@@ -194,7 +216,8 @@ def main(argv=None) -> int:
         by = ", ".join(f"{k} {v:.3f}x" for k, v in r["ratio_median_by_gpu"].items() if v is not None)
         print(
             f"  {name}, steps started together on two GPUs: step {r['ratio_median']:.3f}x TRL alone's (median of "
-            f"{r['n']} steps; 95% interval {_fmt(r['ratio_ci95'])}); generation {r['generate_ratio_median'] or float('nan'):.3f}x "
+            f"{r['n']} steps; 95% interval {_fmt(r['ratio_ci95'])}; over the {r['runs']} runs' medians "
+            f"{r['run_ratio_median']:.3f}x, {_fmt(r['run_ratio_ci95'])}); generation {r['generate_ratio_median'] or float('nan'):.3f}x "
             f"({_fmt(r['generate_ratio_ci95'])}); {by}; starts at most {r['start_skew_s_max'] * 1e3:.0f} ms apart"
         )
     print(

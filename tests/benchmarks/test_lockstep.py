@@ -118,6 +118,9 @@ def test_each_tidal_step_pairs_with_the_trl_step_that_started_beside_it():
     assert got["generate_ratio_median"] == pytest.approx(1.03)
     assert got["ratio_median_by_gpu"] == pytest.approx({"tidal on rank 0's GPU": 1.04, "tidal on rank 1's GPU": 1.02})
     assert got["start_skew_s_max"] == pytest.approx(0.004)
+    # A run is the independent unit: four runs, each its median.
+    assert got["runs"] == 4 and sorted(got["run_ratios"]) == pytest.approx([1.02, 1.02, 1.04, 1.04])
+    assert got["run_ratio_median"] == pytest.approx(1.03) and got["run_ratio_ci95"] is None  # < 6 runs
 
 
 def test_steps_that_did_not_start_together_or_runs_that_failed_are_not_paired():
@@ -148,7 +151,11 @@ def test_the_command_line_pairs_two_lockstep_processes_and_refuses_one(tmp_path,
     assert "steps started together on two GPUs" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         pool_paired.main([files[0], "--lockstep", "--json", str(out)])
-    assert e.value.code == 2 and "two processes" in capsys.readouterr().err
+    assert e.value.code == 2 and "two by two" in capsys.readouterr().err
+    # Two lockstep calls pooled: their runs stay apart (a run is the unit).
+    assert pool_paired.main([*files, *files, "--lockstep", "--json", str(out)]) == 0
+    twice = json.loads(out.read_text())["lockstep"]["stream"]
+    assert twice["n"] == 24 and twice["runs"] == 12 and twice["run_ratio_ci95"] == pytest.approx((1.03, 1.03))
 
 
 def test_the_bench_refuses_lockstep_without_one_variant_in_turn_before_any_work(tmp_path, capsys):
