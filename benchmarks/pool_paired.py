@@ -195,14 +195,19 @@ def main(argv=None) -> int:
                 **{
                     k: first.get(k) for k in ("preset", "dtype", "batch", "completion", "gpu", "torch", "trl", "commit")
                 },
-                "processes_at_once": len(runs),
+                # --lockstep: two at once, each pair of inputs a call of its own
+                "processes_at_once": 2 if args.lockstep else len(runs),
+                **({"lockstep_calls": len(runs) // 2} if args.lockstep else {}),
                 "inputs": [os.path.basename(x) for x in args.inputs],
                 "paired": pooled,
                 **({"lockstep": together} if together is not None else {}),
             },
             f,
         )
-    print(f"pooled {len(runs)} processes that ran at once, one a GPU ({first.get('gpu')}):")
+    at_once = (
+        f"{len(runs) // 2} pairs of processes, each pair at once" if args.lockstep else f"{len(runs)} processes at once"
+    )
+    print(f"pooled {at_once}, one a GPU ({first.get('gpu')}):")
     for name, r in pooled.items():
         print(
             f"  {name}: step {r['ratio_median']:.3f}x TRL alone's (median of {r['n']} pairs; 95% interval "
