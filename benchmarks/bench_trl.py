@@ -62,6 +62,13 @@ def _char_task():
 PRESETS = {
     # hidden, intermediate, layers, heads, kv heads
     "tiny": (64, 128, 2, 4, 2),  # a dry run of the script (CPU included)
+    "tiny28": (
+        64,
+        128,
+        28,
+        4,
+        2,
+    ),  # the tensors of a 28-layer model (Qwen2-1.5B's count) at tiny sizes: host-side costs on a CPU
     "qwen2-0.5b": (896, 4864, 24, 14, 2),
     "qwen2-1.5b": (1536, 8960, 28, 12, 2),
     "qwen2-7b": (3584, 18944, 28, 28, 4),
@@ -82,7 +89,7 @@ def qwen2_config(preset: str, *, pad_id: int, eos_id: int):
     h, i, n, a, kv = PRESETS[preset]
     # The real vocabulary size: the embedding and head are a large part of a small model's bytes.
     return Qwen2Config(
-        vocab_size=256 if preset == "tiny" else 152064 if preset.startswith("qwen2.5") else 151936,
+        vocab_size=256 if preset.startswith("tiny") else 152064 if preset.startswith("qwen2.5") else 151936,
         hidden_size=h,
         intermediate_size=i,
         num_hidden_layers=n,
@@ -271,6 +278,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
 
     rss_steps: list[int] = []  # this process's resident set at each measured step's end
     host_given: list[dict] = []  # per measured step: what the host gave it (host_clock.py)
+    given_clock = host_clock.HostClock()  # closed with the run (it watches the garbage collector)
 
     def exposed_s(trainer) -> float:
         ts = getattr(trainer, "timeshare", None)
@@ -385,8 +393,6 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             )
 
     class Clock(TrainerCallback):
-        given_clock = host_clock.HostClock()  # what the host gave each step
-
         # state.global_step counts the steps done: the step starting now is global_step + 1.
         # Step boundaries wait for the compute stream (all of TRL's work), not for the device:
         # copies tidal queued without a host wait (an optimizer state's trip back to the host)
@@ -436,14 +442,14 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                     end.record(getattr(ts.store.engine, name))
                     ends[name[:3]] = end
                 self.tail = (begin, ends)
-            self.given_clock.start()
+            given_clock.start()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
             if cuda:
                 torch.cuda.current_stream().synchronize()
             wall = time.perf_counter() - self.t0
-            given = self.given_clock.stop()
+            given = given_clock.stop()
             if sampler is not None:
                 sampler.stop()
             # As it goes: a run cut by its time limit still shows each step it finished.
@@ -596,6 +602,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     except torch.OutOfMemoryError as e:
         error = f"out of memory: {str(e).splitlines()[0]}"
         oom_at = _where_out_of_memory(trainer, e)
+    finally:
+        given_clock.close()
     import tidal
 
     oom = error is not None

@@ -6,6 +6,7 @@ steal, shows why it was slower where the GPU's own time cannot."""
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import time
@@ -29,9 +30,30 @@ def _stat() -> tuple[int, int] | None:
 
 class HostClock:
     """``start()`` at a step's beginning, ``stop()`` at its end: a dict of what the host gave
-    the step (see the module docstring)."""
+    the step (see the module docstring), and what Python's cyclic garbage collector took of it
+    (its seconds and passes by generation, the objects it tracks at the end: a process holding
+    more long-lived objects spends longer in each full pass)."""
+
+    def __init__(self) -> None:
+        self._gc_s = 0.0
+        self._gc_passes = [0, 0, 0]
+        self._gc_t0: float | None = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self._gc_s += time.perf_counter() - self._gc_t0
+            self._gc_passes[info.get("generation", 0)] += 1
+            self._gc_t0 = None
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     def start(self) -> None:
+        self._gc_s, self._gc_passes = 0.0, [0, 0, 0]
         self._wall = time.perf_counter()
         self._thread = time.thread_time()
         self._usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -47,6 +69,9 @@ class HostClock:
             "involuntary_switches": usage.ru_nivcsw - self._usage.ru_nivcsw,
             "voluntary_switches": usage.ru_nvcsw - self._usage.ru_nvcsw,
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "gc_s": self._gc_s,
+            "gc_passes": list(self._gc_passes),
+            "gc_tracked_objects": len(gc.get_objects()),
         }
         now = _stat()
         if now is not None and self._stat is not None and now[1] > self._stat[1]:

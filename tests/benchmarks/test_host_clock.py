@@ -31,3 +31,22 @@ def test_a_busy_step_has_its_thread_on_a_core_and_a_sleeping_one_does_not():
     assert busy["cpus"] >= 1
     if os.path.exists("/proc/stat"):
         assert 0.0 <= busy["machine_steal_share"] <= 1.0
+
+
+def test_the_collectors_passes_and_time_are_counted_and_close_stops_watching():
+    import gc
+
+    clock = host_clock.HostClock()
+    clock.start()
+    for _ in range(1000):  # cyclic garbage
+        a = []
+        a.append(a)
+    gc.collect()  # one full pass at least
+    got = clock.stop()
+    assert got["gc_passes"][2] >= 1 and got["gc_s"] > 0.0
+    assert got["gc_tracked_objects"] > 0
+    clock.close()
+    assert clock._on_gc not in gc.callbacks
+    clock.start()
+    gc.collect()
+    assert clock.stop()["gc_passes"] == [0, 0, 0]  # no longer watching
