@@ -12,7 +12,10 @@ direction in turn (device to host, host to device, then both at once):
 * ``tidal``: every rank at once, a role of the same bytes (64 MiB tensors) offloaded, loaded,
   then switched with a second role of the same size (``Timeshare`` configured as
   TidalGRPOTrainer configures it: freed memory kept in the process's cache): tidal's rate
-  against ``shared``; and each rank's tidal alone (``tidal_alone``), against ``alone``.
+  against ``shared``; and each rank's tidal alone (``tidal_alone``), against ``alone``;
+* ``tidal_unpaced`` (and ``tidal_unpaced_alone``): the same with the device-to-host copies
+  queued whole (``TransferConfig(paced_piece_bytes=0)``), which shows what the pacing (one
+  piece at the copy engine at a time, for the compute stream's reads) costs each direction.
 
 Printed per rank and in the JSON: GB/s of each, and tidal / shared (target >= 0.9). The host's
 NUMA nodes and memory are read from /sys and /proc and printed with the GPUs.
@@ -89,6 +92,60 @@ def _topology() -> dict:
     }
 
 
+def _tidal_rates(nbytes: int, rank: int, world: int, reps: int, transfer) -> tuple[dict, dict, int]:
+    """tidal's offload, load and switch rates (GB/s) of two roles of ``nbytes`` each (64 MiB
+    tensors): every rank at once, then each rank alone in turn; and the bytes a role holds.
+    ``transfer``: the roles' :class:`tidal.TransferConfig` (None: the default)."""
+    pieces = max(1, nbytes // (64 * MiB))
+    roles = []
+    for _ in range(2):
+        params = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.empty(64 * MiB // 2, dtype=torch.bfloat16, device="cuda"), requires_grad=False)
+            for _ in range(pieces)
+        )
+        roles.append(params)
+    moved = pieces * 64 * MiB
+    # As TidalGRPOTrainer configures it: freed memory stays in this process's cache (the next
+    # load takes it back without asking the driver).
+    kw = {"transfer": transfer} if transfer is not None else {}
+    ts = tidal.Timeshare("cuda", config=tidal.TimeshareConfig(release_to_driver=False, **kw))
+    ts.add_role("a", model=roles[0])
+    ts.add_role("b", model=roles[1])
+    ts.offload("b")
+    ts.offload("a")  # pins the host slots: the timed moves below reuse them
+    ts.load("a")
+
+    def cycle(timed: dict, mine: bool) -> None:
+        """One offload, load and switch, timed where ``mine`` (else only kept in step)."""
+        dist.barrier()
+        rec = ts.offload("a") if mine else None
+        dist.barrier()
+        if mine:
+            timed["d2h"].append(rec.bytes_out / rec.seconds / 1e9)
+            rec = ts.load("a")
+            timed["h2d"].append(rec.bytes_in / rec.seconds / 1e9)
+        dist.barrier()
+        if mine:
+            with ts.use("b"):  # a switch: a out, b in, both directions at once
+                rec = ts.records[-1]
+            timed["both"].append((rec.bytes_out + rec.bytes_in) / rec.seconds / 1e9)
+            ts.load("a")
+        dist.barrier()
+
+    together: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
+    for _ in range(reps):
+        cycle(together, True)
+    alone: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
+    for r in range(world):  # each rank's tidal alone, in turn
+        for _ in range(reps):
+            cycle(alone, r == rank)
+    ts.close()
+    del roles
+    torch.cuda.empty_cache()
+    median = lambda t: {k: statistics.median(v) for k, v in t.items()}  # noqa: E731
+    return median(together), median(alone), moved
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=4.0, help="bytes each rank copies, in GiB")
@@ -121,53 +178,13 @@ def main() -> int:
     del dev, dev2, host, host2
     torch.cuda.empty_cache()
 
-    # tidal: two roles of the same bytes, every rank at once.
-    pieces = max(1, nbytes // (64 * MiB))
-    roles = []
-    for _ in range(2):
-        params = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.empty(64 * MiB // 2, dtype=torch.bfloat16, device="cuda"), requires_grad=False)
-            for _ in range(pieces)
-        )
-        roles.append(params)
-    moved = pieces * 64 * MiB
-    # As TidalGRPOTrainer configures it: freed memory stays in this process's cache (the next
-    # load takes it back without asking the driver).
-    ts = tidal.Timeshare("cuda", config=tidal.TimeshareConfig(release_to_driver=False))
-    ts.add_role("a", model=roles[0])
-    ts.add_role("b", model=roles[1])
-    ts.offload("b")
-    ts.offload("a")  # pins the host slots: the timed moves below reuse them
-    ts.load("a")
-
-    def cycle(timed: dict, mine: bool) -> None:
-        """One offload, load and switch, timed where ``mine`` (else only kept in step)."""
-        dist.barrier()
-        rec = ts.offload("a") if mine else None
-        dist.barrier()
-        if mine:
-            timed["d2h"].append(rec.bytes_out / rec.seconds / 1e9)
-            rec = ts.load("a")
-            timed["h2d"].append(rec.bytes_in / rec.seconds / 1e9)
-        dist.barrier()
-        if mine:
-            with ts.use("b"):  # a switch: a out, b in, both directions at once
-                rec = ts.records[-1]
-            timed["both"].append((rec.bytes_out + rec.bytes_in) / rec.seconds / 1e9)
-            ts.load("a")
-        dist.barrier()
-
-    together: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
-    for _ in range(a.reps):
-        cycle(together, True)
-    res["tidal"] = {k: statistics.median(v) for k, v in together.items()}
-    alone: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
-    for r in range(world):  # each rank's tidal alone, in turn
-        for _ in range(a.reps):
-            cycle(alone, r == rank)
-    res["tidal_alone"] = {k: statistics.median(v) for k, v in alone.items()}
-    res["tidal_bytes"] = moved
-    ts.close()
+    # tidal: two roles of the same bytes, every rank at once; as configured (device-to-host
+    # copies paced, one 64 MiB piece at the copy engine at a time: tidal.transfer.pacing), then
+    # with the pacing off, to show what the pacing costs where both directions run at once.
+    res["tidal"], res["tidal_alone"], res["tidal_bytes"] = _tidal_rates(nbytes, rank, world, a.reps, None)
+    res["tidal_unpaced"], res["tidal_unpaced_alone"], _ = _tidal_rates(
+        nbytes, rank, world, a.reps, tidal.TransferConfig(paced_piece_bytes=0)
+    )
 
     gathered: list = [None] * world
     dist.all_gather_object(gathered, res)
@@ -186,7 +203,8 @@ def main() -> int:
                     f"\n    {d}: plain alone {r['alone'][d]:.1f}, shared {r['shared'][d]:.1f} GB/s "
                     f"({r['shared'][d] / r['alone'][d]:.2f}x alone); tidal alone {r['tidal_alone'][d]:.1f} "
                     f"({r['tidal_alone'][d] / r['alone'][d]:.2f}x plain), shared {r['tidal'][d]:.1f} GB/s "
-                    f"({ratio:.2f}x plain shared)"
+                    f"({ratio:.2f}x plain shared); unpaced, shared {r['tidal_unpaced'][d]:.1f} GB/s "
+                    f"({r['tidal_unpaced'][d] / r['shared'][d]:.2f}x)"
                 )
             print(line)
         print("target: tidal >= 0.9x the shared rate, every rank, every direction")
