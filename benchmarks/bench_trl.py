@@ -24,6 +24,13 @@ Measured after the first step (warm-up): peak allocated device memory
 (``torch.cuda.max_memory_allocated``), median step wall time (device-synchronised, from
 ``on_step_begin`` to ``on_step_end``), and for tidal the transitions' share of the step time.
 Anchor: TRL alone (the ratio columns); targets: peak <= 0.6x at step time <= 1.05x.
+
+Paired comparisons (``--paired N``): TRL alone and the tidal variants in rounds, a process each
+or all in one process (``--in-process``), each variant's median step ratio against its round's
+TRL run with a distribution-free 95% interval. ``--lockstep HOST:PORT --lockstep-rank 0|1``: two
+such processes, one a GPU, start every step together, one running TRL alone while the other
+runs tidal (``lockstep.py``); ``pool_paired.py --lockstep`` pairs their steps. Per measured step
+the JSON also holds what the host gave it (``host_given_steps``, ``host_clock.py``).
 """
 
 from __future__ import annotations
