@@ -69,13 +69,8 @@ def _char_task():
 PRESETS = {
     # hidden, intermediate, layers, heads, kv heads
     "tiny": (64, 128, 2, 4, 2),  # a dry run of the script (CPU included)
-    "tiny28": (
-        64,
-        128,
-        28,
-        4,
-        2,
-    ),  # the tensors of a 28-layer model (Qwen2-1.5B's count) at tiny sizes: host-side costs on a CPU
+    # the tensors of a 28-layer model (Qwen2-1.5B's count) at tiny sizes: host-side costs on a CPU
+    "tiny28": (64, 128, 28, 4, 2),
     "qwen2-0.5b": (896, 4864, 24, 14, 2),
     "qwen2-1.5b": (1536, 8960, 28, 12, 2),
     "qwen2-7b": (3584, 18944, 28, 28, 4),

@@ -28,6 +28,14 @@ from bench_trl import _paired, median_ci95  # noqa: E402
 __all__ = ["lockstep_pairs", "pool"]
 
 
+_WORKLOAD = ("preset", "dtype", "batch", "completion")
+
+
+def _workloads(runs: list[dict]) -> set[tuple]:
+    """The distinct workloads (:data:`_WORKLOAD`) the bench JSONs ``runs`` measured."""
+    return {tuple(r.get(k) for k in _WORKLOAD) for r in runs}
+
+
 def _summary(values: list[float]) -> dict:
     return {
         "ratio_median": statistics.median(values) if values else None,
@@ -45,11 +53,10 @@ def pool(runs: list[dict]) -> dict:
     inputs measured different workloads (preset, dtype, batch, completion)."""
     if not runs:
         raise ValueError("no bench JSON given: pass the files bench_trl.py --paired wrote")
-    keys = ("preset", "dtype", "batch", "completion")
-    shapes = {tuple(r.get(k) for k in keys) for r in runs}
+    shapes = _workloads(runs)
     if len(shapes) > 1:
         raise ValueError(
-            f"the runs measured different workloads {sorted(map(str, shapes))} ({', '.join(keys)}): pool one"
+            f"the runs measured different workloads {sorted(map(str, shapes))} ({', '.join(_WORKLOAD)}): pool one"
         )
     out: dict = {}
     for i, run in enumerate(runs):
@@ -80,6 +87,12 @@ def pool(runs: list[dict]) -> dict:
     return pooled
 
 
+def _generate_s(run: dict, k: int) -> float | None:
+    """The generation phase's seconds in measured step ``k`` of ``run`` (None if not recorded)."""
+    steps = run.get("phase_s_steps") or []
+    return steps[k].get("generate") if k < len(steps) else None
+
+
 def lockstep_pairs(*runs: dict) -> dict:
     """The steps of ``bench_trl.py --lockstep`` processes, given as ranks 0 and 1 of one
     lockstep, then of the next (other calls or machines), that started together: where one ran
@@ -92,9 +105,8 @@ def lockstep_pairs(*runs: dict) -> dict:
     such step, or measured different workloads."""
     if not runs or len(runs) % 2:
         raise ValueError(f"--lockstep pairs processes two by two (ranks 0 and 1 of each): got {len(runs)} inputs")
-    keys = ("preset", "dtype", "batch", "completion")
-    if len({tuple(r.get(k) for k in keys) for r in runs}) > 1:
-        raise ValueError(f"the processes measured different workloads ({', '.join(keys)}): pair one")
+    if len(_workloads(list(runs))) > 1:
+        raise ValueError(f"the processes measured different workloads ({', '.join(_WORKLOAD)}): pair one")
     out: dict = {}
     both = [
         (f"{i // 2}:" if len(runs) > 2 else "", ra, rb)
@@ -119,8 +131,7 @@ def lockstep_pairs(*runs: dict) -> dict:
             row["by_side"][side].append(ratio)
             row["skew"].append(abs(t["started_at"] - s["started_at"]))
             row["keys"].append(prefix + s["key"])
-            gen = (ours.get("phase_s_steps") or [{}] * (j + 1))[j].get("generate")
-            gen0 = (base.get("phase_s_steps") or [{}] * (k + 1))[k].get("generate")
+            gen, gen0 = _generate_s(ours, j), _generate_s(base, k)
             if gen and gen0:
                 row["generate"].append(gen / gen0)
     if not any(r["step"] for r in out.values()):
