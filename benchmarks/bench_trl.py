@@ -444,6 +444,14 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                     end.record(getattr(ts.store.engine, name))
                     ends[name[:3]] = end
                 self.tail = (begin, ends)
+            if args._main_cores:
+                # --main-cores: the main thread (the host-bound decode's) on one of two cores, the
+                # partner's on the other, swapped every step: each side gets each core as often.
+                # Last before the clock: threads started above keep the process's cores.
+                core = args._main_cores[(state.global_step + args._run_index + args.lockstep_rank) % 2]
+                os.sched_setaffinity(0, {core})  # 0: the calling thread alone
+                if self.lockstep is not None:
+                    self.lockstep["core"] = core
             given_clock.start()
             self.t0 = time.perf_counter()
 
@@ -452,6 +460,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 torch.cuda.current_stream().synchronize()
             wall = time.perf_counter() - self.t0
             given = given_clock.stop()
+            if args._main_cores:
+                os.sched_setaffinity(0, args._process_cores)  # back on all of them between steps
             if sampler is not None:
                 sampler.stop()
             # As it goes: a run cut by its time limit still shows each step it finished.
@@ -1254,6 +1264,14 @@ def main(argv=None) -> int:
         help="with --lockstep: 0 runs the --paired order (TRL alone first), 1 its complement",
     )
     p.add_argument(
+        "--main-cores",
+        default=None,
+        metavar="A,B",
+        help="with --lockstep: each measured step's main thread on core A or B (Linux core numbers), the partner's "
+        "on the other, swapped every step, so that a core faster than the other (a host-bound decode runs at its "
+        "core's pace) favours neither side; the core is recorded with each step (lockstep_steps)",
+    )
+    p.add_argument(
         "--model-cache",
         default=None,
         help="a folder where the preset's random model is saved once and found by later runs (a 14B save takes "
@@ -1319,6 +1337,21 @@ def main(argv=None) -> int:
             lockstep.parse_address(args.lockstep)
         except ValueError as e:
             p.error(str(e))
+    args._main_cores = None
+    if args.main_cores:
+        if not args.lockstep:
+            p.error("--main-cores swaps two cores between the lockstep partners: it needs --lockstep")
+        try:
+            cores = [int(x) for x in args.main_cores.split(",")]
+        except ValueError:
+            cores = []
+        allowed = os.sched_getaffinity(0)
+        if len(cores) != 2 or cores[0] == cores[1] or any(c not in allowed for c in cores):
+            p.error(
+                f"--main-cores {args.main_cores}: give two different cores of this process's, A,B (it may run on "
+                f"{sorted(allowed)})"
+            )
+        args._main_cores, args._process_cores = cores, allowed
     args._lockstep, args._run_index = None, 0
     if args._sequence:
         # --paired --in-process: each run in turn in this process, its trainer freed before the next.
@@ -1484,6 +1517,7 @@ def _child_cmd(args, what: list[str], out: str, model_path: str, reward_path: st
         + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])
         + (["--reward-model-path", reward_path] if reward_path else [])
         + (["--lockstep", args.lockstep, "--lockstep-rank", str(args.lockstep_rank)] if args.lockstep else [])
+        + (["--main-cores", args.main_cores] if args.main_cores else [])
     )
 
 

@@ -24,7 +24,11 @@
 #                            PAIRED (6) pairs: the median step ratio and its 95% interval; PAIRED_GPUS=k:
 #                            k such processes at once, one a GPU, their pairs pooled; with LOCKSTEP=1 and
 #                            PAIRED_GPUS=2 the two start each step together, TRL alone beside tidal;
-#                            PIN_CORES=1: each process on its own share of the host's cores
+#                            PIN_CORES=1: each process on its own share of the host's cores;
+#                            MAIN_CORES=A,B (or fast: the cores part's two fastest, name it first):
+#                            the two main threads on A and B, swapped every step
+#                cores       benchmarks/bench_host_cores.py: each core's speed at Python and its
+#                            memory's distance, then a decode on the fastest and slowest (CORES_ARGS)
 #                14b         Qwen2.5-14B shape bf16, 64 x 256 in micro-batches of MICRO14B (16), STEPS14B
 #                            (11) steps (VARIANTS14B_ONE)
 #                stress      16 x 32 at 1.5B and at 7B (VARIANTS_STRESS); stress-1.5b, stress-7b
@@ -140,7 +144,7 @@ declare -A DEFAULT=(
 )
 declare -A EXTRA=(
   [core]="overhead ckpt1"
-  [trl]="14b paired stress stress-1.5b stress-7b ds demo7b profile contention decode"
+  [trl]="14b paired cores stress stress-1.5b stress-7b ds demo7b profile contention decode"
   [demo]=""
   [cpu_adam]="bench precision"
   [lease]="processes"
@@ -354,6 +358,22 @@ p_trl_14b() {  # the Qwen2.5-14B shape on one GPU, 64 x 256 in micro-batches (MI
     --micro-batch "${MICRO14B:-16}" --steps "${STEPS14B:-11}" --variants "${VARIANTS14B_ONE:-stream+prefetch}" \
     --json "$OUT/trl_14b_64x256_$TAG.json"
 }
+FASTEST_CORES='
+import json, sys
+
+# The two fastest cores of bench_host_cores.py (its "calls": Python on the core), as A,B.
+calls = json.load(open(sys.argv[1]))["summary"]["calls"]["per_cpu_s"]
+print(",".join(sorted(calls, key=calls.get)[:2]))
+'
+main_cores() {  # MAIN_CORES=A,B as given, or MAIN_CORES=fast: the two fastest of this call's cores part
+  if [ "$MAIN_CORES" != fast ]; then echo "$MAIN_CORES"; return; fi
+  if [ "$DRY" = 1 ]; then echo "<the two fastest cores of $OUT/host_cores_$TAG.json>"; return; fi
+  python3 -c "$FASTEST_CORES" "$OUT/host_cores_$TAG.json"
+}
+p_trl_cores() {  # each core's Python speed and memory distance, then a 1.5B decode on the fastest and slowest
+  run trl_cores.log timeout "${CORES_TIMEOUT:-240}" python3 benchmarks/bench_host_cores.py ${CORES_ARGS:---decode qwen2-1.5b} \
+    --json "$OUT/host_cores_$TAG.json"
+}
 p_trl_paired() {  # TRL alone and tidal alternating in one process, PAIRED (6) pairs: the step ratio's 95% interval
   need_module trl || return 0
   local args=(--preset qwen2-1.5b --dtype float32 --batch 64 --completion 256 --steps "${STEPS:-3}"
@@ -378,6 +398,7 @@ p_trl_paired() {  # TRL alone and tidal alternating in one process, PAIRED (6) p
     if [ "$DRY" = 1 ]; then echo "  (in the background, GPU $i:)"; fi
     local more=()
     if [ "${LOCKSTEP:-0}" = 1 ]; then more=(--lockstep "127.0.0.1:$port" --lockstep-rank "$i"); fi
+    if [ "${LOCKSTEP:-0}" = 1 ] && [ -n "${MAIN_CORES:-}" ]; then more+=(--main-cores "$(main_cores)"); fi
     { export CUDA_VISIBLE_DEVICES=$i
       if [ "${PIN_CORES:-0}" = 1 ] && [ "$DRY" != 1 ]; then
         # PIN_CORES=1: each process (and what it starts) on its own k-th of the host's cores,

@@ -100,7 +100,8 @@ def lockstep_pairs(*runs: dict) -> dict:
     that began with it (the same rendezvous key, met on both sides). Returns, per tidal variant:
     the step ratio's median, 95% interval and n, the same over the runs' medians (a run is the
     independent unit) and for the generation phase, the medians with tidal on rank 0's GPU and
-    on rank 1's (a GPU's own speed shows as their difference), and the largest gap between two
+    on rank 1's (a GPU's own speed shows as their difference), with ``--main-cores`` those with
+    tidal's main thread on each core (a core's own speed), and the largest gap between two
     paired steps' starts. Raises ``ValueError`` for an odd number of inputs, when they hold no
     such step, or measured different workloads."""
     if not runs or len(runs) % 2:
@@ -120,7 +121,8 @@ def lockstep_pairs(*runs: dict) -> dict:
         ours, base, side = (rb, ra, 1) if names[0] == "trl" else (ra, rb, 0)
         met = {s["key"]: (k, s) for k, s in enumerate(ours.get("lockstep_steps", [])) if s["met"]}
         row = out.setdefault(
-            ours["variant"], {"step": [], "generate": [], "by_side": {0: [], 1: []}, "skew": [], "keys": []}
+            ours["variant"],
+            {"step": [], "generate": [], "by_side": {0: [], 1: []}, "by_core": {}, "skew": [], "keys": []},
         )
         for k, s in enumerate(base.get("lockstep_steps", [])):
             if not s["met"] or s["key"] not in met:
@@ -129,6 +131,8 @@ def lockstep_pairs(*runs: dict) -> dict:
             ratio = ours["step_times_s"][j] / base["step_times_s"][k]
             row["step"].append(ratio)
             row["by_side"][side].append(ratio)
+            if "core" in t:  # --main-cores: the core tidal's main thread had for the step
+                row["by_core"].setdefault(t["core"], []).append(ratio)
             row["skew"].append(abs(t["started_at"] - s["started_at"]))
             row["keys"].append(prefix + s["key"])
             gen, gen0 = _generate_s(ours, j), _generate_s(base, k)
@@ -167,6 +171,10 @@ def lockstep_pairs(*runs: dict) -> dict:
             },
             "start_skew_s_max": max(row["skew"]),
         }
+        if row["by_core"]:
+            result[name]["ratio_median_by_core"] = {
+                f"tidal's main thread on core {c}": statistics.median(v) for c, v in sorted(row["by_core"].items())
+            }
     return result
 
 
@@ -230,6 +238,7 @@ def main(argv=None) -> int:
             print(f"    process {q['process']}: {q['ratio_median']:.3f}x over {q['n']} pairs")
     for name, r in (together or {}).items():
         by = ", ".join(f"{k} {v:.3f}x" for k, v in r["ratio_median_by_gpu"].items() if v is not None)
+        by += "".join(f", {k} {v:.3f}x" for k, v in r.get("ratio_median_by_core", {}).items())
         print(
             f"  {name}, steps started together on two GPUs: step {r['ratio_median']:.3f}x TRL alone's (median of "
             f"{r['n']} steps; 95% interval {_fmt(r['ratio_ci95'])}; over the {r['runs']} runs' medians "

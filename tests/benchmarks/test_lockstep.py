@@ -123,6 +123,29 @@ def test_each_tidal_step_pairs_with_the_trl_step_that_started_beside_it():
     assert got["run_ratio_median"] == pytest.approx(1.03) and got["run_ratio_ci95"] is None  # < 6 runs
 
 
+def test_with_main_cores_the_ratios_are_split_by_the_core_tidal_had():
+    # Core 5 runs Python 1.1x slower than core 3; the main threads swap cores step by step, so
+    # tidal's step (1.0x TRL's on equal cores) is 1.1x on core 5 and 1/1.1x on core 3.
+    a = _run(["trl", "stream"], [[10.0, 10.0], [10.0, 10.0]])
+    b = _run(["stream", "trl"], [[10.0, 10.0], [10.0, 10.0]])
+    for rank, proc in ((0, a), (1, b)):
+        for i, v in enumerate(proc["variants"]):
+            for k, step in enumerate(v["lockstep_steps"]):
+                step["core"] = (3, 5)[(k + 1 + i + rank) % 2]
+                v["step_times_s"][k] *= 1.1 if step["core"] == 5 else 1.0
+    got = pool_paired.lockstep_pairs(a, b)["stream"]
+    assert got["n"] == 4
+    assert got["ratio_median_by_core"] == pytest.approx(
+        {"tidal's main thread on core 3": 1 / 1.1, "tidal's main thread on core 5": 1.1}
+    )
+    assert got["ratio_median"] == pytest.approx((1 / 1.1 + 1.1) / 2)  # the swaps balance: 2 steps on each
+    # Without cores recorded there is no split.
+    assert (
+        "ratio_median_by_core"
+        not in pool_paired.lockstep_pairs(_run(["trl"], [[1.0]]), _run(["stream"], [[1.0]]))["stream"]
+    )
+
+
 def test_steps_that_did_not_start_together_or_runs_that_failed_are_not_paired():
     a = _run(["trl", "stream", "trl"], [[10.0, 10.0], [10.5, 10.5], [10.0, 10.0]], error="out of memory")
     b = _run(["stream", "trl", "stream"], [[10.2, 10.2], [10.0, 10.0], [10.3, 10.3]])
@@ -183,6 +206,17 @@ def test_the_bench_refuses_lockstep_without_one_variant_in_turn_before_any_work(
             ]
         )
     assert "HOST:PORT" in capsys.readouterr().err
+    lock = ["--variants", "trl,stream", "--paired", "2", "--in-process", "--lockstep", "127.0.0.1:29611"]
+    for extra, says in (
+        (["--variants", "trl,stream", "--main-cores", "0,1"], "it needs --lockstep"),
+        ([*lock, "--main-cores", "0"], "give two different cores"),
+        ([*lock, "--main-cores", "0,0"], "give two different cores"),
+        ([*lock, "--main-cores", "a,b"], "give two different cores"),
+        ([*lock, "--main-cores", f"0,{max(os.sched_getaffinity(0)) + 1}"], "give two different cores"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            bench_trl.main([*extra, "--model-cache", str(cache)])
+        assert e.value.code == 2 and says in capsys.readouterr().err
     assert not cache.exists()  # no model saved, no process launched
 
 
@@ -192,12 +226,15 @@ def test_two_tiny_bench_processes_step_together_and_pool(tmp_path):
     measured step started with the partner's, pooled by ``pool_paired.py --lockstep``."""
     pytest.importorskip("trl")
     address = f"127.0.0.1:{_port()}"
+    cores = sorted(os.sched_getaffinity(0))[:2]
     procs = []
     for r in (0, 1):
         cmd = [sys.executable, os.path.join(BENCH, "bench_trl.py"), "--preset", "tiny", "--dtype", "float32"]
         cmd += ["--batch", "8", "--completion", "8", "--steps", "3", "--variants", "trl,stream+prefetch"]
         cmd += ["--paired", "2", "--in-process", "--lockstep", address, "--lockstep-rank", str(r)]
         cmd += ["--json", str(tmp_path / f"r{r}.json"), "--results", str(tmp_path / f"R{r}.md")]
+        if len(cores) == 2:
+            cmd += ["--main-cores", f"{cores[0]},{cores[1]}"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         out, _ = p.communicate(timeout=900)
@@ -210,6 +247,12 @@ def test_two_tiny_bench_processes_step_together_and_pool(tmp_path):
             assert v["error"] is None
             assert [s["key"] for s in v["lockstep_steps"]] == [f"{i}/2", f"{i}/3"]  # the measured steps
             assert all(s["met"] for s in v["lockstep_steps"])
+    if len(cores) == 2:
+        # Each step's main thread on the core its partner's was not on, swapped step by step.
+        for i in range(4):
+            mine, theirs = (runs[r]["variants"][i]["lockstep_steps"] for r in (0, 1))
+            assert [s["core"] for s in mine] == [cores[(k + i) % 2] for k in (1, 2)]
+            assert [a["core"] for a in mine] == [cores[1 - cores.index(b["core"])] for b in theirs]
     got = pool_paired.lockstep_pairs(*runs)["stream+prefetch"]
     assert got["n"] == 8 and got["start_skew_s_max"] < 0.5
 
