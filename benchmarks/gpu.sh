@@ -76,6 +76,9 @@
 #                            --launch ddp (VARIANTS_DDP); needs 4 GPUs
 #                copies      benchmarks/bench_shared_copies.py: every GPU copying at once, plain and
 #                            as tidal's transitions (COPY_GIB, 4); needs 2 GPUs (all it finds)
+#                decode      benchmarks/bench_fsdp_decode.py: FSDP2's gathered generation against the
+#                            same model whole, alternating in each process (DECODE_GPUS, 2;
+#                            FSDP_DECODE_ARGS, --preset qwen2.5-14b)
 #                save        SAVE_PRESETS (qwen2.5-32b qwen2.5-14b) saved to /tmp/bench_models in the
 #                            background on the last GPU, one after the other, while the next parts
 #                            (or the next call, on a warm machine) run; the parts below wait for it
@@ -149,7 +152,7 @@ declare -A EXTRA=(
   [cpu_adam]="bench precision"
   [lease]="processes"
   [deepspeed]="bench-1.5b"
-  [multi]="ddp7b copies save zero3 fsdp4"
+  [multi]="ddp7b copies decode save zero3 fsdp4"
 )
 ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two multi"
 
@@ -733,6 +736,12 @@ p_multi_copies() {
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   run multi_copies.log timeout "${COPIES_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node "$n" \
     benchmarks/bench_shared_copies.py --gib "${COPY_GIB:-4}" --json "$OUT/shared_copies_$TAG.json"
+}
+p_multi_decode() {  # FSDP2's gathered generation against the same model whole, in one process a GPU
+  need_gpus 2 || return 0
+  run multi_decode.log timeout "${FSDP_DECODE_TIMEOUT:-300}" python3 -m torch.distributed.run --standalone \
+    --nproc_per_node "${DECODE_GPUS:-2}" benchmarks/bench_fsdp_decode.py ${FSDP_DECODE_ARGS:---preset qwen2.5-14b} \
+    --json "$OUT/fsdp_decode_$TAG.json"
 }
 p_multi_save() {  # in the background: the parts that need a model wait for it (wait_saved)
   need_gpus 2 || return 0
