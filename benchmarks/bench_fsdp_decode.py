@@ -146,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(2, plain.config.vocab_size, (args.batch, args.prompt_tokens), generator=g).to(device)
     states = ["gathered", "gathered+hooks"] + (["per-unit"] if args.per_unit else [])
-    for state in ["plain", *states]:  # warm-up: kernels, cuBLAS handles, allocator
-        _rep(state, plain, sharded, gaps, ids, 4)
+    for state in ["plain", *states]:  # warm-up: kernels, cuBLAS handles, the allocator's blocks
+        # at full length (a warm-up of 4 tokens left the first timed plain rep 2.3x the
+        # others at 14B on 2 H200s, 2026-11-28: its KV cache's growth was still to come).
+        _rep(state, plain, sharded, gaps, ids, args.new_tokens)
     runs: dict[str, list[dict]] = {s: [] for s in ["plain", *states]}
     pairs: dict[str, list[tuple[dict, dict]]] = {s: [] for s in states}
     for r in range(args.reps):
