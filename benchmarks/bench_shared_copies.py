@@ -17,6 +17,10 @@ direction in turn (device to host, host to device, then both at once):
   queued whole (``TransferConfig(paced_piece_bytes=0)``), which shows what the pacing (one
   piece at the copy engine at a time, for the compute stream's reads) costs each direction.
 
+Of each switch (both directions at once), plain and tidal's, when each direction's last copy
+ended (timing events on the copy streams): a switch whose one direction ends well before the
+other ran part of its time one way only.
+
 Printed per rank and in the JSON: GB/s of each, and tidal / shared (target >= 0.9). The host's
 NUMA nodes and memory are read from /sys and /proc and printed with the GPUs.
 """
@@ -24,6 +28,7 @@ NUMA nodes and memory are read from /sys and /proc and printed with the GPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import glob
 import json
@@ -70,7 +75,20 @@ def _copies(dev: torch.Tensor, host: torch.Tensor, dev2: torch.Tensor, host2: to
         d2h()
         h2d()
 
-    return {"d2h": d2h, "h2d": h2d, "both": both}
+    def both_spans() -> dict:
+        """Both at once, with when each direction's copy ended (s from the start)."""
+        marks = {
+            k: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for k in ("d2h", "h2d")
+        }
+        marks["d2h"][0].record(d2h_stream)
+        marks["h2d"][0].record(h2d_stream)
+        both()
+        marks["d2h"][1].record(d2h_stream)
+        marks["h2d"][1].record(h2d_stream)
+        torch.cuda.synchronize()
+        return {k: a.elapsed_time(b) / 1e3 for k, (a, b) in marks.items()}
+
+    return {"d2h": d2h, "h2d": h2d, "both": both, "both_spans": both_spans}
 
 
 def _topology() -> dict:
@@ -90,6 +108,43 @@ def _topology() -> dict:
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cpus": os.cpu_count(),
     }
+
+
+@contextlib.contextmanager
+def _directions(engine):
+    """Inside the block, when each direction of tidal's copies ended: a timing event on each
+    copy stream at the block's start and after every segment the engine queues there; yields
+    a dict filled at the block's end with ``d2h`` and ``h2d``, the seconds from the start to
+    each direction's last copy (the bench's instrument: the engine's own methods, wrapped for
+    the block and put back)."""
+    start = {}
+    last: dict[str, object] = {}
+    spans: dict[str, float] = {}
+    wrapped = {}
+    for name, stream_attr, key in (("copy_out", "d2h_stream", "d2h"), ("copy_in", "h2d_stream", "h2d")):
+        stream = getattr(engine, stream_attr)
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        start[key] = ev
+        original = getattr(engine, name)
+
+        def timed(seg, _original=original, _stream=stream, _key=key):
+            out = _original(seg)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(_stream)  # behind the segment's copy on its stream (the pacer's pieces too)
+            last[_key] = end
+            return out
+
+        wrapped[name] = original
+        setattr(engine, name, timed)
+    try:
+        yield spans
+    finally:
+        for name, original in wrapped.items():
+            setattr(engine, name, original)
+    torch.cuda.synchronize()
+    for key in ("d2h", "h2d"):
+        spans[key] = start[key].elapsed_time(last[key]) / 1e3 if key in last else 0.0
 
 
 def _tidal_rates(nbytes: int, rank: int, world: int, reps: int, transfer) -> tuple[dict, dict, int]:
@@ -126,16 +181,21 @@ def _tidal_rates(nbytes: int, rank: int, world: int, reps: int, transfer) -> tup
             timed["h2d"].append(rec.bytes_in / rec.seconds / 1e9)
         dist.barrier()
         if mine:
-            with ts.use("b"):  # a switch: a out, b in, both directions at once
-                rec = ts.records[-1]
+            with _directions(ts.store.engine) as spans:
+                with ts.use("b"):  # a switch: a out, b in, both directions at once
+                    rec = ts.records[-1]
             timed["both"].append((rec.bytes_out + rec.bytes_in) / rec.seconds / 1e9)
+            timed["both_d2h_s"].append(spans["d2h"])
+            timed["both_h2d_s"].append(spans["h2d"])
+            timed["both_s"].append(rec.seconds)
             ts.load("a")
         dist.barrier()
 
-    together: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
+    keys = ("d2h", "h2d", "both", "both_d2h_s", "both_h2d_s", "both_s")
+    together: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(reps):
         cycle(together, True)
-    alone: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
+    alone: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(world):  # each rank's tidal alone, in turn
         for _ in range(reps):
             cycle(alone, r == rank)
@@ -164,6 +224,7 @@ def main() -> int:
     host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     copies = _copies(dev, host, dev2, host2)
     res: dict = {"rank": rank, "alone": {}, "shared": {}, "tidal": {}}
+    spans = copies.pop("both_spans")
     for direction, fn in copies.items():
         moved = nbytes * (2 if direction == "both" else 1)
         fn()  # warm
@@ -175,6 +236,9 @@ def main() -> int:
         dist.barrier()
         res["shared"][direction] = moved / _timed(fn, a.reps) / 1e9  # every rank at once
         dist.barrier()
+        if direction == "both":
+            res["shared_both_spans"] = spans()  # every rank at once again, each direction's end
+            dist.barrier()
     del dev, dev2, host, host2
     torch.cuda.empty_cache()
 
@@ -205,6 +269,18 @@ def main() -> int:
                     f"({r['tidal_alone'][d] / r['alone'][d]:.2f}x plain), shared {r['tidal'][d]:.1f} GB/s "
                     f"({ratio:.2f}x plain shared); unpaced, shared {r['tidal_unpaced'][d]:.1f} GB/s "
                     f"({r['tidal_unpaced'][d] / r['shared'][d]:.2f}x)"
+                )
+            sp = r["shared_both_spans"]
+            line += (
+                f"\n    plain both at once, all ranks: its device-to-host copy ended {sp['d2h'] * 1e3:.1f} ms, its "
+                f"host-to-device {sp['h2d'] * 1e3:.1f} ms after the start"
+            )
+            for label, key in (("tidal", "tidal"), ("tidal alone", "tidal_alone")):
+                t = r[key]
+                line += (
+                    f"\n    {label}'s switch: {t['both_s'] * 1e3:.1f} ms on the host; its device-to-host copies "
+                    f"ended {t['both_d2h_s'] * 1e3:.1f} ms, its host-to-device {t['both_h2d_s'] * 1e3:.1f} ms after its "
+                    f"start"
                 )
             print(line)
         print("target: tidal >= 0.9x the shared rate, every rank, every direction")
