@@ -75,7 +75,7 @@
 #                ddp7b       bench_trl.py at Qwen2-7B bf16, 64 x 256: tidal on one GPU, then --nproc 4
 #                            --launch ddp (VARIANTS_DDP); needs 4 GPUs
 #                copies      benchmarks/bench_shared_copies.py: every GPU copying at once, plain and
-#                            as tidal's transitions (COPY_GIB, 4); needs 2 GPUs (all it finds)
+#                            as tidal's transitions (COPY_GIB, 4; COPY_REPS, 3); needs 2 GPUs (all it finds)
 #                decode      benchmarks/bench_fsdp_decode.py: FSDP2's gathered generation against the
 #                            same model whole, alternating in each process (DECODE_GPUS, 2;
 #                            FSDP_DECODE_ARGS, --preset qwen2.5-14b)
@@ -735,7 +735,7 @@ p_multi_copies() {
   local n
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   run multi_copies.log timeout "${COPIES_TIMEOUT:-240}" python3 -m torch.distributed.run --standalone --nproc_per_node "$n" \
-    benchmarks/bench_shared_copies.py --gib "${COPY_GIB:-4}" --json "$OUT/shared_copies_$TAG.json"
+    benchmarks/bench_shared_copies.py --gib "${COPY_GIB:-4}" --reps "${COPY_REPS:-3}" --json "$OUT/shared_copies_$TAG.json"
 }
 p_multi_decode() {  # FSDP2's gathered generation against the same model whole, in one process a GPU
   need_gpus 2 || return 0
