@@ -9,8 +9,9 @@ hooks off and decodes without transformers' ``synced_gpus``
 (:func:`tidal.integrations.trl.launch`'s gathered generation: :func:`tidal.distributed.fsdp.gathered`
 and :func:`~tidal.distributed.fsdp.hooks_off_while_gathered`). Its generation was compared with
 one GPU's in other processes beside it (bench_trl.py, gpu.sh ``multi:fsdp14b``), where a
-host-bound decode's pace varies with the host of the moment more than the target allows (1.00x
-to 1.53x from step to step in one call). Here each rank holds, built from the same seed:
+host-bound decode's pace varies with the host of the moment more than the target allows (1.06x
+to 1.54x from step to step in one call, 14B shape on 2 of 4 H200s, 2026-11-28). Here each rank
+holds, built from the same seed:
 
 * ``plain``: the model whole, unsharded, as one GPU holding it runs it (no FSDP);
 * ``sharded``: the same weights under ``fully_shard`` as accelerate's FSDP2 applies it (each
