@@ -74,6 +74,19 @@ def decode(model, gaps: Gaps, ids, new_tokens: int, on_first_forward=None) -> di
 
         handle = model.register_forward_pre_hook(first)
     t0 = time.perf_counter()
+    generate_greedy(model, ids, new_tokens)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    times, gaps.times = gaps.times, None
+    return {"wall_s": wall, **gap_stats(times), "tokens": len(times)}
+
+
+def generate_greedy(model, ids, new_tokens: int, **kwargs):
+    """``new_tokens`` tokens after ``ids`` (greedy, no early stop, no grad); ``kwargs`` go to
+    ``generate`` (``synced_gpus``). Returns the sequences."""
+    import torch
+
     with torch.no_grad():
         out = model.generate(
             ids,
@@ -83,14 +96,16 @@ def decode(model, gaps: Gaps, ids, new_tokens: int, on_first_forward=None) -> di
             do_sample=False,
             use_cache=True,
             pad_token_id=0,
+            **kwargs,
         )
-    if ids.is_cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    times, gaps.times = gaps.times, None
-    steps = [b - a for a, b in zip(times, times[1:])]
     assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
-    return {"wall_s": wall, "median_gap_s": statistics.median(steps), "longest_gap_s": max(steps), "tokens": len(times)}
+    return out
+
+
+def gap_stats(times: list[float]) -> dict:
+    """The median and longest gap between consecutive forward times (one per token)."""
+    steps = [b - a for a, b in zip(times, times[1:])]
+    return {"median_gap_s": statistics.median(steps), "longest_gap_s": max(steps)}
 
 
 def main(argv: list[str] | None = None) -> int:

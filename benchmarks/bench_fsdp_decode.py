@@ -45,7 +45,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_decode import Gaps, build  # noqa: E402
+from bench_decode import Gaps, build, gap_stats, generate_greedy  # noqa: E402
 from bench_trl import PRESETS  # noqa: E402
 
 
@@ -59,22 +59,6 @@ def shard_as_accelerate(model) -> None:
         fully_shard(layer)
     fully_shard([model.model.norm, model.lm_head])
     fully_shard(model)
-
-
-def _generate(model, ids, new_tokens: int, *, synced: bool):
-    import torch
-
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            use_cache=True,
-            pad_token_id=0,
-            synced_gpus=synced,
-        )
 
 
 def _rep(state: str, plain, sharded, gaps: dict, ids, new_tokens: int) -> tuple[dict, object]:
@@ -96,16 +80,14 @@ def _rep(state: str, plain, sharded, gaps: dict, ids, new_tokens: int) -> tuple[
             if state == "gathered":
                 hooks_off = stack.enter_context(hooks_off_while_gathered(model))
         g.times = []
-        out = _generate(model, ids, new_tokens, synced=state == "per-unit")
+        out = generate_greedy(model, ids, new_tokens, synced_gpus=state == "per-unit")
         if ids.is_cuda:
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     times, g.times = g.times, None
-    steps = [b - a for a, b in zip(times, times[1:])]
-    assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
     if state == "gathered" and not hooks_off:
         raise RuntimeError("hooks_off_while_gathered() left FSDP2's hooks on: a unit casts, so this is no measure")
-    return {"wall_s": wall, "median_gap_s": statistics.median(steps), "longest_gap_s": max(steps)}, out
+    return {"wall_s": wall, **gap_stats(times)}, out
 
 
 def main(argv: list[str] | None = None) -> int:
