@@ -11,8 +11,12 @@ direction in turn (device to host, host to device, then both at once):
   host's memory and PCIe fabric are shared;
 * ``tidal``: every rank at once, a role of the same bytes (64 MiB tensors) offloaded, loaded,
   then switched with a second role of the same size (``Timeshare`` configured as
-  TidalGRPOTrainer configures it: freed memory kept in the process's cache): tidal's rate
-  against ``shared``; and each rank's tidal alone (``tidal_alone``), against ``alone``;
+  TidalGRPOTrainer configures it: freed memory kept in the process's cache), each move paired
+  with a plain copy of the same direction, every rank at once, one right after the other (plain
+  first in even repetitions, tidal first in odd ones): the host's state drifts between seconds
+  (the same code measured 0.86x on one machine and 1.02x on another with the two measured in
+  separate blocks), so the ratio is taken pair by pair; and each rank's tidal alone
+  (``tidal_alone``), against ``alone``;
 * ``tidal_unpaced`` (and ``tidal_unpaced_alone``): the same with the device-to-host copies
   queued whole (``TransferConfig(paced_piece_bytes=0)``), which shows what the pacing (one
   piece at the copy engine at a time, for the compute stream's reads) costs each direction.
@@ -21,7 +25,8 @@ Of each switch (both directions at once), plain and tidal's, when each direction
 ended (timing events on the copy streams): a switch whose one direction ends well before the
 other ran part of its time one way only.
 
-Printed per rank and in the JSON: GB/s of each, and tidal / shared (target >= 0.9). The host's
+Printed per rank and in the JSON: GB/s of each, and tidal / plain shared pair by pair (each
+pair's ratio, their median, least and most; target >= 0.9). The host's
 NUMA nodes and memory are read from /sys and /proc and printed with the GPUs.
 """
 
@@ -147,10 +152,12 @@ def _directions(engine):
         spans[key] = start[key].elapsed_time(last[key]) / 1e3 if key in last else 0.0
 
 
-def _tidal_rates(nbytes: int, rank: int, world: int, reps: int, transfer) -> tuple[dict, dict, int]:
-    """tidal's offload, load and switch rates (GB/s) of two roles of ``nbytes`` each (64 MiB
-    tensors): every rank at once, then each rank alone in turn; and the bytes a role holds.
-    ``transfer``: the roles' :class:`tidal.TransferConfig` (None: the default)."""
+def _roles(nbytes: int, transfer) -> tuple[tidal.Timeshare, list, int]:
+    """Two roles of ``nbytes`` each (64 MiB tensors) in a Timeshare configured as
+    TidalGRPOTrainer configures it (freed memory stays in the process's cache: the next load
+    takes it back without asking the driver), role ``a`` on the device, both pinned on the host
+    once; and the bytes a role holds. ``transfer``: the roles' :class:`tidal.TransferConfig`
+    (None: the default)."""
     pieces = max(1, nbytes // (64 * MiB))
     roles = []
     for _ in range(2):
@@ -159,9 +166,6 @@ def _tidal_rates(nbytes: int, rank: int, world: int, reps: int, transfer) -> tup
             for _ in range(pieces)
         )
         roles.append(params)
-    moved = pieces * 64 * MiB
-    # As TidalGRPOTrainer configures it: freed memory stays in this process's cache (the next
-    # load takes it back without asking the driver).
     kw = {"transfer": transfer} if transfer is not None else {}
     ts = tidal.Timeshare("cuda", config=tidal.TimeshareConfig(release_to_driver=False, **kw))
     ts.add_role("a", model=roles[0])
@@ -169,41 +173,131 @@ def _tidal_rates(nbytes: int, rank: int, world: int, reps: int, transfer) -> tup
     ts.offload("b")
     ts.offload("a")  # pins the host slots: the timed moves below reuse them
     ts.load("a")
+    return ts, roles, pieces * 64 * MiB
 
-    def cycle(timed: dict, mine: bool) -> None:
-        """One offload, load and switch, timed where ``mine`` (else only kept in step)."""
-        dist.barrier()
-        rec = ts.offload("a") if mine else None
-        dist.barrier()
-        if mine:
-            timed["d2h"].append(rec.bytes_out / rec.seconds / 1e9)
-            rec = ts.load("a")
-            timed["h2d"].append(rec.bytes_in / rec.seconds / 1e9)
-        dist.barrier()
-        if mine:
-            with _directions(ts.store.engine) as spans:
-                with ts.use("b"):  # a switch: a out, b in, both directions at once
-                    rec = ts.records[-1]
-            timed["both"].append((rec.bytes_out + rec.bytes_in) / rec.seconds / 1e9)
-            timed["both_d2h_s"].append(spans["d2h"])
-            timed["both_h2d_s"].append(spans["h2d"])
-            timed["both_s"].append(rec.seconds)
-            ts.load("a")
-        dist.barrier()
 
-    keys = ("d2h", "h2d", "both", "both_d2h_s", "both_h2d_s", "both_s")
-    together: dict[str, list[float]] = {k: [] for k in keys}
-    for _ in range(reps):
-        cycle(together, True)
-    alone: dict[str, list[float]] = {k: [] for k in keys}
-    for r in range(world):  # each rank's tidal alone, in turn
+def _tidal_once(ts: tidal.Timeshare, direction: str, into: dict) -> float:
+    """One of tidal's moves of role ``a`` (``d2h``: offload; ``h2d``: load; ``both``: a switch,
+    ``a`` out and ``b`` in at once), its GB/s; for a switch, when each direction's copies ended
+    goes into ``into`` (``both_d2h_s``, ``both_h2d_s``, ``both_s``). Leaves ``b`` on the device
+    after a switch: :func:`_tidal_reset` puts ``a`` back, outside the timed windows."""
+    if direction == "d2h":
+        rec = ts.offload("a")
+        return rec.bytes_out / rec.seconds / 1e9
+    if direction == "h2d":
+        rec = ts.load("a")
+        return rec.bytes_in / rec.seconds / 1e9
+    with _directions(ts.store.engine) as spans:
+        with ts.use("b"):  # a switch: a out, b in, both directions at once
+            rec = ts.records[-1]
+    into.setdefault("both_d2h_s", []).append(spans["d2h"])
+    into.setdefault("both_h2d_s", []).append(spans["h2d"])
+    into.setdefault("both_s", []).append(rec.seconds)
+    return (rec.bytes_out + rec.bytes_in) / rec.seconds / 1e9
+
+
+def _tidal_reset(ts: tidal.Timeshare) -> None:
+    ts.load("a")  # after a switch: a back in, b out (untimed)
+
+
+DIRECTIONS = ("d2h", "h2d", "both")
+
+
+def paired_summary(plain: dict[str, list[float]], tidal_: dict[str, list[float]]) -> dict:
+    """Per direction, from rates taken in pairs (the same repetition, every rank at once, one
+    right after the other): the median of each side, and tidal's ratio to plain pair by pair
+    (each pair's ratio, their median, least and most)."""
+    out: dict = {}
+    for d in DIRECTIONS:
+        ratios = [t / p for p, t in zip(plain[d], tidal_[d])]
+        out[d] = {
+            "plain_gbps": statistics.median(plain[d]),
+            "tidal_gbps": statistics.median(tidal_[d]),
+            "ratios": ratios,
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+        }
+    return out
+
+
+def _paired(copies: dict, nbytes: int, ts: tidal.Timeshare, reps: int) -> tuple[dict, dict]:
+    """Plain copies and tidal's moves, every rank at once, in pairs: in each repetition and
+    direction one of each, right after the other (plain first in even repetitions, tidal first
+    in odd ones), so that the two see the host in the same state. Returns tidal's switch spans
+    and :func:`paired_summary`'s figures."""
+    plain: dict[str, list[float]] = {d: [] for d in DIRECTIONS}
+    mine: dict[str, list[float]] = {d: [] for d in DIRECTIONS}
+    spans: dict[str, list[float]] = {}
+    for rep in range(reps):
+        for d in DIRECTIONS:
+            moved = nbytes * (2 if d == "both" else 1)
+            for side in ("plain", "tidal") if rep % 2 == 0 else ("tidal", "plain"):
+                dist.barrier()  # every rank starts its copy together
+                if side == "plain":
+                    plain[d].append(moved / _timed(copies[d], 1) / 1e9)
+                else:
+                    mine[d].append(_tidal_once(ts, d, spans))
+        dist.barrier()  # no rank's copies still running while another puts its role back
+        _tidal_reset(ts)
+    dist.barrier()
+    return {k: statistics.median(v) for k, v in spans.items()}, paired_summary(plain, mine)
+
+
+def _alone(ts: tidal.Timeshare, rank: int, world: int, reps: int) -> dict:
+    """Each rank's tidal moves with the other ranks idle, in turn: medians of ``reps``."""
+    timed: dict[str, list[float]] = {}
+    for r in range(world):
         for _ in range(reps):
-            cycle(alone, r == rank)
+            for d in DIRECTIONS:
+                dist.barrier()
+                if r == rank:
+                    timed.setdefault(d, []).append(_tidal_once(ts, d, timed))
+            dist.barrier()
+            if r == rank:
+                _tidal_reset(ts)
+    dist.barrier()
+    return {k: statistics.median(v) for k, v in timed.items()}
+
+
+def _tidal_rates(copies: dict, nbytes: int, rank: int, world: int, reps: int, transfer) -> dict:
+    """tidal's offload, load and switch (two roles of ``nbytes`` each, 64 MiB tensors) beside
+    plain copies, every rank at once, in pairs (:func:`_paired`); then each rank's tidal alone
+    in turn. ``transfer``: the roles' :class:`tidal.TransferConfig` (None: the default)."""
+    ts, roles, moved = _roles(nbytes, transfer)
+    spans, paired = _paired(copies, nbytes, ts, reps)
+    alone = _alone(ts, rank, world, reps)
     ts.close()
     del roles
     torch.cuda.empty_cache()
-    median = lambda t: {k: statistics.median(v) for k, v in t.items()}  # noqa: E731
-    return median(together), median(alone), moved
+    return {"paired": paired, "spans": spans, "alone": alone, "bytes": moved}
+
+
+def _rank_lines(r: dict) -> str:
+    """One rank's figures, as printed."""
+    line = f"  rank {r['rank']}:"
+    for d in DIRECTIONS:
+        t, u = r["tidal"]["paired"][d], r["tidal_unpaced"]["paired"][d]
+        line += (
+            f"\n    {d}: plain alone {r['alone'][d]:.1f}, shared {r['shared'][d]:.1f} GB/s "
+            f"({r['shared'][d] / r['alone'][d]:.2f}x alone); tidal alone {r['tidal_alone'][d]:.1f} "
+            f"({r['tidal_alone'][d] / r['alone'][d]:.2f}x plain alone); shared, in pairs: tidal {t['tidal_gbps']:.1f} "
+            f"against plain {t['plain_gbps']:.1f} GB/s, ratio median {t['ratio_median']:.2f}x "
+            f"(pairs {t['ratio_min']:.2f}-{t['ratio_max']:.2f}x); unpaced {u['ratio_median']:.2f}x "
+            f"({u['ratio_min']:.2f}-{u['ratio_max']:.2f}x)"
+        )
+    sp = r["shared_both_spans"]
+    line += (
+        f"\n    plain both at once, all ranks: its device-to-host copy ended {sp['d2h'] * 1e3:.1f} ms, its "
+        f"host-to-device {sp['h2d'] * 1e3:.1f} ms after the start"
+    )
+    for label, t in (("tidal", r["tidal"]["spans"]), ("tidal alone", r["tidal_alone"])):
+        line += (
+            f"\n    {label}'s switch: {t['both_s'] * 1e3:.1f} ms on the host; its device-to-host copies "
+            f"ended {t['both_d2h_s'] * 1e3:.1f} ms, its host-to-device {t['both_h2d_s'] * 1e3:.1f} ms after its "
+            f"start"
+        )
+    return line
 
 
 def main() -> int:
@@ -223,7 +317,7 @@ def main() -> int:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     copies = _copies(dev, host, dev2, host2)
-    res: dict = {"rank": rank, "alone": {}, "shared": {}, "tidal": {}}
+    res: dict = {"rank": rank, "alone": {}, "shared": {}}
     spans = copies.pop("both_spans")
     for direction, fn in copies.items():
         moved = nbytes * (2 if direction == "both" else 1)
@@ -239,16 +333,18 @@ def main() -> int:
         if direction == "both":
             res["shared_both_spans"] = spans()  # every rank at once again, each direction's end
             dist.barrier()
-    del dev, dev2, host, host2
-    torch.cuda.empty_cache()
 
-    # tidal: two roles of the same bytes, every rank at once; as configured (device-to-host
-    # copies paced, one 64 MiB piece at the copy engine at a time: tidal.transfer.pacing), then
-    # with the pacing off, to show what the pacing costs where both directions run at once.
-    res["tidal"], res["tidal_alone"], res["tidal_bytes"] = _tidal_rates(nbytes, rank, world, a.reps, None)
-    res["tidal_unpaced"], res["tidal_unpaced_alone"], _ = _tidal_rates(
-        nbytes, rank, world, a.reps, tidal.TransferConfig(paced_piece_bytes=0)
-    )
+    # tidal: two roles of the same bytes, every rank at once, each move paired with a plain copy
+    # of the same direction; as configured (device-to-host copies paced, one 64 MiB piece at the
+    # copy engine at a time: tidal.transfer.pacing), then with the pacing off, to show what the
+    # pacing costs where both directions run at once. The plain copies' memory stays for the pairs.
+    for key, transfer in (("tidal", None), ("tidal_unpaced", tidal.TransferConfig(paced_piece_bytes=0))):
+        got = _tidal_rates(copies, nbytes, rank, world, a.reps, transfer)
+        res[key] = {"paired": got["paired"], "spans": got["spans"]}
+        res[key + "_alone"] = got["alone"]
+        res["tidal_bytes"] = got["bytes"]
+    del copies, dev, dev2, host, host2
+    torch.cuda.empty_cache()
 
     gathered: list = [None] * world
     dist.all_gather_object(gathered, res)
@@ -260,30 +356,11 @@ def main() -> int:
             f"torch {torch.__version__}"
         )
         for r in gathered:
-            line = f"  rank {r['rank']}:"
-            for d in ("d2h", "h2d", "both"):
-                ratio = r["tidal"][d] / r["shared"][d]
-                line += (
-                    f"\n    {d}: plain alone {r['alone'][d]:.1f}, shared {r['shared'][d]:.1f} GB/s "
-                    f"({r['shared'][d] / r['alone'][d]:.2f}x alone); tidal alone {r['tidal_alone'][d]:.1f} "
-                    f"({r['tidal_alone'][d] / r['alone'][d]:.2f}x plain), shared {r['tidal'][d]:.1f} GB/s "
-                    f"({ratio:.2f}x plain shared); unpaced, shared {r['tidal_unpaced'][d]:.1f} GB/s "
-                    f"({r['tidal_unpaced'][d] / r['shared'][d]:.2f}x)"
-                )
-            sp = r["shared_both_spans"]
-            line += (
-                f"\n    plain both at once, all ranks: its device-to-host copy ended {sp['d2h'] * 1e3:.1f} ms, its "
-                f"host-to-device {sp['h2d'] * 1e3:.1f} ms after the start"
-            )
-            for label, key in (("tidal", "tidal"), ("tidal alone", "tidal_alone")):
-                t = r[key]
-                line += (
-                    f"\n    {label}'s switch: {t['both_s'] * 1e3:.1f} ms on the host; its device-to-host copies "
-                    f"ended {t['both_d2h_s'] * 1e3:.1f} ms, its host-to-device {t['both_h2d_s'] * 1e3:.1f} ms after its "
-                    f"start"
-                )
-            print(line)
-        print("target: tidal >= 0.9x the shared rate, every rank, every direction")
+            print(_rank_lines(r))
+        print(
+            "target: tidal >= 0.9x the shared rate, every rank, every direction (each pair's ratio: tidal's move "
+            "and a plain copy, every rank at once, one right after the other)"
+        )
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(
