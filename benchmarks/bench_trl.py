@@ -647,6 +647,15 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         phase_peaks = [p for p in phase_peaks if p]
         if phase_peaks:
             res["phase_peak_bytes_steps"] = phase_peaks
+        # The allocator's fragments each phase reached (the last time it ran, as of the step's
+        # log line): what the schedule's prefetches and keeps leave free for them.
+        fragments = [
+            {k.rsplit("/", 1)[-1]: float(v) * 2**30 for k, v in h.items() if k.startswith("tidal/fragments_gib/")}
+            for h in trainer.state.log_history
+            if h.get("step", 0) >= 2 and "loss" in h
+        ]
+        if any(fragments):
+            res["fragments_bytes_steps"] = fragments
             peaks.append(int(max(max(p.values()) for p in phase_peaks)))
         res.update(step_s=statistics.median(times), peak_bytes=max(peaks), steps_measured=len(times))
         # Interference from outside the run (the host, the machine) only ever slows a step: the

@@ -40,7 +40,10 @@ What it does, on the trainer's one device:
   and on a GPU ``tidal/peak_gib/<phase>``: the peak allocated from the start of a phase to
   the start of the next (``generate``; ``score``, the policy's log-probs of the samples;
   ``reference``; ``reward``, with reward models; ``loss``, with the backward and the
-  optimizer step that follow it).
+  optimizer step that follow it), and ``tidal/fragments_gib/<phase>``: the most the
+  allocator's fragments (free pieces of partly used segments, which a large block cannot use)
+  reached the last time the phase ran, which the room left beside it for prefetches and kept
+  roles counts as taken.
 * ``save_model``, checkpoints and resume read and write the state wherever it is (tidal's
   state-dict hooks), so saving with the reference offloaded or the optimizer state on the
   host writes the real values.

@@ -249,6 +249,10 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         self._tidal_figures.clear()
         for phase, peak in peaks.items():
             logs[f"tidal/peak_gib/{phase}"] = peak / 2**30
+        if self._tidal_memory is not None:
+            # What the prefetches and keeps leave free for each phase's fragments reads these.
+            for phase, nbytes in self._tidal_memory.fragments.items():
+                logs[f"tidal/fragments_gib/{phase}"] = nbytes / 2**30
         logs.update(self._host_figures())
         super().log(logs, start_time)
 
