@@ -10,8 +10,8 @@ direction in turn (device to host, host to device, then both at once):
 * ``shared``: every rank copies at the same moment (after a barrier): what each gets when the
   host's memory and PCIe fabric are shared;
 * ``tidal``: every rank at once, a role of the same bytes (64 MiB tensors) offloaded, loaded,
-  then switched with a second role of the same size (``Timeshare`` configured as
-  TidalGRPOTrainer configures it: freed memory kept in the process's cache), each move paired
+  then switched with a second role of the same size (``Timeshare`` keeping freed memory in the
+  process's cache, as TidalGRPOTrainer has it; each move waited for, to time it), each move paired
   with a plain copy of the same direction, every rank at once, one right after the other (plain
   first in even repetitions, tidal first in odd ones): the host's state drifts between seconds
   (the same code measured 0.86x on one machine and 1.02x on another with the two measured in
@@ -153,9 +153,9 @@ def _directions(engine):
 
 
 def _roles(nbytes: int, transfer) -> tuple[tidal.Timeshare, list, int]:
-    """Two roles of ``nbytes`` each (64 MiB tensors) in a Timeshare configured as
-    TidalGRPOTrainer configures it (freed memory stays in the process's cache: the next load
-    takes it back without asking the driver), role ``a`` on the device, both pinned on the host
+    """Two roles of ``nbytes`` each (64 MiB tensors) in a Timeshare that keeps freed memory in
+    the process's cache as TidalGRPOTrainer has it (the next load takes it back without asking
+    the driver; unlike the trainer's, each move is waited for, to time it), role ``a`` on the device, both pinned on the host
     once; and the bytes a role holds. ``transfer``: the roles' :class:`tidal.TransferConfig`
     (None: the default)."""
     pieces = max(1, nbytes // (64 * MiB))

@@ -246,6 +246,17 @@ def _annotate_for_profile(trainer) -> None:
 _ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
+def logged_per_step(history: list[dict], prefix: str) -> list[dict[str, float]]:
+    """Of each measured step's log line (from step 2; the lines with a loss), the figures
+    logged in GiB under ``prefix`` + ``<phase>``, in bytes by phase; steps without any left out."""
+    out = [
+        {k[len(prefix) :]: float(v) * 2**30 for k, v in h.items() if k.startswith(prefix)}
+        for h in history
+        if h.get("step", 0) >= 2 and "loss" in h
+    ]
+    return [x for x in out if x]
+
+
 def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) -> None:
     """One training run in this process; writes its measurements to ``out_json``.
     ``+expandable`` on a variant: the caching allocator's expandable segments (the parent
@@ -639,24 +650,15 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     if not error:
         # tidal's trainer restarts the device's peak counter at each phase (its per-phase peaks,
         # logged as tidal/peak_gib/<phase>): the step's peak is the highest of those too.
-        phase_peaks = [
-            {k.rsplit("/", 1)[-1]: float(v) * 2**30 for k, v in h.items() if k.startswith("tidal/peak_gib/")}
-            for h in trainer.state.log_history
-            if h.get("step", 0) >= 2 and "loss" in h
-        ]
-        phase_peaks = [p for p in phase_peaks if p]
+        phase_peaks = logged_per_step(trainer.state.log_history, "tidal/peak_gib/")
         if phase_peaks:
             res["phase_peak_bytes_steps"] = phase_peaks
+            peaks.append(int(max(max(p.values()) for p in phase_peaks)))
         # The allocator's fragments each phase reached (the last time it ran, as of the step's
         # log line): what the schedule's prefetches and keeps leave free for them.
-        fragments = [
-            {k.rsplit("/", 1)[-1]: float(v) * 2**30 for k, v in h.items() if k.startswith("tidal/fragments_gib/")}
-            for h in trainer.state.log_history
-            if h.get("step", 0) >= 2 and "loss" in h
-        ]
-        if any(fragments):
+        fragments = logged_per_step(trainer.state.log_history, "tidal/fragments_gib/")
+        if fragments:
             res["fragments_bytes_steps"] = fragments
-            peaks.append(int(max(max(p.values()) for p in phase_peaks)))
         res.update(step_s=statistics.median(times), peak_bytes=max(peaks), steps_measured=len(times))
         # Interference from outside the run (the host, the machine) only ever slows a step: the
         # fastest step is the least disturbed reading of the step's own cost.

@@ -1,0 +1,29 @@
+"""bench_trl.py's reading of the trainer's per-phase log figures (``tidal/peak_gib/<phase>``,
+``tidal/fragments_gib/<phase>``) step by step."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+bench_trl = pytest.importorskip("bench_trl")
+
+GIB = 2**30
+
+
+def test_each_measured_step_s_figures_in_bytes_by_phase():
+    history = [
+        {"step": 1, "loss": 0.1, "tidal/peak_gib/generate": 9.0, "tidal/fragments_gib/generate": 1.0},
+        {"step": 2, "loss": 0.2, "tidal/peak_gib/generate": 10.5, "tidal/peak_gib/loss": 12.0},
+        {"step": 2, "train_runtime": 3.0, "tidal/peak_gib/loss": 99.0},  # the run's summary line: no loss
+        {"step": 3, "loss": 0.3, "tidal/peak_gib/generate": 10.0, "tidal/fragments_gib/generate": 5.5},
+    ]
+    peaks = bench_trl.logged_per_step(history, "tidal/peak_gib/")
+    assert peaks == [{"generate": 10.5 * GIB, "loss": 12.0 * GIB}, {"generate": 10.0 * GIB}]
+    # A step without the figure is left out, not kept as an empty reading.
+    assert bench_trl.logged_per_step(history, "tidal/fragments_gib/") == [{"generate": 5.5 * GIB}]
+    assert bench_trl.logged_per_step(history, "tidal/other/") == []
