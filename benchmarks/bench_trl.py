@@ -246,6 +246,29 @@ def _annotate_for_profile(trainer) -> None:
 _ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
+def step_moves(records) -> list:
+    """A step's transitions (timeshare records) in order, each ``[kind, roles out, role in, GB
+    in, GB out, GB found arrived ahead, the compute stream's wait in s]``; the chunks of a
+    streamed optimizer step summed into one row: what each turn moved and kept, to read a
+    schedule by."""
+    out: list = []
+    for r in records:
+        row = [
+            r.kind,
+            list(r.roles_out),
+            r.role_in,
+            r.bytes_in / 1e9,
+            r.bytes_out / 1e9,
+            r.bytes_prefetched / 1e9,
+            getattr(r, "stall_seconds", 0.0) or 0.0,
+        ]
+        if out and r.kind == "optim-stream" and out[-1][0] == r.kind:
+            out[-1][3:] = [a + b for a, b in zip(out[-1][3:], row[3:])]
+        else:
+            out.append(row)
+    return [[k, o, i, *(round(x, 4) for x in rest)] for k, o, i, *rest in out]
+
+
 def logged_per_step(history: list[dict], prefix: str) -> list[dict[str, float]]:
     """Of each measured step's log line (from step 2; the lines with a loss), the figures
     logged in GiB under ``prefix`` + ``<phase>``, in bytes by phase; steps without any left out."""
@@ -349,6 +372,8 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             k["stall_s"] += getattr(r, "stall_seconds", 0.0) or 0.0
             k["gap_s"] += getattr(r, "gap_seconds", None) or 0.0  # the compute stream's time in the verb
         return out
+
+    moves: list[list] = []  # per measured step: its transitions in order (step_moves)
 
     workload: dict = {}  # what the step's floor is computed from (see _floor)
     stopped: dict = {}  # where --deadline-s ended the training early
@@ -529,6 +554,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                         tails[direction] = max(0.0, begin.elapsed_time(end) / 1e3)
                     copy_tail.append(tails)
                 by_kind.append(per_kind(trainer) if self.seen is not None else {})
+                moves.append(step_moves(trainer.timeshare.records[clock.seen :]) if self.seen is not None else [])
                 peaks.append(torch.cuda.max_memory_allocated() if cuda else 1)
                 if cuda:
                     # cudaMalloc/cudaFree calls, and retries (a retry frees the cache after a
@@ -691,6 +717,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
                 "top": sampler.top(15),
             }
         res["transitions_by_kind"] = by_kind
+        res["transitions_steps"] = moves
         res["allocator_steps"] = allocator
         # TRL alone moves nothing; DeepSpeed's offload moves bytes this bench does not count (null).
         offloading = variant == "ds-zero3-offload" or (args.nproc > 1 and args.launch == "zero3-offload")

@@ -27,3 +27,30 @@ def test_each_measured_step_s_figures_in_bytes_by_phase():
     # A step without the figure is left out, not kept as an empty reading.
     assert bench_trl.logged_per_step(history, "tidal/fragments_gib/") == [{"generate": 5.5 * GIB}]
     assert bench_trl.logged_per_step(history, "tidal/other/") == []
+
+
+def test_a_steps_moves_are_listed_in_order_with_a_streamed_steps_chunks_summed():
+    import types
+
+    def rec(kind, out, into, nin, nout, ahead=0, stall=0.0):
+        move = types.SimpleNamespace(bytes_in=nin, bytes_out=nout, bytes_prefetched=ahead)
+        return types.SimpleNamespace(
+            kind=kind, roles_out=out, role_in=into, stall_seconds=stall, **vars(move), move=move
+        )
+
+    records = [
+        rec("prefetch", ("policy",), "reference", 4e9, 7e9),
+        rec("switch", (), "reference", 3e9, 0, ahead=4e9, stall=0.05),
+        rec("optim-in", (), "policy", 2e9, 0),
+        rec("optim-stream", ("policy",), "policy", 1e9, 1e9, stall=0.01),
+        rec("optim-stream", ("policy",), "policy", 1e9, 1e9, stall=0.02),
+        rec("optim-stream", ("policy",), None, 0, 1e9),
+        rec("prefetch", (), "reference", 1e9, 0),
+    ]
+    assert bench_trl.step_moves(records) == [
+        ["prefetch", ["policy"], "reference", 4.0, 7.0, 0.0, 0.0],
+        ["switch", [], "reference", 3.0, 0.0, 4.0, 0.05],
+        ["optim-in", [], "policy", 2.0, 0.0, 0.0, 0.0],
+        ["optim-stream", ["policy"], "policy", 2.0, 3.0, 0.0, 0.03],
+        ["prefetch", [], "reference", 1.0, 0.0, 0.0, 0.0],
+    ]

@@ -598,8 +598,8 @@ def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has
         def is_resident(self, role):
             return role == "policy"
 
-        def role_bytes(self, role):
-            return 14 * gib
+        def bytes_to_load(self, role):
+            return 0 if self.is_resident(role) else 14 * gib
 
         def prefetch(self, role, **kw):
             asked.append({"role": role, **kw})
@@ -643,6 +643,87 @@ def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has
     Timeshare.ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 3 * gib)
     generation(gathered=True)
     assert asked[-1]["leave_free_bytes"] == phase_need_bytes(2 * gib) + 1 * gib
+
+
+def test_the_allocators_fragments_are_left_free_but_do_not_take_from_the_bound_on_allocated_bytes():
+    """``prefetch_peak_bytes`` bounds the device's allocated bytes. The allocator's fragments
+    are free memory a large block cannot use: each prefetch and keep leaves them free beside
+    the phase's need, but they are not allocated, so they do not take from the bound. Counted
+    there, the ~6 GiB of them a 1.5B step's backward leaves (and the next generation's
+    reading then holds) cut the reference's prefetch behind generation by as much under a
+    17 GiB bound: its scoring waited on the rest every step after the first. Nor does what a
+    prefetch brought in count twice (allocated, and again as still to come)."""
+    import types
+
+    from tidal.integrations.trl.memory import PhaseMemory
+    from tidal.integrations.trl.schedule import KeepAndPrefetch
+    from tidal.memory import phase_need_bytes
+
+    gib = 1 << 30
+    dev = _FakeAllocator()
+    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    asked: list[dict] = []
+
+    class Timeshare:
+        roles = {"policy": None, "reference": None}
+        ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 6 * gib)  # the backward's
+        resident = {"policy"}
+        arrived = 0
+
+        def is_resident(self, role):
+            return role in self.resident
+
+        def bytes_to_load(self, role):  # a 7 GiB reference, less what arrived ahead
+            return 0 if self.is_resident(role) else 7 * gib - self.arrived
+
+        def prefetch(self, role, **kw):
+            asked.append({"role": role, **kw})
+
+        def prefetch_optimizer(self, role, **kw):
+            asked.append({"role": "optimizer", **kw})
+
+    bound = 17 * gib
+
+    class Trainer(KeepAndPrefetch):
+        timeshare = Timeshare()
+        tidal_config = TidalConfig(prefetch=True, prefetch_peak_bytes=bound)
+        _tidal_memory = memory
+        _tidal_depth = 1
+        _tidal_gathered = (0, 0)
+
+    trainer = Trainer()
+    memory.growth.update(generate=4 * gib, reference=2 * gib, loss=1 * gib, backward=1 * gib)
+    memory.fragments.update(generate=6 * gib, loss=5 * gib, backward=6 * gib)
+    dev.set(7 * gib)  # the policy
+    memory.start("generate")
+    memory.rebase()
+    trainer._prefetch("generate", "reference")
+    need = phase_need_bytes(4 * gib)
+    assert asked[-1]["role"] == "reference" and asked[-1]["leave_free_bytes"] == need + 6 * gib
+    assert asked[-1]["limit_bytes"] == bound - 7 * gib - need  # 5.3 GiB of the reference; with the fragments: none
+    # The reference's turn, 5 GiB of it prefetched: the policy stays beside it where the rest
+    # and the scoring's need fit under the bound (7 + 5 + 2 + 2.45 GiB); what arrived ahead is
+    # counted once (twice, 21.45 GiB: the policy would go, to come back for the loss).
+    Timeshare.arrived = 5 * gib
+    dev.set(12 * gib)
+    trainer._tidal_depth = 0
+    assert trainer._keep_free("reference", "reference") == phase_need_bytes(2 * gib)
+    trainer._tidal_depth = 1
+    dev.set(12 * gib)  # the loss's activations as its backward starts
+    trainer._prefetch("backward", "optimizer", growth=2 * gib)
+    need = phase_need_bytes(2 * gib)
+    assert asked[-1]["role"] == "optimizer" and asked[-1]["leave_free_bytes"] == need + 6 * gib
+    assert asked[-1]["limit_bytes"] == bound - 12 * gib - need
+    # The loss's turn keeps the reference where its need and the backward's fit under the bound
+    # beside what is allocated (7 + 7 + 2.45 GiB; with the fragments 22.45: none), and keeps the
+    # fragments free beside them.
+    Timeshare.resident = {"policy", "reference"}
+    dev.set(14 * gib)
+    need = phase_need_bytes(2 * gib)
+    trainer._tidal_depth = 0
+    assert trainer._keep_free("reference", "loss") == need + 6 * gib
+    dev.set(bound - need + 1)
+    assert trainer._keep_free("reference", "loss") is None  # no room under the bound
 
 
 @pytest.mark.slow

@@ -69,6 +69,25 @@ def test_prefetched_role_comes_in_without_a_copy_and_bit_exact():
     assert_consistent(ts, [actor, ref], [])
 
 
+def test_bytes_to_load_leaves_out_what_a_prefetch_brought_in_ahead():
+    """What making a role resident would still copy in: all of its state while out, the rest
+    once a prefetch brought part of it in, nothing once all of it arrived or it is resident."""
+    ts, actor, ref, _ = _setup()
+    with ts.use("actor"):
+        pass  # ref goes out
+    assert ts.bytes_to_load("actor") == 0  # resident
+    whole = ts.role_bytes("ref")
+    assert whole > 0 and ts.bytes_to_load("ref") == whole
+    with ts.use("actor"):
+        part = ts.prefetch("ref", limit_bytes=whole - 1).bytes_in  # not the last storage
+        assert 0 < part < whole
+        assert ts.bytes_to_load("ref") == whole - part
+        ts.prefetch("ref")  # the rest
+        assert ts.bytes_to_load("ref") == 0 and not ts.is_resident("ref")
+    with pytest.raises(ValueError, match="unknown role 'critic'"):
+        ts.bytes_to_load("critic")
+
+
 def test_training_with_prefetch_is_bit_identical_to_without():
     def run(prefetch: bool):
         ts, actor, ref, opt = _setup()

@@ -148,6 +148,19 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         storages included once)."""
         return sum(e.nbytes for e in self._entries(self.role(name)).values())
 
+    @serialised
+    def bytes_to_load(self, name: str) -> int:
+        """Bytes that making ``name`` resident would copy in now: its device state on the host,
+        less what a :meth:`prefetch` has brought in ahead (0 for a resident role). Raises
+        ``ValueError`` for an unknown name."""
+        role = self.role(name)
+        if role.resident:
+            return 0
+        ahead = self.store.prefetched_keys()
+        return sum(
+            e.nbytes for k, e in self._device_entries(role).items() if self.store.is_offloaded(k) and k not in ahead
+        )
+
     def is_resident(self, name: str) -> bool:
         """Whether the role ``name`` is on the device now. Raises ``ValueError`` for an
         unknown name."""

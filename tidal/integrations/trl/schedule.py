@@ -38,18 +38,20 @@ class KeepAndPrefetch:
         growths = [memory.growth.get(p) for p in phases]
         if None in growths:
             return None
-        keep = phase_need_bytes(sum(growths))
+        need = phase_need_bytes(sum(growths))
+        if cfg.prefetch_peak_bytes is not None:
+            # The bound is on allocated bytes: the phase's need counts, the fragments below
+            # (free memory, though of no use to large blocks) do not.
+            coming = ts.bytes_to_load(role)  # what a prefetch brought in is allocated already
+            if memory.allocated() + coming + need > cfg.prefetch_peak_bytes:
+                return None
         if phase == "loss":
             # The backward allocates large blocks: free pieces of the allocator's partly used
             # segments do not count as room for keeping a role beside it (Qwen2-7B, 64 x 256, H100, 2026-11-26: 2.71 GiB of
             # cached free memory could not hold a 612 MiB block), only the driver's free memory
             # and the whole free segments the allocator can give back to it.
-            keep += self._fragments("loss", "backward")
-        if cfg.prefetch_peak_bytes is not None:
-            coming = 0 if ts.is_resident(role) else ts.role_bytes(role)  # a prefetched part counted twice: safe
-            if memory.allocated() + coming + keep > cfg.prefetch_peak_bytes:
-                return None
-        return keep
+            return need + self._fragments("loss", "backward")
+        return need
 
     def _after(self, role: str) -> str:
         """The role TRL computes with after ``role``'s phase: generation (policy), reference
@@ -63,7 +65,9 @@ class KeepAndPrefetch:
         ``phase`` allocated the last time it ran less what of it is allocated already
         (:meth:`_allocated_up_front`; or ``growth`` bytes), +10%, 256 MiB; behind the backward
         also the allocator's fragments (:meth:`_fragments`), behind the generation the most
-        they reached in the last one."""
+        they reached in the last one. Under ``prefetch_peak_bytes`` (a bound on allocated
+        bytes) it brings in at most the bound less what is allocated and what the phase will
+        still allocate: the fragments are free memory, and do not take from it."""
         ts, cfg = self.timeshare, self.tidal_config
         if not cfg.prefetch:
             return
@@ -84,7 +88,8 @@ class KeepAndPrefetch:
                     # twice (at 14B on 2 H100s the reference could not come in behind
                     # generation for it, 2026-11-27).
                     growth = max(0, growth - self._allocated_up_front(phase))
-            leave = phase_need_bytes(growth)
+            need = phase_need_bytes(growth)
+            leave = need
             if then == "optimizer":
                 # Brought in as the backward starts, whose large blocks (the activations' and
                 # weights' gradients) the free pieces of the allocator's partly used segments
@@ -97,7 +102,12 @@ class KeepAndPrefetch:
                 # found there (the backward's) stay counted as room: its role's blocks are small.
                 leave += memory.fragments.get("generate", 0)
             if cfg.prefetch_peak_bytes is not None:
-                limit = max(0, cfg.prefetch_peak_bytes - memory.allocated() - leave)
+                # The bound is on allocated bytes: what the phase will still allocate counts,
+                # the fragments left free beside it do not (they are free memory, not
+                # allocated). Counted here, the ~6 GiB of them a 1.5B step's backward leaves
+                # (read again in the next generation) took as much of the reference out of the
+                # generation's prefetch under a 17 GiB bound.
+                limit = max(0, cfg.prefetch_peak_bytes - memory.allocated() - need)
         if then == "optimizer":
             rec = ts.prefetch_optimizer("policy", leave_free_bytes=leave, limit_bytes=limit)
         else:
