@@ -29,7 +29,8 @@ Paired comparisons (``--paired N``): TRL alone and the tidal variants in rounds,
 or all in one process (``--in-process``), each variant's median step ratio against its round's
 TRL run with a distribution-free 95% interval. ``--lockstep HOST:PORT --lockstep-rank 0|1``: two
 such processes, one a GPU, start every step together, one running TRL alone while the other
-runs tidal (``lockstep.py``); ``pool_paired.py --lockstep`` pairs their steps. Per measured step
+runs tidal (``lockstep.py``); with ``--turns`` the two share one GPU and take turns step by step
+instead. ``pool_paired.py --lockstep`` pairs their steps. Per measured step
 the JSON also holds what the host gave it (``host_given_steps``, ``host_clock.py``).
 """
 
@@ -444,10 +445,17 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
             self.lockstep = None
             if args._lockstep is not None:
                 # --lockstep: this step starts with the partner process's (lockstep.py beside
-                # this file), before the clock does: the wait is no part of the step.
+                # this file), or with --turns once the partner's step before it has ended,
+                # before the clock does: the wait is no part of the step.
                 key = f"{args._run_index}/{state.global_step + 1}"
-                met, waited = args._lockstep.barrier(key, timeout_s=_lockstep_patience())
-                self.lockstep = {"key": key, "met": met, "wait_s": waited, "started_at": time.time()}
+                if args.turns:
+                    met, waited, order = args._lockstep.turn(args._turn_n, timeout_s=_lockstep_patience())
+                    args._turn_n += 1
+                    self.lockstep = {"key": key, "met": met, "wait_s": waited, "order": order}
+                else:
+                    met, waited = args._lockstep.barrier(key, timeout_s=_lockstep_patience())
+                    self.lockstep = {"key": key, "met": met, "wait_s": waited}
+                self.lockstep["started_at"] = time.time()
             self.prof = None
             if profile_step and state.global_step + 1 == profile_step:
                 _annotate(trainer.optimizer, "step", "phase:optimizer")
@@ -493,16 +501,30 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
 
         def on_step_end(self, a, state, control, **kw):
             if cuda:
-                torch.cuda.current_stream().synchronize()
+                if args.turns:
+                    # --turns: the partner's step is next on this GPU: none of this step's
+                    # copies may run on into it, so the step holds their tail too.
+                    torch.cuda.synchronize()
+                else:
+                    torch.cuda.current_stream().synchronize()
             wall = time.perf_counter() - self.t0
             given = given_clock.stop()
+            if args.turns and args._lockstep is not None:
+                if self.lockstep is not None:
+                    self.lockstep["ended_at"] = time.time()
+                args._lockstep.end_turn()
             if args._main_cores:
                 os.sched_setaffinity(0, args._process_cores)  # back on all of them between steps
             if sampler is not None:
                 sampler.stop()
             # As it goes: a run cut by its time limit still shows each step it finished.
             print(f"[bench_trl] {name} step {state.global_step}: {wall:.3f} s{since_launch()}", flush=True)
-            late = bool(args._deadline) and state.global_step < state.max_steps and _past_deadline(wall)
+            # --turns: this process's next step starts after the partner's, as long again.
+            late = (
+                bool(args._deadline)
+                and state.global_step < state.max_steps
+                and _past_deadline(wall * (2 if args.turns else 1))
+            )
             if args._lockstep is not None and args._deadline and state.global_step < state.max_steps:
                 # Both processes end their runs after the same step (the partner would wait for
                 # a step that never starts): late if either's next step would pass the deadline.
@@ -653,6 +675,10 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
         oom_at = _where_out_of_memory(trainer, e)
     finally:
         given_clock.close()
+    if args.turns and args._lockstep is not None:
+        # --turns: what follows (tidal's close() brings its roles back, the next run loads its
+        # models) waits for the partner's last step, which shares this GPU.
+        args._lockstep.barrier(f"run-end/{args._run_index}", timeout_s=_lockstep_patience())
     import tidal
 
     oom = error is not None
@@ -1302,6 +1328,14 @@ def main(argv=None) -> int:
         help="with --lockstep: 0 runs the --paired order (TRL alone first), 1 its complement",
     )
     p.add_argument(
+        "--turns",
+        action="store_true",
+        help="with --lockstep: the two processes share one GPU (give both the same one) and take turns step by "
+        "step instead of starting together: each step runs alone on the GPU and the host, the partner's the step "
+        "before or after it; in each pair of steps the one that goes first alternates. A step ends once all its "
+        "device work has (its copies' tail included)",
+    )
+    p.add_argument(
         "--main-cores",
         default=None,
         metavar="A,B",
@@ -1375,6 +1409,9 @@ def main(argv=None) -> int:
             lockstep.parse_address(args.lockstep)
         except ValueError as e:
             p.error(str(e))
+    if args.turns and not args.lockstep:
+        p.error("--turns makes the two --lockstep processes take turns on one GPU: it needs --lockstep")
+    args._turn_n = 0  # --turns: the steps this process has started, all runs together
     args._main_cores = None
     if args.main_cores:
         if not args.lockstep:
@@ -1556,6 +1593,7 @@ def _child_cmd(args, what: list[str], out: str, model_path: str, reward_path: st
         + (["--reward-model-path", reward_path] if reward_path else [])
         + (["--lockstep", args.lockstep, "--lockstep-rank", str(args.lockstep_rank)] if args.lockstep else [])
         + (["--main-cores", args.main_cores] if args.main_cores else [])
+        + (["--turns"] if args.turns else [])
     )
 
 

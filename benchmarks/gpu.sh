@@ -23,7 +23,8 @@
 #                paired      1.5B fp32, 64 x 256: TRL alone and VARIANTS_PAIRED alternating in one process,
 #                            PAIRED (6) pairs: the median step ratio and its 95% interval; PAIRED_GPUS=k:
 #                            k such processes at once, one a GPU, their pairs pooled; with LOCKSTEP=1 and
-#                            PAIRED_GPUS=2 the two start each step together, TRL alone beside tidal;
+#                            PAIRED_GPUS=2 the two start each step together, TRL alone beside tidal
+#                            (TAKE_TURNS=1: both on GPU 0, taking turns step by step);
 #                            PIN_CORES=1: each process on its own share of the host's cores;
 #                            MAIN_CORES=A,B (or fast: the cores part's two fastest, name it first):
 #                            the two main threads on A and B, swapped every step
@@ -386,23 +387,30 @@ p_trl_paired() {  # TRL alone and tidal alternating in one process, PAIRED (6) p
     trl_bench trl_paired.log "${args[@]}" --json "$OUT/trl_1.5b_paired_$TAG.json"
     return
   fi
-  need_gpus "$k" || return 0
   # PAIRED_GPUS=k: k such processes at once, one a GPU, their pairs pooled (pool_paired.py):
   # k times the pairs in a call's time. They share the host (cores, memory, PCIe fabric).
   # LOCKSTEP=1 (k = 2): the two start every step together, one running TRL alone while the
   # other runs tidal (lockstep.py): each tidal step is paired with the TRL step beside it too.
-  local pool_args=() port=${LOCKSTEP_PORT:-29611}
+  # TAKE_TURNS=1 (with LOCKSTEP=1): the two share GPU 0 and take turns step by step instead.
+  local pool_args=() port=${LOCKSTEP_PORT:-29611} turns=${TAKE_TURNS:-0}
+  if [ "$turns" = 1 ] && [ "${LOCKSTEP:-0}" != 1 ]; then
+    echo "TAKE_TURNS=1 makes the LOCKSTEP=1 processes take turns on one GPU: set LOCKSTEP=1" >&2; PART_RC=1; return 0
+  fi
+  if [ "$turns" = 1 ]; then need_gpus 1 || return 0; else need_gpus "$k" || return 0; fi
   if [ "${LOCKSTEP:-0}" = 1 ]; then
     if [ "$k" != 2 ]; then echo "LOCKSTEP=1 pairs two processes: set PAIRED_GPUS=2" >&2; PART_RC=1; return 0; fi
     pool_args=(--lockstep)
   fi
   for (( i = 0; i < k; i++ )); do
     note_log "trl_paired.gpu$i.log"  # here: the background shell's own note would be lost
-    if [ "$DRY" = 1 ]; then echo "  (in the background, GPU $i:)"; fi
+    local gpu=$i
+    if [ "$turns" = 1 ]; then gpu=0; fi
+    if [ "$DRY" = 1 ]; then echo "  (in the background, GPU $gpu:)"; fi
     local more=()
     if [ "${LOCKSTEP:-0}" = 1 ]; then more=(--lockstep "127.0.0.1:$port" --lockstep-rank "$i"); fi
+    if [ "$turns" = 1 ]; then more+=(--turns); fi
     if [ "${LOCKSTEP:-0}" = 1 ] && [ -n "${MAIN_CORES:-}" ]; then more+=(--main-cores "$(main_cores)"); fi
-    { export CUDA_VISIBLE_DEVICES=$i
+    { export CUDA_VISIBLE_DEVICES=$gpu
       if [ "${PIN_CORES:-0}" = 1 ] && [ "$DRY" != 1 ]; then
         # PIN_CORES=1: each process (and what it starts) on its own k-th of the host's cores,
         # with as many intra-op threads: the host-bound decodes do not meet on a core.

@@ -8,6 +8,11 @@ swaps them) and wait for each other at the start of every step: each step of tid
 beside a step of TRL alone under the same host, and the GPU each side runs on alternates run by
 run. ``pool_paired.py --lockstep`` pairs those steps.
 
+With ``--turns`` the two processes share one GPU and take turns instead: each step of one runs
+while the other waits, and in each pair of steps (the n-th of each process) the one that goes
+first alternates with n. A step of tidal and the TRL step next to it then run on the same GPU,
+a step apart in time, without the other's decode beside it on the host (:meth:`Lockstep.turn`).
+
 The rendezvous is a ``torch.distributed.TCPStore`` on the host (no process group, no
 accelerator). A partner that does not come within ``timeout_s`` (it died, or its deadline ended
 its run sooner) leaves this process on its own: the step is recorded as not in lockstep, and no
@@ -75,6 +80,30 @@ class Lockstep:
                 self.lost = True
                 return False, time.perf_counter() - t0
             time.sleep(self.poll_s)
+
+    def turn(self, n: int, *, timeout_s: float | None = None) -> tuple[bool, float, int]:
+        """Turns: wait until this process's ``n``-th step (counted from 0 over all its runs) may
+        run: in the ``n``-th pair rank ``n % 2`` goes first, the other once the first has called
+        :meth:`end_turn`. Returns (whether the turn came, seconds waited, 0 if this process goes
+        first in the pair else 1). Without the partner within ``timeout_s`` (default: the
+        constructor's): False, and no later turn waits."""
+        order = 0 if self.rank == n % 2 else 1
+        t0 = time.perf_counter()
+        if self.lost:
+            return False, 0.0, order
+        slot = 2 * n + order  # steps both processes end before this one starts
+        deadline = t0 + (self.timeout_s if timeout_s is None else timeout_s)
+        while int(self.store.add("turns", 0)) < slot:
+            if time.perf_counter() > deadline:
+                self.lost = True
+                return False, time.perf_counter() - t0, order
+            time.sleep(self.poll_s)
+        return True, time.perf_counter() - t0, order
+
+    def end_turn(self) -> None:
+        """Turns: this process's step is over (its device work finished): the partner's next."""
+        if not self.lost:
+            self.store.add("turns", 1)
 
     def agree(self, key: str, flag: bool, *, timeout_s: float | None = None) -> bool:
         """Whether either process raised ``flag`` at ``key`` (e.g. "another step would pass the

@@ -101,8 +101,10 @@ def lockstep_pairs(*runs: dict) -> dict:
     the step ratio's median, 95% interval and n, the same over the runs' medians (a run is the
     independent unit) and for the generation phase, the medians with tidal on rank 0's GPU and
     on rank 1's (a GPU's own speed shows as their difference), with ``--main-cores`` those with
-    tidal's main thread on each core (a core's own speed), and the largest gap between two
-    paired steps' starts. Raises ``ValueError`` for an odd number of inputs, when they hold no
+    tidal's main thread on each core (a core's own speed), with ``--turns`` (the two taking
+    turns on one GPU: paired steps are neighbours, not simultaneous) those with tidal's step
+    first and second in its pair (a drift in time shows as their difference), and the largest
+    gap between two paired steps' starts. Raises ``ValueError`` for an odd number of inputs, when they hold no
     such step, or measured different workloads."""
     if not runs or len(runs) % 2:
         raise ValueError(f"--lockstep pairs processes two by two (ranks 0 and 1 of each): got {len(runs)} inputs")
@@ -122,7 +124,15 @@ def lockstep_pairs(*runs: dict) -> dict:
         met = {s["key"]: (k, s) for k, s in enumerate(ours.get("lockstep_steps", [])) if s["met"]}
         row = out.setdefault(
             ours["variant"],
-            {"step": [], "generate": [], "by_side": {0: [], 1: []}, "by_core": {}, "skew": [], "keys": []},
+            {
+                "step": [],
+                "generate": [],
+                "by_side": {0: [], 1: []},
+                "by_core": {},
+                "by_order": {},
+                "skew": [],
+                "keys": [],
+            },
         )
         for k, s in enumerate(base.get("lockstep_steps", [])):
             if not s["met"] or s["key"] not in met:
@@ -133,6 +143,8 @@ def lockstep_pairs(*runs: dict) -> dict:
             row["by_side"][side].append(ratio)
             if "core" in t:  # --main-cores: the core tidal's main thread had for the step
                 row["by_core"].setdefault(t["core"], []).append(ratio)
+            if "order" in t:  # --turns: whether tidal's step ran before TRL's or after it
+                row["by_order"].setdefault(t["order"], []).append(ratio)
             row["skew"].append(abs(t["started_at"] - s["started_at"]))
             row["keys"].append(prefix + s["key"])
             gen, gen0 = _generate_s(ours, j), _generate_s(base, k)
@@ -171,6 +183,11 @@ def lockstep_pairs(*runs: dict) -> dict:
             },
             "start_skew_s_max": max(row["skew"]),
         }
+        if row["by_order"]:
+            result[name]["ratio_median_by_order"] = {
+                ("tidal first" if o == 0 else "tidal second"): statistics.median(v)
+                for o, v in sorted(row["by_order"].items())
+            }
         if row["by_core"]:
             result[name]["ratio_median_by_core"] = {
                 f"tidal's main thread on core {c}": statistics.median(v) for c, v in sorted(row["by_core"].items())

@@ -48,6 +48,45 @@ def test_both_leave_the_barrier_only_once_both_came():
     assert abs(left_0 - got["left_1"]) < 0.2
 
 
+def test_with_turns_no_two_steps_overlap_and_the_first_of_each_pair_alternates():
+    address = f"127.0.0.1:{_port()}"
+    spans: list[tuple[int, int, float, float]] = []  # (rank, n, start, end)
+    orders: dict[int, list[int]] = {0: [], 1: []}
+    lock = threading.Lock()
+
+    def process(rank: int, ls=None):
+        ls = ls or lockstep.Lockstep(address, rank, timeout_s=30)
+        for n in range(6):
+            met, _, order = ls.turn(n)
+            assert met
+            t0 = time.perf_counter()
+            time.sleep(0.05 if rank == 0 else 0.02)  # the step
+            with lock:
+                spans.append((rank, n, t0, time.perf_counter()))
+                orders[rank].append(order)
+            ls.end_turn()
+
+    first = lockstep.Lockstep(address, 0, timeout_s=30)
+    t = threading.Thread(target=process, args=(1,))
+    t.start()
+    process(0, first)
+    t.join()
+    spans.sort(key=lambda x: x[2])
+    assert all(a[3] <= b[2] for a, b in zip(spans, spans[1:]))  # one step at a time
+    # Pair n: rank n % 2 first, then the other; the pairs in order.
+    assert [(r, n) for r, n, _, _ in spans] == [(n % 2 if i == 0 else 1 - n % 2, n) for n in range(6) for i in (0, 1)]
+    assert orders[0] == [0, 1, 0, 1, 0, 1] and orders[1] == [1, 0, 1, 0, 1, 0]
+
+
+def test_a_turn_the_partner_never_gives_leaves_this_process_on_its_own():
+    ls = lockstep.Lockstep(f"127.0.0.1:{_port()}", 0, timeout_s=0.3)
+    met, waited, order = ls.turn(1)  # rank 1 goes first in pair 1: it never comes
+    assert not met and waited >= 0.3 and order == 1
+    t0 = time.perf_counter()
+    assert ls.turn(2) == (False, 0.0, 0)  # no later turn waits
+    assert time.perf_counter() - t0 < 0.1
+
+
 def test_a_partner_that_never_comes_leaves_this_process_on_its_own():
     ls = lockstep.Lockstep(f"127.0.0.1:{_port()}", 0, timeout_s=0.3)
     met, waited = ls.barrier("0/1")
@@ -142,6 +181,24 @@ def test_with_main_cores_the_ratios_are_split_by_the_core_tidal_had():
     # Without cores recorded there is no split.
     assert (
         "ratio_median_by_core"
+        not in pool_paired.lockstep_pairs(_run(["trl"], [[1.0]]), _run(["stream"], [[1.0]]))["stream"]
+    )
+
+
+def test_with_turns_the_ratios_are_split_by_whether_tidal_went_first():
+    # The host slows through each pair of steps (turns: tidal's step and TRL's are neighbours):
+    # the second step of a pair takes 1.05x; which side goes first alternates step by step.
+    a = _run(["trl", "stream"], [[10.0, 10.0], [10.0, 10.0]])
+    b = _run(["stream", "trl"], [[10.0, 10.0], [10.0, 10.0]])
+    for rank, proc in ((0, a), (1, b)):
+        for i, v in enumerate(proc["variants"]):
+            for k, step in enumerate(v["lockstep_steps"]):
+                step["order"] = 0 if rank == (3 * i + k + 1) % 2 else 1
+                v["step_times_s"][k] *= 1.05 if step["order"] else 1.0
+    got = pool_paired.lockstep_pairs(a, b)["stream"]
+    assert got["ratio_median_by_order"] == pytest.approx({"tidal first": 1 / 1.05, "tidal second": 1.05})
+    assert (
+        "ratio_median_by_order"
         not in pool_paired.lockstep_pairs(_run(["trl"], [[1.0]]), _run(["stream"], [[1.0]]))["stream"]
     )
 
@@ -255,6 +312,38 @@ def test_two_tiny_bench_processes_step_together_and_pool(tmp_path):
             assert [a["core"] for a in mine] == [cores[1 - cores.index(b["core"])] for b in theirs]
     got = pool_paired.lockstep_pairs(*runs)["stream+prefetch"]
     assert got["n"] == 8 and got["start_skew_s_max"] < 0.5
+
+
+@pytest.mark.slow
+def test_two_tiny_bench_processes_take_turns_step_by_step_and_pool(tmp_path):
+    """End to end on a CPU, ``--turns``: two bench processes (the tiny preset), complementary
+    orders, one step at a time, the one that goes first in each pair of steps alternating."""
+    pytest.importorskip("trl")
+    address = f"127.0.0.1:{_port()}"
+    procs = []
+    for r in (0, 1):
+        cmd = [sys.executable, os.path.join(BENCH, "bench_trl.py"), "--preset", "tiny", "--dtype", "float32"]
+        cmd += ["--batch", "8", "--completion", "8", "--steps", "3", "--variants", "trl,stream+prefetch"]
+        cmd += ["--paired", "2", "--in-process", "--lockstep", address, "--lockstep-rank", str(r), "--turns"]
+        cmd += ["--json", str(tmp_path / f"r{r}.json"), "--results", str(tmp_path / f"R{r}.md")]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, out[-3000:]
+    runs = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1)]
+    steps = []
+    for rank, run in enumerate(runs):
+        for i, v in enumerate(run["variants"]):
+            assert v["error"] is None
+            got = v["lockstep_steps"]
+            assert [s["key"] for s in got] == [f"{i}/2", f"{i}/3"] and all(s["met"] for s in got)
+            # The n-th step of a process (3 a run, the first not measured): rank n % 2 goes first.
+            assert [s["order"] for s in got] == [0 if rank == n % 2 else 1 for n in (3 * i + 1, 3 * i + 2)]
+            steps += [(s["started_at"], s["ended_at"]) for s in got]
+    steps.sort()
+    assert all(a[1] <= b[0] for a, b in zip(steps, steps[1:]))  # never two steps at once
+    got = pool_paired.lockstep_pairs(*runs)["stream+prefetch"]
+    assert got["n"] == 8
 
 
 def test_both_processes_take_the_flag_either_raised():
