@@ -43,14 +43,15 @@ class Lockstep:
 
     WORLD = 2
 
-    def __init__(self, address: str, rank: int, *, timeout_s: float = 300.0, poll_s: float = 0.002) -> None:
+    def __init__(self, address: str, rank: int, *, timeout_s: float = 300.0) -> None:
         if rank not in (0, 1):
             raise ValueError(f"--lockstep-rank {rank}: two processes step together, ranks 0 and 1")
         import torch.distributed as dist
 
         host, port = parse_address(address)
-        self.rank, self.timeout_s, self.poll_s = rank, timeout_s, poll_s
+        self.rank, self.timeout_s = rank, timeout_s
         self.lost = False
+        self._slot = 0  # turns: the slot of this process's step now
         self.store = dist.TCPStore(
             host,
             port,
@@ -60,26 +61,34 @@ class Lockstep:
             wait_for_workers=False,
         )
 
+    def _wait(self, key: str, timeout_s: float) -> bool:
+        """Block until ``key`` is set in the store, at most ``timeout_s``: one request the store
+        answers when the key comes, so a process that waits the length of its partner's step
+        sends nothing meanwhile (polling it took the store's thread, inside the partner's
+        process when rank 0 hosts it, hundreds of wake-ups a second)."""
+        try:
+            self.store.wait([key], timedelta(seconds=max(timeout_s, 1e-3)))
+            return True
+        except RuntimeError:  # torch.distributed.DistStoreError: not set in time
+            return False
+
     def barrier(self, key: str, *, timeout_s: float | None = None) -> tuple[bool, float]:
         """Wait at ``key`` for the partner, at most ``timeout_s`` (default: the constructor's):
         (whether both met there, seconds waited)."""
         t0 = time.perf_counter()
         if self.lost:
             return False, 0.0
-        self.store.add(key, 1)
-        deadline = t0 + (self.timeout_s if timeout_s is None else timeout_s)
-        while True:
-            if int(self.store.add(key, 0)) >= self.WORLD:
-                # The partner may have given up on this key before we came: then it is not a pair.
-                met = int(self.store.add(key + "/gone", 0)) == 0
-                if not met:
-                    self.lost = True
-                return met, time.perf_counter() - t0
-            if time.perf_counter() > deadline:
-                self.store.add(key + "/gone", 1)
-                self.lost = True
-                return False, time.perf_counter() - t0
-            time.sleep(self.poll_s)
+        if int(self.store.add(key, 1)) >= self.WORLD:
+            self.store.set(key + "/all", "1")  # the second to come releases the first
+        elif not self._wait(key + "/all", self.timeout_s if timeout_s is None else timeout_s):
+            self.store.add(key + "/gone", 1)
+            self.lost = True
+            return False, time.perf_counter() - t0
+        # The partner may have given up on this key before we came: then it is not a pair.
+        met = int(self.store.add(key + "/gone", 0)) == 0
+        if not met:
+            self.lost = True
+        return met, time.perf_counter() - t0
 
     def turn(self, n: int, *, timeout_s: float | None = None) -> tuple[bool, float, int]:
         """Turns: wait until this process's ``n``-th step (counted from 0 over all its runs) may
@@ -91,19 +100,16 @@ class Lockstep:
         t0 = time.perf_counter()
         if self.lost:
             return False, 0.0, order
-        slot = 2 * n + order  # steps both processes end before this one starts
-        deadline = t0 + (self.timeout_s if timeout_s is None else timeout_s)
-        while int(self.store.add("turns", 0)) < slot:
-            if time.perf_counter() > deadline:
-                self.lost = True
-                return False, time.perf_counter() - t0, order
-            time.sleep(self.poll_s)
+        self._slot = 2 * n + order  # the steps of both processes before this one
+        if self._slot > 0 and not self._wait(f"turns/{self._slot}", self.timeout_s if timeout_s is None else timeout_s):
+            self.lost = True
+            return False, time.perf_counter() - t0, order
         return True, time.perf_counter() - t0, order
 
     def end_turn(self) -> None:
         """Turns: this process's step is over (its device work finished): the partner's next."""
         if not self.lost:
-            self.store.add("turns", 1)
+            self.store.set(f"turns/{self._slot + 1}", "1")
 
     def agree(self, key: str, flag: bool, *, timeout_s: float | None = None) -> bool:
         """Whether either process raised ``flag`` at ``key`` (e.g. "another step would pass the
