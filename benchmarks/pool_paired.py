@@ -256,11 +256,16 @@ def main(argv=None) -> int:
     for name, r in (together or {}).items():
         by = ", ".join(f"{k} {v:.3f}x" for k, v in r["ratio_median_by_gpu"].items() if v is not None)
         by += "".join(f", {k} {v:.3f}x" for k, v in r.get("ratio_median_by_core", {}).items())
+        by += "".join(f", {k} {v:.3f}x" for k, v in r.get("ratio_median_by_order", {}).items())
+        turns = "ratio_median_by_order" in r
+        how = "steps taken in turns on one GPU" if turns else "steps started together on two GPUs"
+        # (in turns a pair's starts are a step apart: no skew to report)
+        skew = "" if turns else f"; starts at most {r['start_skew_s_max'] * 1e3:.0f} ms apart"
         print(
-            f"  {name}, steps started together on two GPUs: step {r['ratio_median']:.3f}x TRL alone's (median of "
+            f"  {name}, {how}: step {r['ratio_median']:.3f}x TRL alone's (median of "
             f"{r['n']} steps; 95% interval {_fmt(r['ratio_ci95'])}; over the {r['runs']} runs' medians "
             f"{r['run_ratio_median']:.3f}x, {_fmt(r['run_ratio_ci95'])}); generation {r['generate_ratio_median'] or float('nan'):.3f}x "
-            f"({_fmt(r['generate_ratio_ci95'])}); {by}; starts at most {r['start_skew_s_max'] * 1e3:.0f} ms apart"
+            f"({_fmt(r['generate_ratio_ci95'])}); {by}{skew}"
         )
     print(
         "targets (64 x 256, 1.5B fp32): the step's interval's upper end <= 1.05 at <= 0.5x TRL's peak; generation <= 1.02x"

@@ -64,8 +64,11 @@ class TidalConfig:
             Needs a role beside the policy (``beta > 0`` or a reward model) to move the roles
             ahead; the optimizer state is brought in ahead either way.
         prefetch_peak_bytes: with ``prefetch``, the device's allocated bytes a prefetch may
-            bring it up to (what a phase will still allocate counted): prefetch trades peak
-            memory for time, and this bounds the trade. ``None``: free memory decides.
+            bring it up to (what a phase will still allocate counted, and what a prefetch
+            brought in counted once; the allocator's fragments, free memory a large block cannot
+            use, are left free beside it but are not allocated and do not count): prefetch
+            trades peak memory for time, and this bounds the trade. ``None``: free memory
+            decides.
     """
 
     optimizer_residency: OptimizerResidency = "step"
