@@ -247,6 +247,22 @@ def _annotate_for_profile(trainer) -> None:
 _ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
+def lockstep_patience(timeout_s: float, deadline: float, now: float, last_step_s: float, *, turns: bool) -> float:
+    """How long a lockstep process waits for its partner: ``timeout_s``, less where the
+    ``deadline`` (0: none) leaves room for only one more step like the last (and its results)
+    after it. With ``turns`` a wait lasts the partner's step, or two (a process's turns come two
+    partner steps apart where it goes first in a pair after going second in the one before), and
+    a pair of steps begins only where it would end 20 s before the deadline (``_past_deadline``
+    of twice the step): the wait may last until then. At least 1 s."""
+    if not deadline:
+        return timeout_s
+    if turns:
+        room = deadline - now - 20.0
+    else:
+        room = deadline - now - 1.15 * last_step_s - 30.0
+    return max(1.0, min(timeout_s, room))
+
+
 def step_moves(records) -> list:
     """A step's transitions (timeshare records) in order, each ``[kind, roles out, role in, GB
     in, GB out, GB found arrived ahead, the compute stream's wait in s]``; the chunks of a
@@ -398,12 +414,7 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     last_wall = [0.0]  # the last step's wall time in this run
 
     def _lockstep_patience() -> float:
-        """How long to wait for the lockstep partner: the lockstep's own limit, less where the
-        deadline leaves room for only one more step like the last (and its results) after it."""
-        if not args._deadline:
-            return args._lockstep.timeout_s
-        room = args._deadline - time.time() - 1.15 * last_wall[0] - 30.0
-        return max(1.0, min(args._lockstep.timeout_s, room))
+        return lockstep_patience(args._lockstep.timeout_s, args._deadline, time.time(), last_wall[0], turns=args.turns)
 
     class BesideTheGradients(TrainerCallback):
         # Right before the optimizer step (the gradients clipped): the policy's weights and
@@ -676,8 +687,10 @@ def run_variant(variant: str, model_path: str, steps: int, out_json: str, args) 
     finally:
         given_clock.close()
     if args.turns and args._lockstep is not None:
-        # --turns: what follows (tidal's close() brings its roles back, the next run loads its
-        # models) waits for the partner's last step, which shares this GPU.
+        # --turns: a step that ended in an error gives the partner its turn; what follows
+        # (tidal's close() brings its roles back, the next run loads its models) waits for the
+        # partner's last step, which shares this GPU.
+        args._lockstep.end_turn()
         args._lockstep.barrier(f"run-end/{args._run_index}", timeout_s=_lockstep_patience())
     import tidal
 

@@ -52,6 +52,7 @@ class Lockstep:
         self.rank, self.timeout_s = rank, timeout_s
         self.lost = False
         self._slot = 0  # turns: the slot of this process's step now
+        self._open = False  # turns: a step of this process is running (its turn not ended)
         self.store = dist.TCPStore(
             host,
             port,
@@ -69,8 +70,23 @@ class Lockstep:
         try:
             self.store.wait([key], timedelta(seconds=max(timeout_s, 1e-3)))
             return True
-        except RuntimeError:  # torch.distributed.DistStoreError: not set in time
+        except RuntimeError:  # torch.distributed.DistStoreError: not set in time (or the store gone)
             return False
+
+    def _add(self, key: str, n: int) -> int | None:
+        """The store's ``add``; None where the store is gone (rank 0, which hosts it, ended):
+        this process is on its own from then on."""
+        try:
+            return int(self.store.add(key, n))
+        except RuntimeError:  # torch.distributed.DistNetworkError
+            self.lost = True
+            return None
+
+    def _set(self, key: str) -> None:
+        try:
+            self.store.set(key, "1")
+        except RuntimeError:  # the store is gone: see _add
+            self.lost = True
 
     def barrier(self, key: str, *, timeout_s: float | None = None) -> tuple[bool, float]:
         """Wait at ``key`` for the partner, at most ``timeout_s`` (default: the constructor's):
@@ -78,14 +94,17 @@ class Lockstep:
         t0 = time.perf_counter()
         if self.lost:
             return False, 0.0
-        if int(self.store.add(key, 1)) >= self.WORLD:
-            self.store.set(key + "/all", "1")  # the second to come releases the first
+        came = self._add(key, 1)
+        if came is None:
+            return False, time.perf_counter() - t0
+        if came >= self.WORLD:
+            self._set(key + "/all")  # the second to come releases the first
         elif not self._wait(key + "/all", self.timeout_s if timeout_s is None else timeout_s):
-            self.store.add(key + "/gone", 1)
+            self._add(key + "/gone", 1)
             self.lost = True
             return False, time.perf_counter() - t0
         # The partner may have given up on this key before we came: then it is not a pair.
-        met = int(self.store.add(key + "/gone", 0)) == 0
+        met = self._add(key + "/gone", 0) == 0
         if not met:
             self.lost = True
         return met, time.perf_counter() - t0
@@ -104,12 +123,15 @@ class Lockstep:
         if self._slot > 0 and not self._wait(f"turns/{self._slot}", self.timeout_s if timeout_s is None else timeout_s):
             self.lost = True
             return False, time.perf_counter() - t0, order
+        self._open = True
         return True, time.perf_counter() - t0, order
 
     def end_turn(self) -> None:
-        """Turns: this process's step is over (its device work finished): the partner's next."""
-        if not self.lost:
-            self.store.set(f"turns/{self._slot + 1}", "1")
+        """Turns: this process's step is over (its device work finished): the partner's next.
+        Nothing where no turn is open (called again after a step that ended in an error)."""
+        if self._open and not self.lost:
+            self._set(f"turns/{self._slot + 1}")
+        self._open = False
 
     def agree(self, key: str, flag: bool, *, timeout_s: float | None = None) -> bool:
         """Whether either process raised ``flag`` at ``key`` (e.g. "another step would pass the
@@ -118,6 +140,6 @@ class Lockstep:
         if self.lost:
             return flag
         if flag:
-            self.store.add(key + "/flag", 1)
+            self._add(key + "/flag", 1)
         met, _ = self.barrier(key, timeout_s=timeout_s)
-        return flag or (met and int(self.store.add(key + "/flag", 0)) > 0)
+        return flag or (met and (self._add(key + "/flag", 0) or 0) > 0)

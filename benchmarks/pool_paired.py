@@ -145,6 +145,7 @@ def lockstep_pairs(*runs: dict) -> dict:
                 row["by_core"].setdefault(t["core"], []).append(ratio)
             if "order" in t:  # --turns: whether tidal's step ran before TRL's or after it
                 row["by_order"].setdefault(t["order"], []).append(ratio)
+            row.setdefault("turns", set()).add("order" in t)
             row["skew"].append(abs(t["started_at"] - s["started_at"]))
             row["keys"].append(prefix + s["key"])
             gen, gen0 = _generate_s(ours, j), _generate_s(base, k)
@@ -155,6 +156,12 @@ def lockstep_pairs(*runs: dict) -> dict:
             "no step of tidal started together with one of TRL alone: pass the JSON of bench_trl.py --lockstep "
             "rank 0 and rank 1 (the same call)"
         )
+    for name, row in out.items():
+        if len(row.get("turns", ())) > 1:
+            raise ValueError(
+                f"{name}: some inputs took turns on one GPU (--turns) and some started their steps together: "
+                "pool the calls of one method"
+            )
     result = {}
     for name, row in out.items():
         gen = _summary(row["generate"])
@@ -178,10 +185,15 @@ def lockstep_pairs(*runs: dict) -> dict:
             "generate_ratio_median": gen["ratio_median"],
             "generate_ratio_ci95": gen["ratio_ci95"],
             "generate_ratios": row["generate"],
+            # --turns: both ranks on one GPU, so the split is by process; paired steps start a
+            # step apart by design (no skew to report).
             "ratio_median_by_gpu": {
-                f"tidal on rank {side}'s GPU": statistics.median(v) if v else None for side, v in row["by_side"].items()
+                (f"tidal in rank {side}'s process" if row["by_order"] else f"tidal on rank {side}'s GPU"): (
+                    statistics.median(v) if v else None
+                )
+                for side, v in row["by_side"].items()
             },
-            "start_skew_s_max": max(row["skew"]),
+            "start_skew_s_max": None if row["by_order"] else max(row["skew"]),
         }
         if row["by_order"]:
             result[name]["ratio_median_by_order"] = {

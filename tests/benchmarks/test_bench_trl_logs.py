@@ -54,3 +54,22 @@ def test_a_steps_moves_are_listed_in_order_with_a_streamed_steps_chunks_summed()
         ["optim-stream", ["policy"], "policy", 2.0, 3.0, 0.0, 0.03],
         ["prefetch", [], "reference", 1.0, 0.0, 0.0, 0.0],
     ]
+
+
+def test_with_turns_the_wait_lasts_two_partner_steps_wherever_another_pair_was_begun():
+    """--turns: a pair of steps begins where twice a step (+15%) and 20 s fit before the
+    deadline; a process then waits up to two of its partner's steps for its turn, and the
+    first of a pair the partner's step at the deadline check: the wait must not run out before
+    (it did, with the patience of processes starting their steps together)."""
+    step = 11.0
+    for left in (2 * 1.15 * step + 20.0 + x for x in (0.0, 1.0, 5.0, 30.0, 200.0)):
+        now = 1000.0
+        deadline = now + left
+        assert not now + 1.15 * 2 * step + 20.0 > deadline  # the bench's check: not late
+        assert bench_trl.lockstep_patience(300.0, deadline, now, step, turns=True) >= 2 * step
+    # Starting together, the partner is at most a moment away: the patience keeps a step's room.
+    assert bench_trl.lockstep_patience(300.0, 1100.0, 1000.0, step, turns=False) == pytest.approx(
+        100 - 1.15 * step - 30
+    )
+    assert bench_trl.lockstep_patience(300.0, 0.0, 1000.0, step, turns=True) == 300.0  # no deadline
+    assert bench_trl.lockstep_patience(300.0, 1005.0, 1000.0, step, turns=True) == 1.0  # at least 1 s

@@ -87,6 +87,31 @@ def test_a_turn_the_partner_never_gives_leaves_this_process_on_its_own():
     assert time.perf_counter() - t0 < 0.1
 
 
+def test_when_the_process_hosting_the_store_has_ended_the_other_goes_on_alone():
+    """Rank 0 hosts the rendezvous; where it ends first (its deadline came while its partner was
+    inside a step), the partner's next calls neither raise nor wait: it is on its own."""
+    address = f"127.0.0.1:{_port()}"
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {BENCH!r}); import lockstep; "
+            f"ls = lockstep.Lockstep({address!r}, 0, timeout_s=30); ls.store.wait(['here']); "
+            "ls.turn(0); ls.end_turn(); ls.store.wait(['got'])",
+        ]
+    )
+    ls = lockstep.Lockstep(address, 1, timeout_s=30)
+    ls.store.set("here", "1")
+    assert ls.turn(0)[0]  # rank 1 goes second in pair 0: after rank 0's step
+    ls.store.set("got", "1")
+    assert host.wait(timeout=60) == 0  # the store's host has ended
+    t0 = time.perf_counter()
+    ls.end_turn()
+    assert ls.agree("end/0/1", False, timeout_s=5) is False
+    assert ls.lost and ls.barrier("run-end/0") == (False, 0.0)
+    assert time.perf_counter() - t0 < 5
+
+
 def test_a_partner_that_never_comes_leaves_this_process_on_its_own():
     ls = lockstep.Lockstep(f"127.0.0.1:{_port()}", 0, timeout_s=0.3)
     met, waited = ls.barrier("0/1")
@@ -197,6 +222,13 @@ def test_with_turns_the_ratios_are_split_by_whether_tidal_went_first():
                 v["step_times_s"][k] *= 1.05 if step["order"] else 1.0
     got = pool_paired.lockstep_pairs(a, b)["stream"]
     assert got["ratio_median_by_order"] == pytest.approx({"tidal first": 1 / 1.05, "tidal second": 1.05})
+    # One GPU: the split by rank is by process; paired steps start a step apart by design.
+    assert set(got["ratio_median_by_gpu"]) == {"tidal in rank 0's process", "tidal in rank 1's process"}
+    assert got["start_skew_s_max"] is None
+    # Calls of the two methods are not pooled together.
+    c, d = _run(["trl", "stream"], [[10.0, 10.0], [10.0, 10.0]]), _run(["stream", "trl"], [[10.0, 10.0], [10.0, 10.0]])
+    with pytest.raises(ValueError, match="pool the calls of one method"):
+        pool_paired.lockstep_pairs(a, b, c, d)
     assert (
         "ratio_median_by_order"
         not in pool_paired.lockstep_pairs(_run(["trl"], [[1.0]]), _run(["stream"], [[1.0]]))["stream"]
@@ -343,7 +375,7 @@ def test_two_tiny_bench_processes_take_turns_step_by_step_and_pool(tmp_path):
     steps.sort()
     assert all(a[1] <= b[0] for a, b in zip(steps, steps[1:]))  # never two steps at once
     got = pool_paired.lockstep_pairs(*runs)["stream+prefetch"]
-    assert got["n"] == 8
+    assert got["n"] == 8 and got["start_skew_s_max"] is None
 
 
 def test_both_processes_take_the_flag_either_raised():

@@ -726,6 +726,60 @@ def test_the_allocators_fragments_are_left_free_but_do_not_take_from_the_bound_o
     assert trainer._keep_free("reference", "loss") is None  # no room under the bound
 
 
+@pytest.mark.parametrize("residency", ["step", "stream"])
+def test_under_the_bound_the_loss_keeps_no_role_beside_optimizer_state_the_step_brings_in_anyway(residency):
+    """With ``"step"`` residency the optimizer step brings all of the state in, whatever came in
+    ahead behind the backward; the backward's growth leaves out what that prefetch brought in.
+    Under ``prefetch_peak_bytes`` the loss's keep counts it: a reference kept on the growth
+    alone would put the step over the bound (3 GiB policy and reference, 3 GiB gradients, 6 GiB
+    of AdamW state all prefetched last time: 7 + 3 + 6 = 16 GiB against 15). Streamed, the
+    prefetch brings in only what the bound leaves beside the kept roles: the keep stands."""
+    import types
+
+    from tidal.integrations.trl.memory import PhaseMemory
+    from tidal.integrations.trl.schedule import KeepAndPrefetch
+    from tidal.memory import phase_need_bytes
+
+    gib = 1 << 30
+    dev = _FakeAllocator()
+    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+
+    class Timeshare:
+        roles = {"policy": None, "reference": None}
+        ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 0)
+
+        def is_resident(self, role):
+            return True
+
+        def bytes_to_load(self, role):
+            return 0
+
+    class Trainer(KeepAndPrefetch):
+        timeshare = Timeshare()
+        tidal_config = TidalConfig(prefetch=True, prefetch_peak_bytes=15 * gib, optimizer_residency=residency)
+        _tidal_memory = memory
+        _tidal_depth = 0
+        _tidal_gathered = (0, 0)
+
+    # The last step: the loss's forward 1 GiB, the backward 3 GiB of gradients, then the step
+    # with all 6 GiB of state, which the backward's prefetch had brought in.
+    dev.set(3 * gib)
+    memory.start("loss")
+    dev.set(4 * gib)
+    memory.start("backward")
+    memory.prefetched(6 * gib)
+    dev.set(4 * gib + 6 * gib + 3 * gib)
+    dev.set(3 * gib)
+    memory.start("generate")
+    assert memory.growth["backward"] == 3 * gib and memory.brought_in["backward"] == 6 * gib
+    dev.set(6 * gib)  # the policy and the reference, as the loss's turn begins
+    keep = Trainer()._keep_free("reference", "loss")
+    if residency == "step":
+        assert keep is None  # 6 + 4.65 + 6 > 15: the reference goes
+    else:
+        assert keep == phase_need_bytes(4 * gib)  # 6 + 4.65 <= 15
+
+
 @pytest.mark.slow
 def test_a_role_the_loss_kept_goes_before_a_backward_it_has_no_room_beside(tiny, tmp_path):
     """The loss's turn keeps the reference on the last step's reading of the loss and backward;

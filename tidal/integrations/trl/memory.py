@@ -43,6 +43,7 @@ class PhaseMemory:
         self._fragmented_peak = fragmented_peak
         self.growth: dict[str, int] = {}  # phase -> bytes it allocated the last time it ran
         self.fragments: dict[str, int] = {}  # phase -> the fragments' peak the last time it ran
+        self.brought_in: dict[str, int] = {}  # phase -> what prefetches started in it brought in, the last time
         self._peaks: dict[str, int] = {}  # phase -> peak since the last take_peaks()
         self._phase: str | None = None
         self._start = 0  # allocated at the running phase's start
@@ -70,6 +71,7 @@ class PhaseMemory:
             self._high = max(self._high, peak)
             self._peaks[self._phase] = max(self._peaks.get(self._phase, 0), peak)
             self.growth[self._phase] = max(0, self._high - self._start - self._prefetched)
+            self.brought_in[self._phase] = self._prefetched
             if self._fragmented_peak is not None:
                 self._frag_high = max(self._frag_high, self._fragmented_peak())
                 self.fragments[self._phase] = self._frag_high

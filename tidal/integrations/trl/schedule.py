@@ -43,7 +43,14 @@ class KeepAndPrefetch:
             # The bound is on allocated bytes: the phase's need counts, the fragments below
             # (free memory, though of no use to large blocks) do not.
             coming = ts.bytes_to_load(role)  # what a prefetch brought in is allocated already
-            if memory.allocated() + coming + need > cfg.prefetch_peak_bytes:
+            ahead = 0
+            if phase == "loss" and cfg.optimizer_residency == "step":
+                # The backward's growth leaves out the optimizer state its prefetch brought in;
+                # with "step" residency the step brings all of it in anyway, so it counts here.
+                # (Streamed, the prefetch brings in only what the bound leaves beside the roles
+                # kept, and the chunks after it are in the growth.)
+                ahead = memory.brought_in.get("backward", 0)
+            if memory.allocated() + coming + need + ahead > cfg.prefetch_peak_bytes:
                 return None
         if phase == "loss":
             # The backward allocates large blocks: free pieces of the allocator's partly used
