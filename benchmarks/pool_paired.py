@@ -130,6 +130,7 @@ def lockstep_pairs(*runs: dict) -> dict:
                 "by_side": {0: [], 1: []},
                 "by_core": {},
                 "by_order": {},
+                "turns": set(),  # whether each paired step came from --turns
                 "skew": [],
                 "keys": [],
             },
@@ -145,7 +146,7 @@ def lockstep_pairs(*runs: dict) -> dict:
                 row["by_core"].setdefault(t["core"], []).append(ratio)
             if "order" in t:  # --turns: whether tidal's step ran before TRL's or after it
                 row["by_order"].setdefault(t["order"], []).append(ratio)
-            row.setdefault("turns", set()).add("order" in t)
+            row["turns"].add("order" in t)
             row["skew"].append(abs(t["started_at"] - s["started_at"]))
             row["keys"].append(prefix + s["key"])
             gen, gen0 = _generate_s(ours, j), _generate_s(base, k)
@@ -157,7 +158,7 @@ def lockstep_pairs(*runs: dict) -> dict:
             "rank 0 and rank 1 (the same call)"
         )
     for name, row in out.items():
-        if len(row.get("turns", ())) > 1:
+        if len(row["turns"]) > 1:
             raise ValueError(
                 f"{name}: some inputs took turns on one GPU (--turns) and some started their steps together: "
                 "pool the calls of one method"

@@ -29,6 +29,15 @@ class EvictionChoice:
         and what the caching allocator holds unused."""
         return self.ops.driver_free_bytes()[0] + self.ops.cached_free_bytes()
 
+    def _to_load(self, role: Role, incoming: dict, prefetched: set[int]) -> int:
+        """What making ``role`` resident must still copy in, of its device entries
+        ``incoming``: those that are out, but those a prefetch has allocated already
+        (``prefetched``; the driver's reading counts them as used). A resident role brings
+        nothing in (load() only makes room next to it)."""
+        if role.resident:
+            return 0
+        return sum(e.nbytes for k, e in incoming.items() if self.store.is_offloaded(k) and k not in prefetched)
+
     def _choose_evictions(
         self,
         role: Role,
@@ -73,13 +82,8 @@ class EvictionChoice:
                 keys.update((k, e.nbytes) for k, e in entries[r.name].items())
             return sum(keys.values())
 
-        # What must still come in: the incoming role's storages that are out, but those a
-        # prefetch has allocated already (the driver's reading counts them as used). A resident
-        # role brings nothing in (load() only makes room next to it).
         prefetched = self.store.prefetched_keys()
-        coming = 0
-        if not role.resident:
-            coming = sum(e.nbytes for k, e in incoming.items() if self.store.is_offloaded(k) and k not in prefetched)
+        coming = self._to_load(role, incoming, prefetched)
         # Room is made for what comes in; with keep_free_bytes, for the free bytes asked too.
         room_asked = bool(coming) or keep_free_bytes is not None
         free = 0

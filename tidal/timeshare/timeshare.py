@@ -156,10 +156,7 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         role = self.role(name)
         if role.resident:
             return 0
-        ahead = self.store.prefetched_keys()
-        return sum(
-            e.nbytes for k, e in self._device_entries(role).items() if self.store.is_offloaded(k) and k not in ahead
-        )
+        return self._to_load(role, self._device_entries(role), self.store.prefetched_keys())
 
     def is_resident(self, name: str) -> bool:
         """Whether the role ``name`` is on the device now. Raises ``ValueError`` for an
