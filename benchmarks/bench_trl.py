@@ -804,7 +804,8 @@ def _where_out_of_memory(trainer, error: BaseException) -> dict:
 
     out: dict = {"step": trainer.state.global_step + 1}
     ts = getattr(trainer, "timeshare", None)
-    memory = getattr(trainer, "_tidal_memory", None)
+    schedule = getattr(trainer, "_tidal_schedule", None)
+    memory = schedule.memory if schedule is not None else None
     if ts is not None:
         out["resident_roles"] = sorted(ts.resident_roles)
         out["prefetched_bytes"] = ts.store.prefetched_bytes
@@ -813,8 +814,8 @@ def _where_out_of_memory(trainer, error: BaseException) -> dict:
         out["phase_growth_bytes"] = dict(memory.growth)
         out["phase_start_bytes"] = memory._start  # allocated as the phase's count began
         out["phase_fragments_bytes"] = dict(memory.fragments)
-    if hasattr(trainer, "_tidal_gathered"):
-        out["gathered_bytes"] = list(trainer._tidal_gathered)  # this generation's gather, the last's
+    if schedule is not None:
+        out["gathered_bytes"] = list(schedule._gathered)  # this generation's gather, the last's
     if torch.cuda.is_available():
         # The peak of the failing phase (its counter restarts at each phase), before the failed
         # allocation: the error's own message says what was allocated as it failed.

@@ -117,3 +117,17 @@ def held_bytes(x: torch.Tensor | torch.UntypedStorage) -> int:
     from tidal.state.backends import counted_nbytes
 
     return counted_nbytes(x.untyped_storage() if isinstance(x, torch.Tensor) else x)
+
+
+class FakeAllocator:
+    """The device's allocated bytes and peak counter, driven by the test."""
+
+    def __init__(self) -> None:
+        self.now = self.high = 0
+
+    def set(self, nbytes: int) -> None:
+        self.now = nbytes
+        self.high = max(self.high, nbytes)
+
+    def reset(self) -> None:
+        self.high = self.now

@@ -13,6 +13,7 @@ datasets = pytest.importorskip("datasets")
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
 import tidal  # noqa: E402
+from tests.helpers import FakeAllocator  # noqa: E402
 from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer  # noqa: E402
 from tidal_recipes.grpo.char_task import EOS_ID, PAD_ID, char_tokenizer, reward_sevens  # noqa: E402
 
@@ -502,284 +503,6 @@ def test_rloo_refusals_name_the_rloo_trainer(tiny, tmp_path):
         TidalRLOOTrainer(model=tiny, reward_funcs=reward_sevens, args=args, train_dataset=_data())
 
 
-class _FakeAllocator:
-    """The device's allocated bytes and peak counter, driven by the test."""
-
-    def __init__(self) -> None:
-        self.now = self.high = 0
-
-    def set(self, nbytes: int) -> None:
-        self.now = nbytes
-        self.high = max(self.high, nbytes)
-
-    def reset(self) -> None:
-        self.high = self.now
-
-
-def test_a_log_line_inside_a_phase_does_not_reset_what_the_phase_allocated():
-    """Issue 26: TRL logs after the optimizer step, inside the backward phase (which holds the
-    step). The log's reading restarted the phase, so the next step's optimizer-state prefetch
-    saw a backward that allocated nothing, left nothing free and brought in past
-    prefetch_peak_bytes (22.06 GiB measured against a 17 GiB bound on an H100)."""
-    from tidal.integrations.trl.memory import PhaseMemory
-
-    gib = 1 << 30
-    dev = _FakeAllocator()
-    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
-    dev.set(6 * gib)
-    memory.start("generate")
-    dev.set(10 * gib)
-    dev.set(6 * gib)
-    memory.start("loss")
-    dev.set(13 * gib)  # the forward's activations
-    memory.start("backward")
-    memory.prefetched(1 * gib)  # optimizer state brought in ahead of the step
-    dev.set(17 * gib)  # + gradients and the streamed step's chunks, less the activations
-    dev.set(12 * gib)
-    peaks = memory.take_peaks()  # TRL's log line, after the step
-    assert peaks == {"generate": 10 * gib, "loss": 13 * gib, "backward": 17 * gib}
-    dev.set(6 * gib)  # gradients zeroed
-    memory.start("generate")  # the next step
-    assert memory.growth == {"generate": 4 * gib, "loss": 7 * gib, "backward": 3 * gib}
-    # The next log line: only what came since the last (the backward's tail after the step).
-    assert memory.take_peaks() == {"backward": 12 * gib, "generate": 6 * gib}
-
-
-def test_a_phase_run_again_after_out_of_memory_keeps_its_whole_need():
-    """A generation runs out of memory beside a prefetch (2026-11-28: a 32B shape's second step
-    on 4 H100s, the policy gathered whole before its first forward); the prefetched role goes
-    and the generation runs again. Counted from what the eviction left, the gathered copy (in
-    place before the part that ran again) must stay in the phase's growth, and the prefetch's
-    bytes, gone with the eviction, must not be taken off it: the next step's prefetch would
-    otherwise leave free only the KV cache's part, and run out of memory again."""
-    from tidal.integrations.trl.memory import PhaseMemory
-
-    gib = 1 << 30
-    dev = _FakeAllocator()
-    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
-    dev.set(15 * gib)  # the policy's shards
-    memory.start("generate")
-    memory.rebase()  # its turn's switch ran
-    dev.set(61 * gib)  # gathered whole, its shards lent
-    gathered = memory.grown()
-    memory.prefetched(9 * gib)  # the reference, behind it
-    dev.set(70 * gib)
-    dev.set(72 * gib)  # the KV cache, then out of memory
-    dev.set(61 * gib)  # the failed run's cache freed, the prefetched reference moved out
-    memory.rebase(grown_bytes=gathered)
-    dev.set(66 * gib)  # the generation again: its KV cache
-    dev.set(15 * gib)
-    memory.start("reference")
-    assert memory.growth["generate"] == 51 * gib  # the gathered copy's 46 and the cache's 5
-
-
-def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has_still_to_allocate():
-    """Generation of an FSDP2 policy gathers it whole before its first forward, where the
-    reference's prefetch starts: the gathered copy is part of the generation's growth, but
-    already allocated then. Left free a second time, it kept the reference out of a 14B
-    generation on 2 H100s with 33 GiB free (2026-11-27). The prefetch leaves the rest of the
-    phase's growth (its KV cache), +10% and 256 MiB; but all of it where the last generation
-    gathered per unit (its growth did not hold the whole policy: the cache is still to come)."""
-    import types
-
-    from tidal.integrations.trl.memory import PhaseMemory
-    from tidal.integrations.trl.schedule import KeepAndPrefetch
-    from tidal.memory import phase_need_bytes
-
-    gib = 1 << 30
-    dev = _FakeAllocator()
-    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
-    asked: list[dict] = []
-
-    class Timeshare:
-        roles = {"policy": None, "reference": None}
-        ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 0)
-
-        def is_resident(self, role):
-            return role == "policy"
-
-        def bytes_to_load(self, role):
-            return 0 if self.is_resident(role) else 14 * gib
-
-        def prefetch(self, role, **kw):
-            asked.append({"role": role, **kw})
-
-    class Trainer(KeepAndPrefetch):
-        timeshare = Timeshare()
-        tidal_config = TidalConfig(prefetch=True)
-        _tidal_memory = memory
-        _tidal_depth = 1
-        _tidal_gathered = (0, 0)
-
-    trainer = Trainer()
-    dev.set(14 * gib)  # the policy's shards
-
-    def generation(gathered: bool):
-        trainer._tidal_gathered = (27 * gib if gathered else 0, trainer._tidal_gathered[0])
-        memory.start("generate")
-        memory.rebase()  # its turn's switch ran
-        dev.set(41 * gib if gathered else 15 * gib)  # the whole policy gathered, or one unit
-        trainer._prefetch("generate", "reference")  # at the first forward
-        dev.set(dev.now + 2 * gib)  # the KV cache
-        dev.set(14 * gib)  # resharded, the cache freed
-        memory.start("reference")
-
-    generation(gathered=True)
-    assert asked == []  # the first generation's growth was not known yet
-    generation(gathered=True)
-    assert memory.growth["generate"] == 29 * gib
-    assert asked[-1]["role"] == "reference" and asked[-1]["leave_free_bytes"] == phase_need_bytes(2 * gib)
-    generation(gathered=False)  # per unit this time: nothing up front
-    assert asked[-1]["leave_free_bytes"] == phase_need_bytes(29 * gib)
-    generation(gathered=True)  # gathered after a generation that was not: its whole growth left
-    assert asked[-1]["leave_free_bytes"] == phase_need_bytes(3 * gib)
-    # Not inside its phase (a caller naming another), the whole growth is left, as before.
-    trainer._prefetch("generate", "reference")
-    assert asked[-1]["leave_free_bytes"] == phase_need_bytes(29 * gib)
-    # The most the allocator's fragments reached in the last generation (pieces its KV cache's
-    # blocks could not use) is left too; not those there now (the backward's, which the
-    # prefetched role's small blocks can use).
-    memory.fragments["generate"] = 1 * gib
-    Timeshare.ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 3 * gib)
-    generation(gathered=True)
-    assert asked[-1]["leave_free_bytes"] == phase_need_bytes(2 * gib) + 1 * gib
-
-
-def test_the_allocators_fragments_are_left_free_but_do_not_take_from_the_bound_on_allocated_bytes():
-    """``prefetch_peak_bytes`` bounds the device's allocated bytes. The allocator's fragments
-    are free memory a large block cannot use: each prefetch and keep leaves them free beside
-    the phase's need, but they are not allocated, so they do not take from the bound. Counted
-    there, the ~6 GiB of them a 1.5B step's backward leaves (and the next generation's
-    reading then holds) cut the reference's prefetch behind generation by as much under a
-    17 GiB bound: its scoring waited on the rest every step after the first. Nor does what a
-    prefetch brought in count twice (allocated, and again as still to come)."""
-    import types
-
-    from tidal.integrations.trl.memory import PhaseMemory
-    from tidal.integrations.trl.schedule import KeepAndPrefetch
-    from tidal.memory import phase_need_bytes
-
-    gib = 1 << 30
-    dev = _FakeAllocator()
-    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
-    asked: list[dict] = []
-
-    class Timeshare:
-        roles = {"policy": None, "reference": None}
-        ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 6 * gib)  # the backward's
-        resident = {"policy"}
-        arrived = 0
-
-        def is_resident(self, role):
-            return role in self.resident
-
-        def bytes_to_load(self, role):  # a 7 GiB reference, less what arrived ahead
-            return 0 if self.is_resident(role) else 7 * gib - self.arrived
-
-        def prefetch(self, role, **kw):
-            asked.append({"role": role, **kw})
-
-        def prefetch_optimizer(self, role, **kw):
-            asked.append({"role": "optimizer", **kw})
-
-    bound = 17 * gib
-
-    class Trainer(KeepAndPrefetch):
-        timeshare = Timeshare()
-        tidal_config = TidalConfig(prefetch=True, prefetch_peak_bytes=bound)
-        _tidal_memory = memory
-        _tidal_depth = 1
-        _tidal_gathered = (0, 0)
-
-    trainer = Trainer()
-    memory.growth.update(generate=4 * gib, reference=2 * gib, loss=1 * gib, backward=1 * gib)
-    memory.fragments.update(generate=6 * gib, loss=5 * gib, backward=6 * gib)
-    dev.set(7 * gib)  # the policy
-    memory.start("generate")
-    memory.rebase()
-    trainer._prefetch("generate", "reference")
-    need = phase_need_bytes(4 * gib)
-    assert asked[-1]["role"] == "reference" and asked[-1]["leave_free_bytes"] == need + 6 * gib
-    assert asked[-1]["limit_bytes"] == bound - 7 * gib - need  # 5.3 GiB of the reference; with the fragments: none
-    # The reference's turn, 5 GiB of it prefetched: the policy stays beside it where the rest
-    # and the scoring's need fit under the bound (7 + 5 + 2 + 2.45 GiB); what arrived ahead is
-    # counted once (twice, 21.45 GiB: the policy would go, to come back for the loss).
-    Timeshare.arrived = 5 * gib
-    dev.set(12 * gib)
-    trainer._tidal_depth = 0
-    assert trainer._keep_free("reference", "reference") == phase_need_bytes(2 * gib)
-    trainer._tidal_depth = 1
-    dev.set(12 * gib)  # the loss's activations as its backward starts
-    trainer._prefetch("backward", "optimizer", growth=2 * gib)
-    need = phase_need_bytes(2 * gib)
-    assert asked[-1]["role"] == "optimizer" and asked[-1]["leave_free_bytes"] == need + 6 * gib
-    assert asked[-1]["limit_bytes"] == bound - 12 * gib - need
-    # The loss's turn keeps the reference where its need and the backward's fit under the bound
-    # beside what is allocated (7 + 7 + 2.45 GiB; with the fragments 22.45: none), and keeps the
-    # fragments free beside them.
-    Timeshare.resident = {"policy", "reference"}
-    dev.set(14 * gib)
-    need = phase_need_bytes(2 * gib)
-    trainer._tidal_depth = 0
-    assert trainer._keep_free("reference", "loss") == need + 6 * gib
-    dev.set(bound - need + 1)
-    assert trainer._keep_free("reference", "loss") is None  # no room under the bound
-
-
-@pytest.mark.parametrize("residency", ["step", "stream"])
-def test_under_the_bound_the_loss_keeps_no_role_beside_optimizer_state_the_step_brings_in_anyway(residency):
-    """With ``"step"`` residency the optimizer step brings all of the state in, whatever came in
-    ahead behind the backward; the backward's growth leaves out what that prefetch brought in.
-    Under ``prefetch_peak_bytes`` the loss's keep counts it: a reference kept on the growth
-    alone would put the step over the bound (3 GiB policy and reference, 3 GiB gradients, 6 GiB
-    of AdamW state all prefetched last time: 7 + 3 + 6 = 16 GiB against 15). Streamed, the
-    prefetch brings in only what the bound leaves beside the kept roles: the keep stands."""
-    import types
-
-    from tidal.integrations.trl.memory import PhaseMemory
-    from tidal.integrations.trl.schedule import KeepAndPrefetch
-    from tidal.memory import phase_need_bytes
-
-    gib = 1 << 30
-    dev = _FakeAllocator()
-    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
-
-    class Timeshare:
-        roles = {"policy": None, "reference": None}
-        ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 0)
-
-        def is_resident(self, role):
-            return True
-
-        def bytes_to_load(self, role):
-            return 0
-
-    class Trainer(KeepAndPrefetch):
-        timeshare = Timeshare()
-        tidal_config = TidalConfig(prefetch=True, prefetch_peak_bytes=15 * gib, optimizer_residency=residency)
-        _tidal_memory = memory
-        _tidal_depth = 0
-        _tidal_gathered = (0, 0)
-
-    # The last step: the loss's forward 1 GiB, the backward 3 GiB of gradients, then the step
-    # with all 6 GiB of state, which the backward's prefetch had brought in.
-    dev.set(3 * gib)
-    memory.start("loss")
-    dev.set(4 * gib)
-    memory.start("backward")
-    memory.prefetched(6 * gib)
-    dev.set(4 * gib + 6 * gib + 3 * gib)
-    dev.set(3 * gib)
-    memory.start("generate")
-    assert memory.growth["backward"] == 3 * gib and memory.brought_in["backward"] == 6 * gib
-    dev.set(6 * gib)  # the policy and the reference, as the loss's turn begins
-    keep = Trainer()._keep_free("reference", "loss")
-    if residency == "step":
-        assert keep is None  # 6 + 4.65 + 6 > 15: the reference goes
-    else:
-        assert keep == phase_need_bytes(4 * gib)  # 6 + 4.65 <= 15
-
-
 @pytest.mark.slow
 def test_a_role_the_loss_kept_goes_before_a_backward_it_has_no_room_beside(tiny, tmp_path):
     """The loss's turn keeps the reference on the last step's reading of the loss and backward;
@@ -791,8 +514,11 @@ def test_a_role_the_loss_kept_goes_before_a_backward_it_has_no_room_beside(tiny,
     plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
 
     class LossKeepsAll(_with_counters({"backward": 1 << 60})):
-        def _keep_free(self, role, phase):
-            return 0 if phase == "loss" else super()._keep_free(role, phase)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            schedule = self._tidal_schedule
+            keep_free = schedule.keep_free
+            schedule.keep_free = lambda role, phase: 0 if phase == "loss" else keep_free(role, phase)
 
     ours = _run(LossKeepsAll, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
     assert _history(ours) == _history(plain)
@@ -809,59 +535,6 @@ def test_a_role_the_loss_kept_goes_before_a_backward_it_has_no_room_beside(tiny,
     assert all(r.bytes_out == 0 for r in drops)
     loss_switches = [r for r in ours.timeshare.records if r.role_in == "policy" and r.index > drops[0].index]
     assert all("reference" not in r.roles_out for r in loss_switches)
-
-
-def test_a_phases_need_is_counted_from_what_its_switch_left():
-    """Run i5 (7B, 64 x 256, H100): the loss's turn dropped the reference (14 GiB) and the
-    forward's activations filled that room, so read from before the switch the loss allocated
-    nothing; the next step's loss then kept the reference beside a backward it had no room for,
-    and ran out of memory. Read from after the switch (rebase), the activations count."""
-    from tidal.integrations.trl.memory import PhaseMemory
-
-    gib = 1 << 30
-    dev = _FakeAllocator()
-    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
-    dev.set(57 * gib)  # policy, its AdamW state and the reference after the scoring
-    memory.start("loss")
-    dev.set(43 * gib)  # the loss's switch drops the reference
-    memory.rebase()
-    dev.set(52 * gib)  # the forward's activations
-    memory.start("backward")
-    dev.set(61 * gib)  # + gradients, less activations
-    dev.set(43 * gib)
-    memory.start("generate")
-    assert memory.growth["loss"] == 9 * gib and memory.growth["backward"] == 9 * gib
-    assert memory.take_peaks()["loss"] == 57 * gib  # the switch's peak stays the phase's, for the log
-
-
-def test_the_backwards_need_grows_with_what_the_loss_holds_as_it_starts():
-    """The backward's room (its second reading, and the optimizer state brought in behind it)
-    comes from the last step's backward. A batch of longer completions holds more activations
-    as the backward starts, and its backward allocates more (the activations' gradients): the
-    last reading is scaled up by how much more the loss's forward holds, never down."""
-    from tidal.integrations.trl.memory import PhaseMemory
-
-    gib = 1 << 30
-    dev = _FakeAllocator()
-    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
-
-    def step(held: int, backward: int) -> int | None:
-        dev.set(43 * gib)
-        memory.start("loss")
-        memory.rebase()
-        dev.set(43 * gib + held)  # the forward's activations
-        need = memory.backward_need()
-        memory.start("backward")
-        dev.set(43 * gib + held + backward)
-        dev.set(43 * gib)
-        memory.start("generate")
-        return need
-
-    assert step(8 * gib, 6 * gib) is None  # not measured yet
-    assert step(8 * gib, 6 * gib) == 6 * gib  # the same batch: the same need
-    assert step(16 * gib, 12 * gib) == 12 * gib  # twice the activations: twice the last need
-    assert step(4 * gib, 3 * gib) == 12 * gib  # a shorter batch: the last need, not scaled down
-    assert step(4 * gib, 3 * gib) == 3 * gib
 
 
 @pytest.mark.slow
@@ -940,7 +613,7 @@ def _with_counters(growth: dict[str, int] | None = None):
     """tidal's trainer with the device memory counters a GPU has, on the CPU: every phase
     allocates nothing beyond what it starts with (a fake allocator), or, for the phases in
     ``growth``, reads as allocating that many bytes."""
-    from tidal.integrations.trl.memory import PhaseMemory
+    from tidal.timeshare.phase_memory import PhaseMemory
 
     class Memory(PhaseMemory):
         rebased: list[str] = []  # the phases counted from after their switch, in order
@@ -958,8 +631,8 @@ def _with_counters(growth: dict[str, int] | None = None):
     class Counted(TidalGRPOTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            dev = _FakeAllocator()
-            self._tidal_memory = Memory(lambda: dev.now, lambda: dev.high, dev.reset)
+            dev = FakeAllocator()
+            self._tidal_schedule.memory = Memory(lambda: dev.now, lambda: dev.high, dev.reset)
 
     return Counted
 
@@ -1008,7 +681,9 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
     moves = lambda t: [(r.kind, r.roles_out, r.role_in) for r in t.timeshare.records]  # noqa: E731
     # Every turn's need is counted from after its switch (run i5): generation, the reference's
     # scoring and the loss, in each of the three steps.
-    assert room._tidal_memory.rebased == 3 * ["generate", "reference", "loss"], room._tidal_memory.rebased
+    assert room._tidal_schedule.memory.rebased == 3 * ["generate", "reference", "loss"], (
+        room._tidal_schedule.memory.rebased
+    )
 
     # Room: the first step (nothing measured) moves the policy out for the reference and the
     # reference out for the loss; the second's generation brings the reference back behind
@@ -1065,7 +740,7 @@ def _out_of_memory_when_crowded(base):
                     if not crowded():
                         seen["generate"] = 0
                         return
-                    generating = module is policy and not torch.is_grad_enabled() and self._tidal_depth == 1
+                    generating = module is policy and not torch.is_grad_enabled() and self._tidal_schedule.depth == 1
                     seen["generate"] += generating
                     if not generating or seen["generate"] >= 2:
                         type(self).raised += 1
@@ -1336,10 +1011,10 @@ def test_an_optimizer_step_out_of_memory_in_its_update_goes_on_as_it_came(tiny, 
 
 
 def test_a_phase_keeps_the_most_the_allocators_fragments_reached_while_it_ran():
-    from tidal.integrations.trl.memory import PhaseMemory
+    from tidal.timeshare.phase_memory import PhaseMemory
 
     gib = 1 << 30
-    dev = _FakeAllocator()
+    dev = FakeAllocator()
     frags = {"now": 0, "high": 0}
 
     def reset():
@@ -1368,7 +1043,7 @@ def test_each_log_line_carries_the_fragments_each_phase_reached_the_last_time_it
     for them, so that a prefetch that brought less than the room seemed to allow can be read
     from the log. Faked here: each reading 1 GiB below the one before, so that the last run's
     most differs from the most ever reached."""
-    from tidal.integrations.trl.memory import PhaseMemory
+    from tidal.timeshare.phase_memory import PhaseMemory
 
     gib = 1 << 30
     start = 1000
@@ -1376,14 +1051,16 @@ def test_each_log_line_carries_the_fragments_each_phase_reached_the_last_time_it
     class Fragmented(TidalGRPOTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            dev = _FakeAllocator()
+            dev = FakeAllocator()
             readings = iter(range(start, 0, -1))
-            self._tidal_memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset, lambda: next(readings) * gib)
+            self._tidal_schedule.memory = PhaseMemory(
+                lambda: dev.now, lambda: dev.high, dev.reset, lambda: next(readings) * gib
+            )
 
     trainer = _run(Fragmented, tiny, tmp_path / "frag", tidal_config=TidalConfig(prefetch=True))
     lines = [h for h in trainer.state.log_history if "loss" in h]
     assert len(lines) == 3
-    memory = trainer._tidal_memory
+    memory = trainer._tidal_schedule.memory
     logged = [{k.rsplit("/", 1)[-1]: v for k, v in h.items() if k.startswith("tidal/fragments_gib/")} for h in lines]
     for got in logged:
         assert {"generate", "reference", "loss", "backward"} <= set(got), got
@@ -1404,7 +1081,7 @@ def test_the_optimizer_states_prefetch_leaves_room_for_the_fragments_the_backwar
     the backward's need less a byte plus 1 GiB, and the last backward's fragments reached 1 GiB
     (none now): nothing may come in ahead (before: all of it)."""
     from tidal.device import DeviceOps
-    from tidal.integrations.trl.memory import PhaseMemory
+    from tidal.timeshare.phase_memory import PhaseMemory
 
     plain = _run(trl.GRPOTrainer, tiny, tmp_path / "plain")
     need = int(1.1 * (1 << 30)) + (256 << 20)  # the backward read as allocating 1 GiB
@@ -1415,15 +1092,15 @@ def test_the_optimizer_states_prefetch_leaves_room_for_the_fragments_the_backwar
         class Split(_with_counters({"backward": 1 << 30})):
             def __init__(self, *a, **kw):
                 super().__init__(*a, **kw)
-                read = type(self._tidal_memory)._read
+                read = type(self._tidal_schedule.memory)._read
 
                 def _read(memory):
                     read(memory)
                     if "backward" in memory.fragments or "backward" in memory.growth:
                         memory.fragments["backward"] = nbytes
 
-                self._tidal_memory._read = lambda: _read(self._tidal_memory)
-                assert isinstance(self._tidal_memory, PhaseMemory)
+                self._tidal_schedule.memory._read = lambda: _read(self._tidal_schedule.memory)
+                assert isinstance(self._tidal_schedule.memory, PhaseMemory)
 
         return Split
 

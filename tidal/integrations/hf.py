@@ -50,6 +50,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from tidal.activations import offload_activations
+from tidal.integrations.seams import HF_TRAINER_SEAMS, check_trainer_class
 from tidal.optim import CPUAdam
 
 __all__ = [
@@ -281,6 +282,10 @@ class TidalTrainer(ActivationFigures, CPUAdamClipping, Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.update(take_figures(self._tidal_figures, self.args.device))
         super().log(logs, start_time)
+
+
+# The private surfaces of transformers' Trainer used above, checked as the class is built.
+check_trainer_class(Trainer, who="TidalTrainer", seams=HF_TRAINER_SEAMS)
 
 
 class _OptimizerStepTimer(TrainerCallback):

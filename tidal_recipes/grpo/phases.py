@@ -23,6 +23,7 @@ from tidal.distributed.lease import GPULease, timeshare_callbacks
 from tidal.memory import host_peak_rss_bytes, reset_host_peak_rss
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare
+from tidal.timeshare.schedule import PhaseSchedule
 
 __all__ = ["RoleTurns", "Turn"]
 
@@ -48,16 +49,29 @@ class RoleTurns:
         timeline: where samples, phases and transition marks go.
         ts: the roles' Timeshare (None: every role stays resident, turns cost nothing).
         lease: the GPU's cross-process lease (None: roles of this process only).
+        schedule: what each turn keeps free and what comes in behind its phase
+            (:class:`tidal.timeshare.schedule.PhaseSchedule` over ``ts``; its memory readings
+            follow the phases run here). None: every other role goes at each turn.
     """
 
     def __init__(
-        self, ops: DeviceOps, timeline: MemoryTimeline, ts: Timeshare | None, lease: GPULease | None = None
+        self,
+        ops: DeviceOps,
+        timeline: MemoryTimeline,
+        ts: Timeshare | None,
+        lease: GPULease | None = None,
+        *,
+        schedule: PhaseSchedule | None = None,
     ) -> None:
         if lease is not None and ts is None:
             raise ValueError(
                 "a lease hands the GPU over by offloading this process's roles through a Timeshare; give ts= as well"
             )
-        self.ops, self.timeline, self.ts, self.lease = ops, timeline, ts, lease
+        if schedule is not None and (ts is None or schedule.timeshare is not ts):
+            raise ValueError("schedule= must be a PhaseSchedule over the same Timeshare as ts=")
+        if schedule is not None and lease is not None and schedule.config.prefetch:
+            raise ValueError("prefetching the next role is not supported across processes (a lease)")
+        self.ops, self.timeline, self.ts, self.lease, self.schedule = ops, timeline, ts, lease, schedule
         self.turns: list[Turn] = []
 
     @contextlib.contextmanager
@@ -98,9 +112,6 @@ class RoleTurns:
         into: dict,
         step: int = -1,
         then: str | None = None,
-        then_leave_free_bytes: int = 0,
-        keep_free_bytes: int | None = None,
-        then_keep_free_bytes: int | None = None,
     ) -> Iterator[None]:
         """A phase run in a turn of ``role``; its figures go to ``into[name]``: seconds, the
         peaks (allocator: of the switch and of the compute; driver-level used), what the phase
@@ -109,25 +120,30 @@ class RoleTurns:
         transition seconds (bringing the role in, moving optimizer state, queueing a
         prefetch, releasing the lease: the time the step spends on transitions).
 
-        ``then``: the role of the next phase, prefetched at the start of this one behind its
-        compute (:meth:`tidal.Timeshare.prefetch`), leaving ``then_leave_free_bytes`` of the
-        free device memory to this phase; ``"prefetched_bytes"`` in the figures, which the
-        peaks include, and ``"start_allocated_bytes"``, what was allocated before it.)
-        ``keep_free_bytes``: the turn's switch moves out only what it takes to leave that much
-        free (:meth:`tidal.Timeshare.use`); ``then_keep_free_bytes``: the value the next
-        phase's turn will get, so the prefetch writes back only what that switch will move."""
+        With a ``schedule``, the turn keeps free what it says for the phase
+        (:meth:`~tidal.timeshare.schedule.PhaseSchedule.keep_free`), and ``then``, the role of
+        the next phase, is prefetched at the start of this one behind its compute
+        (:meth:`~tidal.timeshare.schedule.PhaseSchedule.prefetch`); ``"prefetched_bytes"`` in
+        the figures, which the peaks include, and ``"start_allocated_bytes"``, what was
+        allocated before it."""
+        schedule = self.schedule
+        memory = schedule.memory if schedule is not None else None
+        keep_free_bytes = schedule.keep_free(role, name) if schedule is not None else None
+        if memory is not None:
+            memory.start(name)
         start = len(self.ts.records) if self.ts is not None else 0
         host_peak_reset = reset_host_peak_rss()
         t0 = time.perf_counter()
         with self.timeline.phase(name, step=step) as span, self.turn(role, keep_free_bytes=keep_free_bytes) as turn:
             # Separate the switch's peak from the phase's own, for the planner's calibration.
             switch_peak = self.ops.peak_allocated_bytes()
-            self.ops.reset_peak()
+            if memory is not None:
+                memory.rebase()  # the phase's growth counted from what its switch left (it resets the peak)
+            else:
+                self.ops.reset_peak()
             alloc_start = self.ops.allocated_bytes()
-            if then is not None and self.ts is not None:
-                if self.lease is not None:
-                    raise ValueError("prefetching the next role is not supported across processes (a lease)")
-                self.ts.prefetch(then, leave_free_bytes=then_leave_free_bytes, keep_free_bytes=then_keep_free_bytes)
+            if then is not None and schedule is not None:
+                schedule.prefetch(name, then)
             yield
             self.ops.synchronize()  # the compute peak must include the phase's queued kernels
             compute_peak = self.ops.peak_allocated_bytes()

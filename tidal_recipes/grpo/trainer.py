@@ -47,6 +47,7 @@ from tidal.state import storage_key, unique_storage_bytes
 from tidal.state.digest import digest_many
 from tidal.timeline import MemoryTimeline
 from tidal.timeshare import Timeshare, TimeshareConfig
+from tidal.timeshare.schedule import PhaseSchedule, ScheduleConfig, StepPhases
 from tidal.vmm import Region
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "StepResult", "answer_logprobs", "draw_prompts", "prompt_generator"]
@@ -55,7 +56,15 @@ WEIGHTS_TAG = "weights"  # the policy's weights in the rollout region (rollout_g
 ACTION_IDS = (DIGIT0, TASK_VOCAB)  # the policy's action space: the ten digit tokens
 OPTIMIZERS = ("adamw", "cpu_adam")
 ROLE_OF_PHASE = {"rollout": "rollout", "reference": "reference", "train": "actor_train"}
-PHASE_OF_ROLE = {role: phase for phase, role in ROLE_OF_PHASE.items()}
+#: The step as the phase schedule reads it: the rollout (the decoding phase), the reference's
+#: scoring, the training (its reading holds the backward and the optimizer step).
+GRPO_PHASES = StepPhases(
+    order=("rollout", "reference", "actor_train"),
+    turn_phase={"actor_train": "train"},
+    generation="rollout",
+    loss="train",
+    backward=None,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -367,13 +376,22 @@ class GRPOTrainer:
             if self.local_reference:
                 # Never written (a LoRA policy's base is the trained module's: not declared so).
                 self.ts.add_role("reference", model=self.reference if not self.lora else policy, frozen=not self.lora)
-        self.turns = RoleTurns(self.ops, self.timeline, self.ts, lease)
+        # What each turn keeps free beside its role and what comes in behind it (the library's
+        # phase schedule): with prefetch, what each phase allocated in the last step, +10% and
+        # 256 MiB (on the CPU, which has no allocator counters: 256 MiB).
+        self.schedule: PhaseSchedule | None = None
+        if self.ts is not None:
+            self.schedule = PhaseSchedule(
+                self.ts,
+                GRPO_PHASES,
+                config=ScheduleConfig(prefetch=cfg.prefetch, unmeasured_keep_free_bytes=phase_need_bytes(0)),
+            )
+        self.turns = RoleTurns(self.ops, self.timeline, self.ts, lease, schedule=self.schedule)
         if cfg.prefetch:
             # The digest kernel that write-backs use is compiled on its first call (about 1-2 s
             # on a GPU): here, at start-up, not in the middle of the first prefetching step.
             digest_many([torch.zeros(8, dtype=torch.uint8, device=self.device)])
         self.step_index = 0
-        self._last_growth: dict[str, int] = {}  # what each phase allocated in the last step (see _then)
         self._gen_device = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._gen_prompts = prompt_generator(cfg)
 
@@ -414,60 +432,22 @@ class GRPOTrainer:
 
     def _phase(self, phase: str, res: StepResult):
         """``phase``'s turn of its role, measured into ``res.phases``, keeping free what the
-        phase needs and prefetching the next phase's role (:meth:`_keep`, :meth:`_then`)."""
+        phase needs and prefetching the next phase's role (:attr:`schedule`, :meth:`_then`)."""
         return self.turns.phase(
             phase,
             role=ROLE_OF_PHASE[phase],
             into=res.phases,
             step=self.step_index,
-            keep_free_bytes=self._keep(phase),
-            **self._then(phase),
+            then=self._then(phase),
         )
 
-    def _then(self, phase: str) -> dict:
-        """What ``phase`` prefetches (``RoleTurns.phase`` keywords): the next phase's role, leaving
-        free on an accelerator what the phase allocated in the last step (nothing in the first),
-        and telling the prefetch what the next turn will keep free (:meth:`_keep`), so that it
-        writes back only what that turn's switch will move."""
-        if not self.config.prefetch:
-            return {}
-        # The training phase prefetches nothing: the rollout role holds the same weights.
-        after = {"rollout": "reference" if self.local_reference else "actor_train", "reference": "actor_train"}
-        then = after.get(phase)
-        if then is None:
-            return {}
-        keep = {"then_keep_free_bytes": self._keep(PHASE_OF_ROLE[then])}
-        if not self.ops.is_accelerator:
-            return {"then": then, **keep}
-        if phase not in self._last_growth:
-            return {}
-        return {"then": then, "then_leave_free_bytes": phase_need_bytes(self._last_growth[phase]), **keep}
-
-    def _keep(self, phase: str) -> int | None:
-        """With prefetch, the bytes ``phase``'s turn keeps free beside its role instead of
-        switching every other role out (:meth:`tidal.Timeshare.use`): what the phase allocated
-        in the last step, plus 10% and 256 MiB (on the CPU, which has no such counters: 256
-        MiB); the training's turn counts only the driver's free memory and the allocator's
-        whole free segments as room, not the free pieces of its partly used ones. A role whose state fits beside that stays on the device:
-        the policy's weights through the reference's scoring, AdamW's state
-        (``optimizer_residency="role"``) through the rollout and the scoring, the frozen
-        reference through the training where the device has room for all three. Roles that do not fit go, least recently used first
-        (the frozen reference is dropped without a copy). None (every other role goes)
-        without prefetch, and on an accelerator before the phase ran once."""
-        if not self.config.prefetch:
+    def _then(self, phase: str) -> str | None:
+        """The role ``phase`` prefetches behind its compute: the next phase's (the schedule's
+        choice of room and keep); the training phase prefetches nothing, since the rollout
+        role holds the same weights."""
+        if phase == "train" or self.schedule is None:
             return None
-        if not self.ops.is_accelerator:
-            return 256 << 20
-        if phase not in self._last_growth:
-            return None
-        keep = phase_need_bytes(self._last_growth[phase])
-        if phase == "train":
-            # The backward allocates large blocks: free pieces of the allocator's partly used
-            # segments do not count as room for keeping the reference beside it (TidalGRPOTrainer's
-            # loss ran out of memory counting them: 7B on an H100, 2026-11-26), only the driver's free memory and
-            # the whole free segments the allocator can give back to it.
-            keep += self.ops.fragmented_free_bytes()
-        return keep
+        return self.schedule.after(ROLE_OF_PHASE[phase])
 
     def next_prompts(self) -> torch.Tensor:
         """The next step's prompts on the host (see :func:`draw_prompts`), drawn from the
@@ -544,12 +524,6 @@ class GRPOTrainer:
         ref_logp = self.reference_phase(seqs, res) if self.use_reference else None
         self.train_phase(seqs, adv, old_logp, ref_logp, res)
         res.seconds = time.perf_counter() - t0
-        # What each phase allocated beyond its start, without what it brought in ahead for the
-        # next: the next step's prefetches leave that much free.
-        self._last_growth = {
-            k: max(0, v["compute_peak_allocated_bytes"] - v.get("prefetched_bytes", 0) - v["start_allocated_bytes"])
-            for k, v in res.phases.items()
-        }
         return res
 
     def _train(

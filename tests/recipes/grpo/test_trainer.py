@@ -4,6 +4,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tidal.timeshare import TimeshareConfig  # noqa: E402
+from tidal.timeshare.schedule import PhaseSchedule  # noqa: E402
 from tidal_recipes.grpo import DigitTask, GRPOConfig, GRPOTrainer, LossConfig  # noqa: E402
 from tidal_recipes.grpo.tasks import TASK_VOCAB  # noqa: E402
 from tests.helpers import held_bytes  # noqa: E402
@@ -106,7 +107,9 @@ def run_role_state_on_fake_device(monkeypatch, capacity_in_w: float, train_needs
     fake_device(monkeypatch, (256 << 20) + int(capacity_in_w * w), [a])
     if train_needs_w:
         extra = int(train_needs_w * w)
-        monkeypatch.setattr(GRPOTrainer, "_keep", lambda self, phase: (256 << 20) + (extra if phase == "train" else 0))
+        monkeypatch.setattr(
+            PhaseSchedule, "keep_free", lambda self, role, phase: (256 << 20) + (extra if phase == "train" else 0)
+        )
     ra = [a.step() for _ in range(4)]
     monkeypatch.undo()
     b, rb = run(4, **kw)
@@ -326,13 +329,18 @@ def test_the_training_turn_keeps_a_role_only_outside_the_allocators_fragments(mo
     so that only the driver's free memory and whole free segments count as room to keep the
     reference beside the backward (its large blocks may not fit the pieces: TidalGRPOTrainer ran
     out of memory so, run i5)."""
+    from tests.helpers import FakeAllocator
+    from tidal.timeshare.phase_memory import PhaseMemory
+
     tr = GRPOTrainer(tiny_policy(), config=GRPOConfig(prefetch=True, micro_batch=6))
-    monkeypatch.setattr(tr.ops, "is_accelerator", True)
-    monkeypatch.setattr(tr.ops, "fragmented_free_bytes", lambda: 3 << 30)
-    assert tr._keep("train") is None  # not measured yet
-    tr._last_growth = {"rollout": 1 << 30, "reference": 2 << 30, "train": 10 << 30}
-    assert tr._keep("rollout") == int(1.1 * (1 << 30)) + (256 << 20)
-    assert tr._keep("reference") == int(1.1 * (2 << 30)) + (256 << 20)
-    assert tr._keep("train") == int(1.1 * (10 << 30)) + (256 << 20) + (3 << 30)
+    dev = FakeAllocator()
+    tr.schedule.memory = memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    monkeypatch.setattr(tr.ts.ops, "fragmented_free_bytes", lambda: 3 << 30)
+    keep = tr.schedule.keep_free
+    assert keep("actor_train", "train") is None  # not measured yet
+    memory.growth.update(rollout=1 << 30, reference=2 << 30, train=10 << 30)
+    assert keep("rollout", "rollout") == int(1.1 * (1 << 30)) + (256 << 20)
+    assert keep("reference", "reference") == int(1.1 * (2 << 30)) + (256 << 20)
+    assert keep("actor_train", "train") == int(1.1 * (10 << 30)) + (256 << 20) + (3 << 30)
     monkeypatch.undo()
     tr.close()

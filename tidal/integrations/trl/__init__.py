@@ -71,9 +71,14 @@ Megatron), vLLM
 generation (its engine holds its own copy of the weights and its own memory pool), and
 ``torch_compile=True``.
 
+The private surfaces of TRL, transformers and accelerate it uses are named in
+:mod:`tidal.integrations.seams` and checked when the trainer class is built: a TRL whose
+surfaces changed is a :class:`~tidal.integrations.seams.SeamError` naming the tested versions.
+
 The package, by concept: ``config`` (:class:`TidalConfig`), ``trainer`` (the trainers and
-their hooks into TRL's phases), ``phases`` (a phase as a ``with`` block), ``memory`` (each
-phase's device memory readings), ``schedule`` (what each turn keeps and what comes in ahead),
+their hooks into TRL's phases), ``phases`` (work started at a block's first forward),
+``schedule`` (TRL's step for the library's :class:`~tidal.timeshare.schedule.PhaseSchedule`,
+which decides what each turn keeps and what comes in ahead),
 ``retry`` (a phase run again after running out of memory beside kept roles), ``reference``
 (``sync_ref_model`` with a moved-out reference), ``launch`` (the launches it runs under),
 ``checks`` (the settings refused before any work).

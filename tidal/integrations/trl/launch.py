@@ -7,7 +7,6 @@ work, names the launch that works."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any, Iterator, Literal
 
 import torch
@@ -16,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tidal.distributed.fsdp import gathered, gathered_bytes, hooks_off_while_gathered
-from tidal.integrations.trl.phases import instead
+from tidal.integrations.seams import instead, module_functions_instead
 from tidal.memory import phase_need_bytes
 from tidal.state.collect import unique_storage_bytes
 
@@ -144,15 +143,8 @@ def prepare_fsdp_per_block(model: torch.nn.Module, accelerator: Any) -> torch.nn
 def reference_sharded_per_block(trainer_cls: type) -> Iterator[None]:
     """While TRL's trainer is built: its ``prepare_fsdp`` (which shards the reference) is
     :func:`prepare_fsdp_per_block`, in the modules that define ``trainer_cls``'s bases."""
-    modules = {sys.modules.get(c.__module__) for c in trainer_cls.__mro__}
-    saved = {m: m.prepare_fsdp for m in modules if m is not None and callable(getattr(m, "prepare_fsdp", None))}
-    for m in saved:
-        m.prepare_fsdp = prepare_fsdp_per_block
-    try:
+    with module_functions_instead(trainer_cls, "prepare_fsdp", prepare_fsdp_per_block):
         yield
-    finally:
-        for m, fn in saved.items():
-            m.prepare_fsdp = fn
 
 
 GatherMode = Literal["per-unit", "lending", "whole"]

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from tidal.integrations.trl.launch import decodes_in_step
-from tidal.integrations.trl.phases import instead
+from tidal.integrations.seams import instead
 from tidal.memory import phase_need_bytes
 
 __all__ = ["AgainIfOutOfMemory", "RandomState"]
@@ -39,7 +39,7 @@ class AgainIfOutOfMemory:
     """The trainer's phases run through :meth:`_again_if_out_of_memory`, its micro-batches
     through :meth:`_backward_again_if_out_of_memory`, its optimizer's ``step()`` through
     :meth:`_step_again_if_out_of_memory`. Reads the trainer's ``timeshare``, ``tidal_config``,
-    ``_tidal_memory``, ``_tidal_launch`` and ``_tidal_retries``."""
+    ``_tidal_schedule``, ``_tidal_launch`` and ``_tidal_retries``."""
 
     _tidal_plain_backward = False  # a backward run again: nothing is prefetched beside it
     _tidal_step_growth: tuple[int, int] | None = None  # the last step's (growth, state it brought in)
@@ -68,7 +68,7 @@ class AgainIfOutOfMemory:
         if not self.tidal_config.prefetch or role not in ts.roles or not ts.is_resident(role):
             return compute()
         generators = RandomState(ts.device)
-        memory = self._tidal_memory
+        memory = self._tidal_schedule.memory
         # What the phase allocated before this part (a policy gathered for generation): its
         # own need, still allocated when the part runs again.
         before = memory.grown() if memory is not None else 0
@@ -250,17 +250,17 @@ class AgainIfOutOfMemory:
                 growth, came = last
                 streamed = self.tidal_config.optimizer_residency == "stream"  # its chunks in flight
                 need = growth if streamed else max(0, growth - came) + self._state_to_bring()[0]
-                ts.load("policy", keep_free_bytes=phase_need_bytes(need) + self._fragments("backward"))
+                ts.load("policy", keep_free_bytes=phase_need_bytes(need) + self._tidal_schedule.fragments("backward"))
         self._measure_step()  # once the room is made (a move out gives a prefetch's memory back first)
 
     def _measure_step(self) -> None:
         """Start measuring the step from here: the state it will bring in, and its growth."""
         self._tidal_step_before = self._state_to_bring()
-        if self._tidal_memory is not None:
-            self._tidal_memory.begin_part("step")
+        if self._tidal_schedule.memory is not None:
+            self._tidal_schedule.memory.begin_part("step")
 
     def _step_measured(self) -> None:
-        memory = self._tidal_memory
+        memory = self._tidal_schedule.memory
         if memory is None or "policy" not in self.timeshare.roles:
             return
         growth = memory.end_part()

@@ -15,7 +15,13 @@ from tidal.activations import offload_activations
 from tidal.distributed.ddp import GradientBuckets
 from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
 from tidal.distributed.fsdp import reshard_after_no_grad_forward
-from tidal.integrations.trl.checks import own_storages, place_models_whole, refuse_host_optimizer, refuse_settings
+from tidal.integrations.seams import check_trainer, check_trainer_class
+from tidal.integrations.trl.checks import (
+    own_storages,
+    place_models_whole,
+    refuse_host_optimizer,
+    refuse_settings,
+)
 from tidal.integrations.trl.config import TidalConfig
 from tidal.integrations.trl.launch import (
     check_launch,
@@ -24,18 +30,18 @@ from tidal.integrations.trl.launch import (
     runs_collectives,
     use_bucket_views,
 )
-from tidal.integrations.trl.memory import PhaseMemory
-from tidal.integrations.trl.phases import Phase, at_first_forward
+from tidal.integrations.trl.phases import at_first_forward
 from tidal.integrations.trl.reference import SyncReference
 from tidal.integrations.trl.retry import AgainIfOutOfMemory
-from tidal.integrations.trl.schedule import KeepAndPrefetch
+from tidal.integrations.trl.schedule import TRL_PHASES
 from tidal.memory import host_rss_bytes
 from tidal.timeshare import Timeshare
+from tidal.timeshare.schedule import PhaseSchedule, ScheduleConfig
 
 __all__ = ["TidalGRPOTrainer", "TidalRLOOTrainer", "TidalRLTrainer"]
 
 
-class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
+class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
     """The tidal side of :class:`TidalGRPOTrainer` and :class:`TidalRLOOTrainer`: a mixin put in
     front of a TRL trainer with GRPOTrainer's phases (``_generate``,
     ``_get_per_token_logps_and_entropies``, ``_calculate_rewards``, ``compute_loss``, ``log``).
@@ -52,6 +58,15 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         TypeError: ``tidal`` is not a :class:`TidalConfig`.
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Every private surface of TRL, transformers and accelerate used here, checked as the
+        # class is built: a renamed one is an error, not a lever silently gone.
+        after = cls.__mro__[cls.__mro__.index(TidalRLTrainer) + 1 :]
+        base = next((c for c in after if not c.__module__.startswith("tidal.")), None)
+        if base is not None and base is not object:
+            check_trainer_class(base, who=cls.__name__)
+
     def __init__(self, *args: Any, tidal: TidalConfig | None = None, **kwargs: Any) -> None:
         if tidal is not None and not isinstance(tidal, TidalConfig):
             raise TypeError(f"tidal must be a tidal.integrations.trl.TidalConfig, got {type(tidal).__name__}")
@@ -60,6 +75,7 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         place_models_whole(targs)
         with reference_sharded_per_block(type(self)):  # with FSDP2: per block, as the policy
             super().__init__(*args, **kwargs)
+        check_trainer(self, who=type(self).__name__)
         self.tidal_config = tidal or TidalConfig()
         self._tidal_launch = check_launch(self.accelerator, type(self).__name__)
         refuse_host_optimizer(self.optimizer, self._tidal_launch, type(self).__name__)
@@ -106,9 +122,15 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
             )
         self._tidal_logged = 0  # transitions already reported in a log line
         self._tidal_figures: dict[str, float] = {}  # activation offload since the last log
-        self._tidal_memory = PhaseMemory.of(self.timeshare.device)
-        self._tidal_depth = 0
-        self._tidal_gathered = (0, 0)  # bytes gathered for this generation and the last (FSDP2)
+        # What each turn keeps free and what comes in behind it (the phases' memory readings
+        # on an accelerator; off one, nothing is measured and every other role goes).
+        self._tidal_schedule = PhaseSchedule(
+            self.timeshare,
+            TRL_PHASES,
+            config=ScheduleConfig(
+                prefetch=self.tidal_config.prefetch, prefetch_peak_bytes=self.tidal_config.prefetch_peak_bytes
+            ),
+        )
         self._tidal_retries = 0  # phases run again after running out of memory beside kept roles
         self._tidal_retries_logged = 0
 
@@ -143,13 +165,13 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         ``phase`` names it (the policy's: ``"generate"``, ``"loss"``; default: the role's
         name for the reference and a reward model, ``"score"`` for the policy)."""
         if role == "policy" and not self._policy_ready():
-            return Phase(self, None, phase or "generate")
+            return self._tidal_schedule.phase(None, phase or "generate")
         if self._tidal_buckets is not None:
             self._tidal_buckets.release()  # the gradients are None between steps: their buckets go
         if role != "policy" and "policy" not in self.timeshare.roles:
             self._policy_ready()
         phase = phase or (role if role in ("reference", "reward") else "score")
-        return Phase(self, role, phase, keep_free_bytes=self._keep_free(role, phase))
+        return self._tidal_schedule.phase(role, phase)
 
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
@@ -158,12 +180,13 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
             self._gathered_for_generation() as gathered,
             self._generate_again_if_out_of_memory(),
         ):
-            self._tidal_gathered = (gathered or 0, self._tidal_gathered[0])  # this generation's, the last's
+            self._tidal_schedule.gathered(gathered or 0)
             # Queued once the generation's first forward starts, not before: a small
             # host-to-device copy (the prompts, what generate() builds from them) queued behind
             # gigabytes of prefetch waits for all of them (0.30 s of a Qwen2-7B step's generation
             # on an H200, the compute stream idle; benchmarks/RESULTS.md, 2026-11-26).
-            with at_first_forward(lambda: self._prefetch("generate", self._after("policy"))):
+            schedule = self._tidal_schedule
+            with at_first_forward(lambda: schedule.prefetch("generate", schedule.after("policy"))):
                 return super()._generate(prompts)
 
     def _gathered_for_generation(self):
@@ -178,7 +201,7 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         role = "reference" if self.ref_model is not None and model is self.ref_model else "policy"
         with self._turn(role):
             if role == "reference":
-                self._prefetch("reference", self._after("reference"))
+                self._tidal_schedule.prefetch("reference", self._tidal_schedule.after("reference"))
             compute = lambda: super(TidalRLTrainer, self)._get_per_token_logps_and_entropies(model, *args, **kwargs)  # noqa: E731
             if torch.is_grad_enabled() and self.tidal_config.activation_offload:
                 return compute()  # a failed forward's offloaded activations are not its to run again
@@ -190,7 +213,7 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         if "reward" not in self.timeshare.roles:
             return super()._calculate_rewards(*args, **kwargs)
         with self._turn("reward"):
-            self._prefetch("reward", self._after("reward"))
+            self._tidal_schedule.prefetch("reward", self._tidal_schedule.after("reward"))
             return super()._calculate_rewards(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -211,13 +234,13 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
             # The backward (and the optimizer step after it: this is the accumulation's last
             # micro-batch) is a phase of its own: what it allocates decides how much optimizer
             # state can come in ahead of the step.
-            need = None
-            if self._tidal_memory is not None:
-                need = self._tidal_memory.backward_need()
-                self._room_for_backward(need)
-                self._tidal_memory.start("backward")
+            schedule, need = self._tidal_schedule, None
+            if schedule.memory is not None:
+                need = schedule.memory.backward_need()
+                schedule.room_for_backward("policy", need)
+                schedule.memory.start("backward")
             if not self._tidal_plain_backward:
-                self._prefetch("backward", "optimizer", growth=need)
+                schedule.prefetch_optimizer("backward", "policy", growth=need)
         return out
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -229,7 +252,8 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
 
     # ---- logging ------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        peaks = self._tidal_memory.take_peaks() if self._tidal_memory is not None else {}
+        memory = self._tidal_schedule.memory
+        peaks = memory.take_peaks() if memory is not None else {}
         # The log comes after the step's loss was read on the host: the compute stream's events
         # around the transitions have run, so reading them waits for nothing.
         self.timeshare.settle_stalls(wait=True)
@@ -249,9 +273,9 @@ class TidalRLTrainer(KeepAndPrefetch, AgainIfOutOfMemory, ActivationFigures, CPU
         self._tidal_figures.clear()
         for phase, peak in peaks.items():
             logs[f"tidal/peak_gib/{phase}"] = peak / 2**30
-        if self._tidal_memory is not None:
+        if memory is not None:
             # What the prefetches and keeps leave free for each phase's fragments reads these.
-            for phase, nbytes in self._tidal_memory.fragments.items():
+            for phase, nbytes in memory.fragments.items():
                 logs[f"tidal/fragments_gib/{phase}"] = nbytes / 2**30
         logs.update(self._host_figures())
         super().log(logs, start_time)

@@ -1,5 +1,6 @@
-"""The device's allocated bytes per phase of a TRL step: :class:`PhaseMemory`, read for the
-log's peaks and for what each turn keeps free and each prefetch leaves free."""
+"""The device's allocated bytes per phase of a step: :class:`PhaseMemory`, read for a log's
+peaks and for what each turn of a :class:`~tidal.timeshare.schedule.PhaseSchedule` keeps free
+and each prefetch leaves free."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ __all__ = ["PhaseMemory"]
 
 
 class PhaseMemory:
-    """The device's allocated bytes per phase of the step (generation, scoring, the loss, the
-    backward with the optimizer step after it): the peak of each, for the log lines, and what
+    """The device's allocated bytes per phase of a step (in TRL's: generation, scoring, the loss,
+    the backward with the optimizer step after it): the peak of each, for the log lines, and what
     each allocated the last time it ran, which a prefetch started in it leaves free.
 
     A phase runs from its :meth:`start` to the next phase's. Its growth is its peak less what

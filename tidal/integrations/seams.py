@@ -1,0 +1,266 @@
+"""Every private surface of another library that tidal's trainer integrations touch, named once
+and checked; and the one room where tidal replaces another object's attribute for a block.
+
+TRL's trainers have no public hooks for what tidal does around each phase (a role brought in
+for the generation, the scorings and the loss; the phase's memory read; a phase run again
+after running out of memory), so the integrations override TRL's and transformers' private
+methods and read a few private attributes. A library that renamed one of them would leave
+tidal running without that lever and no error: each surface is listed here with what tidal
+does with it, and :func:`check_trainer_class` (called when a tidal trainer class is built,
+which is when ``tidal.integrations.trl`` is imported) and :func:`check_trainer` (when one is
+constructed) raise :class:`SeamError` naming every missing or changed one and the versions
+tidal is tested with.
+
+The versions CI tests are :data:`TESTED`; ``pyproject.toml`` bounds TRL to them. A version
+outside them whose surfaces all check is used as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+__all__ = [
+    "ACCELERATE_SEAMS",
+    "HF_TRAINER_SEAMS",
+    "INSTANCE_SEAMS",
+    "SeamError",
+    "Seam",
+    "TESTED",
+    "TRANSFORMERS_SEAMS",
+    "TRL_SEAMS",
+    "check_module_seams",
+    "check_trainer",
+    "check_trainer_class",
+    "instead",
+    "module_functions_instead",
+]
+
+#: The versions tidal's integrations are tested with (CI: the CPU; the GPU machine: transformers
+#: 5.17 with the same TRL).
+TESTED: dict[str, str] = {"trl": "1.16.0", "transformers": "5.17-5.24", "accelerate": "1.15"}
+
+
+class SeamError(RuntimeError):
+    """A private surface of TRL, transformers or accelerate that tidal uses is missing or changed
+    in the installed version: tidal would run without one of its levers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Seam:
+    """One surface: ``name`` on ``owner`` (a class of the trainer's bases, by its library's
+    name; or a dotted module path), a callable whose parameters after ``self`` begin with
+    ``params`` (in order) where ``params`` is given, and ``why`` tidal uses it."""
+
+    owner: str
+    name: str
+    params: tuple[str, ...] | None = None
+    why: str = ""
+    kind: str = "callable"  # "callable" | "class" | "field" (a dataclass field of the class named)
+
+    def problem(self, holder: Any) -> str | None:
+        """What is wrong with this surface on ``holder`` (a class or a module); None: it checks."""
+        if self.kind == "field":
+            fields = getattr(holder, "__dataclass_fields__", {})
+            return None if self.name in fields else f"{self.owner} has no field {self.name!r}"
+        value = inspect.getattr_static(holder, self.name, None) if isinstance(holder, type) else None
+        if value is None:
+            value = getattr(holder, self.name, None)
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if self.kind == "class":
+            return None if isinstance(value, type) else f"{self.owner}.{self.name} is not a class"
+        if value is None or not callable(value):
+            return f"{self.owner}.{self.name} is missing"
+        if self.params is None:
+            return None
+        try:
+            names = list(inspect.signature(value).parameters)
+        except (TypeError, ValueError):
+            return f"{self.owner}.{self.name} has no readable signature"
+        if isinstance(holder, type) and names and names[0] == "self":
+            names = names[1:]
+        if tuple(names[: len(self.params)]) != self.params:
+            want = ", ".join(self.params)
+            return f"{self.owner}.{self.name} takes ({', '.join(names)}), tidal calls it with ({want}, ...)"
+        return None
+
+
+#: TRL's trainer methods tidal overrides and calls through ``super()``: each one is where a
+#: phase's role comes onto the device and its memory is read.
+TRL_SEAMS: tuple[Seam, ...] = (
+    Seam("trainer", "__init__", ("model", "reward_funcs", "args"), "the training arguments read before TRL builds"),
+    Seam("trainer", "_generate", ("prompts",), "the generation's turn: the policy in, the reference prefetched"),
+    Seam(
+        "trainer",
+        "_get_per_token_logps_and_entropies",
+        ("model", "input_ids", "attention_mask", "logits_to_keep"),
+        "the scorings' turns: the reference (or the policy) in, the next role prefetched",
+    ),
+    Seam("trainer", "_calculate_rewards", None, "the reward models' turn"),
+)
+
+#: transformers ``Trainer`` methods tidal overrides or calls (TRL's trainers and TidalTrainer).
+TRANSFORMERS_SEAMS: tuple[Seam, ...] = (
+    Seam("trainer", "compute_loss", ("model", "inputs", "return_outputs", "num_items_in_batch"), "the loss's turn"),
+    Seam("trainer", "training_step", ("model", "inputs", "num_items_in_batch"), "a micro-batch run again after OOM"),
+    Seam("trainer", "_prepare_inputs", None, "the prepared inputs recorded, to run a micro-batch again"),
+    Seam("trainer", "log", ("logs", "start_time"), "tidal's figures added to each log line"),
+    Seam("trainer", "_clip_grad_norm", ("model",), "CPUAdam clips its host gradients"),
+    Seam("trainer", "_get_grad_norm", ("model",), "CPUAdam's logged grad_norm"),
+)
+
+#: What :class:`tidal.integrations.hf.TidalTrainer` uses of transformers' ``Trainer``.
+HF_TRAINER_SEAMS: tuple[Seam, ...] = (
+    Seam("trainer", "__init__", ("model", "args"), "the training arguments read before Trainer builds"),
+    *TRANSFORMERS_SEAMS,
+)
+
+#: Module-level surfaces (checked once, when the trainer class is built).
+ACCELERATE_SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "accelerate.utils.fsdp_utils",
+        "fsdp2_prepare_model",
+        ("accelerator", "model"),
+        "the reference sharded per block under FSDP2",
+    ),
+    Seam(
+        "accelerate.utils.DistributedDataParallelKwargs",
+        "gradient_as_bucket_view",
+        kind="field",
+        why="DDP's gradients as views of its buckets, freed between steps",
+    ),
+    Seam("trl.trainer.callbacks", "SyncRefModelCallback", kind="class", why="replaced where sync_ref_model=True"),
+    Seam("trl.models.utils", "prepare_fsdp", ("model", "accelerator"), "the reference's FSDP preparation"),
+)
+
+#: Attributes a TRL trainer has once built (checked on each construction): name -> why.
+INSTANCE_SEAMS: dict[str, str] = {
+    "accelerator": "the device, the launch, the policy unwrapped",
+    "ref_model": "the reference role",
+    "reward_funcs": "reward models as a role",
+    "callback_handler": "sync_ref_model's callback replaced",
+    "_metrics": "what a failed micro-batch logged taken back before it runs again",
+}
+
+
+def _versions() -> str:
+    out = []
+    for name in TESTED:
+        try:
+            out.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(f"{name} (not installed)")
+    return ", ".join(out)
+
+
+def _raise(problems: list[str], who: str) -> None:
+    if problems:
+        tested = ", ".join(f"{k} {v}" for k, v in TESTED.items())
+        raise SeamError(
+            f"{who}: the installed libraries lack what tidal's integration uses ({'; '.join(problems)}). "
+            f"Installed: {_versions()}; tidal is tested with {tested}. Install those versions "
+            f"(pip install 'tidal[trl]'), or use the trainer without tidal"
+        )
+
+
+def _holder(owner: str) -> Any:
+    module, _, attr = owner.rpartition(".")
+    try:
+        return importlib.import_module(owner)
+    except ImportError:
+        pass
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+def check_module_seams(seams: Iterable[Seam] = ACCELERATE_SEAMS, *, who: str = "tidal") -> None:
+    """Raise :class:`SeamError` for each of ``seams`` (module-level surfaces) missing or changed."""
+    problems = []
+    for seam in seams:
+        holder = _holder(seam.owner)
+        problem = f"{seam.owner} cannot be imported" if holder is None else seam.problem(holder)
+        if problem:
+            problems.append(f"{problem} [{seam.why}]")
+    _raise(problems, who)
+
+
+def check_trainer_class(base: type, *, who: str, seams: Iterable[Seam] = TRL_SEAMS + TRANSFORMERS_SEAMS) -> None:
+    """Raise :class:`SeamError` for each of ``seams`` missing from, or changed on, ``base`` (the
+    other library's trainer class tidal's trainer derives from), and for the module-level
+    surfaces (:data:`ACCELERATE_SEAMS`, and ``prepare_fsdp`` in the module of each of
+    ``base``'s classes that TRL defines, which the FSDP2 launch replaces while TRL builds)."""
+    problems = []
+    for seam in seams:
+        problem = seam.problem(base)
+        if problem:
+            problems.append(f"{problem.replace('trainer.', base.__name__ + '.', 1)} [{seam.why}]")
+    _raise(problems, who)
+    trl_base = next((c for c in base.__mro__ if c.__module__.startswith("trl.")), None)
+    if trl_base is not None:
+        check_module_seams(ACCELERATE_SEAMS, who=who)
+        module = sys.modules[trl_base.__module__]  # where TRL's trainer calls prepare_fsdp by name
+        problem = Seam(module.__name__, "prepare_fsdp", ("model", "accelerator")).problem(module)
+        if problem:
+            _raise([f"{problem} [the reference sharded per block under FSDP2]"], who)
+
+
+def _trl_modules(cls: type) -> list[Any]:
+    """The modules of TRL that define ``cls``'s classes and call ``prepare_fsdp`` (imported by
+    name into them)."""
+    modules = [sys.modules.get(c.__module__) for c in cls.__mro__ if c.__module__.startswith("trl.")]
+    return [m for m in dict.fromkeys(modules) if m is not None and "prepare_fsdp" in vars(m)]
+
+
+def check_trainer(trainer: Any, *, who: str) -> None:
+    """Raise :class:`SeamError` for each of :data:`INSTANCE_SEAMS` a built TRL trainer lacks
+    (``_metrics`` must be TRL's per-mode dictionary)."""
+    problems = [
+        f"the trainer has no {name!r} [{why}]" for name, why in INSTANCE_SEAMS.items() if not hasattr(trainer, name)
+    ]
+    if hasattr(trainer, "_metrics") and not isinstance(trainer._metrics, dict):
+        problems.append(
+            f"the trainer's _metrics is a {type(trainer._metrics).__name__}, not a dict [{INSTANCE_SEAMS['_metrics']}]"
+        )
+    _raise(problems, who)
+
+
+# ---- the one room for replacing another object's attribute -------------------------------------
+@contextlib.contextmanager
+def instead(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """``obj.name`` is ``value`` (an attribute of the instance) through the block; then what
+    the instance had of its own under that name again, or none. Used for: TRL's
+    ``_prepare_inputs`` (a micro-batch's inputs recorded), a policy's ``generate`` (run again
+    after running out of memory; FSDP2's ``synced_gpus`` off where gathered whole)."""
+    own = vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, own)
+
+
+@contextlib.contextmanager
+def module_functions_instead(trainer_cls: type, name: str, value: Any) -> Iterator[None]:
+    """The function ``name`` of each TRL module defining ``trainer_cls``'s classes is ``value``
+    through the block (TRL's ``prepare_fsdp``, while TRL's trainer builds the reference under
+    FSDP2); then the original again."""
+    saved = {m: vars(m)[name] for m in _trl_modules(trainer_cls) if name in vars(m)}
+    for m in saved:
+        setattr(m, name, value)
+    try:
+        yield
+    finally:
+        for m, fn in saved.items():
+            setattr(m, name, fn)
