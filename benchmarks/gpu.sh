@@ -40,6 +40,13 @@
 #                            while GiBs are copied on a side stream, by copy size (CONTENTION_ARGS)
 #                decode      benchmarks/bench_decode.py: one policy's token time in each state tidal
 #                            puts it in, in one process (DECODE_ARGS)
+#   vllm        *tests       GPU tests of tests/integrations (TRL, the vLLM engine) with vLLM on the path
+#               *bench       bench_trl_vllm.py, Qwen2-1.5B bf16, 64 x 256: TRL + vLLM alone beside tidal
+#                            (VLLM_VARIANTS, trl,tidal; VLLM_STEPS, 4)
+#                7b          the same at Qwen2-7B bf16 (VLLM_VARIANTS7B)
+#                7b80        7B with another process holding all but 80 GiB (VLLM_VARIANTS80)
+#               vLLM arrives as parts (benchmarks/fetch_wheels.sh vllm; benchmarks/vllm_stage.sh):
+#               each call carries one part of .vllm/, the call that completes them unpacks it
 #   vmm         *tests       tests/vmm and the region-role tests
 #               *bench       benchmarks/bench_vmm.py beside torch_memory_saver (VMM_ARGS)
 #   demo        *tests       GPU tests of recipes, timeshare, state, optim, plan (EXTRA_TESTS)
@@ -136,6 +143,7 @@ declare -A DEFAULT=(
   [core]="tests bench offload reliability elision"
   [trl]="tests bench 7b"
   [vmm]="tests bench"
+  [vllm]="tests bench"
   [demo]="tests bench plan-small plan-7b prefetch timeline"
   [activations]="tests bench"
   [cpu_adam]="tests train host accumulate"
@@ -154,6 +162,7 @@ declare -A EXTRA=(
   [lease]="processes"
   [deepspeed]="bench-1.5b"
   [multi]="ddp7b copies decode save zero3 fsdp4"
+  [vllm]="7b 7b80"
 )
 ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two multi"
 
@@ -289,6 +298,13 @@ setup_suite() {
           | tail -1 | tee -a "$OUT/env.txt"
       fi ;;
     vmm) if [ "$DRY" = 1 ]; then install_tms; else install_tms 2>&1 | tee -a "$OUT/env.txt"; fi ;;
+    vllm)
+      if [ "$DRY" != 1 ]; then
+        # shellcheck source=benchmarks/vllm_stage.sh
+        source benchmarks/vllm_stage.sh
+        python3 -c "import vllm, trl; print('vllm', vllm.__version__, '| trl', trl.__version__)" 2>&1 | tail -1 \
+          | tee -a "$OUT/env.txt"
+      fi ;;
     deepspeed)
       if [ "$DRY" != 1 ]; then
         if command -v nvcc >/dev/null; then nvcc --version | tail -1
@@ -342,6 +358,27 @@ trl_bench() {  # trl_bench LOG ARGS...: one bench_trl.py run
   run "$log" timeout "$limit" python3 benchmarks/bench_trl.py --results "$OUT/RESULTS.md" "$@" \
     --deadline-s "$(( limit - 30 ))" ${BENCH_ARGS:-}
 }
+# ---- vllm -------------------------------------------------------------------------------
+need_vllm() {
+  if [ "$DRY" = 1 ]; then return 0; fi
+  if [ "${VLLM_READY:-0}" != 1 ]; then SKIP="vLLM not staged yet (carry the next part of .vllm/)"; return 1; fi
+}
+p_vllm_tests() {
+  need_vllm || return 0
+  run vllm_tests.log timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu tests/integrations -rs --durations=5 \
+    -p no:cacheprovider
+}
+vllm_bench() {  # vllm_bench LOG PRESET VARIANTS TAGNAME [ARGS...]
+  local log=$1 preset=$2 variants=$3 name=$4
+  shift 4
+  need_vllm || return 0
+  run "$log" timeout "$(limit "${BENCH_TIMEOUT:-590}")" python3 benchmarks/bench_trl_vllm.py --preset "$preset" \
+    --variants "$variants" --steps "${VLLM_STEPS:-4}" --warmup 1 --json "$OUT/vllm_${name}_$TAG.json" "$@"
+}
+p_vllm_bench() { vllm_bench vllm_bench.log qwen2-1.5b "${VLLM_VARIANTS:-trl,tidal}" 1.5b; }
+p_vllm_7b() { vllm_bench vllm_bench7b.log qwen2-7b "${VLLM_VARIANTS7B:-trl,tidal}" 7b; }
+p_vllm_7b80() { vllm_bench vllm_bench7b80.log qwen2-7b "${VLLM_VARIANTS80:-trl,tidal+kv=4}" 7b80 --cap-gib 80; }
+
 p_trl_tests() {
   run trl_tests.log timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/integrations tests/timeshare tests/state -rs \
     --durations=5 -p no:cacheprovider

@@ -37,14 +37,18 @@ __all__ = [
     "TRL_SEAMS",
     "check_module_seams",
     "check_trainer",
+    "check_engine",
     "check_trainer_class",
+    "VLLM_SEAMS",
+    "TRL_VLLM_SEAMS",
+    "load_weights_of",
     "instead",
     "module_functions_instead",
 ]
 
 #: The versions tidal's integrations are tested with (CI: the CPU; the GPU machine: transformers
 #: 5.17 with the same TRL).
-TESTED: dict[str, str] = {"trl": "1.16.0", "transformers": "5.17-5.24", "accelerate": "1.15"}
+TESTED: dict[str, str] = {"trl": "1.16.0", "transformers": "5.17-5.24", "accelerate": "1.15", "vllm": "0.25.0"}
 
 
 class SeamError(RuntimeError):
@@ -150,6 +154,30 @@ INSTANCE_SEAMS: dict[str, str] = {
 }
 
 
+#: What tidal calls on an in-process ``vllm.LLM`` (checked when a
+#: :class:`~tidal.integrations.vllm.VllmEngine` is built): the sleep-mode verbs, the generation,
+#: and the model runner's ``load_weights`` (the path TRL's colocate mode pushes weights by).
+VLLM_SEAMS: tuple[Seam, ...] = (
+    Seam("llm", "sleep", ("level",), "the engine's memory back to the driver"),
+    Seam("llm", "wake_up", ("tags",), "the engine's weights, then its KV cache, back"),
+    Seam("llm", "generate", None, "the room made before a generation"),
+    Seam("llm", "reset_prefix_cache", None, "cached prefixes of old weights dropped after a push"),
+)
+_LOAD_WEIGHTS_PATH = ("llm_engine", "model_executor", "driver_worker", "model_runner", "model", "load_weights")
+
+#: What tidal uses of TRL's colocated vLLM: the module name its ``VLLMGeneration`` builds the
+#: engine by (replaced while TRL builds, to size the KV cache), and the trainer's generation
+#: backend (name -> why).
+TRL_VLLM_SEAMS: tuple[Seam, ...] = (
+    Seam("trl.generation.vllm_generation", "VLLMGeneration", kind="class", why="TRL's vLLM backend"),
+)
+TRL_VLLM_INSTANCE_SEAMS: dict[str, str] = {
+    "llm": "the engine, made a turn of the timeshare",
+    "enable_sleep_mode": "whether the engine's memory leaves the device between generations",
+    "mode": "colocate (in this process) or server",
+}
+
+
 def _versions() -> str:
     out = []
     for name in TESTED:
@@ -230,6 +258,38 @@ def check_trainer(trainer: Any, *, who: str) -> None:
         problems.append(
             f"the trainer's _metrics is a {type(trainer._metrics).__name__}, not a dict [{INSTANCE_SEAMS['_metrics']}]"
         )
+    _raise(problems, who)
+
+
+def load_weights_of(llm: Any) -> Any:
+    """vLLM's ``load_weights`` of the model an in-process ``LLM`` runs (what TRL's colocate mode
+    pushes the policy's weights with); :class:`SeamError` where the path is not there."""
+    obj = llm
+    for name in _LOAD_WEIGHTS_PATH:
+        obj = getattr(obj, name, None)
+        if obj is None:
+            _raise(
+                [f"LLM.{'.'.join(_LOAD_WEIGHTS_PATH)} is missing (at {name!r}) [the policy's weights pushed]"], "tidal"
+            )
+    return obj
+
+
+def check_engine(llm: Any, *, who: str) -> None:
+    """Raise :class:`SeamError` for each of :data:`VLLM_SEAMS` an in-process ``vllm.LLM`` lacks."""
+    problems = [p for p in (seam.problem(type(llm)) for seam in VLLM_SEAMS) if p]
+    problems = [p.replace("llm.", type(llm).__name__ + ".", 1) for p in problems]
+    _raise(problems, who)
+    load_weights_of(llm)
+
+
+def check_trl_engine(generation: Any, *, who: str) -> None:
+    """Raise :class:`SeamError` where TRL's vLLM backend (``trainer.vllm_generation``) lacks an
+    attribute tidal reads (:data:`TRL_VLLM_INSTANCE_SEAMS`)."""
+    problems = [
+        f"TRL's vLLM backend has no {name!r} [{why}]"
+        for name, why in TRL_VLLM_INSTANCE_SEAMS.items()
+        if not hasattr(generation, name)
+    ]
     _raise(problems, who)
 
 

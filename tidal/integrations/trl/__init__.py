@@ -68,8 +68,16 @@ a forward without backward reshards every unit. The log adds each rank's host me
 Refused, before any work (``ValueError`` naming the setting and the launch that works):
 DeepSpeed through accelerate, FSDP1, FSDP2's CPU offload, other multi-process launches (XLA,
 Megatron), vLLM
-generation (its engine holds its own copy of the weights and its own memory pool), and
-``torch_compile=True``.
+generation other than colocated in one process (``vllm_mode="server"``, vLLM under several
+processes), and ``torch_compile=True``.
+
+With ``use_vllm=True, vllm_mode="colocate"`` TRL's engine takes turns with the roles
+(:class:`tidal.integrations.vllm.VllmEngine`): before its weights wake the policy is on the
+device (their source) and the other roles go where the weights do not fit beside it; once the
+weights are in the engine the policy and every other role go to the host, and the engine's
+KV cache takes the room; after it sleeps (sleep mode on) its memory is the driver's again and
+the next phase brings its role back. ``TidalConfig(vllm_kv_cache_bytes=...)`` sizes the cache
+(vLLM's ``kv_cache_memory_bytes``) instead of TRL's ``vllm_gpu_memory_utilization``.
 
 The private surfaces of TRL, transformers and accelerate it uses are named in
 :mod:`tidal.integrations.seams` and checked when the trainer class is built: a TRL whose

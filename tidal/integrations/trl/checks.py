@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from tidal.optim import CPUAdam
 
-__all__ = ["own_storages", "place_models_whole", "refuse_host_optimizer", "refuse_settings"]
+__all__ = ["own_storages", "place_models_whole", "refuse_host_optimizer", "refuse_settings", "refuse_vllm_launch"]
 
 
 def own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -37,11 +37,12 @@ def refuse_settings(args: Any, who: str) -> None:
     if args is None:
         return
     if getattr(args, "use_vllm", False):
-        raise ValueError(
-            f"{who} does not support use_vllm=True: vLLM keeps its own copy of the weights and its own "
-            "memory pool, which a timeshare cannot move. Set use_vllm=False (generation then runs on the policy, "
-            "which takes turns with the reference)"
-        )
+        mode = getattr(args, "vllm_mode", "colocate")
+        if mode != "colocate":
+            raise ValueError(
+                f"{who} supports use_vllm=True with vllm_mode='colocate' (the engine in this process, a turn of the "
+                f"timeshare), not vllm_mode={mode!r} yet. Set vllm_mode='colocate', or use_vllm=False"
+            )
     if getattr(args, "torch_compile", False):
         raise ValueError(
             f"{who} does not support torch_compile=True: compiled graphs keep the addresses of the "
@@ -86,4 +87,14 @@ def refuse_host_optimizer(optimizer: Any, launch: str, who: str) -> None:
             f"{who} cannot use tidal.CPUAdam with several processes ({launch}): it takes each gradient to the "
             f"host as the backward produces it, before the ranks' gradients are reduced. Use torch's AdamW with "
             f"TidalConfig(optimizer_residency='stream') (its state on the host between steps), or one process"
+        )
+
+
+def refuse_vllm_launch(args: Any, launch: str, who: str) -> None:
+    """``ValueError`` for vLLM generation in a launch of several processes (each rank's engine
+    taking turns with its roles is not built yet)."""
+    if getattr(args, "use_vllm", False) and launch != "single":
+        raise ValueError(
+            f"{who} runs use_vllm=True in one process for now, not under a {launch} launch of several. "
+            "Run one process, or set use_vllm=False (generation on the policy, which works under DDP and FSDP2)"
         )

@@ -69,6 +69,11 @@ class TidalConfig:
             use, are left free beside it but are not allocated and do not count): prefetch
             trades peak memory for time, and this bounds the trade. ``None``: free memory
             decides.
+        vllm_kv_cache_bytes: with ``use_vllm=True`` (colocate), the engine's KV cache in bytes
+            (vLLM's ``kv_cache_memory_bytes``), sized for the generation the step runs instead
+            of a fraction of the device fixed before the optimizer exists. ``None``: as TRL
+            sizes it (``vllm_gpu_memory_utilization``). With sleep mode the cache is on the
+            device only while the engine generates, the training roles out of its way.
     """
 
     optimizer_residency: OptimizerResidency = "step"
@@ -80,6 +85,7 @@ class TidalConfig:
     activation_min_offload_bytes: int = 1 << 20
     prefetch: bool = False
     prefetch_peak_bytes: int | None = None
+    vllm_kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_bool_fields(self)  # prefetch="no" is a truthy string: refused, not switched on
@@ -92,5 +98,8 @@ class TidalConfig:
                 f"TidalConfig.timeshare must be a tidal.TimeshareConfig, got {type(self.timeshare).__name__}"
             )
         check_activation_fields(self)
+        v = self.vllm_kv_cache_bytes
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ValueError(f"TidalConfig.vllm_kv_cache_bytes must be an int > 0 or None, got {v!r}")
         if self.prefetch_peak_bytes is not None and self.prefetch_peak_bytes < 0:
             raise ValueError(f"TidalConfig.prefetch_peak_bytes must be >= 0 or None, got {self.prefetch_peak_bytes}")

@@ -77,6 +77,14 @@ def check_launch(accelerator: Any, who: str) -> Launch:
     return "ddp"
 
 
+def wraps_in_ddp(accelerator: Any) -> bool:
+    """``accelerator.prepare`` will wrap the policy in DistributedDataParallel: a DDP launch, one
+    of a single process included (``torchrun --nproc_per_node 1``, or a process whose
+    environment names a world of one, as TRL's colocated vLLM sets it)."""
+    kind = str(getattr(accelerator.state.distributed_type, "value", accelerator.state.distributed_type))
+    return kind in _DDP_TYPES
+
+
 def use_bucket_views(accelerator: Any) -> None:
     """Make the DistributedDataParallel wrapper that ``accelerator.prepare`` builds keep the
     gradients as views of its buckets (``gradient_as_bucket_view=True``: the same values, one

@@ -15,12 +15,13 @@ from tidal.activations import offload_activations
 from tidal.distributed.ddp import GradientBuckets
 from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layers
 from tidal.distributed.fsdp import reshard_after_no_grad_forward
-from tidal.integrations.seams import check_trainer, check_trainer_class
+from tidal.integrations.seams import check_trainer, check_trainer_class, check_trl_engine, instead
 from tidal.integrations.trl.checks import (
     own_storages,
     place_models_whole,
     refuse_host_optimizer,
     refuse_settings,
+    refuse_vllm_launch,
 )
 from tidal.integrations.trl.config import TidalConfig
 from tidal.integrations.trl.launch import (
@@ -29,11 +30,13 @@ from tidal.integrations.trl.launch import (
     reference_sharded_per_block,
     runs_collectives,
     use_bucket_views,
+    wraps_in_ddp,
 )
 from tidal.integrations.trl.phases import at_first_forward
 from tidal.integrations.trl.reference import SyncReference
 from tidal.integrations.trl.retry import AgainIfOutOfMemory
 from tidal.integrations.trl.schedule import TRL_PHASES
+from tidal.integrations.vllm import VllmEngine
 from tidal.memory import host_rss_bytes
 from tidal.timeshare import Timeshare
 from tidal.timeshare.schedule import PhaseSchedule, ScheduleConfig
@@ -73,13 +76,18 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         targs = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         refuse_settings(targs, type(self).__name__)
         place_models_whole(targs)
-        with reference_sharded_per_block(type(self)):  # with FSDP2: per block, as the policy
+        self.tidal_config = tidal or TidalConfig()
+        with (
+            reference_sharded_per_block(type(self)),  # with FSDP2: per block, as the policy
+            self._engine_sized(targs),
+        ):
             super().__init__(*args, **kwargs)
         check_trainer(self, who=type(self).__name__)
-        self.tidal_config = tidal or TidalConfig()
         self._tidal_launch = check_launch(self.accelerator, type(self).__name__)
+        refuse_vllm_launch(self.args, self._tidal_launch, type(self).__name__)
+        self._tidal_engine: VllmEngine | None = None  # TRL's colocated vLLM, once the policy is a role
         refuse_host_optimizer(self.optimizer, self._tidal_launch, type(self).__name__)
-        if self._tidal_launch == "ddp":
+        if self._tidal_launch == "ddp" or wraps_in_ddp(self.accelerator):
             use_bucket_views(self.accelerator)  # before train() prepares (wraps) the policy
         self._tidal_buckets: GradientBuckets | None = None  # DDP's, once the wrapper exists
         if self._tidal_launch == "fsdp2":
@@ -150,6 +158,10 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
             optimizer=optimizer,
             optimizer_residency=self.tidal_config.optimizer_residency,
         )
+        if getattr(self, "use_vllm", False):
+            generation = self.vllm_generation
+            check_trl_engine(generation, who=type(self).__name__)
+            self._tidal_engine = VllmEngine(generation.llm, self.timeshare, policy="policy")
         if self._tidal_launch == "fsdp2":
             reshard_after_no_grad_forward(self.accelerator.unwrap_model(self.model))
         self._step_again_if_out_of_memory(optimizer)
@@ -173,8 +185,35 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         phase = phase or (role if role in ("reference", "reward") else "score")
         return self._tidal_schedule.phase(role, phase)
 
+    @contextlib.contextmanager
+    def _engine_sized(self, targs: Any):
+        """While TRL builds its colocated vLLM engine: its KV cache of
+        ``TidalConfig.vllm_kv_cache_bytes`` (vLLM's ``kv_cache_memory_bytes``) where set; else
+        as TRL sizes it (``vllm_gpu_memory_utilization``)."""
+        nbytes = self.tidal_config.vllm_kv_cache_bytes
+        if not getattr(targs, "use_vllm", False) or nbytes is None:
+            yield
+            return
+        import trl.generation.vllm_generation as backend
+
+        build = backend.LLM
+
+        def sized(*args: Any, **kwargs: Any) -> Any:
+            kwargs["kv_cache_memory_bytes"] = nbytes
+            return build(*args, **kwargs)
+
+        with instead(backend, "LLM", sized):
+            yield
+
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
+        if getattr(self, "use_vllm", False) and self._policy_ready():
+            # The engine generates: the policy is its weights' source, then goes (with every other
+            # role) to leave the engine the room, and comes back for its next phase.
+            engine = self._tidal_engine
+            with self._tidal_schedule.phase(None, "generate"), engine.driven():
+                engine.room_for_weights()
+                return super()._generate(prompts)
         with (
             self._turn("policy", "generate"),
             self._gathered_for_generation() as gathered,

@@ -1,0 +1,277 @@
+"""TRL's GRPOTrainer with its colocated vLLM engine (``use_vllm=True, vllm_mode="colocate"``,
+sleep mode on) alone, beside TidalGRPOTrainer on the same engine: the step, the generation, and
+the device's peak at driver level (torch's counters keep counting vLLM's pool while it sleeps).
+
+Workload: a random Qwen2-shape model in bf16 (``--preset``), 64 completions (8 prompts x 8) x
+``--completion`` tokens, beta 0.04, the char task's reward; one process per variant (vLLM's
+engine is built once per process), in the order given (``--variants trl,tidal,...``);
+``tidal+kv=<GiB>`` gives the engine a KV cache of that size (``TidalConfig(vllm_kv_cache_bytes)``),
+``tidal+<residency>`` picks the optimizer residency (step, stream, role), ``trl+util=<f>`` and
+``tidal+util=<f>`` set ``vllm_gpu_memory_utilization`` (0.3). ``--cap-gib G``: another process
+holds all but G GiB of the GPU first (an 80 GB GPU stood in for on an H200); a variant that runs
+out of memory says so in its row.
+
+Measured after ``--warmup`` steps: each step's wall time (device-synchronised, from
+``on_step_begin`` to ``on_step_end``), each generation's (TRL's ``_generate``), the peak of the
+device's used memory (``total - free`` from ``cudaMemGetInfo`` sampled every 10 ms, less what the
+capping process holds), and for tidal its transitions and host memory. Prints the variants side
+by side with the ratio to the first ``trl`` run, and writes a JSON per run and one merged JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+
+class DriverPeak:
+    """The device's used memory (driver level) sampled on a thread: ``peak()`` since ``reset()``."""
+
+    def __init__(self, every_s: float = 0.01) -> None:
+        import torch
+
+        self._torch, self.every_s = torch, every_s
+        self.total = torch.cuda.mem_get_info()[1]
+        self._min_free = self.total
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            free = self._torch.cuda.mem_get_info()[0]
+            self._min_free = min(self._min_free, free)
+            time.sleep(self.every_s)
+
+    def reset(self) -> None:
+        self._min_free = self._torch.cuda.mem_get_info()[0]
+
+    def peak(self) -> int:
+        return self.total - self._min_free
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def child(variant: str, model_path: str, args) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bench_trl import _char_task
+    from tidal.memory import host_rss_bytes
+
+    name, *extras = variant.split("+")
+    opts = dict(e.split("=", 1) if "=" in e else (e, "") for e in extras)
+    util = float(opts.get("util", 0.3))
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        beta=0.04,
+        learning_rate=1e-6,
+        max_steps=args.warmup + args.steps,
+        num_generations=8,
+        per_device_train_batch_size=64,
+        max_completion_length=args.completion,
+        logging_steps=1,
+        report_to=[],
+        bf16=True,
+        save_strategy="no",
+        seed=0,
+        model_init_kwargs={"dtype": "bfloat16"},
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        vllm_gpu_memory_utilization=util,
+        vllm_max_model_length=args.max_model_len,
+    )
+    data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(512)]})
+    peak = DriverPeak()
+    held_by_cap = args.cap_held_bytes
+    steps: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+            peak.reset()
+
+        def on_step_end(self, *a, **kw):
+            torch.cuda.synchronize()
+            steps.append({"seconds": time.perf_counter() - self.t0, "peak_bytes": peak.peak() - held_by_cap})
+
+    common = dict(
+        model=model_path, reward_funcs=_char_task().reward_sevens, args=cfg, train_dataset=data, callbacks=[Clock()]
+    )
+    baseline_rss = host_rss_bytes()
+    out: dict = {"variant": variant, "gpu": torch.cuda.get_device_name(), "steps": steps}
+    try:
+        if name == "trl":
+            trainer = GRPOTrainer(**common)
+        else:
+            from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer
+
+            kv = opts.get("kv")
+            residency = next((r for r in ("step", "stream", "role") if r in opts), "step")
+            tidal = TidalConfig(
+                optimizer_residency=residency,
+                vllm_kv_cache_bytes=int(float(kv) * 2**30) if kv else None,
+            )
+            trainer = TidalGRPOTrainer(**common, tidal=tidal)
+        gen_s: list[float] = []
+        inner = trainer._generate
+
+        def timed(prompts):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = inner(prompts)
+            torch.cuda.synchronize()
+            gen_s.append(time.perf_counter() - t0)
+            return r
+
+        trainer._generate = timed
+        trainer.train()
+        out["generate_s"] = gen_s
+        hist = [h for h in trainer.state.log_history if "loss" in h]
+        out["losses"] = [h.get("loss") for h in hist]
+        out["host_rss_bytes"] = host_rss_bytes()
+        out["baseline_rss_bytes"] = baseline_rss
+        ts = getattr(trainer, "timeshare", None)
+        if ts is not None:
+            out["host_held_bytes"] = sum(ts.store.context.host_bytes().values())
+            out["moved_bytes"] = sum(r.bytes_in + r.bytes_out for r in ts.records)
+            out["transitions"] = len(ts.records)
+        out["ok"] = True
+    except Exception as e:  # a variant that does not fit says so in its row
+        import traceback
+
+        out["ok"] = False
+        out["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        out["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        peak.stop()
+    return out
+
+
+def _summary(r: dict, warmup: int) -> dict:
+    steps = r.get("steps", [])[warmup:]
+    gen = r.get("generate_s", [])[warmup:]
+    return {
+        "step_s": statistics.median(s["seconds"] for s in steps) if steps else None,
+        "step_range": (min(s["seconds"] for s in steps), max(s["seconds"] for s in steps)) if steps else None,
+        "generate_s": statistics.median(gen) if gen else None,
+        "peak_gib": max(s["peak_bytes"] for s in steps) / 2**30 if steps else None,
+        "n": len(steps),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen2-1.5b")
+    p.add_argument("--variants", default="trl,tidal")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--completion", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--cap-gib", type=float, default=None)
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--timeout", type=int, default=900, help="seconds each variant's process may run")
+    p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cap-held-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._child:
+        res = child(args._child, args._model, args)
+        with open(args._out, "w") as f:
+            json.dump(res, f)
+        return 0 if res.get("ok") else 1
+
+    import torch
+
+    from bench_trl import save_model
+
+    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"bench_vllm_{args.preset}")
+    save_model(args.preset, model_dir)
+    cap_proc, held = None, 0
+    if args.cap_gib is not None:
+        free, total = torch.cuda.mem_get_info()
+        held = int(total - args.cap_gib * 2**30)
+        code = (
+            "import torch, sys, time; x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda'); "
+            "print('held', flush=True); time.sleep(100000)"
+        )
+        cap_proc = subprocess.Popen([sys.executable, "-c", code, str(held)], stdout=subprocess.PIPE, text=True)
+        cap_proc.stdout.readline()
+    import importlib.metadata as md
+
+    versions = {k: md.version(k) for k in ("torch", "transformers", "trl", "vllm")}
+    rows = []
+    try:
+        for v in args.variants.split(","):
+            out = tempfile.mktemp(suffix=".json")
+            cmd = [sys.executable, __file__, "--_child", v, "--_out", out, "--_model", model_dir]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--completion", str(args.completion)]
+            cmd += ["--max-model-len", str(args.max_model_len), "--cap-held-bytes", str(held)]
+            t0 = time.perf_counter()
+            try:
+                subprocess.run(cmd, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                with open(out) as f:
+                    res = json.load(f)
+            except (OSError, json.JSONDecodeError):
+                res = {"variant": v, "ok": False, "error": "no result (crashed or timed out)"}
+            res["process_s"] = time.perf_counter() - t0
+            res["summary"] = _summary(res, args.warmup)
+            rows.append(res)
+            s = res["summary"]
+            print(f"== {v}: ok={res.get('ok')} {s} {res.get('error', '')}", flush=True)
+    finally:
+        if cap_proc is not None:
+            cap_proc.kill()
+    base = next((r for r in rows if r["variant"].split("+")[0] == "trl" and r["summary"]["step_s"]), None)
+    gpu = torch.cuda.get_device_name()
+    print(
+        f"\n{gpu}, {versions}; {args.preset} bf16, 64 x {args.completion}"
+        + (f", capped at {args.cap_gib} GiB" if args.cap_gib else "")
+    )
+    print(f"{'variant':<22}{'step s':>9}{'x TRL':>8}{'gen s':>8}{'peak GiB':>10}{'x TRL':>8}  steps  note")
+    for r in rows:
+        s = r["summary"]
+        ratio = s["step_s"] / base["summary"]["step_s"] if base and s["step_s"] else None
+        pratio = s["peak_gib"] / base["summary"]["peak_gib"] if base and s["peak_gib"] else None
+
+        def f(x, fmt):
+            return format(x, fmt) if x is not None else "-"
+
+        note = r.get("error", "")[:80] if not r.get("ok") else ""
+        print(
+            f"{r['variant']:<22}{f(s['step_s'], '9.3f')}{f(ratio, '8.3f')}{f(s['generate_s'], '8.3f')}"
+            f"{f(s['peak_gib'], '10.2f')}{f(pratio, '8.3f')}  {s['n']:>5}  {note}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"gpu": gpu, "versions": versions, "preset": args.preset, "cap_gib": args.cap_gib, "rows": rows}, f
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""TidalGRPOTrainer / TidalRLOOTrainer with TRL's colocated vLLM (``use_vllm=True``,
+``vllm_mode="colocate"``) against TRL + the same engine alone, on a CPU with a test double of
+vLLM's ``LLM`` (tests/integrations/fake_vllm.py: a real small model, real memory, sleep levels
+that release it). The GPU runs use vLLM itself (benchmarks/gpu.sh vllm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from tests.helpers import held_bytes  # noqa: E402
+from tests.integrations import fake_vllm  # noqa: E402
+from tests.integrations.test_trl import _args, _data, _history, _weights, save_char_models  # noqa: E402
+from tidal.integrations.seams import SeamError  # noqa: E402
+from tidal.integrations.trl import TidalConfig, TidalGRPOTrainer, TidalRLOOTrainer  # noqa: E402
+from tidal.integrations.vllm import VllmEngine  # noqa: E402
+from tidal_recipes.grpo.char_task import reward_sevens  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_char_models(path)
+    return str(path)
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    fake_vllm.install(monkeypatch)
+    return fake_vllm.FakeLLM
+
+
+def _vllm_run(cls, tiny, out, *, sleep=True, tidal_config=None, config=None, steps=3, **kw):
+    extra = {"tidal": tidal_config} if tidal_config is not None else {}
+    args = _args(
+        out,
+        config=config,
+        max_steps=steps,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=sleep,
+        vllm_gpu_memory_utilization=0.3,
+        **kw,
+    )
+    trainer = cls(model=tiny, reward_funcs=reward_sevens, args=args, train_dataset=_data(), **extra)
+    trainer.train()
+    return trainer
+
+
+def _same(a, b) -> None:
+    assert _history(a) == _history(b) and len(_history(a)) >= 3
+    want, got = _weights(a), _weights(b)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("sleep", [True, False])
+def test_grpo_with_vllm_is_bit_identical_to_trl_with_vllm_alone(tiny, tmp_path, engine, sleep):
+    """The same logs and final weights; and not a no-op: while the engine generates, the policy
+    (its weights in the engine) and the reference are on the host; with sleep mode the engine's
+    memory is released between generations."""
+    plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain", sleep=sleep)
+    seen: list[tuple[bool, bool]] = []
+
+    def at_generate(llm):
+        ts = ours_box[0].timeshare
+        seen.append((ts.is_resident("policy"), ts.is_resident("reference")))
+
+    ours_box: list = []
+    orig_init = TidalGRPOTrainer.__init__
+
+    class Watched(TidalGRPOTrainer):
+        def __init__(self, *a, **kw):
+            orig_init(self, *a, **kw)
+            ours_box.append(self)
+
+    engine.on_generate = at_generate
+    ours = _vllm_run(Watched, tiny, tmp_path / "ours", sleep=sleep)
+    _same(plain, ours)
+    assert seen == 3 * [(False, False)]
+    llm = ours.vllm_generation.llm
+    assert isinstance(ours._tidal_engine, VllmEngine)
+    # The policy left for each generation (its weights were in the engine) and came back.
+    out = [r for r in ours.timeshare.records if r.kind == "offload" and "policy" in r.roles_out]
+    assert len(out) == 3 and all(r.bytes_out > 0 for r in out)
+    if sleep:
+        assert llm.held_bytes() == 0  # asleep after the last generation: weights and KV cache released
+        assert [c for c in llm.calls if c[0] == "sleep"] == 4 * [("sleep", 2)]
+    else:
+        assert llm.held_bytes() == llm.weights_bytes + llm.kv_cache_bytes
+
+
+def test_rloo_with_vllm_is_bit_identical_to_trl_with_vllm_alone(tiny, tmp_path, engine):
+    plain = _vllm_run(trl.RLOOTrainer, tiny, tmp_path / "plain", config=trl.RLOOConfig, beta=0.05)
+    ours = _vllm_run(TidalRLOOTrainer, tiny, tmp_path / "ours", config=trl.RLOOConfig, beta=0.05)
+    _same(plain, ours)
+
+
+def test_the_kv_cache_is_sized_as_tidal_is_told_and_results_do_not_change(tiny, tmp_path, engine):
+    plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    assert engine.instances[-1].kv_cache_bytes == int(0.3 * fake_vllm.DEVICE_BYTES) - engine.instances[-1].weights_bytes
+    ours = _vllm_run(TidalGRPOTrainer, tiny, tmp_path / "ours", tidal_config=TidalConfig(vllm_kv_cache_bytes=3 << 20))
+    assert ours.vllm_generation.llm.kv_cache_bytes == 3 << 20
+    _same(plain, ours)
+
+
+def test_vllm_settings_tidal_cannot_manage_are_refused_before_any_work(tiny, tmp_path, engine):
+    args = _args(tmp_path, use_vllm=True, vllm_mode="server")
+    with pytest.raises(ValueError, match="vllm_mode='colocate'"):
+        TidalGRPOTrainer(model=tiny, reward_funcs=reward_sevens, args=args, train_dataset=_data())
+    assert engine.instances == []  # refused before the engine was built
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="vllm_kv_cache_bytes must be an int > 0"):
+            TidalConfig(vllm_kv_cache_bytes=bad)
+
+
+def test_an_engine_without_the_surfaces_tidal_uses_is_refused_naming_the_tested_version():
+    import types
+
+    import tidal
+
+    ts = tidal.Timeshare(device="cpu")
+    ts.add_role("policy", model=torch.nn.Linear(4, 4))
+
+    class NoSleep:
+        def generate(self, prompts): ...
+        def wake_up(self, tags=None): ...
+        def reset_prefix_cache(self): ...
+
+    with pytest.raises(SeamError, match=r"NoSleep\.sleep is missing.*vllm 0\.25\.0"):
+        VllmEngine(NoSleep(), ts)
+    llm = NoSleep()
+    llm.sleep = lambda level=1: None
+    type(llm).sleep = lambda self, level=1: None
+    llm.llm_engine = types.SimpleNamespace(model_executor=None)
+    with pytest.raises(SeamError, match="load_weights is missing"):
+        VllmEngine(llm, ts)
+    ts.close()
+
+
+POINTS = [
+    ("wake_up", ("weights",)),
+    ("load_weights", None),
+    ("wake_up", ("kv_cache",)),
+    ("generate", None),
+    ("sleep", None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("point", POINTS, ids=lambda p: p[0] + ("/" + p[1][0] if p[1] else ""))
+def test_a_fault_at_any_step_of_the_engines_turn_leaves_the_training_state_restorable(
+    tiny, tmp_path, engine, point, exc
+):
+    """An exception as the engine wakes, takes the weights, generates or sleeps (the second
+    step's; KeyboardInterrupt too): the policy, its optimizer state and the reference come back
+    with the values they had when that step began, and the timeshare still takes turns."""
+    from transformers import TrainerCallback
+
+    snaps: list = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
+            trainer = box[0]
+            snaps.append(
+                (
+                    {k: v.clone() for k, v in trainer.model.state_dict().items()},
+                    {k: v.clone() for k, v in trainer.ref_model.state_dict().items()},
+                    _optim_state(trainer.optimizer),
+                )
+            )
+
+    box: list = []
+    orig_init = TidalGRPOTrainer.__init__
+
+    class Faulty(TidalGRPOTrainer):
+        def __init__(self, *a, **kw):
+            orig_init(self, *a, **kw)
+            box.append(self)
+            self.add_callback(Snapshot())
+
+    method, tags = point
+    # The engine's first sleep is at its construction, its first load_weights in the first step.
+    nth = 3 if method == "sleep" else 2
+    engine.fail = (method, tags, exc, nth)
+    with pytest.raises(exc, match="injected at"):
+        _vllm_run(Faulty, tiny, tmp_path / "ours")
+    trainer = box[0]
+    ts = trainer.timeshare
+    policy, ref, optim = snaps[-1]
+    with ts.use("policy"):
+        assert all(torch.equal(v, policy[k]) for k, v in trainer.model.state_dict().items())
+        got = _optim_state(trainer.optimizer)
+        assert got.keys() == optim.keys() and all(torch.equal(got[k], optim[k]) for k in got)
+    with ts.use("reference"):
+        assert all(torch.equal(v, ref[k]) for k, v in trainer.ref_model.state_dict().items())
+        assert held_bytes(next(trainer.ref_model.parameters())) > 0
+
+
+def _optim_state(optimizer) -> dict:
+    inner = getattr(optimizer, "optimizer", optimizer)
+    sd = inner.state_dict()
+    return {f"{i}.{k}": v.clone() for i, st in sd["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+
+
+def test_a_read_of_the_moved_out_policy_while_the_engine_generates_is_tidals_clear_error(tiny, tmp_path, engine):
+    errors: list[str] = []
+
+    def touch(llm):
+        if errors:
+            return
+        try:
+            next(box[0].model.parameters()).sum()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    box: list = []
+    orig_init = TidalGRPOTrainer.__init__
+
+    class Watched(TidalGRPOTrainer):
+        def __init__(self, *a, **kw):
+            orig_init(self, *a, **kw)
+            box.append(self)
+
+    engine.on_generate = touch
+    _vllm_run(Watched, tiny, tmp_path / "ours", steps=1)
+    assert errors and "role 'policy'" in errors[0] and "tidal" in errors[0], errors

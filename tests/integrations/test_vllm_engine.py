@@ -1,0 +1,113 @@
+"""tidal.integrations.vllm.VllmEngine on its own, in a loop that drives the engine itself (not
+TRL's), against the test double of vLLM's ``LLM`` (tests/integrations/fake_vllm.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import tidal  # noqa: E402
+from tests.integrations import fake_vllm  # noqa: E402
+from tests.integrations.test_trl import save_char_models  # noqa: E402
+from tidal.integrations.vllm import VllmEngine, kv_bytes_per_token  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_char_models(path)
+    return str(path)
+
+
+def _setup(tiny):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    for m in (policy, reference):
+        for t in m.parameters():
+            t.data = t.data.clone()  # memory of its own: a load may map the checkpoint file
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    ts = tidal.Timeshare(device="cpu")
+    ts.add_role("policy", model=policy, optimizer=opt)
+    ts.add_role("reference", model=reference, frozen=True)
+    llm = fake_vllm.FakeLLM(tiny, enable_sleep_mode=True, kv_cache_memory_bytes=1 << 20, seed=3)
+    return policy, opt, ts, llm
+
+
+def _train_a_little(policy, opt):
+    loss = sum(p.float().pow(2).sum() for p in policy.parameters()) * 1e-3
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_loop_of_its_own_generates_with_the_policys_new_weights_its_roles_out_of_the_way(tiny):
+    policy, opt, ts, llm = _setup(tiny)
+    engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20)
+    prompts = [{"prompt_token_ids": [1, 2, 3]}]
+    sp = fake_vllm.SamplingParams(max_tokens=4, temperature=1.0, logprobs=0)
+    seen = []
+
+    def at_generate(running):
+        seen.append(
+            (ts.resident_roles, running.held_bytes(), {n: p.clone() for n, p in running.model.named_parameters()})
+        )
+
+    fake_vllm.FakeLLM.on_generate = at_generate
+    trained = []
+    try:
+        for _ in range(3):
+            with ts.use("policy"):
+                _train_a_little(policy, opt)
+                trained.append({n: p.detach().clone() for n, p in policy.named_parameters()})
+            with engine.generating(policy) as running:
+                assert running.generate(prompts, sp)[0].outputs[0].token_ids
+            assert llm.held_bytes() == 0  # asleep: weights and KV cache released
+    finally:
+        fake_vllm.FakeLLM.on_generate = None
+    # Every generation ran with no role on the device, the engine awake in full, and the
+    # policy's weights of that step in it, bit for bit.
+    assert [(roles, held) for roles, held, _ in seen] == 3 * [([], llm.weights_bytes + llm.kv_cache_bytes)]
+    for (_, _, engine_w), want in zip(seen, trained):
+        assert engine_w.keys() == want.keys() and all(torch.equal(engine_w[n], want[n]) for n in want)
+    assert not torch.equal(trained[0]["lm_head.weight"], trained[2]["lm_head.weight"])  # it did train
+    ts.close()
+
+
+def test_without_a_push_after_a_level_two_sleep_the_engines_weights_are_garbage(tiny):
+    """The trap tidal's hand-over closes (vLLM's issue 29341): level 2 drops the weights; woken
+    without a push, they are not the model's."""
+    llm = fake_vllm.FakeLLM(tiny, enable_sleep_mode=True, kv_cache_memory_bytes=1 << 20)
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert all(torch.isnan(p).all() for p in llm.model.parameters())
+
+
+def test_the_room_kept_beside_the_cache_keeps_a_role_that_fits(tiny):
+    policy, opt, ts, llm = _setup(tiny)
+    engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20, keep_free_bytes=1 << 20)
+    with engine.generating(policy):
+        assert "policy" in ts.resident_roles  # a CPU "device" has the room: nothing moved for the cache
+    ts.close()
+
+
+def test_bad_engine_settings_are_refused_before_any_work(tiny):
+    policy, opt, ts, llm = _setup(tiny)
+    with pytest.raises(ValueError, match="'actor' is not a role"):
+        VllmEngine(llm, ts, policy="actor")
+    with pytest.raises(ValueError, match="kv_cache_bytes must be an int >= 0"):
+        VllmEngine(llm, ts, kv_cache_bytes=-1)
+    with pytest.raises(ValueError, match="sleep_level must be 1 or 2"):
+        VllmEngine(llm, ts, sleep_level=3)
+    ts.close()
+
+
+def test_kv_bytes_per_token_reads_the_decoders_shape():
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4)
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * 28 * 4 * 128 * 2  # Qwen2-7B: 56 KiB a token

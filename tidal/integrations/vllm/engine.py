@@ -1,0 +1,201 @@
+"""An in-process vLLM engine taking turns with a :class:`~tidal.Timeshare`'s roles:
+:class:`VllmEngine`.
+
+vLLM colocated with training (TRL's ``vllm_mode="colocate"``, verl's hybrid engine, ROLL's
+actor_infer) holds its own memory: a copy of the policy's weights and a KV cache, in its own
+pool in this process. With sleep mode that memory goes back to the driver between generations
+(``sleep(level=2)``: both dropped; ``level=1``: the weights backed up on the host) and comes
+back with ``wake_up``. What tidal adds is the rest of the hand-over:
+
+* before the engine's weights wake, the room for them is made beside the policy (the roles
+  that do not fit beside ``weights_bytes`` go: the reference, a reward model);
+* once the policy's weights are in the engine, the policy itself (and every other role) goes
+  to the host before the KV cache wakes, unless it fits beside the cache (``kv_cache_bytes``)
+  and the generation's own margin; the freed memory is returned to the driver, where vLLM's
+  pool takes it;
+* after the engine sleeps, its memory is the driver's again, for the next phase's role.
+
+Two ways to use it. A loop that drives the engine itself (``with engine.generating(policy):
+llm.generate(...)``): the weights wake, are pushed from ``policy`` (from the device), the room
+for the KV cache is made, and the engine sleeps again at the end. A trainer that drives the
+engine (TRL calls ``sleep``, ``wake_up``, ``load_weights`` and ``generate`` itself):
+``with engine.driven():`` puts tidal's steps in front of those calls for the block.
+
+Memory cost: none beyond vLLM's own; the roles moved out are held in the timeshare's host
+arena as always.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from tidal.integrations.seams import check_engine, instead, load_weights_of
+
+__all__ = ["VllmEngine", "kv_bytes_per_token"]
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """The KV cache one token takes in a decoder of this Hugging Face ``config`` (every layer's
+    key and value for each KV head) in ``dtype``."""
+    text = getattr(config, "text_config", None) or config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class VllmEngine:
+    """vLLM's ``LLM`` (in this process) beside ``timeshare``'s roles (see the module docstring).
+
+    Args:
+        llm: the ``vllm.LLM`` (``enable_sleep_mode=True`` for its memory to leave the device
+            between generations; without it the engine stays resident and the roles take
+            turns in the rest).
+        timeshare: the roles' :class:`~tidal.Timeshare`.
+        policy: the role whose weights the engine generates with (pushed into it, then moved
+            out while it generates unless it fits beside the cache).
+        weights_bytes: the engine's weights (default: the policy role's parameter bytes).
+        kv_cache_bytes: the engine's KV cache, as it was built with (``kv_cache_memory_bytes``).
+        keep_free_bytes: what the generation needs beside the cache (its activations, vLLM's
+            sampler): a role stays on the device only where this and the cache fit beside it.
+            None: every role goes while the engine generates.
+        sleep_level: what :meth:`generating` puts the engine to sleep with (2: weights and KV
+            cache dropped; 1: weights backed up by vLLM).
+
+    Raises:
+        SeamError: the installed vLLM lacks a surface tidal uses (named, with the versions it is
+            tested with).
+        ValueError: ``policy`` is not a role of ``timeshare``, or a bad size.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        timeshare: Any,
+        *,
+        policy: str = "policy",
+        weights_bytes: int | None = None,
+        kv_cache_bytes: int = 0,
+        keep_free_bytes: int | None = None,
+        sleep_level: int = 2,
+    ) -> None:
+        check_engine(llm, who=type(self).__name__)
+        if policy not in timeshare.roles:
+            raise ValueError(f"VllmEngine: {policy!r} is not a role of the timeshare (roles: {timeshare.roles})")
+        for name, v in (("kv_cache_bytes", kv_cache_bytes), ("weights_bytes", weights_bytes)):
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"VllmEngine: {name} must be an int >= 0, got {v!r}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"VllmEngine: sleep_level must be 1 or 2, got {sleep_level!r}")
+        self.llm, self.timeshare, self.policy = llm, timeshare, policy
+        self.weights_bytes = timeshare.role_bytes(policy) if weights_bytes is None else weights_bytes
+        self.kv_cache_bytes, self.keep_free_bytes, self.sleep_level = kv_cache_bytes, keep_free_bytes, sleep_level
+        self.asleep = False  # the engine's weights are not on the device (they slept)
+        self.kv_asleep = False
+        self.moves: list[Any] = []  # the timeshare's transitions made for the engine
+
+    # ---- the hand-over ---------------------------------------------------------------------------
+    def room_for_weights(self) -> None:
+        """Before the weights wake: the policy on the device (their source), and the other roles
+        out where ``weights_bytes`` (+ ``keep_free_bytes``) does not fit beside it."""
+        keep = None if self.keep_free_bytes is None else self.weights_bytes + self.keep_free_bytes
+        self._record(self.timeshare.load(self.policy, keep_free_bytes=keep))
+        self._release()
+
+    def room_for_kv_cache(self) -> None:
+        """Once the weights are in the engine, before its KV cache wakes (or it generates):
+        every role out (the policy's weights are the engine's now), unless the cache and
+        ``keep_free_bytes`` fit beside what is resident."""
+        ts = self.timeshare
+        if self.keep_free_bytes is not None and self._free_bytes() >= self.kv_cache_bytes + self.keep_free_bytes:
+            return
+        self._record(ts.offload_all())
+        self._release()
+
+    def _free_bytes(self) -> int:
+        ops = self.timeshare.ops
+        return ops.driver_free_bytes()[0] + ops.cached_free_bytes()
+
+    def _release(self) -> None:
+        # vLLM's pool takes memory from the driver: what torch's cache holds of the moved-out
+        # roles is given back first.
+        self.timeshare.ops.empty_cache()
+
+    def _record(self, rec: Any) -> None:
+        if rec is not None:
+            self.moves.append(rec)
+
+    # ---- a loop that drives the engine ---------------------------------------------------------
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(name, tensor)`` pairs into the engine's weights (vLLM's ``load_weights``, one
+        call for all: each tensor is copied where it lies, on the device or from the host)."""
+        load_weights_of(self.llm)(list(named))
+
+    @contextlib.contextmanager
+    def generating(self, policy: torch.nn.Module, *, names=None) -> Iterator[Any]:
+        """The engine awake with ``policy``'s weights for the block, the roles out of its way;
+        asleep (``sleep_level``) after it, its memory back with the driver. ``names(name)``
+        maps a parameter's name to the engine's (default: as it is). Yields the ``llm``."""
+        llm = self.llm
+        if self.asleep:
+            self.room_for_weights()
+            llm.wake_up(tags=["weights"])
+            self.asleep = False
+        with self.timeshare.use(self.policy):
+            rename = names or (lambda n: n)
+            self.push_weights((rename(n), p.detach()) for n, p in policy.named_parameters())
+        llm.reset_prefix_cache()
+        self.room_for_kv_cache()
+        if self.kv_asleep:
+            llm.wake_up(tags=["kv_cache"])
+            self.kv_asleep = False
+        try:
+            yield llm
+        finally:
+            self.sleep()
+
+    def sleep(self) -> None:
+        """The engine's memory back to the driver (``sleep_level``)."""
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = self.kv_asleep = True
+
+    # ---- a trainer that drives the engine ------------------------------------------------------
+    @contextlib.contextmanager
+    def driven(self) -> Iterator[None]:
+        """For the block, the engine's ``wake_up``, ``generate`` and ``sleep`` (called by the
+        trainer that owns the engine: TRL's) make the room first, as :meth:`generating` does:
+        before the weights wake, :meth:`room_for_weights`; before the KV cache wakes (or, with
+        sleep mode off, before a generation), :meth:`room_for_kv_cache`. Attributes of the
+        ``llm`` instance for the block (:func:`tidal.integrations.seams.instead`)."""
+        llm = self.llm
+        wake_up, generate, sleep = llm.wake_up, llm.generate, llm.sleep
+
+        def wake(tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
+            tags_ = list(tags) if tags else ["weights", "kv_cache"]
+            if "weights" in tags_:
+                self.room_for_weights()
+            if "kv_cache" in tags_:
+                self.room_for_kv_cache()
+            out = wake_up(tags, *args, **kwargs)
+            if "weights" in tags_:
+                self.asleep = False
+            if "kv_cache" in tags_:
+                self.kv_asleep = False
+            return out
+
+        def gen(*args: Any, **kwargs: Any) -> Any:
+            if not self.kv_asleep:
+                self.room_for_kv_cache()  # awake all along (sleep mode off): the room made now
+            return generate(*args, **kwargs)
+
+        def put_to_sleep(*args: Any, **kwargs: Any) -> Any:
+            out = sleep(*args, **kwargs)
+            self.asleep = self.kv_asleep = True
+            return out
+
+        with instead(llm, "wake_up", wake), instead(llm, "generate", gen), instead(llm, "sleep", put_to_sleep):
+            yield
