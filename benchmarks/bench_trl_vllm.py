@@ -258,7 +258,8 @@ def main(argv=None) -> int:
         pratio = s["peak_gib"] / base["summary"]["peak_gib"] if base and s["peak_gib"] else None
 
         def f(x, fmt):
-            return format(x, fmt) if x is not None else "-"
+            width = int(fmt.split(".")[0]) if fmt[0].isdigit() else 0
+            return format(x, fmt) if x is not None else "-".rjust(width)
 
         note = r.get("error", "")[:80] if not r.get("ok") else ""
         print(

@@ -82,6 +82,12 @@ PY
       rm -rf .vllm && mkdir -p .vllm
       tar -cf - -C "$tmp" vsite | xz -6 -T2 | split -b 45M - .vllm/part-
       (cd .vllm && sha256sum part-* > SHA256SUMS)
+      # openai and anthropic of 2026-12 import httpx2, which needs newer anyio and idna than the
+      # GPU machine's: installed over the tarball by vllm_stage.sh
+      mkdir -p .vllm/extra
+      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .vllm/extra \
+        httpx2 httpcore2 truststore "anyio>=4.10" "idna>=3.18"
       rm -rf "$tmp"
       ls -la .vllm ;;
     *)

@@ -24,8 +24,18 @@ def model_path(tmp_path_factory):
     return str(path)
 
 
-def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_weights(model_path):
+def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_weights(model_path, monkeypatch):
+    import socket
+
     from transformers import AutoModelForCausalLM
+
+    # vLLM's in-process launcher reads a world of one from the environment (TRL sets it so).
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_PORT", str(port))
 
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
