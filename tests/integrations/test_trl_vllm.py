@@ -228,3 +228,63 @@ def test_a_read_of_the_moved_out_policy_while_the_engine_generates_is_tidals_cle
     engine.on_generate = touch
     _vllm_run(Watched, tiny, tmp_path / "ours", steps=1)
     assert errors and "role 'policy'" in errors[0] and "tidal" in errors[0], errors
+
+
+def _fake_capacity(monkeypatch, capacity: int, box: list) -> None:
+    """The CPU read as a device of ``capacity`` bytes: free = it less what the trainer's roles
+    (their storages holding memory now) and the engine hold."""
+    from tidal import guard
+    from tidal.device import DeviceOps
+
+    def used() -> int:
+        if not box:
+            return 0
+        tr, held = box[0], {}
+        mods = [tr.model, tr.ref_model]
+        inner = getattr(tr.optimizer, "optimizer", tr.optimizer)
+        tensors = [t for m in mods if m is not None for t in [*m.parameters(), *m.buffers()]]
+        tensors += [p.grad for p in tr.model.parameters() if p.grad is not None]
+        if inner is not None:
+            tensors += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.nbytes() and not guard.is_freed(st):
+                held[st._cdata] = st.nbytes()
+        engine = getattr(tr, "vllm_generation", None)
+        return sum(held.values()) + (engine.llm.held_bytes() if engine is not None else 0)
+
+    monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (capacity - used(), capacity))
+
+
+@pytest.mark.parametrize("room", ["all", "engine_only"])
+def test_with_prefetch_the_engines_turns_keep_what_fits_beside_its_measured_memory(
+    tiny, tmp_path, engine, monkeypatch, room
+):
+    """Once the engine's weights and cache have woken once (their bytes read at the device's
+    free memory), a generation moves out only what it must: with room for everything nothing
+    moves for the engine after the first; with room for the engine alone the policy goes each
+    time. The same results as TRL + vLLM alone either way."""
+    from tidal.integrations.trl import trainer as trl_trainer
+
+    plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    box: list = []
+    orig_init = TidalGRPOTrainer.__init__
+
+    class Watched(TidalGRPOTrainer):
+        def __init__(self, *a, **kw):
+            orig_init(self, *a, **kw)
+            box.append(self)
+
+    # The generation's own room: small on this device (the engine's memory is a few MiB).
+    monkeypatch.setattr(trl_trainer, "VLLM_GENERATION_BYTES", 1 << 20)
+    capacity = (1 << 40) if room == "all" else (8 << 20) + fake_vllm.FakeLLM(tiny).weights_bytes * 3
+    _fake_capacity(monkeypatch, capacity, box)
+    ours = _vllm_run(Watched, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
+    _same(plain, ours)
+    eng = ours._tidal_engine
+    assert set(eng.woken) == {"weights", "kv_cache"} and eng.woken["weights"] == ours.vllm_generation.llm.weights_bytes
+    policy_out = [r for r in eng.moves if "policy" in r.roles_out]
+    if room == "all":
+        assert len(policy_out) == 1  # the first generation only, before the engine was measured
+    else:
+        assert len(policy_out) == 3

@@ -63,6 +63,11 @@ class TidalConfig:
             backward leaves free, so its step finds it arrived.
             Needs a role beside the policy (``beta > 0`` or a reward model) to move the roles
             ahead; the optimizer state is brought in ahead either way.
+            With ``use_vllm=True`` the engine's turns keep too: once the engine's weights and KV
+            cache have woken once (their bytes read at driver level), each generation moves out
+            only what it takes to leave them (+10%, 256 MiB) and 1 GiB for the generation free,
+            least recently used first and the policy last; where all of it fits (TRL + vLLM
+            alone fits), nothing moves for the engine.
         prefetch_peak_bytes: with ``prefetch``, the device's allocated bytes a prefetch may
             bring it up to (what a phase will still allocate counted, and what a prefetch
             brought in counted once; the allocator's fragments, free memory a large block cannot

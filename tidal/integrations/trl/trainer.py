@@ -43,6 +43,10 @@ from tidal.timeshare.schedule import PhaseSchedule, ScheduleConfig
 
 __all__ = ["TidalGRPOTrainer", "TidalRLOOTrainer", "TidalRLTrainer"]
 
+#: What a generation of TRL's colocated vLLM engine takes beside the engine's weights and KV
+#: cache (its activations, the sampler's logits), kept free by its turns with ``prefetch``.
+VLLM_GENERATION_BYTES = 1 << 30
+
 
 class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
     """The tidal side of :class:`TidalGRPOTrainer` and :class:`TidalRLOOTrainer`: a mixin put in
@@ -161,7 +165,17 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         if getattr(self, "use_vllm", False):
             generation = self.vllm_generation
             check_trl_engine(generation, who=type(self).__name__)
-            self._tidal_engine = VllmEngine(generation.llm, self.timeshare, policy="policy")
+            policy = self.accelerator.unwrap_model(self.model)
+            self._tidal_engine = VllmEngine(
+                generation.llm,
+                self.timeshare,
+                policy="policy",
+                weights_bytes=sum(p.numel() * p.element_size() for p in policy.parameters()),
+                kv_cache_bytes=self.tidal_config.vllm_kv_cache_bytes or 0,
+                # With prefetch, the engine's turns keep what fits beside its memory and this
+                # much for the generation's own (vLLM's activations and sampler).
+                keep_free_bytes=VLLM_GENERATION_BYTES if self.tidal_config.prefetch else None,
+            )
         if self._tidal_launch == "fsdp2":
             reshard_after_no_grad_forward(self.accelerator.unwrap_model(self.model))
         self._step_again_if_out_of_memory(optimizer)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from tidal.integrations.seams import check_engine, instead, load_weights_of
+from tidal.memory import phase_need_bytes
 
 __all__ = ["VllmEngine", "kv_bytes_per_token"]
 
@@ -60,9 +61,11 @@ class VllmEngine:
             out while it generates unless it fits beside the cache).
         weights_bytes: the engine's weights (default: the policy role's parameter bytes).
         kv_cache_bytes: the engine's KV cache, as it was built with (``kv_cache_memory_bytes``).
-        keep_free_bytes: what the generation needs beside the cache (its activations, vLLM's
-            sampler): a role stays on the device only where this and the cache fit beside it.
-            None: every role goes while the engine generates.
+        keep_free_bytes: what the generation needs beside the engine's weights and cache (its
+            activations, vLLM's sampler). Once both have woken once (their bytes measured at
+            driver level then), each turn moves out only what it takes to leave the engine's
+            memory (+10%, 256 MiB) and this free, least recently used first, the policy last;
+            before that, and with None, every role goes while the engine generates.
         sleep_level: what :meth:`generating` puts the engine to sleep with (2: weights and KV
             cache dropped; 1: weights backed up by vLLM).
 
@@ -97,24 +100,46 @@ class VllmEngine:
         self.asleep = False  # the engine's weights are not on the device (they slept)
         self.kv_asleep = False
         self.moves: list[Any] = []  # the timeshare's transitions made for the engine
+        self.woken: dict[str, int] = {}  # tag -> the device bytes its last wake took (driver level)
 
     # ---- the hand-over ---------------------------------------------------------------------------
+    def _need(self, *tags: str) -> int | None:
+        """What waking ``tags`` (those asleep) takes, +10% and 256 MiB, and ``keep_free_bytes``
+        beside it; None: not kept (no ``keep_free_bytes``, or a tag not measured yet)."""
+        if self.keep_free_bytes is None:
+            return None
+        asleep = {"weights": self.asleep, "kv_cache": self.kv_asleep}
+        tags = tuple(t for t in tags if asleep[t])
+        if any(t not in self.woken for t in tags):
+            return None
+        return phase_need_bytes(sum(self.woken[t] for t in tags)) + self.keep_free_bytes
+
     def room_for_weights(self) -> None:
         """Before the weights wake: the policy on the device (their source), and the other roles
-        out where ``weights_bytes`` (+ ``keep_free_bytes``) does not fit beside it."""
-        keep = None if self.keep_free_bytes is None else self.weights_bytes + self.keep_free_bytes
-        self._record(self.timeshare.load(self.policy, keep_free_bytes=keep))
+        out where the engine's weights and KV cache (measured at their last wake) and
+        ``keep_free_bytes`` do not fit beside it; every other role before they were measured."""
+        self._record(self.timeshare.load(self.policy, keep_free_bytes=self._need("weights", "kv_cache")))
         self._release()
 
     def room_for_kv_cache(self) -> None:
-        """Once the weights are in the engine, before its KV cache wakes (or it generates):
-        every role out (the policy's weights are the engine's now), unless the cache and
-        ``keep_free_bytes`` fit beside what is resident."""
+        """Once the weights are in the engine, before its KV cache wakes (or it generates): the
+        roles out, least recently used first and the policy last (its weights are the engine's
+        now), until the cache (measured at its last wake) and ``keep_free_bytes`` fit; every
+        role before it was measured."""
         ts = self.timeshare
-        if self.keep_free_bytes is not None and self._free_bytes() >= self.kv_cache_bytes + self.keep_free_bytes:
+        need = self._need("kv_cache")
+        if need is None:
+            self._record(ts.offload_all())
+            self._release()
             return
-        self._record(ts.offload_all())
-        self._release()
+        order = sorted(ts.resident_roles, key=lambda r: (r == self.policy, ts.role(r).last_used))
+        for name in order:
+            if self._free_bytes() >= need:
+                return
+            if ts.role(name).in_use:
+                continue
+            self._record(ts.offload(name))
+            self._release()
 
     def _free_bytes(self) -> int:
         ops = self.timeshare.ops
@@ -143,20 +168,34 @@ class VllmEngine:
         llm = self.llm
         if self.asleep:
             self.room_for_weights()
-            llm.wake_up(tags=["weights"])
-            self.asleep = False
+            self._wake(lambda: llm.wake_up(tags=["weights"]), ["weights"])
         with self.timeshare.use(self.policy):
             rename = names or (lambda n: n)
             self.push_weights((rename(n), p.detach()) for n, p in policy.named_parameters())
         llm.reset_prefix_cache()
         self.room_for_kv_cache()
         if self.kv_asleep:
-            llm.wake_up(tags=["kv_cache"])
-            self.kv_asleep = False
+            self._wake(lambda: llm.wake_up(tags=["kv_cache"]), ["kv_cache"])
         try:
             yield llm
         finally:
             self.sleep()
+
+    def _wake(self, wake: Any, tags: list[str]) -> Any:
+        """``wake()`` for ``tags``, the device bytes it took measured at driver level (what
+        vLLM's pool maps), for the next turns' room."""
+        ops = self.timeshare.ops
+        before = ops.driver_free_bytes()[0]
+        out = wake()
+        taken = max(0, before - ops.driver_free_bytes()[0])
+        asleep = [t for t in tags if (self.asleep if t == "weights" else self.kv_asleep)]
+        if len(asleep) == 1:
+            self.woken[asleep[0]] = taken
+        if "weights" in tags:
+            self.asleep = False
+        if "kv_cache" in tags:
+            self.kv_asleep = False
+        return out
 
     def sleep(self) -> None:
         """The engine's memory back to the driver (``sleep_level``)."""
@@ -180,12 +219,7 @@ class VllmEngine:
                 self.room_for_weights()
             if "kv_cache" in tags_:
                 self.room_for_kv_cache()
-            out = wake_up(tags, *args, **kwargs)
-            if "weights" in tags_:
-                self.asleep = False
-            if "kv_cache" in tags_:
-                self.kv_asleep = False
-            return out
+            return self._wake(lambda: wake_up(tags, *args, **kwargs), tags_)
 
         def gen(*args: Any, **kwargs: Any) -> Any:
             if not self.kv_asleep:
