@@ -50,6 +50,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from tidal.plan.shapes import PRESETS as SHAPES, ModelShape  # noqa: E402  (stdlib only)
+
 import host_clock  # noqa: E402  (benchmarks/, beside this file)
 import lockstep  # noqa: E402
 
@@ -67,17 +69,19 @@ def _char_task():
     return module
 
 
-PRESETS = {
-    # hidden, intermediate, layers, heads, kv heads
-    "tiny": (64, 128, 2, 4, 2),  # a dry run of the script (CPU included)
+# The model shapes: the planner's one list (tidal.plan.shapes), Qwen2's family, and two of
+# this benchmark's own for dry runs (a CPU included; a vocabulary of the char task's size).
+_QWEN2 = dict(tied_embeddings=False, qkv_bias=True, family="qwen2")
+_DRY_RUNS = {
+    "tiny": ModelShape(
+        name="tiny", layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=256, **_QWEN2
+    ),
     # the tensors of a 28-layer model (Qwen2-1.5B's count) at tiny sizes: host-side costs on a CPU
-    "tiny28": (64, 128, 28, 4, 2),
-    "qwen2-0.5b": (896, 4864, 24, 14, 2),
-    "qwen2-1.5b": (1536, 8960, 28, 12, 2),
-    "qwen2-7b": (3584, 18944, 28, 28, 4),
-    "qwen2.5-14b": (5120, 13824, 48, 40, 8),
-    "qwen2.5-32b": (5120, 27648, 64, 40, 8),
+    "tiny28": ModelShape(
+        name="tiny28", layers=28, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=256, **_QWEN2
+    ),
 }
+PRESETS: dict[str, ModelShape] = {**_DRY_RUNS, **{k: v for k, v in SHAPES.items() if v.family == "qwen2"}}
 # TRL's accelerate configs, by --launch (the variants run under `accelerate launch` with it)
 # TRL's accelerate configs; zero3-offload: its zero3.yaml with parameters and optimizer state on
 # the CPU (DeepSpeedCPUAdam), the anchor a TRL user reaches for when the model does not fit.
@@ -89,15 +93,16 @@ def qwen2_config(preset: str, *, pad_id: int, eos_id: int):
     """The Qwen2 shape of ``preset`` (random weights are built from it), bf16."""
     from transformers import Qwen2Config
 
-    h, i, n, a, kv = PRESETS[preset]
+    shape = PRESETS[preset]
     # The real vocabulary size: the embedding and head are a large part of a small model's bytes.
+    # Untied, as every row in RESULTS.md ran (Qwen2-0.5B and 1.5B tie theirs).
     return Qwen2Config(
-        vocab_size=256 if preset.startswith("tiny") else 152064 if preset.startswith("qwen2.5") else 151936,
-        hidden_size=h,
-        intermediate_size=i,
-        num_hidden_layers=n,
-        num_attention_heads=a,
-        num_key_value_heads=kv,
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
         pad_token_id=pad_id,
         eos_token_id=eos_id,
         bos_token_id=eos_id,

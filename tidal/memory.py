@@ -13,6 +13,7 @@ import os
 import time
 
 from tidal.device import DeviceOps, HostMemory, host_memory
+from tidal.units import phase_need_bytes
 
 __all__ = [
     "HostMemory",
@@ -25,13 +26,6 @@ __all__ = [
     "reset_host_peak_rss",
     "snapshot",
 ]
-
-
-def phase_need_bytes(growth_bytes: int) -> int:
-    """The room left to a phase that allocated ``growth_bytes`` the last time it ran: 10% more
-    and 256 MiB, for what varies between runs (what a prefetch leaves free beside it, what a
-    turn keeps free)."""
-    return int(1.1 * growth_bytes) + (256 << 20)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tidal.memory import phase_need_bytes
+from tidal.units import phase_need_bytes
 from tidal.plan.model import Phase, Plan
 
 __all__ = ["PREFETCHED_STATE", "KeptPhase", "kept_host", "kept_phases"]

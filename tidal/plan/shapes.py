@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any, Mapping
 
-__all__ = ["ModelShape", "PRESETS", "LORA_TARGETS", "preset", "load_shape"]
+__all__ = ["ALL_PRESETS", "LORA_TARGETS", "ModelShape", "PRESETS", "TOY_PRESETS", "load_shape", "preset"]
 
 # Every linear layer of a decoder layer: the usual LoRA target list ("all-linear").
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -305,6 +305,16 @@ PRESETS: dict[str, ModelShape] = {
         family="llama",
     ),
 }
+
+
+#: Small shapes of the same family for runs on a CPU (the demo's default ``nano``, ``tiny`` for
+#: the benchmarks' dry runs): no released checkpoint has them.
+TOY_PRESETS: dict[str, ModelShape] = {
+    "nano": _qwen2("nano", layers=2, hidden=128, intermediate=512, heads=4, kv_heads=2, vocab=16, tied=False),
+    "tiny": _qwen2("tiny", layers=4, hidden=256, intermediate=704, heads=4, kv_heads=2, vocab=8192, tied=False),
+}
+#: Every shape by name: the one list the planner, the recipes, the CLI and the benchmarks read.
+ALL_PRESETS: dict[str, ModelShape] = {**TOY_PRESETS, **PRESETS}
 
 
 def preset(name: str) -> ModelShape:

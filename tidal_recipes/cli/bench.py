@@ -298,8 +298,8 @@ def run_bench(
     ops.empty_cache()
     free0, total0 = ops.driver_free_bytes()
     env = environment(ops)
-    est = spec.adamw_state_bytes(dtype)
-    temp = 2 * spec.largest_param_count() * dtype.itemsize + GIB  # the step's temporaries, margin
+    est = 4 * spec.param_count() * dtype.itemsize  # params, grads, exp_avg, exp_avg_sq in their dtype
+    temp = 2 * spec.largest_param() * dtype.itemsize + GIB  # the step's temporaries, margin
     log(
         f"tidal bench: {preset} on {env['device']} ({env['device_name']}), est. state {format_bytes(est)}, "
         f"driver free {format_bytes(free0)} of {format_bytes(total0)}, host available {format_bytes(host_available_bytes())}"

@@ -75,28 +75,11 @@ def plan_kwargs(s: Any) -> dict:
 
 
 def plan_shape(preset: str) -> ModelShape:
-    """The planner's shape of the demo preset ``preset``: the planner's own for the released
-    checkpoints' shapes, built from :data:`tidal_recipes.cli.models.PRESETS` for the small ones
-    (``nano``, ``tiny``) it does not list."""
-    from tidal.plan.shapes import PRESETS as PLAN_PRESETS  # noqa: PLC0415
-    from tidal_recipes.cli.models import PRESETS  # noqa: PLC0415
+    """The planner's shape of the demo preset ``preset`` (:data:`tidal.plan.shapes.ALL_PRESETS`:
+    the released checkpoints' and the toy ones)."""
+    from tidal.plan.shapes import ALL_PRESETS  # noqa: PLC0415
 
-    if preset in PLAN_PRESETS:
-        return PLAN_PRESETS[preset]
-    p = PRESETS[preset]
-    return ModelShape(
-        name=preset,
-        layers=p.layers,
-        hidden=p.hidden,
-        intermediate=p.intermediate,
-        heads=p.heads,
-        kv_heads=p.kv_heads,
-        head_dim=p.hidden // p.heads,
-        vocab=p.vocab,
-        tied_embeddings=p.tied,
-        qkv_bias=p.family == "qwen2",
-        family=p.family,
-    )
+    return ALL_PRESETS[preset]
 
 
 def plan_config(s: Any) -> PlanConfig:

@@ -26,6 +26,8 @@ import json
 import sys
 from typing import Callable, Sequence
 
+from tidal.plan.shapes import ALL_PRESETS
+
 from tidal_recipes.cli.args import (
     MAX_MIB,
     bounded_int,
@@ -41,16 +43,7 @@ from tidal_recipes.cli.args import (
 __all__ = ["build_parser", "main"]
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_SKIPPED, EXIT_OUTPUT = 0, 1, 2, 3, 4
-_PRESETS = (
-    "nano",
-    "tiny",
-    "qwen2-0.5b",
-    "qwen2-1.5b",
-    "qwen2-7b",
-    "qwen2.5-14b",
-    "qwen2.5-32b",
-    "llama3-8b",
-)  # mirrors tidal_recipes.cli.models.PRESETS
+_PRESETS = tuple(ALL_PRESETS)  # the shapes' one list (tidal.plan.shapes: no torch)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

@@ -12,14 +12,14 @@ sees is the same list of storages). :func:`build_model` says which one it built.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 from torch import nn
 
+from tidal.plan.shapes import ALL_PRESETS, ModelShape
+
 __all__ = [
     "PRESETS",
-    "Preset",
     "build_model",
     "make_adamw_state",
     "named_state",
@@ -27,54 +27,11 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """The shape of a Qwen2 or Llama model (the public configs of the released checkpoints).
-    ``family``: ``"qwen2"`` (biases on q, k, v) or ``"llama"`` (no attention biases)."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    family: str = "qwen2"
-
-    def param_count(self) -> int:
-        """Parameters of the model, counted from the shapes (tied embeddings once)."""
-        h, kv_dim = self.hidden, self.kv_heads * (self.hidden // self.heads)
-        bias = self.family == "qwen2"
-        attn = (h * h + h * bias) + 2 * (h * kv_dim + kv_dim * bias) + h * h  # q, k, v (+bias); o
-        mlp = 3 * h * self.intermediate
-        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
-        embed = self.vocab * h
-        return embed + self.layers * per_layer + h + (0 if self.tied else embed)
-
-    def largest_param_count(self) -> int:
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
-
-    def adamw_state_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of params + grads + exp_avg + exp_avg_sq (all in the params' dtype)."""
-        return 4 * self.param_count() * dtype.itemsize
+#: The model shapes by name: the planner's (tidal.plan.shapes), toy ones included.
+PRESETS: dict[str, ModelShape] = ALL_PRESETS
 
 
-PRESETS: dict[str, Preset] = {
-    # nano: the demo's CPU default, with a vocabulary just large enough for the digit tasks.
-    "nano": Preset(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=16, tied=False),
-    "tiny": Preset(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704, vocab=8192, tied=False),
-    "qwen2-0.5b": Preset(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True),
-    "qwen2-1.5b": Preset(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True),
-    "qwen2-7b": Preset(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064, tied=False),
-    "qwen2.5-14b": Preset(hidden=5120, layers=48, heads=40, kv_heads=8, intermediate=13824, vocab=152064, tied=False),
-    "qwen2.5-32b": Preset(hidden=5120, layers=64, heads=40, kv_heads=8, intermediate=27648, vocab=152064, tied=False),
-    "llama3-8b": Preset(
-        hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, tied=False, family="llama"
-    ),
-}
-
-
-def _preset(name: str) -> Preset:
+def _preset(name: str) -> ModelShape:
     try:
         return PRESETS[name]
     except KeyError:
@@ -83,10 +40,10 @@ def _preset(name: str) -> Preset:
 
 # ---- the fallback model (no transformers) -------------------------------------------------
 class _Attention(nn.Module):
-    def __init__(self, p: Preset) -> None:
+    def __init__(self, p: ModelShape) -> None:
         super().__init__()
         kv_dim = p.kv_heads * (p.hidden // p.heads)
-        bias = p.family == "qwen2"
+        bias = p.qkv_bias
         self.q_proj = nn.Linear(p.hidden, p.hidden, bias=bias)
         self.k_proj = nn.Linear(p.hidden, kv_dim, bias=bias)
         self.v_proj = nn.Linear(p.hidden, kv_dim, bias=bias)
@@ -94,7 +51,7 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, p: Preset) -> None:
+    def __init__(self, p: ModelShape) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(p.hidden, p.intermediate, bias=False)
         self.up_proj = nn.Linear(p.hidden, p.intermediate, bias=False)
@@ -108,7 +65,7 @@ class _RMSNormWeight(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, p: Preset) -> None:
+    def __init__(self, p: ModelShape) -> None:
         super().__init__()
         self.self_attn = _Attention(p)
         self.mlp = _MLP(p)
@@ -120,14 +77,14 @@ class PlainQwen2Shape(nn.Module):
     """Parameters laid out like ``Qwen2ForCausalLM`` (same names and shapes); no forward.
     Only the state matters to the offload benchmark."""
 
-    def __init__(self, p: Preset) -> None:
+    def __init__(self, p: ModelShape) -> None:
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(p.vocab, p.hidden)
         self.model.layers = nn.ModuleList(_Layer(p) for _ in range(p.layers))
         self.model.norm = _RMSNormWeight(p.hidden)
         self.lm_head = nn.Linear(p.hidden, p.vocab, bias=False)
-        if p.tied:
+        if p.tied_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
@@ -155,7 +112,7 @@ def build_model(
             num_key_value_heads=p.kv_heads,
             intermediate_size=p.intermediate,
             vocab_size=p.vocab,
-            tie_word_embeddings=p.tied,
+            tie_word_embeddings=p.tied_embeddings,
         )
         # The device context makes every parameter born on the device; dtype is passed so
         # no fp32 copy is ever made (a 7B fp32 model would not fit next to its bf16 state).

@@ -25,19 +25,13 @@ import argparse
 import json
 import sys
 
+from tidal.plan.shapes import PRESETS
 from tidal_recipes.cli.args import MAX_GIB, bounded_int, gib_arg, mib_arg, nonneg_int, positive_int, rate_arg
 
 __all__ = ["add_parser", "run"]
 
 EXIT_OK, EXIT_USAGE, EXIT_OUTPUT = 0, 2, 4
-_PRESETS = (
-    "qwen2-0.5b",
-    "qwen2-1.5b",
-    "qwen2-7b",
-    "qwen2.5-14b",
-    "qwen2.5-32b",
-    "llama3-8b",
-)  # mirrors tidal.plan.shapes.PRESETS
+_PRESETS = tuple(PRESETS)  # the released checkpoints' shapes (tidal.plan.shapes)
 _OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")  # mirrors tidal.plan.model.OPTIMIZERS
 _DTYPES = ("bf16", "fp16", "fp32")
 
