@@ -9,9 +9,27 @@ SEVEN_B = dict(shape="qwen2-7b", prompts=64, group=8, prompt_len=128, gen_len=10
 
 
 def test_fits_as_configured_needs_nothing():
-    r = recommend(PlanConfig(shape="qwen2-0.5b"), gpu_mem_bytes=80 * GIB)
+    r = recommend(PlanConfig(shape="qwen2-0.5b", timeshare=False), gpu_mem_bytes=80 * GIB)
     assert r.fits and r.levers == [] and r.miss_bytes == 0
     assert r.plan.device_peak_bytes <= r.usable_bytes
+    assert r.summary()[0].startswith("Fits as configured")
+
+
+def test_where_every_role_fits_at_once_it_says_no_timeshare_is_needed():
+    """Qwen2-7B on a 141 GB GPU with the timeshare on (the planner's default): every role fits at
+    once (85.65 of 132.05 GiB usable), so the answer is to turn the timeshare off, which holds
+    nothing on the host; the planner had answered "Enable: lora" (the laptop's RAM as the host)
+    or "Fits as configured" with 56.7 GiB pinned and 1.7 s of copies a step."""
+    config = PlanConfig(shape="qwen2-7b")
+    for host in (int(21.37 * GIB), 1000 * GIB):
+        r = recommend(config, gpu_mem_bytes=139 * GIB, host_mem_bytes=host)
+        assert r.fits and r.levers == ["no_timeshare"] and not r.plan.config.timeshare
+        assert r.plan.node_host_bytes == 0 and "lora" not in r.levers
+        assert r.summary()[0].startswith("No timeshare needed: every role fits at once")
+        assert "the timeshare pins 56.74 GiB on the host" in r.reasons["no_timeshare"]
+    # Where it does not fit at once (an 80 GB GPU), the timeshare stays and nothing is added.
+    r = recommend(config, gpu_mem_bytes=80 * GIB, host_mem_bytes=1000 * GIB)
+    assert r.fits and r.levers == [] and r.plan.config.timeshare
 
 
 def test_levers_chosen_fit_and_each_is_needed():
@@ -76,7 +94,10 @@ def test_host_memory_is_planned_and_a_plan_that_does_not_fit_the_host_is_refused
     )
     assert plan.host_bytes == sum(plan.host.values()) == 22 * t  # 156 GiB for 7.6B
     assert plan.node_host_bytes == plan.host_bytes  # one GPU
-    small = recommend(config, gpu_mem_bytes=80 * GIB, allow_lora=False, host_mem_bytes=128 * GIB)
+    # (The timeshare stays on: without it the host holds no weights' copies; the test is of the host's other bytes.)
+    small = recommend(
+        config, gpu_mem_bytes=80 * GIB, allow_lora=False, host_mem_bytes=128 * GIB, exclude=("no_timeshare",)
+    )
     assert not small.fits and small.plan.device_peak_bytes <= small.usable_bytes  # the GPU is not the limit
     assert small.host_miss_bytes == small.plan.node_host_bytes - small.host_usable_bytes > 0
     assert (
@@ -117,11 +138,13 @@ def test_bf16_moments_is_chosen_when_the_host_is_the_limit_and_excluded_levers_a
     of host memory, over a 128 GiB machine's 115 usable; bf16 moments bring it to 113 GiB, so
     that is the lever chosen, with its reason. Excluded, nothing fits the host."""
     config = PlanConfig(**SEVEN_B, optimizer="cpu_adam", grad_ckpt=True)
-    r = recommend(config, gpu_mem_bytes=80 * GIB, allow_lora=False, host_mem_bytes=128 * GIB)
+    r = recommend(config, gpu_mem_bytes=80 * GIB, allow_lora=False, host_mem_bytes=128 * GIB, exclude=("no_timeshare",))
     assert r.fits and r.levers == ["bf16_moments"]
     assert r.plan.config.optim_state_dtype == "bf16" and r.plan.host_bytes == 16 * config.shape.param_count()
     assert "moments kept in bf16" in r.reasons["bf16_moments"]
-    no = recommend(config, gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB, exclude=("lora", "bf16_moments"))
+    no = recommend(
+        config, gpu_mem_bytes=80 * GIB, host_mem_bytes=128 * GIB, exclude=("lora", "bf16_moments", "no_timeshare")
+    )
     assert not no.fits and no.host_miss_bytes > 0 and "bf16_moments" not in no.levers
     with pytest.raises(ValueError, match="unknown levers \\['fp8'\\]"):
         recommend(config, gpu_mem_bytes=80 * GIB, exclude=("fp8",))
@@ -132,7 +155,7 @@ def test_a_lever_for_the_host_names_the_host_with_both_sides_bytes():
     56.74 GiB of host copies do not fit a host with 19.23 GiB usable: LoRA is recommended, and
     the reason names the host, not a GPU peak that fits."""
     config = PlanConfig(shape="qwen2-7b")
-    r = recommend(config, gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=int(21.37 * GIB))
+    r = recommend(config, gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=int(21.37 * GIB), exclude=("no_timeshare",))
     assert r.fits and r.levers == ["lora"]
     assert "host: 56.74 GiB to pin, 19.23 GiB usable" in r.reasons["lora"]
     assert "GPU:" not in r.reasons["lora"], "the GPU is not what binds"

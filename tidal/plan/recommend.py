@@ -2,6 +2,9 @@
 
 Levers, in order of what they cost (time, or a change of what is trained):
 
+0. ``no_timeshare``: the timeshare off where every role fits at once (no transitions, nothing
+   held on the host): it saves time, so it is chosen wherever it fits without a lever that costs
+   more than the timeshare does (``timeshare`` then stays);
 1. ``timeshare``: roles take turns on the GPU (transitions at PCIe rate);
 2. ``optimizer_offload``: AdamW states on the host except during the step;
 3. ``grad_ckpt``: gradient checkpointing (one extra forward per layer in backward);
@@ -35,6 +38,7 @@ __all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK", 
 RESERVE_FRACTION = 0.05  # of a GPU's memory left out of what a plan may use (allocator slack, other processes)
 
 LEVER_COSTS = {
+    "no_timeshare": -1,
     "timeshare": 1,
     "optimizer_offload": 2,
     "grad_ckpt": 4,
@@ -49,6 +53,7 @@ LEVER_COSTS = {
 }
 LORA_SUGGESTED_RANK = 16
 _WHY = {
+    "no_timeshare": "every role fits on the GPU at once: no timeshare needed (no transitions, no host copies of the roles)",
     "timeshare": "roles take turns: only the active role's state is on the GPU",
     "optimizer_offload": "AdamW states wait on the host outside the optimizer step",
     "grad_ckpt": "layers keep only their input; backward recomputes one layer at a time",
@@ -118,9 +123,18 @@ class Recommendation:
         )
         if self.fits and not self.levers:
             return [f"Fits as configured: {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable.", host_line]
+        if self.fits and self.levers == ["no_timeshare"]:
+            return [
+                f"No timeshare needed: every role fits at once, {peak:.2f} GiB peak (with context) of {use:.2f} GiB "
+                "usable; turn it off (`tidal demo --no-timeshare`; in TRL the trainer alone, where no other "
+                "setting of tidal's is configured).",
+                host_line,
+                f"    no_timeshare: {self.reasons['no_timeshare']}",
+            ]
+        named = ", ".join("the timeshare off" if x == "no_timeshare" else x for x in self.levers)
         if self.fits:
             lines = [
-                f"Enable: {', '.join(self.levers)} -> {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable. "
+                f"Enable: {named} -> {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable. "
                 f"As configured it does not fit: "
                 f"{self.binding(self.baseline_device_peak_bytes, self.baseline_host_bytes)}.",
                 host_line,
@@ -165,6 +179,8 @@ def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int, offload_chunk_b
     for lever in levers:
         if lever == "timeshare":
             ch["timeshare"] = True
+        elif lever == "no_timeshare":
+            ch["timeshare"] = False
         elif lever == "optimizer_offload":
             ch["optimizer"] = "adamw_offload"
             ch["optim_stream_chunk_bytes"] = offload_chunk_bytes
@@ -189,6 +205,8 @@ def _choices(base: PlanConfig, gpus: int) -> list[list[tuple[str, ...]]]:
     fams: list[list[tuple[str, ...]]] = []
     if not base.timeshare:
         fams.append([(), ("timeshare",)])
+    else:
+        fams.append([(), ("no_timeshare",)])
     optim = [()]
     if base.optimizer == "adamw":
         optim.append(("optimizer_offload",))
@@ -275,9 +293,16 @@ def recommend(
         # when the set fits, that one does not (it would be cheaper), and its overrun is named.
         without = by_levers[tuple(x for x in levers if x != lever)]
         over = _binding(without.device_peak_bytes, without.node_host_bytes, usable, host_usable, dp)
-        if over == "fits":  # a set that does not fit either: the lever lowers the peak
+        if lever == "no_timeshare":
+            over = (
+                f"the timeshare pins {without.node_host_bytes / GIB:.2f} GiB on the host and spends "
+                f"{without.transition_seconds * 1e3:.0f} ms a step on transitions"
+            )
+        elif over == "fits":  # a set that does not fit either: the lever lowers the peak
             over = f"{without.device_peak_bytes / GIB:.2f} GiB peak (with context)"
-        reasons[lever] = f"{_WHY[lever]}; without it {over}"
+        reasons[lever] = (
+            f"{_WHY[lever]}; with it {over}" if lever == "no_timeshare" else f"{_WHY[lever]}; without it {over}"
+        )
     levers_sorted = sorted(levers, key=LEVER_COSTS.get)
     return Recommendation(
         fits=fits,

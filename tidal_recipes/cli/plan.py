@@ -434,13 +434,14 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    rec = None
+    rec, host_source = None, None
     if args.gpu_mem_gib is not None:
         if args.host_mem_gib is not None:
-            host = int(args.host_mem_gib * GIB)
+            host, host_source = int(args.host_mem_gib * GIB), "--host-mem-gib"
         else:
             try:
                 host = host_memory().available_bytes  # this machine's, now (a cgroup's limit included)
+                host_source = "this machine's available memory"
             except OSError:
                 host = None  # no /proc/meminfo: the host is not checked (the summary says so)
         rec = recommend(
@@ -456,10 +457,17 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     if args.json is None:
         print(format_plan(plan, rec), flush=True)
+        if host_source == "this machine's available memory":
+            # The GPU host is often not the machine planning for it: say where the figure came from.
+            print(
+                f"(the host's memory above is this machine's available memory, {host / GIB:.2f} GiB; "
+                "plan for another machine's with --host-mem-gib)",
+                flush=True,
+            )
         if kept is not None:
             print(_format_kept(kept, kept_host(plan, kept), args.gpu_mem_gib), flush=True)
         return EXIT_OK
-    data = {"plan": plan.to_dict(), "recommendation": rec.to_dict() if rec else None}
+    data = {"plan": plan.to_dict(), "recommendation": rec.to_dict() if rec else None, "host_memory_from": host_source}
     if kept is not None:
         data["prefetch"] = {p: k.to_dict() for p, k in kept.items()}
         data["prefetch_host"] = kept_host(plan, kept)
