@@ -6,7 +6,8 @@ Workload: a random Qwen2-shape model in bf16 (``--preset``), 64 completions (8 p
 ``--completion`` tokens, beta 0.04, the char task's reward; one process per variant (vLLM's
 engine is built once per process), in the order given (``--variants trl,tidal,...``);
 ``tidal+kv=<GiB>`` gives the engine a KV cache of that size (``TidalConfig(vllm_kv_cache_bytes)``),
-``tidal+<residency>`` picks the optimizer residency (step, stream, role), ``trl+util=<f>`` and
+``tidal+<residency>`` picks the optimizer residency (step, stream, role), ``tidal+prefetch`` keeps
+what fits (``TidalConfig(prefetch=True)``: the engine's turns too), ``trl+util=<f>`` and
 ``tidal+util=<f>`` set ``vllm_gpu_memory_utilization`` (0.3). ``--cap-gib G``: another process
 holds all but G GiB of the GPU first (an 80 GB GPU stood in for on an H200); a variant that runs
 out of memory says so in its row.
@@ -128,6 +129,7 @@ def child(variant: str, model_path: str, args) -> dict:
             residency = next((r for r in ("step", "stream", "role") if r in opts), "step")
             tidal = TidalConfig(
                 optimizer_residency=residency,
+                prefetch="prefetch" in opts,
                 vllm_kv_cache_bytes=int(float(kv) * 2**30) if kv else None,
             )
             trainer = TidalGRPOTrainer(**common, tidal=tidal)
