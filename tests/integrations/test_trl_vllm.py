@@ -50,6 +50,21 @@ def _vllm_run(cls, tiny, out, *, sleep=True, tidal_config=None, config=None, ste
     return trainer
 
 
+def _watched(*callbacks):
+    """TidalGRPOTrainer that puts itself in the returned list as it is built (what a test's
+    engine hooks read of it mid-run), with ``callbacks`` added."""
+    box: list = []
+
+    class Watched(TidalGRPOTrainer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            box.append(self)
+            for cb in callbacks:
+                self.add_callback(cb)
+
+    return Watched, box
+
+
 def _same(a, b) -> None:
     assert _history(a) == _history(b) and len(_history(a)) >= 3
     want, got = _weights(a), _weights(b)
@@ -68,14 +83,7 @@ def test_grpo_with_vllm_is_bit_identical_to_trl_with_vllm_alone(tiny, tmp_path, 
         ts = ours_box[0].timeshare
         seen.append((ts.is_resident("policy"), ts.is_resident("reference")))
 
-    ours_box: list = []
-    orig_init = TidalGRPOTrainer.__init__
-
-    class Watched(TidalGRPOTrainer):
-        def __init__(self, *a, **kw):
-            orig_init(self, *a, **kw)
-            ours_box.append(self)
-
+    Watched, ours_box = _watched()
     engine.on_generate = at_generate
     ours = _vllm_run(Watched, tiny, tmp_path / "ours", sleep=sleep)
     _same(plain, ours)
@@ -173,14 +181,7 @@ def test_a_fault_at_any_step_of_the_engines_turn_leaves_the_training_state_resto
                 )
             )
 
-    box: list = []
-    orig_init = TidalGRPOTrainer.__init__
-
-    class Faulty(TidalGRPOTrainer):
-        def __init__(self, *a, **kw):
-            orig_init(self, *a, **kw)
-            box.append(self)
-            self.add_callback(Snapshot())
+    Faulty, box = _watched(Snapshot())
 
     method, tags = point
     # The engine's first sleep is at its construction, its first load_weights in the first step.
@@ -217,13 +218,7 @@ def test_a_read_of_the_moved_out_policy_while_the_engine_generates_is_tidals_cle
         except RuntimeError as e:
             errors.append(str(e))
 
-    box: list = []
-    orig_init = TidalGRPOTrainer.__init__
-
-    class Watched(TidalGRPOTrainer):
-        def __init__(self, *a, **kw):
-            orig_init(self, *a, **kw)
-            box.append(self)
+    Watched, box = _watched()
 
     engine.on_generate = touch
     _vllm_run(Watched, tiny, tmp_path / "ours", steps=1)
@@ -267,13 +262,7 @@ def test_with_prefetch_the_engines_turns_keep_what_fits_beside_its_measured_memo
     from tidal.integrations.trl import trainer as trl_trainer
 
     plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain")
-    box: list = []
-    orig_init = TidalGRPOTrainer.__init__
-
-    class Watched(TidalGRPOTrainer):
-        def __init__(self, *a, **kw):
-            orig_init(self, *a, **kw)
-            box.append(self)
+    Watched, box = _watched()
 
     # The generation's own room: small on this device (the engine's memory is a few MiB).
     monkeypatch.setattr(trl_trainer, "VLLM_GENERATION_BYTES", 1 << 20)
