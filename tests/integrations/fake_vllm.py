@@ -228,6 +228,57 @@ class FakeLLM:
         return out
 
 
+class FakeClient:
+    """A test double of TRL's ``VLLMClient`` (server mode: the engine in another process, on other
+    GPUs) backed by a :class:`FakeLLM` of ``FakeClient.model_path`` standing in for the server:
+    the weights TRL streams to it are copied into that engine, generation runs there."""
+
+    model_path: str | None = None
+    instances: list["FakeClient"] = []
+
+    def __init__(self, base_url: str | None = None, group_port: int = 51216, connection_timeout: float = 0.0, **_):
+        self.server = FakeLLM(FakeClient.model_path, kv_cache_memory_bytes=1 << 20, seed=0)
+        self.calls: list[tuple] = []
+        FakeClient.instances.append(self)
+
+    def init_communicator(self, device=0) -> None:
+        self.calls.append(("init_communicator",))
+
+    def get_server_info(self) -> dict:
+        return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+    def update_named_params(self, metadata, named_params) -> None:
+        self.calls.append(("update_named_params", len(metadata)))
+        # What the broadcast would carry: each tensor read now, where it is (a moved-out one raises).
+        self.server.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(
+            [(n, t.detach().to("cpu", copy=True)) for n, t in named_params]
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append(("reset_prefix_cache",))
+
+    def generate(
+        self,
+        prompts,
+        features=None,
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        logprobs: int | None = 0,
+        **_,
+    ) -> dict:
+        self.calls.append(("generate", len(prompts)))
+        sp = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=logprobs)
+        outs = self.server.generate([{"prompt_token_ids": list(p)} for p in prompts], sp)
+        completions = [c for o in outs for c in o.outputs]
+        return {
+            "prompt_ids": [o.prompt_token_ids for o in outs],
+            "completion_ids": [c.token_ids for c in completions],
+            "logprobs": [[[lp[t].logprob] for lp, t in zip(c.logprobs, c.token_ids)] for c in completions],
+            "logprob_token_ids": [[[t] for t in c.token_ids] for c in completions],
+        }
+
+
 def install(monkeypatch) -> None:
     """Make TRL's colocate mode build :class:`FakeLLM` for ``LLM`` (and the double's
     ``SamplingParams``), as if vLLM were installed."""
@@ -238,7 +289,9 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(vg, "SamplingParams", SamplingParams, raising=False)
     monkeypatch.setattr(vg, "StructuredOutputsParams", StructuredOutputsParams, raising=False)
     monkeypatch.setattr(vg, "RequestOutput", RequestOutput, raising=False)
+    monkeypatch.setattr(vg, "VLLMClient", FakeClient, raising=False)
     FakeLLM.instances, FakeLLM.fail, FakeLLM.on_generate = [], None, None
+    FakeClient.instances = []
     # TRL's colocate mode writes the rendezvous variables of a world of one into the process's
     # environment as it builds the engine: set here for every run of a test alike, and put back
     # after it.

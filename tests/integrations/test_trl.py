@@ -411,7 +411,7 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tiny, tmp_path):
 
 @pytest.mark.parametrize(
     "setting, match",
-    [({"use_vllm": True, "vllm_mode": "server"}, "vllm_mode='colocate'"), ({"torch_compile": True}, "torch_compile")],
+    [({"use_vllm": True, "vllm_mode": "remote"}, "vllm_mode='colocate'"), ({"torch_compile": True}, "torch_compile")],
 )
 def test_settings_tidal_cannot_work_with_are_refused_before_any_work(tiny, tmp_path, setting, match):
     with pytest.raises(ValueError, match=match):
@@ -499,7 +499,7 @@ def test_rloo_with_tidal_is_bit_identical_to_trl_alone(tiny, tiny_reward, tmp_pa
 def test_rloo_refusals_name_the_rloo_trainer(tiny, tmp_path):
     from tidal.integrations.trl import TidalRLOOTrainer
 
-    args = trl.RLOOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], use_vllm=True, vllm_mode="server")
+    args = trl.RLOOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], use_vllm=True, vllm_mode="remote")
     with pytest.raises(ValueError, match="TidalRLOOTrainer supports use_vllm=True with vllm_mode='colocate'"):
         TidalRLOOTrainer(model=tiny, reward_funcs=reward_sevens, args=args, train_dataset=_data())
 

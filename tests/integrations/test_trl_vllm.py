@@ -33,14 +33,14 @@ def engine(monkeypatch):
     return fake_vllm.FakeLLM
 
 
-def _vllm_run(cls, tiny, out, *, sleep=True, tidal_config=None, config=None, steps=3, **kw):
+def _vllm_run(cls, tiny, out, *, sleep=True, tidal_config=None, config=None, steps=3, vllm_mode="colocate", **kw):
     extra = {"tidal": tidal_config} if tidal_config is not None else {}
     args = _args(
         out,
         config=config,
         max_steps=steps,
         use_vllm=True,
-        vllm_mode="colocate",
+        vllm_mode=vllm_mode,
         vllm_enable_sleep_mode=sleep,
         vllm_gpu_memory_utilization=0.3,
         **kw,
@@ -115,8 +115,8 @@ def test_the_kv_cache_is_sized_as_tidal_is_told_and_results_do_not_change(tiny, 
 
 
 def test_vllm_settings_tidal_cannot_manage_are_refused_before_any_work(tiny, tmp_path, engine):
-    args = _args(tmp_path, use_vllm=True, vllm_mode="server")
-    with pytest.raises(ValueError, match="vllm_mode='colocate'"):
+    args = _args(tmp_path, use_vllm=True, vllm_mode="remote")
+    with pytest.raises(ValueError, match="vllm_mode='colocate'.* or 'server'"):
         TidalGRPOTrainer(model=tiny, reward_funcs=reward_sevens, args=args, train_dataset=_data())
     assert engine.instances == []  # refused before the engine was built
     for bad in (0, -1, 1.5, True):
@@ -277,3 +277,21 @@ def test_with_prefetch_the_engines_turns_keep_what_fits_beside_its_measured_memo
         assert len(policy_out) == 1  # the first generation only, before the engine was measured
     else:
         assert len(policy_out) == 3
+
+
+def test_server_mode_is_bit_identical_to_trl_with_the_same_server_alone(tiny, tmp_path, engine, monkeypatch):
+    """vLLM in server mode (the engine on other GPUs, a test double of TRL's client here): the
+    training side's roles take turns as with HF generate, the policy on the device while TRL
+    streams its weights to the server; the same logs and final weights as TRL alone."""
+    monkeypatch.setattr(fake_vllm.FakeClient, "model_path", tiny)
+    plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain", vllm_mode="server")
+    ours = _vllm_run(
+        TidalGRPOTrainer, tiny, tmp_path / "ours", vllm_mode="server", tidal_config=TidalConfig(prefetch=True)
+    )
+    _same(plain, ours)
+    client = fake_vllm.FakeClient.instances[-1]
+    assert [c[0] for c in client.calls].count("update_named_params") == 3  # the weights sent each step
+    kinds = [(r.kind, r.roles_out, r.role_in) for r in ours.timeshare.records]
+    assert kinds.count(("switch", ("policy",), "reference")) + kinds.count(("reload", (), "reference")) >= 3
+    servers = [c.server for c in fake_vllm.FakeClient.instances]
+    assert ours._tidal_engine is None and all(any(e is x for x in servers) for e in engine.instances)  # none here

@@ -68,8 +68,10 @@ a forward without backward reshards every unit. The log adds each rank's host me
 Refused, before any work (``ValueError`` naming the setting and the launch that works):
 DeepSpeed through accelerate, FSDP1, FSDP2's CPU offload, other multi-process launches (XLA,
 Megatron), vLLM
-generation other than colocated in one process (``vllm_mode="server"``, vLLM under several
-processes), and ``torch_compile=True``.
+generation under several processes, a ``vllm_mode`` other than ``"colocate"`` and
+``"server"``, and ``torch_compile=True``. In server mode (the engine on other GPUs) the roles
+take turns as with HF generate: the policy is on the device while TRL streams its weights to the
+server.
 
 With ``use_vllm=True, vllm_mode="colocate"`` TRL's engine takes turns with the roles
 (:class:`tidal.integrations.vllm.VllmEngine`): before its weights wake the policy is on the

@@ -38,10 +38,10 @@ def refuse_settings(args: Any, who: str) -> None:
         return
     if getattr(args, "use_vllm", False):
         mode = getattr(args, "vllm_mode", "colocate")
-        if mode != "colocate":
+        if mode not in ("colocate", "server"):
             raise ValueError(
                 f"{who} supports use_vllm=True with vllm_mode='colocate' (the engine in this process, a turn of the "
-                f"timeshare), not vllm_mode={mode!r} yet. Set vllm_mode='colocate', or use_vllm=False"
+                f"timeshare) or 'server' (the engine on other GPUs), not vllm_mode={mode!r}"
             )
     if getattr(args, "torch_compile", False):
         raise ValueError(

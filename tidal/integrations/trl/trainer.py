@@ -162,7 +162,7 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
             optimizer=optimizer,
             optimizer_residency=self.tidal_config.optimizer_residency,
         )
-        if getattr(self, "use_vllm", False):
+        if self._colocated_engine():
             generation = self.vllm_generation
             check_trl_engine(generation, who=type(self).__name__)
             policy = self.accelerator.unwrap_model(self.model)
@@ -199,13 +199,20 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         phase = phase or (role if role in ("reference", "reward") else "score")
         return self._tidal_schedule.phase(role, phase)
 
+    def _colocated_engine(self) -> bool:
+        """TRL generates with vLLM in this process (``vllm_mode="colocate"``): the engine takes
+        turns with the roles. In server mode the engine is on other GPUs: the policy is on the
+        device while TRL sends its weights and generation asks the server, as with HF generate."""
+        return bool(getattr(self, "use_vllm", False)) and getattr(self, "vllm_mode", "colocate") == "colocate"
+
     @contextlib.contextmanager
     def _engine_sized(self, targs: Any):
         """While TRL builds its colocated vLLM engine: its KV cache of
         ``TidalConfig.vllm_kv_cache_bytes`` (vLLM's ``kv_cache_memory_bytes``) where set; else
         as TRL sizes it (``vllm_gpu_memory_utilization``)."""
         nbytes = self.tidal_config.vllm_kv_cache_bytes
-        if not getattr(targs, "use_vllm", False) or nbytes is None:
+        colocated = getattr(targs, "use_vllm", False) and getattr(targs, "vllm_mode", "colocate") == "colocate"
+        if not colocated or nbytes is None:
             yield
             return
         import trl.generation.vllm_generation as backend
@@ -221,7 +228,7 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
 
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
-        if getattr(self, "use_vllm", False) and self._policy_ready():
+        if self._colocated_engine() and self._policy_ready():
             # The engine generates: the policy is its weights' source, then goes (with every other
             # role) to leave the engine the room, and comes back for its next phase.
             engine = self._tidal_engine
