@@ -111,3 +111,21 @@ def test_kv_bytes_per_token_reads_the_decoders_shape():
 
     cfg = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4)
     assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * 28 * 4 * 128 * 2  # Qwen2-7B: 56 KiB a token
+
+
+def test_an_engine_that_sleeps_moves_every_role_until_its_memory_was_measured_then_keeps_what_fits(tiny):
+    """Built asleep (TRL puts its engine to sleep as it builds it), the engine's first turn knows
+    nothing of its memory: every role goes, and the wakes are measured; the next turns keep
+    what fits beside that (all of it, on this device)."""
+    policy, opt, ts, llm = _setup(tiny)
+    llm.sleep(level=2)
+    engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20, keep_free_bytes=1 << 20, asleep=True)
+    with engine.generating(policy):
+        assert ts.resident_roles == []  # nothing known yet: every role went
+    assert set(engine.woken) == {"weights", "kv_cache"}
+    moved = len(engine.moves)
+    with engine.generating(policy):
+        assert "policy" in ts.resident_roles
+    # Measured: the policy came back for the push (its source) and nothing went out for the engine.
+    assert [(r.roles_out, r.role_in) for r in engine.moves[moved:]] == [((), "policy")]
+    ts.close()

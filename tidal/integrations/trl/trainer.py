@@ -175,6 +175,9 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
                 # With prefetch, the engine's turns keep what fits beside its memory and this
                 # much for the generation's own (vLLM's activations and sampler).
                 keep_free_bytes=VLLM_GENERATION_BYTES if self.tidal_config.prefetch else None,
+                # TRL puts the engine to sleep as it builds it, with sleep mode; it stays so until
+                # the first generation.
+                asleep=bool(generation.enable_sleep_mode),
             )
         if self._tidal_launch == "fsdp2":
             reshard_after_no_grad_forward(self.accelerator.unwrap_model(self.model))

@@ -68,6 +68,7 @@ class VllmEngine:
             before that, and with None, every role goes while the engine generates.
         sleep_level: what :meth:`generating` puts the engine to sleep with (2: weights and KV
             cache dropped; 1: weights backed up by vLLM).
+        asleep: the engine sleeps now (TRL puts it to sleep as it builds it, with sleep mode).
 
     Raises:
         SeamError: the installed vLLM lacks a surface tidal uses (named, with the versions it is
@@ -85,6 +86,7 @@ class VllmEngine:
         kv_cache_bytes: int = 0,
         keep_free_bytes: int | None = None,
         sleep_level: int = 2,
+        asleep: bool = False,
     ) -> None:
         check_engine(llm, who=type(self).__name__)
         if policy not in timeshare.roles:
@@ -97,8 +99,8 @@ class VllmEngine:
         self.llm, self.timeshare, self.policy = llm, timeshare, policy
         self.weights_bytes = timeshare.role_bytes(policy) if weights_bytes is None else weights_bytes
         self.kv_cache_bytes, self.keep_free_bytes, self.sleep_level = kv_cache_bytes, keep_free_bytes, sleep_level
-        self.asleep = False  # the engine's weights are not on the device (they slept)
-        self.kv_asleep = False
+        self.asleep = asleep  # the engine's weights are not on the device (they slept)
+        self.kv_asleep = asleep
         self.moves: list[Any] = []  # the timeshare's transitions made for the engine
         self.woken: dict[str, int] = {}  # tag -> the device bytes its last wake took (driver level)
 
