@@ -180,6 +180,27 @@ def _summary(r: dict, warmup: int) -> dict:
     }
 
 
+def _paired_rounds(rows: list[dict]) -> dict:
+    """Per tidal variant: each round's median step against that round's TRL + vLLM run (the
+    runs of one round are neighbours in time), the median of those ratios and its 95% interval
+    (``bench_trl.median_ci95``: distribution-free, None below 6 rounds)."""
+    from bench_trl import median_ci95
+
+    base = {
+        r["round"]: r["summary"]["step_s"] for r in rows if r["variant"].startswith("trl") and r["summary"]["step_s"]
+    }
+    ratios: dict = {}
+    for r in rows:
+        v, step = r["variant"], r["summary"]["step_s"]
+        if v.startswith("trl") or not step or r["round"] not in base:
+            continue
+        ratios.setdefault(v, []).append(step / base[r["round"]])
+    return {
+        v: {"ratios": xs, "ratio_median": statistics.median(xs), "ratio_ci95": median_ci95(xs), "n": len(xs)}
+        for v, xs in ratios.items()
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen2-1.5b")
@@ -192,6 +213,13 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--timeout", type=int, default=900, help="seconds each variant's process may run")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the variants this many times, the order reversed every other round (ABBA...): each tidal "
+        "run's median step against its round's trl run, their median ratio and a 95%% interval",
+    )
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
@@ -223,8 +251,10 @@ def main(argv=None) -> int:
 
     versions = {k: md.version(k) for k in ("torch", "transformers", "trl", "vllm")}
     rows = []
+    variants = args.variants.split(",")
+    order = [(r, v) for r in range(args.rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
     try:
-        for v in args.variants.split(","):
+        for rnd, v in order:
             out = tempfile.mktemp(suffix=".json")
             cmd = [sys.executable, __file__, "--_child", v, "--_out", out, "--_model", model_dir]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--completion", str(args.completion)]
@@ -240,6 +270,7 @@ def main(argv=None) -> int:
             except (OSError, json.JSONDecodeError):
                 res = {"variant": v, "ok": False, "error": "no result (crashed or timed out)"}
             res["process_s"] = time.perf_counter() - t0
+            res["round"] = rnd
             res["summary"] = _summary(res, args.warmup)
             rows.append(res)
             s = res["summary"]
@@ -268,11 +299,15 @@ def main(argv=None) -> int:
             f"{r['variant']:<22}{f(s['step_s'], '9.3f')}{f(ratio, '8.3f')}{f(s['generate_s'], '8.3f')}"
             f"{f(s['peak_gib'], '10.2f')}{f(pratio, '8.3f')}  {s['n']:>5}  {note}"
         )
+    paired = _paired_rounds(rows)
+    for v, st in paired.items():
+        ci = st["ratio_ci95"]
+        interval = f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "needs 6 rounds or more"
+        print(f"paired, {v}: step {st['ratio_median']:.3f}x TRL + vLLM's (median of {st['n']} rounds; 95% {interval})")
     if args.json:
+        out = {"gpu": gpu, "versions": versions, "preset": args.preset, "cap_gib": args.cap_gib, "rows": rows}
         with open(args.json, "w") as f:
-            json.dump(
-                {"gpu": gpu, "versions": versions, "preset": args.preset, "cap_gib": args.cap_gib, "rows": rows}, f
-            )
+            json.dump({**out, "paired": paired}, f)
     return 0
 
 

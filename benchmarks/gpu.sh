@@ -45,6 +45,9 @@
 #                            (VLLM_VARIANTS, trl,tidal; VLLM_STEPS, 4)
 #                7b          the same at Qwen2-7B bf16 (VLLM_VARIANTS7B)
 #                7b80        7B with another process holding all but 80 GiB (VLLM_VARIANTS80)
+#                paired      VLLM_PRESET (qwen2-1.5b), VLLM_ROUNDS (6) rounds of VLLM_VARIANTS_PAIRED
+#                            (trl,tidal+prefetch), the order reversed every other round: the median
+#                            step ratio and its 95% interval
 #               vLLM arrives as parts (benchmarks/fetch_wheels.sh vllm; benchmarks/vllm_stage.sh):
 #               each call carries one part of .vllm/, the call that completes them unpacks it
 #   vmm         *tests       tests/vmm and the region-role tests
@@ -162,7 +165,7 @@ declare -A EXTRA=(
   [lease]="processes"
   [deepspeed]="bench-1.5b"
   [multi]="ddp7b copies decode save zero3 fsdp4"
-  [vllm]="7b 7b80"
+  [vllm]="7b 7b80 paired"
 )
 ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two multi"
 
@@ -377,6 +380,10 @@ vllm_bench() {  # vllm_bench LOG PRESET VARIANTS TAGNAME [ARGS...]
 }
 p_vllm_bench() { vllm_bench vllm_bench.log qwen2-1.5b "${VLLM_VARIANTS:-trl,tidal}" 1.5b; }
 p_vllm_7b() { vllm_bench vllm_bench7b.log qwen2-7b "${VLLM_VARIANTS7B:-trl,tidal}" 7b; }
+p_vllm_paired() {
+  vllm_bench vllm_paired.log "${VLLM_PRESET:-qwen2-1.5b}" "${VLLM_VARIANTS_PAIRED:-trl,tidal+prefetch}" paired \
+    --rounds "${VLLM_ROUNDS:-6}"
+}
 p_vllm_7b80() { vllm_bench vllm_bench7b80.log qwen2-7b "${VLLM_VARIANTS80:-trl,tidal+kv=4}" 7b80 --cap-gib 80; }
 
 p_trl_tests() {
