@@ -169,3 +169,17 @@ def test_a_lever_for_the_gpu_names_the_gpu_with_both_sides_bytes():
     assert r.fits and "cpu_adam" in r.levers
     assert "without it GPU: 71.46 GiB peak (with context), 38.00 GiB usable" in r.reasons["cpu_adam"]
     assert "As configured it does not fit: GPU: 71.46 GiB peak (with context), 38.00 GiB usable." in r.summary()[0]
+
+
+def test_each_recommended_lever_names_what_to_type():
+    """The recommendation says which setting gives each lever, in a TRL script and in the demo."""
+    from tidal.plan.recommend import SETTINGS
+
+    assert set(SETTINGS) == set(LEVER_COSTS)
+    r = recommend(PlanConfig(shape="qwen2.5-14b"), gpu_mem_bytes=80 * GIB, host_mem_bytes=1000 * GIB)
+    assert r.fits and r.levers == ["cpu_adam"]
+    text = "\n".join(r.summary())
+    assert "cpu_adam: optimizers=(tidal.CPUAdam(model.parameters(), lr=...), None); demo: --optimizer cpu_adam" in text
+    assert r.to_dict()["settings"] == {"cpu_adam": {"trl": SETTINGS["cpu_adam"][0], "demo": "--optimizer cpu_adam"}}
+    fits = recommend(PlanConfig(shape="qwen2-0.5b", timeshare=False), gpu_mem_bytes=80 * GIB)
+    assert fits.settings() == [] and "To type" not in "\n".join(fits.summary())

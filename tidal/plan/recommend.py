@@ -33,7 +33,7 @@ import itertools
 
 from tidal.plan.model import GIB, Bandwidth, Plan, PlanConfig, build_plan
 
-__all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK", "RESERVE_FRACTION"]
+__all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK", "RESERVE_FRACTION", "SETTINGS"]
 
 RESERVE_FRACTION = 0.05  # of a GPU's memory left out of what a plan may use (allocator slack, other processes)
 
@@ -66,6 +66,30 @@ _WHY = {
     "zero3": "optimizer states, gradients and params sharded across the GPUs",
     "lora": f"train rank-{LORA_SUGGESTED_RANK} adapters: trainable state becomes tiny and the reference shares the base "
     "(changes what is trained)",
+}
+
+
+#: What to type for each lever: in a TRL script, and in ``tidal demo``'s flags.
+SETTINGS = {
+    "no_timeshare": ("TRL's GRPOTrainer alone (no TidalGRPOTrainer)", "the all-resident loop (--baseline-steps)"),
+    "timeshare": ("TidalGRPOTrainer(..., tidal=TidalConfig())", "the default"),
+    "optimizer_offload": ('TidalConfig(optimizer_residency="stream")', "--optimizer-residency stream"),
+    "grad_ckpt": ("GRPOConfig(gradient_checkpointing=True)", "--grad-ckpt"),
+    "cpu_adam": ("optimizers=(tidal.CPUAdam(model.parameters(), lr=...), None)", "--optimizer cpu_adam"),
+    "bf16_moments": ("tidal.CPUAdam(..., state_dtype=torch.bfloat16)", "--optim-state-dtype bf16"),
+    "host_grads": ("tidal.CPUAdam(..., host_accumulation=True) (its default)", "--grad-accumulation host"),
+    "act_offload": ("TidalConfig(activation_offload=True)", "not in the demo"),
+    "zero1": ("no TRL launch of tidal's shards only the optimizer state: FSDP2 (zero3)", "not in the demo"),
+    "zero2": (
+        "no TRL launch of tidal's shards only the optimizer state and gradients: FSDP2 (zero3)",
+        "not in the demo",
+    ),
+    "zero3": ("accelerate launch --config_file fsdp2.yaml (TRL's FSDP2 config)", "not in the demo"),
+    "lora": (
+        f'GRPOTrainer(..., peft_config=LoraConfig(r={LORA_SUGGESTED_RANK}, target_modules="all-linear")): '
+        "changes what is trained",
+        f"--lora-rank {LORA_SUGGESTED_RANK}",
+    ),
 }
 
 
@@ -126,10 +150,10 @@ class Recommendation:
         if self.fits and self.levers == ["no_timeshare"]:
             return [
                 f"No timeshare needed: every role fits at once, {peak:.2f} GiB peak (with context) of {use:.2f} GiB "
-                "usable; turn it off (`tidal demo --no-timeshare`; in TRL the trainer alone, where no other "
-                "setting of tidal's is configured).",
+                "usable; run without it.",
                 host_line,
                 f"    no_timeshare: {self.reasons['no_timeshare']}",
+                *self.settings(),
             ]
         named = ", ".join("the timeshare off" if x == "no_timeshare" else x for x in self.levers)
         if self.fits:
@@ -153,6 +177,17 @@ class Recommendation:
                 "the rollout batch (prompts x group per GPU) or the sequence length, or use more GPUs."
             ]
         lines += [f"  {lever}: {self.reasons[lever]}" for lever in self.levers]
+        return lines + (self.settings() if self.fits else [])
+
+    def settings(self) -> list[str]:
+        """What to type for the recommended levers (:data:`SETTINGS`): in a TRL script, and
+        ``tidal demo``'s flags; none where it fits as configured."""
+        if not self.levers:
+            return []
+        lines = ["  To type (TRL; tidal demo):"]
+        for lever in self.levers:
+            trl, demo = SETTINGS[lever]
+            lines.append(f"    {lever}: {trl}; demo: {demo}")
         return lines
 
     def to_dict(self) -> dict:
@@ -171,6 +206,7 @@ class Recommendation:
             "host_usable_bytes": self.host_usable_bytes,
             "host_miss_bytes": self.host_miss_bytes,
             "config": self.plan.config.to_dict(),
+            "settings": {lever: dict(zip(("trl", "demo"), SETTINGS[lever])) for lever in self.levers},
         }
 
 
