@@ -219,7 +219,7 @@ class DeviceOps:
             if not module.is_available():
                 raise ValueError(
                     f"device {str(dev)!r} was asked for but torch reports no {dev.type} device "
-                    f"available; use device='cpu' on a machine without one"
+                    f"available; ask for the CPU on a machine without one (device='cpu'; the CLI's --device cpu)"
                 )
             if dev.index is None:
                 dev = torch.device(dev.type, module.current_device())

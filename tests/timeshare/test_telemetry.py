@@ -71,3 +71,23 @@ def test_an_interrupt_while_a_record_is_made_leaves_later_transitions_and_figure
     ts.settle_stalls(wait=True)
     assert ts.report()
     ts.close()
+
+
+def test_the_report_names_only_the_columns_it_shows():
+    """The summary has no free-memory column (report(detail=True) has): its header does not name
+    one (the quickstart's report had named a 'RAM free' it did not show)."""
+    import torch
+
+    import tidal
+
+    ts = tidal.Timeshare(device="cpu")
+    ts.add_role("a", model=torch.nn.Linear(64, 64))
+    ts.add_role("b", model=torch.nn.Linear(64, 64))
+    with ts.use("a"):
+        pass
+    with ts.use("b"):
+        pass
+    assert "RAM free" not in ts.report().splitlines()[0]
+    detail = ts.report(detail=True)
+    assert "'RAM free' the host's available memory" in detail.splitlines()[0] and "RAM free before" in detail
+    ts.close()

@@ -34,7 +34,9 @@ def test_cpu_host_buffers_are_exact_and_unpinned():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_missing_accelerator_is_a_clear_error():
-    with pytest.raises(ValueError, match="use device='cpu'"):
+    with pytest.raises(
+        ValueError, match=r"ask for the CPU on a machine without one \(device='cpu'; the CLI's --device cpu\)"
+    ):
         DeviceOps("cuda")
 
 

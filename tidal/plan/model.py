@@ -90,6 +90,10 @@ class Bandwidth:
                 raise ValueError(
                     f"{where} is not a JSON file ({e}); pass what `tidal bench --json PATH` wrote"
                 ) from None
+            except OSError as e:
+                raise ValueError(
+                    f"{where} cannot be read ({e.strerror or e}); pass the file `tidal bench --json PATH` wrote"
+                ) from None
         line = data.get("line_rate", data) if isinstance(data, dict) else None
         if not isinstance(line, dict) or any(k not in line for k in ("d2h_gbps", "h2d_gbps", "bidir_gbps")):
             raise ValueError(

@@ -152,13 +152,14 @@ def format_report(
     if on_cpu:
         lines = [
             f"tidal timeshare on {device}: {len(records)} transitions. A CPU run: the 'device' is host RAM, so "
-            "offloads copy within it and nothing is pinned; seconds are host copy time, 'RAM free' the host's "
-            "available memory."
+            "offloads copy within it and nothing is pinned; seconds are host copy time"
+            + (", 'RAM free' the host's available memory." if detail else ".")
         ]
     else:
         lines = [
             f"tidal timeshare on {device}: {len(records)} transitions. Seconds run from the first copy queued to "
-            "the last one done; 'device free' is driver-level free memory (what another process could get)."
+            "the last one done"
+            + ("; 'device free' is driver-level free memory (what another process could get)." if detail else ".")
         ]
     lines += ["roles:", f"  {'name':<16} {'where':<10} {'state':>12}"]
     for name, where, _resident, total in roles:

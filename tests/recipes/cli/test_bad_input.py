@@ -256,6 +256,15 @@ def test_plan_bench_json_that_makes_no_sense(tmp_path, capsys, monkeypatch, cont
     assert expect in _one_line_error(capsys, "plan")
 
 
+def test_plan_bench_json_that_is_not_there_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """It had printed a bare '[Errno 2] No such file or directory'."""
+    monkeypatch.setattr(tidal.plan, "build_plan", _no_work)
+    missing = tmp_path / "nowhere.json"
+    assert main(["plan", "--bench-json", str(missing)]) == EXIT_USAGE
+    err = _one_line_error(capsys, "plan")
+    assert f"{missing} cannot be read (No such file or directory); pass the file `tidal bench --json PATH` wrote" in err
+
+
 _DEMO_BAD = [
     (["--lr", "-1"], "argument --lr: expected a number > 0, got -1"),
     (["--lr", "inf"], "argument --lr: expected a finite number"),
