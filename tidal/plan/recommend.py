@@ -6,7 +6,8 @@ Levers, in order of what they cost (time, or a change of what is trained):
    held on the host): it saves time, so it is chosen wherever it fits without a lever that costs
    more than the timeshare does (``timeshare`` then stays);
 1. ``timeshare``: roles take turns on the GPU (transitions at PCIe rate);
-2. ``optimizer_offload``: AdamW states on the host except during the step;
+2. ``optimizer_offload``: AdamW states on the host except during the step (``"step"`` residency),
+   ``optimizer_stream``: the same, brought in a chunk at a time during it (``"stream"``);
 3. ``grad_ckpt``: gradient checkpointing (one extra forward per layer in backward);
 4. ``cpu_adam``: the optimizer runs on the host, gradients stream out during backward;
 5. ``bf16_moments``: the optimizer's moments in bf16 (CPU Adam: 4 instead of 8 host bytes per
@@ -22,7 +23,7 @@ Levers, in order of what they cost (time, or a change of what is trained):
 Costs are powers of two in that order, so the chosen set is the one whose most expensive
 lever is the cheapest, and every lever in it is needed (dropping any would give a cheaper set
 that, by construction, does not fit). Levers the configuration already has cost nothing.
-The whole space (at most 2 * 3 * 2 * 2 * 2 * 2 * 4 * 2 = 768 plans) is evaluated; ``exclude``
+The whole space (at most 2 * 4 * 2 * 2 * 2 * 2 * 4 * 2 = 1024 plans) is evaluated; ``exclude``
 leaves levers out (a trainer that cannot apply them).
 """
 
@@ -35,12 +36,14 @@ from tidal.plan.model import GIB, Bandwidth, Plan, PlanConfig, build_plan
 
 __all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK", "RESERVE_FRACTION", "SETTINGS"]
 
+STREAM_CHUNK_BYTES = 256 << 20  # the optimizer_stream lever's chunks (TimeshareConfig.optimizer_chunk_bytes' default)
 RESERVE_FRACTION = 0.05  # of a GPU's memory left out of what a plan may use (allocator slack, other processes)
 
 LEVER_COSTS = {
     "no_timeshare": -1,
     "timeshare": 1,
     "optimizer_offload": 2,
+    "optimizer_stream": 3,
     "grad_ckpt": 4,
     "cpu_adam": 8,
     "bf16_moments": 16,
@@ -56,6 +59,7 @@ _WHY = {
     "no_timeshare": "every role fits on the GPU at once: no timeshare needed (no transitions, no host copies of the roles)",
     "timeshare": "roles take turns: only the active role's state is on the GPU",
     "optimizer_offload": "AdamW states wait on the host outside the optimizer step",
+    "optimizer_stream": "AdamW states wait on the host and come in for the step a chunk at a time",
     "grad_ckpt": "layers keep only their input; backward recomputes one layer at a time",
     "cpu_adam": "no optimizer state or gradient stays on the GPU",
     "bf16_moments": "the optimizer's moments kept in bf16 (half their bytes; fp32 masters stay)",
@@ -73,7 +77,8 @@ _WHY = {
 SETTINGS = {
     "no_timeshare": ("TRL's GRPOTrainer alone (no TidalGRPOTrainer)", "the all-resident loop (--baseline-steps)"),
     "timeshare": ("TidalGRPOTrainer(..., tidal=TidalConfig())", "the default"),
-    "optimizer_offload": ('TidalConfig(optimizer_residency="stream")', "--optimizer-residency stream"),
+    "optimizer_offload": ('TidalConfig(optimizer_residency="step")', "--optimizer-residency step"),
+    "optimizer_stream": ('TidalConfig(optimizer_residency="stream")', "--optimizer-residency stream"),
     "grad_ckpt": ("GRPOConfig(gradient_checkpointing=True)", "--grad-ckpt"),
     "cpu_adam": ("optimizers=(tidal.CPUAdam(model.parameters(), lr=...), None)", "--optimizer cpu_adam"),
     "bf16_moments": ("tidal.CPUAdam(..., state_dtype=torch.bfloat16)", "--optim-state-dtype bf16"),
@@ -220,6 +225,9 @@ def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int, offload_chunk_b
         elif lever == "optimizer_offload":
             ch["optimizer"] = "adamw_offload"
             ch["optim_stream_chunk_bytes"] = offload_chunk_bytes
+        elif lever == "optimizer_stream":
+            ch["optimizer"] = "adamw_offload"
+            ch["optim_stream_chunk_bytes"] = offload_chunk_bytes or STREAM_CHUNK_BYTES
         elif lever == "cpu_adam":
             ch["optimizer"] = "cpu_adam"
             ch["optim_stream_chunk_bytes"] = None  # an AdamW-offload setting: CPU Adam streams nothing
@@ -245,7 +253,7 @@ def _choices(base: PlanConfig, gpus: int) -> list[list[tuple[str, ...]]]:
         fams.append([(), ("no_timeshare",)])
     optim = [()]
     if base.optimizer == "adamw":
-        optim.append(("optimizer_offload",))
+        optim += [("optimizer_offload",), ("optimizer_stream",)]
     if base.optimizer != "cpu_adam":
         optim.append(("cpu_adam",))
     fams.append(optim)
