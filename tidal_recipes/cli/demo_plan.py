@@ -23,6 +23,7 @@ __all__ = ["LEVER_SETTINGS", "choose_levers", "host_need_bytes", "plan_config", 
 # The demo setting each lever turns, and the planner levers the demo never applies.
 LEVER_SETTINGS = {
     "optimizer_offload": "optimizer_residency",
+    "optimizer_stream": "optimizer_residency",
     "cpu_adam": "optimizer",
     "grad_ckpt": "grad_ckpt",
     "bf16_moments": "optim_state_dtype",
@@ -141,7 +142,9 @@ def choose_levers(
         offload_chunk_bytes=STREAM_CHUNK_BYTES,
     )
     chosen = dict(
-        optimizer_residency="stream" if "optimizer_offload" in rec.levers else base.optimizer_residency,
+        optimizer_residency="stream"
+        if {"optimizer_offload", "optimizer_stream"} & set(rec.levers)
+        else base.optimizer_residency,
         optimizer="cpu_adam" if "cpu_adam" in rec.levers else base.optimizer,
         grad_ckpt=True if "grad_ckpt" in rec.levers else base.grad_ckpt,
         optim_state_dtype="bf16" if "bf16_moments" in rec.levers else base.optim_state_dtype,
