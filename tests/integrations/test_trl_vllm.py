@@ -272,6 +272,8 @@ def test_with_prefetch_the_engines_turns_keep_what_fits_beside_its_measured_memo
     _same(plain, ours)
     eng = ours._tidal_engine
     assert set(eng.woken) == {"weights", "kv_cache"} and eng.woken["weights"] == ours.vllm_generation.llm.weights_bytes
+    last = [h for h in ours.state.log_history if "loss" in h][-1]
+    assert last["tidal/engine_gib/weights"] == eng.woken["weights"] / 2**30  # the log says it too
     policy_out = [r for r in eng.moves if "policy" in r.roles_out]
     if room == "all":
         assert len(policy_out) == 1  # the first generation only, before the engine was measured

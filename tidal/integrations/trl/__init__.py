@@ -44,6 +44,8 @@ What it does, on the trainer's one device:
   allocator's fragments (free pieces of partly used segments, which a large block cannot use)
   reached the last time the phase ran, which the room left beside it for prefetches and kept
   roles counts as taken.
+  With TRL's colocated vLLM engine, ``tidal/engine_gib/weights`` and ``.../kv_cache``: what its
+  last wakes took at driver level.
 * ``save_model``, checkpoints and resume read and write the state wherever it is (tidal's
   state-dict hooks), so saving with the reference offloaded or the optimizer state on the
   host writes the real values.

@@ -341,6 +341,11 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
             for phase, nbytes in memory.fragments.items():
                 logs[f"tidal/fragments_gib/{phase}"] = nbytes / 2**30
         logs.update(self._host_figures())
+        if self._tidal_engine is not None:
+            # What the engine's last wakes took at driver level (its pool, which torch's counters
+            # keep counting while it sleeps): the room its turns make.
+            for tag, nbytes in self._tidal_engine.woken.items():
+                logs[f"tidal/engine_gib/{tag}"] = nbytes / 2**30
         super().log(logs, start_time)
 
     def _host_figures(self) -> dict[str, float]:
