@@ -34,9 +34,14 @@ TRL_14B = dict(
 
 
 def test_the_14b_run_on_one_h100_is_what_the_planner_recommends_and_predicts():
+    """The run streamed AdamW's state through the step (``optimizer_residency="stream"``); the
+    planner, which searched only the whole-state offload, had recommended CPU Adam (275 GiB
+    pinned), which has not run at that size. It searches the streamed step as a lever now."""
     run = _run("trl_qwen2.5-14b_64x256_h100_2026-11-27_e8daabd.json", "stream+prefetch")
     rec = recommend(PlanConfig(**TRL_14B), gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=run["host_total_bytes"])
     assert rec.fits and rec.levers == ["optimizer_stream"]  # what ran: stream residency
+    assert rec.plan.config.optim_stream_chunk_bytes == 256 << 20
+    assert 'TidalConfig(optimizer_residency="stream")' in "\n".join(rec.summary())
     plan = build_plan(PlanConfig(**TRL_14B, optimizer="adamw_offload", optim_stream_chunk_bytes=256 << 20))
     assert abs(plan.node_host_bytes / run["host_held_bytes"] - 1) <= 0.10
     assert abs(plan.device_peak_bytes / run["peak_bytes"] - 1) <= 0.10

@@ -183,26 +183,3 @@ def test_each_recommended_lever_names_what_to_type():
     assert r.to_dict()["settings"] == {"cpu_adam": {"trl": SETTINGS["cpu_adam"][0], "demo": "--optimizer cpu_adam"}}
     fits = recommend(PlanConfig(shape="qwen2-0.5b", timeshare=False), gpu_mem_bytes=80 * GIB)
     assert fits.settings() == [] and "To type" not in "\n".join(fits.summary())
-
-
-def test_the_14b_shape_on_an_80_gb_gpu_gets_the_streamed_optimizer_that_ran_not_cpu_adam():
-    """The 14B shape inside TRL on one 80 GB GPU ran with AdamW's state streamed through the step
-    (``optimizer_residency="stream"``: 110 GiB on the host, measured 2026-11-27); the planner,
-    which searched only the whole-state offload, recommended CPU Adam (275 GiB pinned), which
-    has not run at that size. It now searches the streamed step as a lever of its own."""
-    config = PlanConfig(
-        shape="qwen2.5-14b",
-        prompts=8,
-        group=8,
-        prompt_len=8,
-        gen_len=256,
-        micro_batch=16,
-        grad_ckpt=True,
-        logprob_span="completion",
-        lm_head="fused",
-        adamw_foreach=False,
-    )
-    r = recommend(config, gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=1000 * GIB)
-    assert r.fits and r.levers == ["optimizer_stream"] and r.plan.config.optim_stream_chunk_bytes == 256 << 20
-    assert 105 * GIB < r.plan.node_host_bytes < 115 * GIB  # the run held 110.0 GiB
-    assert 'TidalConfig(optimizer_residency="stream")' in "\n".join(r.summary())
