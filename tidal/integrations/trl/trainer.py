@@ -165,12 +165,10 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         if self._colocated_engine():
             generation = self.vllm_generation
             check_trl_engine(generation, who=type(self).__name__)
-            policy = self.accelerator.unwrap_model(self.model)
             self._tidal_engine = VllmEngine(
                 generation.llm,
                 self.timeshare,
                 policy="policy",
-                weights_bytes=sum(p.numel() * p.element_size() for p in policy.parameters()),
                 kv_cache_bytes=self.tidal_config.vllm_kv_cache_bytes or 0,
                 # With prefetch, the engine's turns keep what fits beside its memory and this
                 # much for the generation's own (vLLM's activations and sampler).

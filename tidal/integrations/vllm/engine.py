@@ -8,11 +8,11 @@ pool in this process. With sleep mode that memory goes back to the driver betwee
 back with ``wake_up``. What tidal adds is the rest of the hand-over:
 
 * before the engine's weights wake, the room for them is made beside the policy (the roles
-  that do not fit beside ``weights_bytes`` go: the reference, a reward model);
+  that do not fit beside the engine's memory go: the reference, a reward model);
 * once the policy's weights are in the engine, the policy itself (and every other role) goes
-  to the host before the KV cache wakes, unless it fits beside the cache (``kv_cache_bytes``)
-  and the generation's own margin; the freed memory is returned to the driver, where vLLM's
-  pool takes it;
+  to the host before the KV cache wakes, unless it fits beside the cache and the generation's
+  own margin (both read at driver level as they last woke); the freed memory is returned to
+  the driver, where vLLM's pool takes it;
 * after the engine sleeps, its memory is the driver's again, for the next phase's role.
 
 Two ways to use it. A loop that drives the engine itself (``with engine.generating(policy):
@@ -59,8 +59,8 @@ class VllmEngine:
         timeshare: the roles' :class:`~tidal.Timeshare`.
         policy: the role whose weights the engine generates with (pushed into it, then moved
             out while it generates unless it fits beside the cache).
-        weights_bytes: the engine's weights (default: the policy role's parameter bytes).
-        kv_cache_bytes: the engine's KV cache, as it was built with (``kv_cache_memory_bytes``).
+        kv_cache_bytes: the engine's KV cache, as it was built with (``kv_cache_memory_bytes``;
+            for the reader: the room is the measured one, :attr:`woken`).
         keep_free_bytes: what the generation needs beside the engine's weights and cache (its
             activations, vLLM's sampler). Once both have woken once (their bytes measured at
             driver level then), each turn moves out only what it takes to leave the engine's
@@ -82,7 +82,6 @@ class VllmEngine:
         timeshare: Any,
         *,
         policy: str = "policy",
-        weights_bytes: int | None = None,
         kv_cache_bytes: int = 0,
         keep_free_bytes: int | None = None,
         sleep_level: int = 2,
@@ -91,18 +90,17 @@ class VllmEngine:
         check_engine(llm, who=type(self).__name__)
         if policy not in timeshare.roles:
             raise ValueError(f"VllmEngine: {policy!r} is not a role of the timeshare (roles: {timeshare.roles})")
-        for name, v in (("kv_cache_bytes", kv_cache_bytes), ("weights_bytes", weights_bytes)):
-            if v is not None and (not isinstance(v, int) or v < 0):
-                raise ValueError(f"VllmEngine: {name} must be an int >= 0, got {v!r}")
+        if not isinstance(kv_cache_bytes, int) or kv_cache_bytes < 0:
+            raise ValueError(f"VllmEngine: kv_cache_bytes must be an int >= 0, got {kv_cache_bytes!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"VllmEngine: sleep_level must be 1 or 2, got {sleep_level!r}")
         self.llm, self.timeshare, self.policy = llm, timeshare, policy
-        self.weights_bytes = timeshare.role_bytes(policy) if weights_bytes is None else weights_bytes
         self.kv_cache_bytes, self.keep_free_bytes, self.sleep_level = kv_cache_bytes, keep_free_bytes, sleep_level
         self.asleep = asleep  # the engine's weights are not on the device (they slept)
         self.kv_asleep = asleep
         self.moves: list[Any] = []  # the timeshare's transitions made for the engine
         self.woken: dict[str, int] = {}  # tag -> the device bytes its last wake took (driver level)
+        self._kv_room = False  # the room for the KV cache was made in this turn already
 
     # ---- the hand-over ---------------------------------------------------------------------------
     def _need(self, *tags: str) -> int | None:
@@ -129,6 +127,7 @@ class VllmEngine:
         now), until the cache (measured at its last wake) and ``keep_free_bytes`` fit; every
         role before it was measured."""
         ts = self.timeshare
+        self._kv_room = True
         need = self._need("kv_cache")
         if need is None:
             self._record(ts.offload_all())
@@ -224,7 +223,7 @@ class VllmEngine:
             return self._wake(lambda: wake_up(tags, *args, **kwargs), tags_)
 
         def gen(*args: Any, **kwargs: Any) -> Any:
-            if not self.kv_asleep:
+            if not self._kv_room:
                 self.room_for_kv_cache()  # awake all along (sleep mode off): the room made now
             return generate(*args, **kwargs)
 
@@ -233,5 +232,6 @@ class VllmEngine:
             self.asleep = self.kv_asleep = True
             return out
 
+        self._kv_room = False  # a new turn: the roles may be back since the last
         with instead(llm, "wake_up", wake), instead(llm, "generate", gen), instead(llm, "sleep", put_to_sleep):
             yield
