@@ -7,7 +7,8 @@ Workload: a random Qwen2-shape model in bf16 (``--preset``), 64 completions (8 p
 engine is built once per process), in the order given (``--variants trl,tidal,...``);
 ``tidal+kv=<GiB>`` gives the engine a KV cache of that size (``TidalConfig(vllm_kv_cache_bytes)``),
 ``tidal+<residency>`` picks the optimizer residency (step, stream, role), ``tidal+prefetch`` keeps
-what fits (``TidalConfig(prefetch=True)``: the engine's turns too), ``trl+util=<f>`` and
+what fits (``TidalConfig(prefetch=True)``: the engine's turns too), ``tidal+peak=<GiB>`` bounds
+what a prefetch or a keep may bring the device to (``prefetch_peak_bytes``), ``trl+util=<f>`` and
 ``tidal+util=<f>`` set ``vllm_gpu_memory_utilization`` (0.3). ``--cap-gib G``: another process
 holds all but G GiB of the GPU first (an 80 GB GPU stood in for on an H200); a variant that runs
 out of memory says so in its row.
@@ -127,9 +128,11 @@ def child(variant: str, model_path: str, args) -> dict:
 
             kv = opts.get("kv")
             residency = next((r for r in ("step", "stream", "role") if r in opts), "step")
+            peak_gib = opts.get("peak")
             tidal = TidalConfig(
                 optimizer_residency=residency,
                 prefetch="prefetch" in opts,
+                prefetch_peak_bytes=int(float(peak_gib) * 2**30) if peak_gib else None,
                 vllm_kv_cache_bytes=int(float(kv) * 2**30) if kv else None,
             )
             trainer = TidalGRPOTrainer(**common, tidal=tidal)
@@ -156,6 +159,24 @@ def child(variant: str, model_path: str, args) -> dict:
             out["host_held_bytes"] = sum(ts.store.context.host_bytes().values())
             out["moved_bytes"] = sum(r.bytes_in + r.bytes_out for r in ts.records)
             out["transitions"] = len(ts.records)
+            # Each step's tidal log line (the phases' peaks, what moved, its exposed time) and
+            # the last step's transitions one by one: where the time over TRL's went.
+            out["tidal_logs"] = [{k: v for k, v in h.items() if k.startswith("tidal/")} for h in hist]
+            ts.settle_stalls(wait=True)
+            per_step = len(ts.records) // max(1, len(steps))
+            out["last_transitions"] = [
+                {
+                    "kind": r.kind,
+                    "out": list(r.roles_out),
+                    "in": r.role_in,
+                    "note": r.note,
+                    "gb_out": r.bytes_out / 1e9,
+                    "gb_in": r.bytes_in / 1e9,
+                    "s": r.seconds,
+                    "exposed_s": r.exposed_seconds,
+                }
+                for r in ts.records[-per_step:]
+            ]
         out["ok"] = True
     except Exception as e:  # a variant that does not fit says so in its row
         import traceback

@@ -75,7 +75,9 @@ PY
       rm -rf "$tmp/vsite"
       python3 -m pip install -q --no-deps --no-compile --target "$tmp/vsite" --python-version 3.12 --implementation cp \
         --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform manylinux_2_35_x86_64 "$tmp"/*.whl
+        --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 \
+        --platform manylinux_2_35_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 "$tmp"/*.whl
       (cd "$tmp/vsite" && rm -rf vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/third_party/fmha_sm100 \
         vllm/third_party/deep_gemm/include vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so)
       find "$tmp/vsite" -name __pycache__ -prune -exec rm -rf {} +
@@ -87,7 +89,7 @@ PY
       mkdir -p .vllm/extra
       python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .vllm/extra \
-        httpx2 httpcore2 truststore "anyio>=4.10" "idna>=3.18"
+        httpx2 httpcore2 truststore h11 "anyio>=4.10" "idna>=3.18"
       rm -rf "$tmp"
       ls -la .vllm ;;
     *)

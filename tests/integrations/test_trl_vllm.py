@@ -281,6 +281,29 @@ def test_with_prefetch_the_engines_turns_keep_what_fits_beside_its_measured_memo
         assert len(policy_out) == 3
 
 
+def test_with_prefetch_the_role_that_scores_next_comes_in_behind_the_engines_generation(tiny, tmp_path, engine):
+    """The engine's room made, the reference (which computes after the generation) is brought in
+    while the engine generates, and no cache release waits for it; the results are TRL + vLLM
+    alone's."""
+    plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    Watched, box = _watched()
+    seen: list = []
+    fake_vllm.FakeLLM.on_generate = lambda llm: seen.append(
+        [(r.kind, r.role_in) for r in box[0].timeshare.records][-1:]
+    )
+    ours = _vllm_run(Watched, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
+    _same(plain, ours)
+    assert len(seen) == 3 and all(last == [("prefetch", "reference")] for last in seen), seen
+
+
+def test_a_trl_without_the_vllm_module_function_tidal_replaces_is_refused(tiny, tmp_path, engine, monkeypatch):
+    import trl.generation.vllm_generation as vg
+
+    monkeypatch.delattr(vg, "empty_cache")
+    with pytest.raises(SeamError, match=r"vllm_generation\.empty_cache is missing.*trl 1\.16\.0"):
+        _vllm_run(TidalGRPOTrainer, tiny, tmp_path / "ours", tidal_config=TidalConfig(), steps=1)
+
+
 def test_server_mode_is_bit_identical_to_trl_with_the_same_server_alone(tiny, tmp_path, engine, monkeypatch):
     """vLLM in server mode (the engine on other GPUs, a test double of TRL's client here): the
     training side's roles take turns as with HF generate, the policy on the device while TRL

@@ -129,3 +129,53 @@ def test_an_engine_that_sleeps_moves_every_role_until_its_memory_was_measured_th
     # Measured: the policy came back for the push (its source) and nothing went out for the engine.
     assert [(r.roles_out, r.role_in) for r in engine.moves[moved:]] == [((), "policy")]
     ts.close()
+
+
+def _driver(monkeypatch, ts, free: list[int], total: int = 1 << 40) -> list[int]:
+    """The timeshare's device read as having ``free[0]`` bytes free at driver level (of
+    ``total``); returns the list its cache releases are counted in."""
+    released: list[int] = []
+    monkeypatch.setattr(ts.ops, "driver_free_bytes", lambda: (free[0], total))
+    monkeypatch.setattr(ts.ops, "empty_cache", lambda: released.append(1))
+    return released
+
+
+def test_the_cache_goes_back_to_the_driver_only_where_the_driver_lacks_the_room_for_a_wake(tiny, monkeypatch):
+    """A release waits for every copy out of the device still queued (an optimizer state going
+    to the host behind the step): once the wakes were measured, the engine releases torch's
+    cache before one only where the driver's own free memory is short of it."""
+    policy, opt, ts, llm = _setup(tiny)
+    llm.sleep(level=2)
+    free = [1 << 40]
+    released = _driver(monkeypatch, ts, free)
+    engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20, keep_free_bytes=1 << 20, asleep=True)
+    with engine.generating(policy):
+        pass
+    assert released  # not measured yet: released before each wake
+    released.clear()
+    with engine.generating(policy):
+        assert "policy" in ts.resident_roles
+    assert released == []  # the driver has the room: nothing released, no copy waited for
+    assert engine.release_for_wake() is None and released == []
+    free[0] = 0  # the driver has none: the room is in torch's cache
+    engine.release_for_wake()
+    assert released == [1]
+    free[0] = 1 << 40
+    ts.close()
+
+
+def test_under_peak_bytes_the_engines_turn_keeps_only_what_fits_below_it(tiny, monkeypatch):
+    """Room on the device for every role beside the engine, but a bound on the device's used
+    memory below what they and the engine would take: the roles go, the policy last."""
+    for peak, kept in ((None, True), (1 << 20, False)):
+        policy, opt, ts, llm = _setup(tiny)
+        llm.sleep(level=2)
+        _driver(monkeypatch, ts, [1 << 40])
+        engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20, keep_free_bytes=1 << 20, asleep=True, peak_bytes=peak)
+        with engine.generating(policy):
+            pass
+        with engine.generating(policy):
+            assert ("policy" in ts.resident_roles) is kept, peak
+        ts.close()
+    with pytest.raises(ValueError, match="peak_bytes must be an int >= 0"):
+        VllmEngine(llm, ts, peak_bytes=-1)

@@ -165,11 +165,20 @@ VLLM_SEAMS: tuple[Seam, ...] = (
 )
 _LOAD_WEIGHTS_PATH = ("llm_engine", "model_executor", "driver_worker", "model_runner", "model", "load_weights")
 
-#: What tidal uses of TRL's colocated vLLM: the module name its ``VLLMGeneration`` builds the
-#: engine by (replaced while TRL builds, to size the KV cache), and the trainer's generation
+#: What tidal uses of TRL's colocated vLLM (checked when the policy becomes a role beside TRL's
+#: engine): the module's names its ``VLLMGeneration`` builds the engine by (``LLM``: replaced
+#: while TRL builds, to size the KV cache) and empties the device's cache by before a wake
+#: (``empty_cache``: replaced while tidal drives the engine), and the trainer's generation
 #: backend (name -> why).
 TRL_VLLM_SEAMS: tuple[Seam, ...] = (
     Seam("trl.generation.vllm_generation", "VLLMGeneration", kind="class", why="TRL's vLLM backend"),
+    Seam("trl.generation.vllm_generation", "LLM", kind="class", why="the engine built with the KV cache tidal sizes"),
+    Seam(
+        "trl.generation.vllm_generation",
+        "empty_cache",
+        (),
+        "the cache released before the weights wake only where the driver lacks the room",
+    ),
 )
 TRL_VLLM_INSTANCE_SEAMS: dict[str, str] = {
     "llm": "the engine, made a turn of the timeshare",
@@ -283,8 +292,10 @@ def check_engine(llm: Any, *, who: str) -> None:
 
 
 def check_trl_engine(generation: Any, *, who: str) -> None:
-    """Raise :class:`SeamError` where TRL's vLLM backend (``trainer.vllm_generation``) lacks an
-    attribute tidal reads (:data:`TRL_VLLM_INSTANCE_SEAMS`)."""
+    """Raise :class:`SeamError` where TRL's vLLM module lacks a surface tidal uses
+    (:data:`TRL_VLLM_SEAMS`) or its backend (``trainer.vllm_generation``) an attribute tidal
+    reads (:data:`TRL_VLLM_INSTANCE_SEAMS`)."""
+    check_module_seams(TRL_VLLM_SEAMS, who=who)
     problems = [
         f"TRL's vLLM backend has no {name!r} [{why}]"
         for name, why in TRL_VLLM_INSTANCE_SEAMS.items()

@@ -234,10 +234,12 @@ class PhaseSchedule:
         return order[(order.index(role) + 1) % len(order)]
 
     # ---- ahead ---------------------------------------------------------------------------------
-    def prefetch(self, phase: str, then: str) -> Any:
+    def prefetch(self, phase: str, then: str, *, growth: int | None = None) -> Any:
         """Start bringing role ``then`` in behind ``phase``: leaving free what ``phase``
         allocated the last time it ran less what of it is allocated already
-        (:meth:`allocated_up_front`), +10% and 256 MiB, and behind the generation the most the
+        (:meth:`allocated_up_front`), or what it will still allocate where the caller knows it
+        (``growth``: an inference engine's generation, whose weights and KV cache are in its
+        own pool already), +10% and 256 MiB, and behind the generation the most the
         allocator's fragments reached in the last one; written back ahead is only what the
         turn of ``then`` will move out (:meth:`keep_free` of its turn). Under
         ``prefetch_peak_bytes`` it brings in at most the bound less what is allocated and what
@@ -246,7 +248,7 @@ class PhaseSchedule:
         ts = self.timeshare
         if not self.config.prefetch or then not in ts.roles or len(ts.roles) < 2:
             return None
-        room = self._room(phase, None, large_blocks=False)
+        room = self._room(phase, growth, large_blocks=False)
         if room is None:
             return None
         leave, limit = room

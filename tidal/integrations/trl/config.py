@@ -67,7 +67,13 @@ class TidalConfig:
             cache have woken once (their bytes read at driver level), each generation moves out
             only what it takes to leave them (+10%, 256 MiB) and 1 GiB for the generation free,
             least recently used first and the policy last; where all of it fits (TRL + vLLM
-            alone fits), nothing moves for the engine.
+            alone fits), nothing moves for the engine. Its room made, the reference comes in
+            behind the generation (leaving those 1 GiB free), and the device's cache goes back
+            to the driver before a wake only where the driver lacks the room for it (a release
+            waits for the optimizer state's queued copies to the host). Under
+            ``prefetch_peak_bytes`` the engine's turns keep a role only where the engine's
+            memory fits beside it below the bound, read at driver level (vLLM's pool is the
+            driver's, not torch's allocator's).
         prefetch_peak_bytes: with ``prefetch``, the device's allocated bytes a prefetch may
             bring it up to (what a phase will still allocate counted, and what a prefetch
             brought in counted once; the allocator's fragments, free memory a large block cannot

@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import torch
+import trl.generation.vllm_generation as trl_vllm
 from trl import GRPOTrainer, RLOOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
@@ -173,6 +174,7 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
                 # With prefetch, the engine's turns keep what fits beside its memory and this
                 # much for the generation's own (vLLM's activations and sampler).
                 keep_free_bytes=VLLM_GENERATION_BYTES if self.tidal_config.prefetch else None,
+                peak_bytes=self.tidal_config.prefetch_peak_bytes,
                 # TRL puts the engine to sleep as it builds it, with sleep mode; it stays so until
                 # the first generation.
                 asleep=bool(generation.enable_sleep_mode),
@@ -232,8 +234,18 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         if self._colocated_engine() and self._policy_ready():
             # The engine generates: the policy is its weights' source, then goes (with every other
             # role) to leave the engine the room, and comes back for its next phase.
-            engine = self._tidal_engine
-            with self._tidal_schedule.phase(None, "generate"), engine.driven():
+            # TRL empties the device's cache before it wakes the weights, which waits for every
+            # queued copy out (the optimizer state going to the host behind the step): the
+            # engine releases it only where the driver lacks the room. Once the KV cache's room
+            # is made, the role that computes next comes in behind the generation, leaving the
+            # generation's own need free (the engine's memory is allocated by then).
+            engine, schedule = self._tidal_engine, self._tidal_schedule
+            ahead = lambda: schedule.prefetch("generate", schedule.after("policy"), growth=VLLM_GENERATION_BYTES)  # noqa: E731
+            with (
+                schedule.phase(None, "generate"),
+                engine.driven(before_generate=ahead),
+                instead(trl_vllm, "empty_cache", engine.release_for_wake),
+            ):
                 engine.room_for_weights()
                 return super()._generate(prompts)
         with (

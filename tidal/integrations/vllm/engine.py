@@ -28,7 +28,7 @@ arena as always.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -69,6 +69,9 @@ class VllmEngine:
         sleep_level: what :meth:`generating` puts the engine to sleep with (2: weights and KV
             cache dropped; 1: weights backed up by vLLM).
         asleep: the engine sleeps now (TRL puts it to sleep as it builds it, with sleep mode).
+        peak_bytes: with ``keep_free_bytes``, the device's used memory (driver level) the
+            engine's turns stay under: a role is kept beside the engine only where the engine's
+            memory and ``keep_free_bytes`` fit under this too. None: free memory decides.
 
     Raises:
         SeamError: the installed vLLM lacks a surface tidal uses (named, with the versions it is
@@ -86,6 +89,7 @@ class VllmEngine:
         keep_free_bytes: int | None = None,
         sleep_level: int = 2,
         asleep: bool = False,
+        peak_bytes: int | None = None,
     ) -> None:
         check_engine(llm, who=type(self).__name__)
         if policy not in timeshare.roles:
@@ -94,6 +98,11 @@ class VllmEngine:
             raise ValueError(f"VllmEngine: kv_cache_bytes must be an int >= 0, got {kv_cache_bytes!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"VllmEngine: sleep_level must be 1 or 2, got {sleep_level!r}")
+        if peak_bytes is not None and (
+            not isinstance(peak_bytes, int) or isinstance(peak_bytes, bool) or peak_bytes < 0
+        ):
+            raise ValueError(f"VllmEngine: peak_bytes must be an int >= 0 or None, got {peak_bytes!r}")
+        self.peak_bytes = peak_bytes
         self.llm, self.timeshare, self.policy = llm, timeshare, policy
         self.kv_cache_bytes, self.keep_free_bytes, self.sleep_level = kv_cache_bytes, keep_free_bytes, sleep_level
         self.asleep = asleep  # the engine's weights are not on the device (they slept)
@@ -105,21 +114,35 @@ class VllmEngine:
     # ---- the hand-over ---------------------------------------------------------------------------
     def _need(self, *tags: str) -> int | None:
         """What waking ``tags`` (those asleep) takes, +10% and 256 MiB, and ``keep_free_bytes``
-        beside it; None: not kept (no ``keep_free_bytes``, or a tag not measured yet)."""
+        beside it, and under ``peak_bytes`` the part of the device above it; None: not kept (no
+        ``keep_free_bytes``, or a tag not measured yet)."""
         if self.keep_free_bytes is None:
             return None
+        wake = self._wake_bytes(*tags)
+        if wake is None:
+            return None
+        above = 0
+        if self.peak_bytes is not None:
+            above = max(0, self.timeshare.ops.driver_free_bytes()[1] - self.peak_bytes)
+        return wake + self.keep_free_bytes + above
+
+    def _wake_bytes(self, *tags: str) -> int | None:
+        """What waking ``tags`` (those asleep) takes at driver level, +10% and 256 MiB (0: all
+        awake); None: one of them not measured yet."""
         asleep = {"weights": self.asleep, "kv_cache": self.kv_asleep}
         tags = tuple(t for t in tags if asleep[t])
+        if not tags:
+            return 0
         if any(t not in self.woken for t in tags):
             return None
-        return phase_need_bytes(sum(self.woken[t] for t in tags)) + self.keep_free_bytes
+        return phase_need_bytes(sum(self.woken[t] for t in tags))
 
     def room_for_weights(self) -> None:
         """Before the weights wake: the policy on the device (their source), and the other roles
         out where the engine's weights and KV cache (measured at their last wake) and
         ``keep_free_bytes`` do not fit beside it; every other role before they were measured."""
         self._record(self.timeshare.load(self.policy, keep_free_bytes=self._need("weights", "kv_cache")))
-        self._release()
+        self._release(self._wake_bytes("weights"))
 
     def room_for_kv_cache(self) -> None:
         """Once the weights are in the engine, before its KV cache wakes (or it generates): the
@@ -136,20 +159,33 @@ class VllmEngine:
         order = sorted(ts.resident_roles, key=lambda r: (r == self.policy, ts.role(r).last_used))
         for name in order:
             if self._free_bytes() >= need:
-                return
+                break
             if ts.role(name).in_use:
                 continue
             self._record(ts.offload(name))
             self._release()
+        self._release(self._wake_bytes("kv_cache"))
 
     def _free_bytes(self) -> int:
         ops = self.timeshare.ops
         return ops.driver_free_bytes()[0] + ops.cached_free_bytes()
 
-    def _release(self) -> None:
-        # vLLM's pool takes memory from the driver: what torch's cache holds of the moved-out
-        # roles is given back first.
-        self.timeshare.ops.empty_cache()
+    def _release(self, wake_bytes: int | None = None) -> None:
+        """What torch's cache holds goes back to the driver, where vLLM's pool takes its memory
+        from; with ``wake_bytes`` (what the next wake takes) only where the driver's own free
+        memory is short of it. Releasing waits for every copy out of the device still queued
+        (the allocator frees a block only once its copies ran): an optimizer state going to the
+        host behind the step would hold the generation up for its whole transfer."""
+        ops = self.timeshare.ops
+        if wake_bytes is not None and ops.driver_free_bytes()[0] >= wake_bytes:
+            return
+        ops.empty_cache()
+
+    def release_for_wake(self) -> None:
+        """For a trainer that empties the device's cache before it wakes the engine's weights
+        (TRL's colocate mode does): the cache released only where the driver lacks the room
+        for the wake (measured at its last), so queued copies out are not waited for."""
+        self._release(self._wake_bytes("weights"))
 
     def _record(self, rec: Any) -> None:
         if rec is not None:
@@ -205,12 +241,14 @@ class VllmEngine:
 
     # ---- a trainer that drives the engine ------------------------------------------------------
     @contextlib.contextmanager
-    def driven(self) -> Iterator[None]:
+    def driven(self, *, before_generate: Callable[[], Any] | None = None) -> Iterator[None]:
         """For the block, the engine's ``wake_up``, ``generate`` and ``sleep`` (called by the
         trainer that owns the engine: TRL's) make the room first, as :meth:`generating` does:
         before the weights wake, :meth:`room_for_weights`; before the KV cache wakes (or, with
-        sleep mode off, before a generation), :meth:`room_for_kv_cache`. Attributes of the
-        ``llm`` instance for the block (:func:`tidal.integrations.seams.instead`)."""
+        sleep mode off, before a generation), :meth:`room_for_kv_cache`; then, the room made,
+        ``before_generate()`` (a prefetch of the role that computes next, behind the
+        generation). Attributes of the ``llm`` instance for the block
+        (:func:`tidal.integrations.seams.instead`)."""
         llm = self.llm
         wake_up, generate, sleep = llm.wake_up, llm.generate, llm.sleep
 
@@ -225,6 +263,8 @@ class VllmEngine:
         def gen(*args: Any, **kwargs: Any) -> Any:
             if not self._kv_room:
                 self.room_for_kv_cache()  # awake all along (sleep mode off): the room made now
+            if before_generate is not None:
+                before_generate()
             return generate(*args, **kwargs)
 
         def put_to_sleep(*args: Any, **kwargs: Any) -> Any:
