@@ -397,3 +397,42 @@ def test_without_prefetch_nothing_is_kept_nor_brought_in_ahead():
 def test_bad_settings_are_refused_when_made(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_bytes_the_allocator_counts_off_the_device_do_not_take_from_the_bound():
+    """An inference engine's pool stays counted as allocated by torch while it sleeps, its
+    memory back with the driver: ``outside_bytes`` leaves it out of what ``prefetch_peak_bytes``
+    is compared with, so the loss's keep and a prefetch behind a phase see the device's own."""
+    gib = 1 << 30
+    dev = FakeAllocator()
+    memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
+    asked: list[dict] = []
+
+    class Timeshare:
+        roles = {"policy": None, "reference": None}
+        ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 0)
+
+        def is_resident(self, role):
+            return role == "policy"
+
+        def bytes_to_load(self, role):
+            return 0 if self.is_resident(role) else 7 * gib
+
+        def role(self, name):
+            return types.SimpleNamespace(optimizer_residency="role")
+
+        def prefetch(self, role, **kw):
+            asked.append({"role": role, **kw})
+
+    bound = 20 * gib
+    schedule = PhaseSchedule(
+        Timeshare(), TRL_PHASES, config=ScheduleConfig(prefetch=True, prefetch_peak_bytes=bound), memory=memory
+    )
+    memory.growth.update(generate=1 * gib, reference=1 * gib)
+    dev.set(7 * gib + 10 * gib)  # the policy, and a sleeping engine's 10 GiB still counted
+    memory.start("reference")
+    assert schedule.keep_free("reference", "reference") is None  # 17 + 7 + 1.35 GiB: over the bound
+    schedule.outside_bytes = lambda: 10 * gib
+    assert schedule.keep_free("reference", "reference") == phase_need_bytes(1 * gib)  # 7 + 7 + 1.35 GiB
+    schedule.prefetch("reference", "reference", growth=1 * gib)
+    assert asked[-1]["limit_bytes"] == bound - 7 * gib - phase_need_bytes(1 * gib)

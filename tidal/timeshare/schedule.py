@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from tidal.memory import phase_need_bytes
@@ -140,6 +140,10 @@ class PhaseSchedule:
         self.timeshare, self.phases = timeshare, phases
         self.config = config or ScheduleConfig()
         self.memory: PhaseMemory | None = PhaseMemory.of(timeshare.device) if memory == "auto" else memory
+        # Bytes the allocator's counters hold that are not on the device (an inference engine's
+        # pool while it sleeps: its tensors stay allocated, their memory unmapped), left out of
+        # what prefetch_peak_bytes is compared with; set by the engine's owner.
+        self.outside_bytes: Callable[[], int] = lambda: 0
         self.depth = 0  # phases open now (a nested one makes no new room)
         self._gathered = (0, 0)  # bytes allocated up front by this generation and by the last
 
@@ -207,7 +211,7 @@ class PhaseSchedule:
                 # (Streamed, the prefetch brings in only what the bound leaves beside the roles
                 # kept, and the chunks after it are in the growth.)
                 ahead = memory.brought_in.get(self.phases.backward, 0)
-            if memory.allocated() + coming + need + ahead > cfg.prefetch_peak_bytes:
+            if self._on_device() + coming + need + ahead > cfg.prefetch_peak_bytes:
                 return None
         if phase == self.phases.loss:
             # The backward allocates large blocks: free pieces of the allocator's partly used
@@ -306,8 +310,12 @@ class PhaseSchedule:
             # Counted here, the ~6 GiB of them a 1.5B step's backward leaves (read again in the
             # next generation) took as much of the reference out of the generation's prefetch
             # under a 17 GiB bound.
-            limit = max(0, self.config.prefetch_peak_bytes - memory.allocated() - need)
+            limit = max(0, self.config.prefetch_peak_bytes - self._on_device() - need)
         return leave, limit
+
+    def _on_device(self) -> int:
+        """The allocator's allocated bytes that are on the device (less :attr:`outside_bytes`)."""
+        return max(0, self.memory.allocated() - self.outside_bytes())
 
     def _count(self, rec: Any) -> None:
         if rec is not None and self.memory is not None:

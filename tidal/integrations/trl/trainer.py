@@ -179,6 +179,9 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
                 # the first generation.
                 asleep=bool(generation.enable_sleep_mode),
             )
+            # prefetch_peak_bytes bounds what is on the device: the sleeping engine's pool,
+            # still counted by torch's allocator, is not.
+            self._tidal_schedule.outside_bytes = self._tidal_engine.asleep_bytes
         if self._tidal_launch == "fsdp2":
             reshard_after_no_grad_forward(self.accelerator.unwrap_model(self.model))
         self._step_again_if_out_of_memory(optimizer)

@@ -137,6 +137,13 @@ class VllmEngine:
             return None
         return phase_need_bytes(sum(self.woken[t] for t in tags))
 
+    def asleep_bytes(self) -> int:
+        """What of the engine's pool sleeps now (as its wakes measured it): torch's allocator
+        keeps counting those bytes as allocated, their memory unmapped, back with the driver."""
+        return (self.woken.get("weights", 0) if self.asleep else 0) + (
+            self.woken.get("kv_cache", 0) if self.kv_asleep else 0
+        )
+
     def room_for_weights(self) -> None:
         """Before the weights wake: the policy on the device (their source), and the other roles
         out where the engine's weights and KV cache (measured at their last wake) and
