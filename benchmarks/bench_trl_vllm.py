@@ -13,8 +13,10 @@ what a prefetch or a keep may bring the device to (``prefetch_peak_bytes``), ``t
 holds all but G GiB of the GPU first (an 80 GB GPU stood in for on an H200); a variant that runs
 out of memory says so in its row.
 
-Measured after ``--warmup`` steps: each step's wall time (device-synchronised, from
-``on_step_begin`` to ``on_step_end``), each generation's (TRL's ``_generate``), the peak of the
+Measured after ``--warmup`` steps: each step's wall time (from ``on_step_begin`` to
+``on_step_end``, the compute stream synchronised at both: not the whole device, whose wait would
+add to the step the copies tidal leaves running on its own stream across the step's end, which
+the next step's work overlaps), each generation's (TRL's ``_generate``, the same way), the peak of the
 device's used memory (``total - free`` from ``cudaMemGetInfo`` sampled every 10 ms, less what the
 capping process holds), and for tidal its transitions and host memory. Prints the variants side
 by side with the ratio to the first ``trl`` run, and writes a JSON per run and one merged JSON.
@@ -107,12 +109,12 @@ def child(variant: str, model_path: str, args) -> dict:
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **kw):
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
             self.t0 = time.perf_counter()
             peak.reset()
 
         def on_step_end(self, *a, **kw):
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
             steps.append({"seconds": time.perf_counter() - self.t0, "peak_bytes": peak.peak() - held_by_cap})
 
     common = dict(
@@ -140,10 +142,10 @@ def child(variant: str, model_path: str, args) -> dict:
         inner = trainer._generate
 
         def timed(prompts):
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
             t0 = time.perf_counter()
             r = inner(prompts)
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
             gen_s.append(time.perf_counter() - t0)
             return r
 

@@ -238,7 +238,7 @@ class PhaseSchedule:
         return order[(order.index(role) + 1) % len(order)]
 
     # ---- ahead ---------------------------------------------------------------------------------
-    def prefetch(self, phase: str, then: str, *, growth: int | None = None) -> Any:
+    def prefetch(self, phase: str, then: str, *, growth: int | None = None, write_back: bool = True) -> Any:
         """Start bringing role ``then`` in behind ``phase``: leaving free what ``phase``
         allocated the last time it ran less what of it is allocated already
         (:meth:`allocated_up_front`), or what it will still allocate where the caller knows it
@@ -247,7 +247,9 @@ class PhaseSchedule:
         allocator's fragments reached in the last one; written back ahead is only what the
         turn of ``then`` will move out (:meth:`keep_free` of its turn). Under
         ``prefetch_peak_bytes`` it brings in at most the bound less what is allocated and what
-        the phase will still allocate. Returns the prefetch's record (None: nothing started,
+        the phase will still allocate. ``write_back=False``: nothing is copied out ahead (behind
+        a phase whose own small copies to the host would queue behind it: an inference
+        engine's decode reads each step's tokens back). Returns the prefetch's record (None: nothing started,
         as without prefetch, with a single role, or before the phase has run once)."""
         ts = self.timeshare
         if not self.config.prefetch or then not in ts.roles or len(ts.roles) < 2:
@@ -257,7 +259,7 @@ class PhaseSchedule:
             return None
         leave, limit = room
         keep = self.keep_free(then, self.phases.phase_of(then))
-        rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit, keep_free_bytes=keep)
+        rec = ts.prefetch(then, leave_free_bytes=leave, limit_bytes=limit, keep_free_bytes=keep, write_back=write_back)
         self._count(rec)
         return rec
 
