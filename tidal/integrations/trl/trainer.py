@@ -243,8 +243,8 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
             # is made, the role that computes next comes in behind the generation, leaving the
             # generation's own need free (the engine's memory is allocated by then), and nothing
             # is written back ahead: vLLM reads each decode step's tokens back to the host, and
-            # those small copies would queue behind it (Qwen2-7B's 46 GB of the policy with its
-            # AdamW state, under 80 GiB on an H200: the generation took 2.6 s, not 1.8).
+            # those small copies would queue behind it (the policy with its AdamW state written
+            # back there slowed a 7B generation by half: benchmarks/RESULTS.md, vLLM section).
             engine, schedule = self._tidal_engine, self._tidal_schedule
             ahead = lambda: schedule.prefetch(  # noqa: E731
                 "generate", schedule.after("policy"), growth=VLLM_GENERATION_BYTES, write_back=False
