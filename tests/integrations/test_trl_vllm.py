@@ -304,6 +304,28 @@ def test_a_trl_without_the_vllm_module_function_tidal_replaces_is_refused(tiny, 
         _vllm_run(TidalGRPOTrainer, tiny, tmp_path / "ours", tidal_config=TidalConfig(), steps=1)
 
 
+def test_the_logged_phase_peaks_leave_out_the_sleeping_engines_pool(tiny, tmp_path, engine, monkeypatch):
+    """Torch's allocator keeps counting vLLM's pool as allocated while the engine sleeps, its
+    memory back with the driver: each phase the engine slept through logs its peak less the
+    engine's (as its wakes measured it), the generation as read."""
+    from tidal.timeshare.phase_memory import PhaseMemory
+
+    counted = 10 << 30  # what torch's counters read in every phase, the sleeping pool in it
+    monkeypatch.setattr(
+        PhaseMemory, "of", classmethod(lambda cls, device: cls(lambda: counted, lambda: counted, lambda: None))
+    )
+    Watched, box = _watched()
+    _fake_capacity(monkeypatch, 1 << 40, box)
+    ours = _vllm_run(Watched, tiny, tmp_path / "ours")
+    eng = ours._tidal_engine
+    asleep = eng.asleep_bytes()
+    assert asleep == eng.woken["weights"] + eng.woken["kv_cache"] > 0
+    last = [h for h in ours.state.log_history if "loss" in h][-1]
+    assert last["tidal/peak_gib/generate"] == counted / 2**30
+    for phase in ("reference", "loss", "backward"):
+        assert last[f"tidal/peak_gib/{phase}"] == (counted - asleep) / 2**30, phase
+
+
 def test_server_mode_is_bit_identical_to_trl_with_the_same_server_alone(tiny, tmp_path, engine, monkeypatch):
     """vLLM in server mode (the engine on other GPUs, a test double of TRL's client here): the
     training side's roles take turns as with HF generate, the policy on the device while TRL

@@ -335,6 +335,12 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         memory = self._tidal_schedule.memory
         peaks = memory.take_peaks() if memory is not None else {}
+        if self._tidal_engine is not None:
+            # Torch's counters keep counting the engine's pool while it sleeps (its memory back
+            # with the driver): the phases it slept through read less it, the generation (its
+            # peak with the engine awake) as it is.
+            asleep = self._tidal_engine.asleep_bytes()
+            peaks = {p: v if p == TRL_PHASES.generation else max(0, v - asleep) for p, v in peaks.items()}
         # The log comes after the step's loss was read on the host: the compute stream's events
         # around the transitions have run, so reading them waits for nothing.
         self.timeshare.settle_stalls(wait=True)
