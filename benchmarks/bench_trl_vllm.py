@@ -5,7 +5,8 @@ the device's peak at driver level (torch's counters keep counting vLLM's pool wh
 Workload: a random Qwen2-shape model in bf16 (``--preset``), 64 completions (8 prompts x 8) x
 ``--completion`` tokens, beta 0.04, the char task's reward; one process per variant (vLLM's
 engine is built once per process), in the order given (``--variants trl,tidal,...``);
-``tidal+kv=<GiB>`` gives the engine a KV cache of that size (``TidalConfig(vllm_kv_cache_bytes)``),
+``tidal+kv=<GiB>`` gives the engine a KV cache of that size (``TidalConfig(vllm_kv_cache_bytes)``;
+``kv=auto``: sized for the generation batch at ``--max-model-len``),
 ``tidal+<residency>`` picks the optimizer residency (step, stream, role), ``tidal+prefetch`` keeps
 what fits (``TidalConfig(prefetch=True)``: the engine's turns too), ``tidal+peak=<GiB>`` bounds
 what a prefetch or a keep may bring the device to (``prefetch_peak_bytes``), ``trl+util=<f>`` and
@@ -135,7 +136,7 @@ def child(variant: str, model_path: str, args) -> dict:
                 optimizer_residency=residency,
                 prefetch="prefetch" in opts,
                 prefetch_peak_bytes=int(float(peak_gib) * 2**30) if peak_gib else None,
-                vllm_kv_cache_bytes=int(float(kv) * 2**30) if kv else None,
+                vllm_kv_cache_bytes=("auto" if kv == "auto" else int(float(kv) * 2**30)) if kv else None,
             )
             trainer = TidalGRPOTrainer(**common, tidal=tidal)
         gen_s: list[float] = []

@@ -114,13 +114,33 @@ def test_the_kv_cache_is_sized_as_tidal_is_told_and_results_do_not_change(tiny, 
     _same(plain, ours)
 
 
+def test_an_auto_kv_cache_holds_every_sequence_of_a_generation_at_its_longest(tiny, tmp_path, engine):
+    """``vllm_kv_cache_bytes="auto"``: the engine's cache is sized for its generation batch (TRL's
+    ``max_num_seqs``) at ``vllm_max_model_length`` tokens in whole blocks, from the policy's
+    shape; the results are TRL + vLLM alone's. Without that length it is refused first."""
+    from tidal.integrations.vllm import kv_bytes_per_token, kv_cache_bytes_for
+
+    plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain", vllm_max_model_length=100)
+    cfg = TidalConfig(vllm_kv_cache_bytes="auto")
+    ours = _vllm_run(TidalGRPOTrainer, tiny, tmp_path / "ours", tidal_config=cfg, vllm_max_model_length=100)
+    _same(plain, ours)
+    policy = ours.accelerator.unwrap_model(ours.model)
+    sequences = ours.args.per_device_train_batch_size * ours.args.steps_per_generation
+    want = kv_cache_bytes_for(policy.config, torch.float32, sequences=sequences, max_len=100)
+    assert want == sequences * 112 * kv_bytes_per_token(policy.config, torch.float32)  # 7 blocks of 16 tokens
+    assert ours.vllm_generation.llm.kv_cache_bytes == want and ours._tidal_engine.kv_cache_bytes == want
+    with pytest.raises(ValueError, match="vllm_kv_cache_bytes='auto'.*vllm_max_model_length"):
+        _vllm_run(TidalGRPOTrainer, tiny, tmp_path / "bad", tidal_config=cfg)
+    assert len(fake_vllm.FakeLLM.instances) == 2  # refused before TRL built an engine
+
+
 def test_vllm_settings_tidal_cannot_manage_are_refused_before_any_work(tiny, tmp_path, engine):
     args = _args(tmp_path, use_vllm=True, vllm_mode="remote")
     with pytest.raises(ValueError, match="vllm_mode='colocate'.* or 'server'"):
         TidalGRPOTrainer(model=tiny, reward_funcs=reward_sevens, args=args, train_dataset=_data())
     assert engine.instances == []  # refused before the engine was built
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="vllm_kv_cache_bytes must be an int > 0"):
+        with pytest.raises(ValueError, match="vllm_kv_cache_bytes must be an int > 0, 'auto' or None"):
             TidalConfig(vllm_kv_cache_bytes=bad)
 
 

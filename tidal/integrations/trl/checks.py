@@ -32,10 +32,19 @@ def own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
                         st[k] = v.clone()
 
 
-def refuse_settings(args: Any, who: str) -> None:
-    """Settings tidal cannot work with, found in the GRPOConfig before TRL builds anything."""
+def refuse_settings(args: Any, who: str, tidal: Any = None) -> None:
+    """Settings tidal cannot work with, found in the GRPOConfig (and ``tidal``, the
+    TidalConfig) before TRL builds anything."""
     if args is None:
         return
+    colocated = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate"
+    if getattr(tidal, "vllm_kv_cache_bytes", None) == "auto" and colocated:
+        if getattr(args, "vllm_max_model_length", None) is None:
+            raise ValueError(
+                f"{who}: TidalConfig(vllm_kv_cache_bytes='auto') sizes the engine's KV cache for every sequence "
+                "of a generation at its longest, and needs that length: set vllm_max_model_length in the "
+                "GRPOConfig (the longest prompt plus max_completion_length), or give vllm_kv_cache_bytes in bytes"
+            )
     if getattr(args, "use_vllm", False):
         mode = getattr(args, "vllm_mode", "colocate")
         if mode not in ("colocate", "server"):

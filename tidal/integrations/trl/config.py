@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from tidal.integrations.hf import check_activation_fields, check_bool_fields
 from tidal.timeshare import TimeshareConfig
@@ -82,7 +83,11 @@ class TidalConfig:
             decides.
         vllm_kv_cache_bytes: with ``use_vllm=True`` (colocate), the engine's KV cache in bytes
             (vLLM's ``kv_cache_memory_bytes``), sized for the generation the step runs instead
-            of a fraction of the device fixed before the optimizer exists. ``None``: as TRL
+            of a fraction of the device fixed before the optimizer exists. ``"auto"``: the cache
+            that holds every sequence TRL's engine runs at once (its ``max_num_seqs``: the
+            generation batch) at ``vllm_max_model_length`` tokens, in whole blocks of 16
+            (:func:`tidal.integrations.vllm.kv_cache_bytes_for`; Qwen2-7B, 64 sequences of 1024
+            tokens: 3.5 GiB); needs ``vllm_max_model_length`` set. ``None``: as TRL
             sizes it (``vllm_gpu_memory_utilization``). With sleep mode the cache is on the
             device only while the engine generates, the training roles out of its way.
     """
@@ -96,7 +101,7 @@ class TidalConfig:
     activation_min_offload_bytes: int = 1 << 20
     prefetch: bool = False
     prefetch_peak_bytes: int | None = None
-    vllm_kv_cache_bytes: int | None = None
+    vllm_kv_cache_bytes: int | Literal["auto"] | None = None
 
     def __post_init__(self) -> None:
         check_bool_fields(self)  # prefetch="no" is a truthy string: refused, not switched on
@@ -110,7 +115,7 @@ class TidalConfig:
             )
         check_activation_fields(self)
         v = self.vllm_kv_cache_bytes
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-            raise ValueError(f"TidalConfig.vllm_kv_cache_bytes must be an int > 0 or None, got {v!r}")
+        if v is not None and v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ValueError(f"TidalConfig.vllm_kv_cache_bytes must be an int > 0, 'auto' or None, got {v!r}")
         if self.prefetch_peak_bytes is not None and self.prefetch_peak_bytes < 0:
             raise ValueError(f"TidalConfig.prefetch_peak_bytes must be >= 0 or None, got {self.prefetch_peak_bytes}")

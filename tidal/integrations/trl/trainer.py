@@ -37,7 +37,7 @@ from tidal.integrations.trl.phases import at_first_forward
 from tidal.integrations.trl.reference import SyncReference
 from tidal.integrations.trl.retry import AgainIfOutOfMemory
 from tidal.integrations.trl.schedule import TRL_PHASES
-from tidal.integrations.vllm import VllmEngine
+from tidal.integrations.vllm import VllmEngine, kv_cache_bytes_for
 from tidal.memory import host_rss_bytes
 from tidal.timeshare import Timeshare
 from tidal.timeshare.schedule import PhaseSchedule, ScheduleConfig
@@ -79,9 +79,10 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         if tidal is not None and not isinstance(tidal, TidalConfig):
             raise TypeError(f"tidal must be a tidal.integrations.trl.TidalConfig, got {type(tidal).__name__}")
         targs = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
-        refuse_settings(targs, type(self).__name__)
+        refuse_settings(targs, type(self).__name__, tidal)
         place_models_whole(targs)
         self.tidal_config = tidal or TidalConfig()
+        self._tidal_kv_cache_bytes: int | None = None  # what the engine's KV cache was built with, where tidal sized it
         with (
             reference_sharded_per_block(type(self)),  # with FSDP2: per block, as the policy
             self._engine_sized(targs),
@@ -170,7 +171,7 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
                 generation.llm,
                 self.timeshare,
                 policy="policy",
-                kv_cache_bytes=self.tidal_config.vllm_kv_cache_bytes or 0,
+                kv_cache_bytes=self._tidal_kv_cache_bytes or 0,
                 # With prefetch, the engine's turns keep what fits beside its memory and this
                 # much for the generation's own (vLLM's activations and sampler).
                 keep_free_bytes=VLLM_GENERATION_BYTES if self.tidal_config.prefetch else None,
@@ -214,8 +215,10 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
     @contextlib.contextmanager
     def _engine_sized(self, targs: Any):
         """While TRL builds its colocated vLLM engine: its KV cache of
-        ``TidalConfig.vllm_kv_cache_bytes`` (vLLM's ``kv_cache_memory_bytes``) where set; else
-        as TRL sizes it (``vllm_gpu_memory_utilization``)."""
+        ``TidalConfig.vllm_kv_cache_bytes`` (vLLM's ``kv_cache_memory_bytes``) where set (with
+        ``"auto"``: :func:`~tidal.integrations.vllm.kv_cache_bytes_for` the policy's shape and
+        dtype, the engine's ``max_num_seqs`` and ``max_model_len``); else as TRL sizes it
+        (``vllm_gpu_memory_utilization``)."""
         nbytes = self.tidal_config.vllm_kv_cache_bytes
         colocated = getattr(targs, "use_vllm", False) and getattr(targs, "vllm_mode", "colocate") == "colocate"
         if not colocated or nbytes is None:
@@ -226,7 +229,17 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         build = backend.LLM
 
         def sized(*args: Any, **kwargs: Any) -> Any:
-            kwargs["kv_cache_memory_bytes"] = nbytes
+            size = nbytes
+            if size == "auto":
+                policy = self.accelerator.unwrap_model(self.model)
+                size = kv_cache_bytes_for(
+                    policy.config,
+                    next(policy.parameters()).dtype,
+                    # TRL's engine runs its generation batch at once (its max_num_seqs).
+                    sequences=int(kwargs.get("max_num_seqs") or targs.per_device_train_batch_size),
+                    max_len=int(kwargs["max_model_len"]),
+                )
+            kwargs["kv_cache_memory_bytes"] = self._tidal_kv_cache_bytes = size
             return build(*args, **kwargs)
 
         with instead(backend, "LLM", sized):

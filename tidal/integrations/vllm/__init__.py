@@ -9,6 +9,6 @@ uses it for TRL's engine; a loop of its own uses :meth:`VllmEngine.generating`.
 Importing this package imports no vLLM.
 """
 
-from tidal.integrations.vllm.engine import VllmEngine, kv_bytes_per_token
+from tidal.integrations.vllm.engine import VllmEngine, kv_bytes_per_token, kv_cache_bytes_for
 
-__all__ = ["VllmEngine", "kv_bytes_per_token"]
+__all__ = ["VllmEngine", "kv_bytes_per_token", "kv_cache_bytes_for"]

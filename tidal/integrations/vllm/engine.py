@@ -36,7 +36,10 @@ import torch
 from tidal.integrations.seams import check_engine, instead, load_weights_of
 from tidal.memory import phase_need_bytes
 
-__all__ = ["VllmEngine", "kv_bytes_per_token"]
+__all__ = ["VllmEngine", "kv_bytes_per_token", "kv_cache_bytes_for"]
+
+#: Tokens per block of vLLM's paged KV cache (its default ``block_size``): a sequence takes whole blocks.
+KV_BLOCK_TOKENS = 16
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
@@ -47,6 +50,22 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_cache_bytes_for(config: Any, dtype: torch.dtype, *, sequences: int, max_len: int) -> int:
+    """The KV cache that holds ``sequences`` sequences of ``max_len`` tokens at once (each in whole
+    blocks of :data:`KV_BLOCK_TOKENS`) in a decoder of this Hugging Face ``config``: a
+    generation of that many sequences never waits for room in it, and nothing is sized from a
+    fraction of the device.
+
+    Raises:
+        ValueError: ``sequences`` or ``max_len`` not an int > 0.
+    """
+    for name, v in (("sequences", sequences), ("max_len", max_len)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"kv_cache_bytes_for: {name} must be an int > 0, got {v!r}")
+    blocks = -(-max_len // KV_BLOCK_TOKENS)
+    return sequences * blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
 
 
 class VllmEngine:
