@@ -178,14 +178,16 @@ POINTS = [
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prefetch", [False, True], ids=["switch", "prefetch"])
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("point", POINTS, ids=lambda p: p[0] + ("/" + p[1][0] if p[1] else ""))
 def test_a_fault_at_any_step_of_the_engines_turn_leaves_the_training_state_restorable(
-    tiny, tmp_path, engine, point, exc
+    tiny, tmp_path, engine, point, exc, prefetch
 ):
     """An exception as the engine wakes, takes the weights, generates or sleeps (the second
     step's; KeyboardInterrupt too): the policy, its optimizer state and the reference come back
-    with the values they had when that step began, and the timeshare still takes turns."""
+    with the values they had when that step began, and the timeshare still takes turns. With
+    prefetch, a fault in the generation meets the reference's prefetch started behind it."""
     from transformers import TrainerCallback
 
     snaps: list = []
@@ -208,7 +210,7 @@ def test_a_fault_at_any_step_of_the_engines_turn_leaves_the_training_state_resto
     nth = 3 if method == "sleep" else 2
     engine.fail = (method, tags, exc, nth)
     with pytest.raises(exc, match="injected at"):
-        _vllm_run(Faulty, tiny, tmp_path / "ours")
+        _vllm_run(Faulty, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=prefetch))
     trainer = box[0]
     ts = trainer.timeshare
     policy, ref, optim = snaps[-1]
