@@ -16,6 +16,29 @@ from tidal.timeshare.schedule import PhaseSchedule, ScheduleConfig, StepPhases
 TRL_PHASES = StepPhases(order=("policy", "reference", "reward"), turn_phase={"policy": "loss"})
 
 
+class _PolicyResident:
+    """What a schedule reads of a timeshare whose policy is on the device and whose reference
+    (``reference_bytes``) is out; the prefetches it is asked for are put in ``asked``."""
+
+    roles = {"policy": None, "reference": None}
+    ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 0)
+
+    def __init__(self, asked: list, *, reference_bytes: int) -> None:
+        self.asked, self.reference_bytes = asked, reference_bytes
+
+    def is_resident(self, role):
+        return role == "policy"
+
+    def bytes_to_load(self, role):
+        return 0 if self.is_resident(role) else self.reference_bytes
+
+    def role(self, name):
+        return types.SimpleNamespace(optimizer_residency="role")
+
+    def prefetch(self, role, **kw):
+        self.asked.append({"role": role, **kw})
+
+
 def test_a_log_line_inside_a_phase_does_not_reset_what_the_phase_allocated():
     """Issue 26: TRL logs after the optimizer step, inside the backward phase (which holds the
     step). The log's reading restarted the phase, so the next step's optimizer-state prefetch
@@ -83,21 +106,8 @@ def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has
     dev = FakeAllocator()
     memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
     asked: list[dict] = []
-
-    class Timeshare:
-        roles = {"policy": None, "reference": None}
-        ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 0)
-
-        def is_resident(self, role):
-            return role == "policy"
-
-        def bytes_to_load(self, role):
-            return 0 if self.is_resident(role) else 14 * gib
-
-        def prefetch(self, role, **kw):
-            asked.append({"role": role, **kw})
-
-    schedule = PhaseSchedule(Timeshare(), TRL_PHASES, config=ScheduleConfig(prefetch=True), memory=memory)
+    ts = _PolicyResident(asked, reference_bytes=14 * gib)
+    schedule = PhaseSchedule(ts, TRL_PHASES, config=ScheduleConfig(prefetch=True), memory=memory)
     schedule.depth = 1
     dev.set(14 * gib)  # the policy's shards
 
@@ -127,7 +137,7 @@ def test_a_prefetch_started_inside_its_phase_leaves_free_only_what_the_phase_has
     # blocks could not use) is left too; not those there now (the backward's, which the
     # prefetched role's small blocks can use).
     memory.fragments["generate"] = 1 * gib
-    Timeshare.ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 3 * gib)
+    ts.ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 3 * gib)
     generation(gathered=True)
     assert asked[-1]["leave_free_bytes"] == phase_need_bytes(2 * gib) + 1 * gib
 
@@ -407,26 +417,10 @@ def test_bytes_the_allocator_counts_off_the_device_do_not_take_from_the_bound():
     dev = FakeAllocator()
     memory = PhaseMemory(lambda: dev.now, lambda: dev.high, dev.reset)
     asked: list[dict] = []
-
-    class Timeshare:
-        roles = {"policy": None, "reference": None}
-        ops = types.SimpleNamespace(fragmented_free_bytes=lambda: 0)
-
-        def is_resident(self, role):
-            return role == "policy"
-
-        def bytes_to_load(self, role):
-            return 0 if self.is_resident(role) else 7 * gib
-
-        def role(self, name):
-            return types.SimpleNamespace(optimizer_residency="role")
-
-        def prefetch(self, role, **kw):
-            asked.append({"role": role, **kw})
-
     bound = 20 * gib
+    ts = _PolicyResident(asked, reference_bytes=7 * gib)
     schedule = PhaseSchedule(
-        Timeshare(), TRL_PHASES, config=ScheduleConfig(prefetch=True, prefetch_peak_bytes=bound), memory=memory
+        ts, TRL_PHASES, config=ScheduleConfig(prefetch=True, prefetch_peak_bytes=bound), memory=memory
     )
     memory.growth.update(generate=1 * gib, reference=1 * gib)
     dev.set(7 * gib + 10 * gib)  # the policy, and a sleeping engine's 10 GiB still counted
