@@ -10,7 +10,14 @@ from torch.distributed.tensor import DTensor
 
 from tidal.optim import CPUAdam
 
-__all__ = ["own_storages", "place_models_whole", "refuse_host_optimizer", "refuse_settings", "refuse_vllm_launch"]
+__all__ = [
+    "colocated_vllm",
+    "own_storages",
+    "place_models_whole",
+    "refuse_host_optimizer",
+    "refuse_settings",
+    "refuse_vllm_launch",
+]
 
 
 def own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -32,13 +39,18 @@ def own_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
                         st[k] = v.clone()
 
 
+def colocated_vllm(args: Any) -> bool:
+    """The training arguments ask for TRL's vLLM engine in this process (``use_vllm=True``,
+    ``vllm_mode="colocate"``)."""
+    return bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", "colocate") == "colocate"
+
+
 def refuse_settings(args: Any, who: str, tidal: Any = None) -> None:
     """Settings tidal cannot work with, found in the GRPOConfig (and ``tidal``, the
     TidalConfig) before TRL builds anything."""
     if args is None:
         return
-    colocated = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate"
-    if getattr(tidal, "vllm_kv_cache_bytes", None) == "auto" and colocated:
+    if getattr(tidal, "vllm_kv_cache_bytes", None) == "auto" and colocated_vllm(args):
         if getattr(args, "vllm_max_model_length", None) is None:
             raise ValueError(
                 f"{who}: TidalConfig(vllm_kv_cache_bytes='auto') sizes the engine's KV cache for every sequence "

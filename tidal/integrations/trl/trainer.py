@@ -18,6 +18,7 @@ from tidal.integrations.hf import ActivationFigures, CPUAdamClipping, find_layer
 from tidal.distributed.fsdp import reshard_after_no_grad_forward
 from tidal.integrations.seams import check_trainer, check_trainer_class, check_trl_engine, instead
 from tidal.integrations.trl.checks import (
+    colocated_vllm,
     own_storages,
     place_models_whole,
     refuse_host_optimizer,
@@ -210,7 +211,7 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         """TRL generates with vLLM in this process (``vllm_mode="colocate"``): the engine takes
         turns with the roles. In server mode the engine is on other GPUs: the policy is on the
         device while TRL sends its weights and generation asks the server, as with HF generate."""
-        return bool(getattr(self, "use_vllm", False)) and getattr(self, "vllm_mode", "colocate") == "colocate"
+        return colocated_vllm(self)  # TRL keeps use_vllm and vllm_mode on the trainer
 
     @contextlib.contextmanager
     def _engine_sized(self, targs: Any):
@@ -220,8 +221,7 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         dtype, the engine's ``max_num_seqs`` and ``max_model_len``); else as TRL sizes it
         (``vllm_gpu_memory_utilization``)."""
         nbytes = self.tidal_config.vllm_kv_cache_bytes
-        colocated = getattr(targs, "use_vllm", False) and getattr(targs, "vllm_mode", "colocate") == "colocate"
-        if not colocated or nbytes is None:
+        if not colocated_vllm(targs) or nbytes is None:
             yield
             return
         import trl.generation.vllm_generation as backend
@@ -248,8 +248,9 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
     # ---- the phases ---------------------------------------------------------------------------
     def _generate(self, prompts: list):
         if self._colocated_engine() and self._policy_ready():
-            # The engine generates: the policy is its weights' source, then goes (with every other
-            # role) to leave the engine the room, and comes back for its next phase.
+            # The engine generates: the policy is its weights' source, then goes (with the other
+            # roles, or, with prefetch, those that do not fit beside the engine) to leave the
+            # engine the room, and comes back for its next phase.
             # TRL empties the device's cache before it wakes the weights, which waits for every
             # queued copy out (the optimizer state going to the host behind the step): the
             # engine releases it only where the driver lacks the room. Once the KV cache's room
