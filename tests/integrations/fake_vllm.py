@@ -12,6 +12,13 @@ What it keeps of vLLM's behaviour, because TRL and tidal depend on it:
   drops both: a ``wake_up(tags=["weights"])`` after it maps memory whose bytes are garbage
   (here NaN), so a generation without a re-push of the weights is wrong, as vLLM's is (its
   issue 29341).
+* Its memory is a sleep-mode pool as vLLM's ``CuMemAllocator`` keeps it (:class:`FakePool`, one
+  a process, behind ``vllm.device_allocator.get_mem_allocator_instance``): one allocation a
+  weight and one for the KV cache, each tagged. ``wake_up`` maps the allocations of its tags
+  one by one and stops at the first that fails (``RuntimeError: CUDA Error: out of memory``
+  where :attr:`FakeLLM.device_free` says the device lacks the room), those before it left
+  mapped and the engine asleep by its own account; mapping a mapped allocation again fails
+  (``CUDA Error: invalid argument``), as vLLM's second wake after such a failure would.
 * ``llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, t)])``
   copies ``t`` into the engine's parameter of that name.
 * ``generate(prompts, sampling_params)``: each ``{"prompt_token_ids": ids}`` sampled to
@@ -24,9 +31,11 @@ What it keeps of vLLM's behaviour, because TRL and tidal depend on it:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import socket
+import sys
 import types
 from typing import Any
 
@@ -73,6 +82,103 @@ class RequestOutput:
     outputs: list[CompletionOutput]
 
 
+@dataclasses.dataclass
+class AllocationData:
+    """``vllm.device_allocator.AllocationData``: an allocation of the sleep-mode pool."""
+
+    handle: tuple  # (device, size, address, handle): vLLM's HandleType
+    tag: str
+    cpu_backup_tensor: torch.Tensor | None = None
+    is_asleep: bool = False
+
+
+class FakePool:
+    """vLLM's ``CuMemAllocator`` as the double keeps it: the allocations by address, each the
+    storage of one of an engine's tensors (mapped: its bytes allocated; unmapped: none)."""
+
+    instance: "FakePool | None" = None
+    _next = 1 << 44  # addresses no real memory has (ctypes never reads them)
+
+    def __init__(self) -> None:
+        self.pointer_to_data: dict[int, AllocationData] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+
+    def add(self, tensor: torch.Tensor, tag: str) -> int:
+        ptr = FakePool._next
+        FakePool._next += 1 << 32
+        self.pointer_to_data[ptr] = AllocationData(handle=(0, tensor.untyped_storage().nbytes(), ptr, ptr), tag=tag)
+        self.tensors[ptr] = tensor
+        _POOLS[ptr] = self
+        return ptr
+
+    def mapped_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.tensors.values())
+
+    def consistent(self) -> bool:
+        """Every allocation's memory is as the pool counts it: mapped where awake, not where asleep."""
+        return all(
+            (self.tensors[ptr].untyped_storage().nbytes() == 0) == data.is_asleep
+            for ptr, data in self.pointer_to_data.items()
+        )
+
+
+_POOLS: dict[int, FakePool] = {}  # address -> its pool
+
+
+def _storage(ptr: int):
+    return _POOLS[ptr].tensors[ptr].untyped_storage()
+
+
+def create_and_map(allocation_handle: tuple) -> None:
+    """``vllm.device_allocator.cumem.create_and_map``."""
+    _, size, ptr, _ = allocation_handle
+    FakeLLM.maps += 1
+    f = FakeLLM.fail
+    if f is not None and f[0] == "map" and f[1] == (_POOLS[ptr].pointer_to_data[ptr].tag,):
+        FakeLLM._map_seen += 1
+        if FakeLLM._map_seen == f[3]:
+            raise f[2](f"injected at map{f[1]} (call {f[3]})")
+    if _storage(ptr).nbytes():
+        raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp (mapped already)")
+    if FakeLLM.device_free is not None and FakeLLM.device_free() < size:
+        raise RuntimeError("CUDA Error: out of memory at cumem_allocator.cpp")
+    _storage(ptr).resize_(size)
+
+
+def unmap_and_release(allocation_handle: tuple) -> None:
+    """``vllm.device_allocator.cumem.unmap_and_release``."""
+    ptr = allocation_handle[2]
+    if not _storage(ptr).nbytes():
+        raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp (not mapped)")
+    _storage(ptr).resize_(0)
+
+
+class _CudaRT:
+    """``vllm.device_allocator.cumem.libcudart``: ``cudaMemcpy`` between host memory and the
+    pool's allocations (their addresses stand for their tensors' memory)."""
+
+    @staticmethod
+    def cudaMemcpy(dst: int, src: int, count: int) -> None:
+        real = {p: _POOLS[p].tensors[p].data_ptr() for p in (dst, src) if p in _POOLS}
+        ctypes.memmove(real.get(dst, dst), real.get(src, src), count)
+
+
+def install_pool(monkeypatch) -> FakePool:
+    """A fresh :class:`FakePool` for the process, behind the names of vLLM's that tidal reads
+    it by (``vllm.device_allocator``, ``vllm.device_allocator.cumem``)."""
+    pool = FakePool()
+    monkeypatch.setattr(FakePool, "instance", pool)
+    allocator = types.ModuleType("vllm.device_allocator")
+    allocator.AllocationData = AllocationData
+    allocator.get_mem_allocator_instance = lambda: FakePool.instance
+    cumem = types.ModuleType("vllm.device_allocator.cumem")
+    cumem.create_and_map, cumem.unmap_and_release, cumem.libcudart = create_and_map, unmap_and_release, _CudaRT()
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator", allocator)
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    FakeLLM.device_free, FakeLLM.maps, FakeLLM._map_seen = None, 0, 0
+    return pool
+
+
 class _Loader:
     """``model_runner.model``: vLLM's model, of which TRL calls ``load_weights``."""
 
@@ -101,6 +207,11 @@ class FakeLLM:
     fail: tuple[str, tuple | None, type, int] | None = None
     #: called as each generation starts (what the tests read of the trainer then).
     on_generate: Any = None
+    #: the device's free bytes now (a test's account of it), read as each allocation maps;
+    #: None: room for all.
+    device_free: Any = None
+    maps = 0  # allocations mapped by any wake (FakePool's create_and_map)
+    _map_seen = 0
 
     def __init__(
         self,
@@ -111,6 +222,7 @@ class FakeLLM:
         enable_sleep_mode: bool = False,
         seed: int = 0,
         max_model_len: int | None = None,
+        pool: FakePool | None = None,
         **_: Any,
     ) -> None:
         from transformers import AutoModelForCausalLM
@@ -131,7 +243,9 @@ class FakeLLM:
         self.enable_sleep_mode = enable_sleep_mode
         self.generator = torch.Generator().manual_seed(seed)
         self.sleeping_weights = self.sleeping_kv = False
-        self._backup: dict[str, torch.Tensor] | None = None
+        self.pool = pool or FakePool.instance or FakePool()
+        self._allocations = [self.pool.add(p, "weights") for p in self.model.parameters()]
+        self._allocations.append(self.pool.add(self.kv_cache, "kv_cache"))
         self.calls: list[tuple] = []
         self.pushes = 0
         self._seen: dict = {}
@@ -164,12 +278,18 @@ class FakeLLM:
         self._maybe_fail("sleep")
         if not self.enable_sleep_mode:
             raise RuntimeError("Sleep mode is not enabled")
-        if level == 1 and not self.sleeping_weights:
-            self._backup = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        if not self.sleeping_weights:
-            for p in self.model.parameters():
-                p.untyped_storage().resize_(0)
-        self.kv_cache.untyped_storage().resize_(0)
+        if self.sleeping_weights and self.sleeping_kv:
+            return  # vLLM: "Executor is already sleeping."
+        for ptr in self._allocations:  # vLLM's CuMemAllocator.sleep: every allocation, in order
+            data = self.pool.pointer_to_data[ptr]
+            if level == 1 and data.tag == "weights":
+                backup = torch.empty(data.handle[1], dtype=torch.uint8)
+                _CudaRT.cudaMemcpy(backup.data_ptr(), ptr, data.handle[1])
+                data.cpu_backup_tensor = backup
+            try:
+                unmap_and_release(data.handle)
+            finally:
+                data.is_asleep = True
         self.sleeping_weights = self.sleeping_kv = True
         self._level = level
 
@@ -177,19 +297,26 @@ class FakeLLM:
         self.calls.append(("wake_up", tuple(tags) if tags else None))
         self._maybe_fail("wake_up", tuple(tags) if tags else None)
         tags = tags or ["weights", "kv_cache"]
-        if "weights" in tags and self.sleeping_weights:
-            for n, p in self.model.named_parameters():
-                p.untyped_storage().resize_(p.numel() * p.element_size())
-                with torch.no_grad():
-                    if self._backup is not None:
-                        p.copy_(self._backup[n])
-                    else:
-                        p.fill_(math.nan)  # level 2: the bytes are whatever the new memory held
-            self._backup = None
+        asleep = {"weights": self.sleeping_weights, "kv_cache": self.sleeping_kv}
+        if not any(asleep.values()) or not all(asleep[t] for t in tags):
+            return  # vLLM: "Executor is not sleeping." / "Tag ... is not in sleeping tags"
+        for ptr in self._allocations:  # vLLM's CuMemAllocator.wake_up: no check of is_asleep
+            data = self.pool.pointer_to_data[ptr]
+            if data.tag not in tags:
+                continue
+            create_and_map(data.handle)
+            data.is_asleep = False
+            if data.cpu_backup_tensor is not None:
+                _CudaRT.cudaMemcpy(ptr, data.cpu_backup_tensor.data_ptr(), data.handle[1])
+                data.cpu_backup_tensor = None
+            elif data.tag == "weights":
+                self.pool.tensors[ptr].fill_(math.nan)  # level 2: the bytes are whatever the new memory held
+            else:
+                self.pool.tensors[ptr].zero_()
+        # Only a wake that returned changes what the engine counts asleep (vLLM's executor).
+        if "weights" in tags:
             self.sleeping_weights = False
-        if "kv_cache" in tags and self.sleeping_kv:
-            self.kv_cache.untyped_storage().resize_(self.kv_cache_bytes)
-            self.kv_cache.zero_()
+        if "kv_cache" in tags:
             self.sleeping_kv = False
 
     def reset_prefix_cache(self) -> bool:
@@ -237,7 +364,8 @@ class FakeClient:
     instances: list["FakeClient"] = []
 
     def __init__(self, base_url: str | None = None, group_port: int = 51216, connection_timeout: float = 0.0, **_):
-        self.server = FakeLLM(FakeClient.model_path, kv_cache_memory_bytes=1 << 20, seed=0)
+        # The server's engine is in another process: its memory is not this process's pool.
+        self.server = FakeLLM(FakeClient.model_path, kv_cache_memory_bytes=1 << 20, seed=0, pool=FakePool())
         self.calls: list[tuple] = []
         FakeClient.instances.append(self)
 
@@ -291,6 +419,7 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(vg, "RequestOutput", RequestOutput, raising=False)
     monkeypatch.setattr(vg, "VLLMClient", FakeClient, raising=False)
     FakeLLM.instances, FakeLLM.fail, FakeLLM.on_generate = [], None, None
+    install_pool(monkeypatch)
     FakeClient.instances = []
     # TRL's colocate mode writes the rendezvous variables of a world of one into the process's
     # environment as it builds the engine: set here for every run of a test alike, and put back

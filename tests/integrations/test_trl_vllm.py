@@ -170,8 +170,10 @@ def test_an_engine_without_the_surfaces_tidal_uses_is_refused_naming_the_tested_
 
 POINTS = [
     ("wake_up", ("weights",)),
+    ("map", ("weights",)),  # part-way through the weights' wake, some of them mapped
     ("load_weights", None),
     ("wake_up", ("kv_cache",)),
+    ("map", ("kv_cache",)),
     ("generate", None),
     ("sleep", None),
 ]
@@ -206,8 +208,10 @@ def test_a_fault_at_any_step_of_the_engines_turn_leaves_the_training_state_resto
     Faulty, box = _watched(Snapshot())
 
     method, tags = point
-    # The engine's first sleep is at its construction, its first load_weights in the first step.
-    nth = 3 if method == "sleep" else 2
+    # The engine's first sleep is at its construction, its first load_weights in the first step;
+    # a map's count is of every allocation of that tag: the second weight of the second step.
+    weights = len(list(fake_vllm.FakeLLM(tiny).model.parameters()))
+    nth = {"sleep": 3, "map": weights + 2 if tags == ("weights",) else 2}.get(method, 2)
     engine.fail = (method, tags, exc, nth)
     with pytest.raises(exc, match="injected at"):
         _vllm_run(Faulty, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=prefetch))
@@ -221,6 +225,7 @@ def test_a_fault_at_any_step_of_the_engines_turn_leaves_the_training_state_resto
     with ts.use("reference"):
         assert all(torch.equal(v, ref[k]) for k, v in trainer.ref_model.state_dict().items())
         assert held_bytes(next(trainer.ref_model.parameters())) > 0
+    assert fake_vllm.FakePool.instance.consistent()  # the engine's memory as it counts it: it can wake
 
 
 def _optim_state(optimizer) -> dict:
@@ -316,6 +321,32 @@ def test_with_prefetch_the_role_that_scores_next_comes_in_behind_the_engines_gen
     ours = _vllm_run(Watched, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
     _same(plain, ours)
     assert len(seen) == 3 and all(last == [("prefetch", "reference")] for last in seen), seen
+
+
+def test_a_wake_out_of_memory_beside_a_kept_role_wakes_again_with_it_out_and_results_do_not_change(
+    tiny, tmp_path, engine, monkeypatch
+):
+    """With prefetch the engine's turns keep the policy beside the engine's KV cache where the
+    driver read room for it; on a device that turns out shorter (the policy takes more of it
+    than the reading said: what another process took since), the cache's wake runs out of
+    memory. It goes back to sleep, the policy to the host, the engine wakes again (counted in
+    tidal/engine_oom_retries), and the results are TRL + vLLM alone's."""
+    plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    Watched, box = _watched()
+
+    def free() -> int:
+        llm, resident = engine.instances[-1], box[0].timeshare.resident_roles
+        # The device: the engine's weights, the policy (taking a KV cache's worth) and half a cache.
+        policy = llm.kv_cache_bytes if "policy" in resident else 0
+        return llm.weights_bytes + llm.kv_cache_bytes * 3 // 2 - llm.held_bytes() - policy
+
+    engine.device_free = free
+    _fake_capacity(monkeypatch, 1 << 40, box)  # the driver reads room for every role beside the engine
+    ours = _vllm_run(Watched, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
+    _same(plain, ours)
+    retries = [h["tidal/engine_oom_retries"] for h in ours.state.log_history if "loss" in h]
+    assert retries == [0, 1, 1]  # the first turn moved every role (nothing measured yet); then kept it
+    assert fake_vllm.FakePool.instance.consistent()
 
 
 def test_a_trl_without_the_vllm_module_function_tidal_replaces_is_refused(tiny, tmp_path, engine, monkeypatch):

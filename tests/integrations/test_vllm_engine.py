@@ -14,6 +14,12 @@ from tests.integrations.test_trl import save_char_models  # noqa: E402
 from tidal.integrations.vllm import VllmEngine, kv_bytes_per_token  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def pool(monkeypatch):
+    """The double's sleep-mode pool for the process, as vLLM's is (one a process)."""
+    return fake_vllm.install_pool(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
@@ -192,3 +198,125 @@ def test_under_peak_bytes_the_engines_turn_keeps_only_what_fits_below_it(tiny, m
         ts.close()
     with pytest.raises(ValueError, match="peak_bytes must be an int >= 0"):
         VllmEngine(llm, ts, peak_bytes=-1)
+
+
+def _sleep_level_one_and_a_wake_out_of_memory_part_way(tiny, pool):
+    """A level-1 sleep, then a weights wake on a device with room for half the weights: it
+    raises vLLM's out-of-memory error with the first weights mapped, the rest not."""
+    llm = fake_vllm.FakeLLM(tiny, enable_sleep_mode=True, kv_cache_memory_bytes=1 << 20)
+    want = {n: p.detach().clone() for n, p in llm.model.named_parameters()}
+    llm.sleep(level=1)
+    fake_vllm.FakeLLM.device_free = lambda: llm.weights_bytes // 2 - pool.mapped_bytes()
+    sleeping = set(llm._allocations[:-1])
+    with pytest.raises(RuntimeError, match="CUDA Error: out of memory"):
+        llm.wake_up(tags=["weights"])
+    awake = [p for p in sleeping if not pool.pointer_to_data[p].is_asleep]
+    assert awake and len(awake) < len(sleeping)  # part-way
+    return llm, want, sleeping
+
+
+def test_after_a_wake_that_ran_out_of_memory_part_way_a_second_wake_fails_as_vllms_does(tiny, pool):
+    """What the double keeps of vLLM's pool (its wake maps every allocation of the tags again):
+    woken again as it is, the engine fails even with all the room it needs."""
+    llm, _, _ = _sleep_level_one_and_a_wake_out_of_memory_part_way(tiny, pool)
+    fake_vllm.FakeLLM.device_free = None
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        llm.wake_up(tags=["weights"])
+
+
+def test_a_wake_put_back_to_sleep_wakes_again_with_its_level_one_backup_bit_for_bit(tiny, pool):
+    from tidal.integrations.vllm.pool import allocation_bytes, put_back_to_sleep
+
+    llm, want, sleeping = _sleep_level_one_and_a_wake_out_of_memory_part_way(tiny, pool)
+    freed = put_back_to_sleep(sleeping, backed_up=("weights",))
+    assert freed > 0 and pool.consistent() and llm.held_bytes() == 0
+    assert allocation_bytes(sleeping) == llm.weights_bytes
+    fake_vllm.FakeLLM.device_free = None
+    llm.wake_up(tags=["weights"])
+    assert all(torch.equal(p, want[n]) for n, p in llm.model.named_parameters())
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_wake_out_of_memory_beside_a_role_is_put_back_to_sleep_and_woken_with_the_role_out(tiny, pool, level):
+    """A device with room for the engine beside the policy but not beside the reference too,
+    though the driver reads it so (what another process took since): once the wakes were
+    measured (the first turn, every role out), a turn keeps the reference beside the engine, the
+    weights' wake runs out of memory part-way, goes back to sleep, the reference goes to the
+    host, and the engine wakes and generates with the policy's weights (each counted once)."""
+    policy, opt, ts, llm = _setup(tiny)
+    # The device: the engine's memory and half its weights again; the reference, while on it,
+    # takes all but that half.
+    limit = llm.weights_bytes + llm.kv_cache_bytes + llm.weights_bytes // 2
+    reference = llm.weights_bytes + llm.kv_cache_bytes
+    fake_vllm.FakeLLM.device_free = lambda: (
+        limit - pool.mapped_bytes() - (reference if "reference" in ts.resident_roles else 0)
+    )
+    engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20, keep_free_bytes=1 << 20, sleep_level=level)
+    engine.sleep()
+    prompts = [{"prompt_token_ids": [1, 2, 3]}]
+    sp = fake_vllm.SamplingParams(max_tokens=3, logprobs=0)
+    seen = []
+    fake_vllm.FakeLLM.on_generate = lambda running: seen.append(
+        (pool.consistent(), {n: p.clone() for n, p in running.model.named_parameters()})
+    )
+    try:
+        for turn in range(3):
+            with ts.use("policy"):
+                _train_a_little(policy, opt)
+                trained = {n: p.detach().clone() for n, p in policy.named_parameters()}
+            with ts.use("reference"):
+                pass  # the reference on the device, where the engine's turn finds it
+            with engine.generating(policy) as running:
+                running.generate(prompts, sp)
+            assert engine.oom_retries == turn
+            consistent, engine_w = seen[-1]
+            assert consistent and all(torch.equal(engine_w[n], trained[n]) for n in trained)
+            assert llm.held_bytes() == 0 and pool.consistent()
+    finally:
+        fake_vllm.FakeLLM.on_generate = None
+    ts.close()
+
+
+def test_a_wake_out_of_memory_with_every_role_out_is_tidals_error_and_the_engine_sleeps(tiny, pool):
+    """No room for the engine's weights even with every other role out: tidal's
+    InsufficientMemoryError (what the wake needs, what is free), the engine asleep as it
+    counts itself, and a later turn with the room wakes it."""
+    from tidal.errors import InsufficientMemoryError
+
+    policy, opt, ts, llm = _setup(tiny)
+    fake_vllm.FakeLLM.device_free = lambda: llm.weights_bytes // 2 - pool.mapped_bytes()
+    engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20)
+    engine.sleep()
+    with pytest.raises(InsufficientMemoryError, match="waking the engine's weights needs") as caught:
+        with engine.generating(policy):
+            pass
+    assert caught.value.needed_bytes == llm.weights_bytes
+    assert "CUDA Error: out of memory" in str(caught.value.__cause__)
+    assert engine.oom_retries == 1 and llm.held_bytes() == 0 and pool.consistent()
+    assert ts.resident_roles == ["policy"]  # the reference went for the second try; the policy is intact
+    fake_vllm.FakeLLM.device_free = None
+    with ts.use("policy"):
+        trained = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    with engine.generating(policy) as running:
+        assert all(torch.equal(p, trained[n]) for n, p in running.model.named_parameters())
+    ts.close()
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_a_fault_part_way_through_a_wake_puts_it_back_to_sleep(tiny, pool, exc):
+    """Any exception as the pool maps the engine's weights (not only running out of memory)
+    leaves the engine asleep as it counts itself, nothing run again; the next turn wakes it."""
+    policy, opt, ts, llm = _setup(tiny)
+    engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20)
+    engine.sleep()
+    fake_vllm.FakeLLM.fail = ("map", ("weights",), exc, 3)
+    try:
+        with pytest.raises(exc, match="injected at map"):
+            with engine.generating(policy):
+                pass
+    finally:
+        fake_vllm.FakeLLM.fail = None
+    assert engine.oom_retries == 0 and llm.held_bytes() == 0 and pool.consistent()
+    with engine.generating(policy) as running:
+        assert running.generate([{"prompt_token_ids": [1]}], fake_vllm.SamplingParams(max_tokens=2))
+    ts.close()

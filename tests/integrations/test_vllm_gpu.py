@@ -24,10 +24,16 @@ def model_path(tmp_path_factory):
     return str(path)
 
 
-def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_weights(model_path, monkeypatch):
-    import socket
+@pytest.fixture(scope="module")
+def big_model_path(tmp_path_factory):
+    """A model whose weights (480 MiB in bf16) take many allocations of vLLM's pool."""
+    path = tmp_path_factory.mktemp("vllm_big")
+    save_char_models(path, hidden=1024, intermediate=4096, layers=16, heads=8, kv_heads=4)
+    return str(path)
 
-    from transformers import AutoModelForCausalLM
+
+def _world_of_one(monkeypatch) -> None:
+    import socket
 
     # vLLM's in-process launcher reads a world of one from the environment (TRL sets it so).
     with socket.socket() as sock:
@@ -37,13 +43,10 @@ def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_wei
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("MASTER_PORT", str(port))
 
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
-    reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
-    ts = tidal.Timeshare(device="cuda")
-    ts.add_role("policy", model=policy, optimizer=torch.optim.AdamW(policy.parameters(), lr=1e-3))
-    ts.add_role("reference", model=reference, frozen=True)
-    llm = vllm.LLM(
-        model=model_path,
+
+def _llm(path: str):
+    return vllm.LLM(
+        model=path,
         dtype="bfloat16",
         enable_sleep_mode=True,
         enforce_eager=True,
@@ -52,6 +55,18 @@ def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_wei
         distributed_executor_backend="external_launcher",
         seed=0,
     )
+
+
+def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_weights(model_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    _world_of_one(monkeypatch)
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
+    reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
+    ts = tidal.Timeshare(device="cuda")
+    ts.add_role("policy", model=policy, optimizer=torch.optim.AdamW(policy.parameters(), lr=1e-3))
+    ts.add_role("reference", model=reference, frozen=True)
+    llm = _llm(model_path)
     engine = VllmEngine(llm, ts, kv_cache_bytes=256 << 20)
     greedy = vllm.SamplingParams(temperature=0.0, max_tokens=8)
     prompts = [{"prompt_token_ids": [1, 2, 3, 4]}]
@@ -69,4 +84,51 @@ def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_wei
         # Asleep again: what the engine held is the driver's (the roles are out too).
         assert torch.cuda.mem_get_info()[0] >= asleep_free - (256 << 20)
     assert seen == 3 * [[]]
+    ts.close()
+
+
+def test_a_wake_out_of_memory_is_put_back_to_sleep_and_woken_again_with_the_roles_out(big_model_path, monkeypatch):
+    """vLLM's own wake running out of memory (its pool's ``CUDA Error: out of memory``) beside a
+    role the engine's turn kept on a stale measurement of its memory: put back to sleep (its pool
+    as the engine counts it), the role out, woken again; the generation is the one before."""
+    from transformers import AutoModelForCausalLM
+
+    from tidal.integrations.seams import engine_pool
+    from tidal.memory import phase_need_bytes
+
+    _world_of_one(monkeypatch)
+    policy = AutoModelForCausalLM.from_pretrained(big_model_path, dtype=torch.bfloat16).cuda()
+    weights = sum(p.numel() * p.element_size() for p in policy.parameters())
+    ts = tidal.Timeshare(device="cuda")
+    ts.add_role("policy", model=policy, optimizer=torch.optim.SGD(policy.parameters(), lr=1e-3))
+    llm = _llm(big_model_path)
+    engine = VllmEngine(llm, ts, kv_cache_bytes=256 << 20, keep_free_bytes=0)
+    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=8)
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4]}]
+    first = llm.generate(prompts, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    engine.sleep()
+    with engine.generating(policy):
+        pass  # the wakes measured
+    # Stale measurements (as if the engine's memory had been small), a 1 GiB role the turn will
+    # keep by them, and the rest of the device held outside tidal but for room between what the
+    # stale need asks and the weights.
+    engine.woken = {"weights": 1 << 20, "kv_cache": 1 << 20}
+    with ts.use("policy"):
+        pass  # on the device, as after a training step
+    ballast = torch.nn.Linear(1, 1, bias=False, device="cuda", dtype=torch.bfloat16)
+    ballast.weight = torch.nn.Parameter(torch.empty(1 << 29, 1, device="cuda", dtype=torch.bfloat16))
+    ts.add_role("ballast", model=ballast, frozen=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    room = (phase_need_bytes(2 << 20) + weights) // 2
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - room, dtype=torch.uint8, device="cuda")
+    try:
+        with engine.generating(policy) as running:
+            pool, _, _ = engine_pool()
+            assert not any(d.is_asleep for d in pool.pointer_to_data.values())
+            out = running.generate(prompts, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        del filler
+    assert engine.oom_retries == 1 and "ballast" not in ts.resident_roles
+    assert list(out) == list(first)
     ts.close()

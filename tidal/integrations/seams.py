@@ -41,6 +41,8 @@ __all__ = [
     "check_trainer_class",
     "VLLM_SEAMS",
     "TRL_VLLM_SEAMS",
+    "VLLM_POOL_SEAMS",
+    "engine_pool",
     "load_weights_of",
     "instead",
     "module_functions_instead",
@@ -165,6 +167,37 @@ VLLM_SEAMS: tuple[Seam, ...] = (
 )
 _LOAD_WEIGHTS_PATH = ("llm_engine", "model_executor", "driver_worker", "model_runner", "model", "load_weights")
 
+#: vLLM's sleep-mode pool in this process (its ``CuMemAllocator``; checked with
+#: :data:`VLLM_SEAMS`). vLLM's ``wake_up`` maps the pool's allocations one by one and stops at the
+#: first the driver has no room for, those before it left mapped and the engine still asleep by
+#: its own account; waking again would map those a second time. tidal puts such a wake back to
+#: sleep (each allocation that woke unmapped again, its bytes first copied to the host where they
+#: were backed up there) before it makes more room and wakes the engine again.
+VLLM_POOL_SEAMS: tuple[Seam, ...] = (
+    Seam("vllm.device_allocator", "get_mem_allocator_instance", (), "the engine's pool (vLLM's CuMemAllocator)"),
+    Seam("vllm.device_allocator.AllocationData", "handle", kind="field", why="an allocation's mapping"),
+    Seam("vllm.device_allocator.AllocationData", "tag", kind="field", why="weights or kv_cache"),
+    Seam("vllm.device_allocator.AllocationData", "is_asleep", kind="field", why="which allocations woke"),
+    Seam(
+        "vllm.device_allocator.AllocationData",
+        "cpu_backup_tensor",
+        kind="field",
+        why="the host copy a level-1 sleep keeps of the weights",
+    ),
+    Seam(
+        "vllm.device_allocator.cumem",
+        "unmap_and_release",
+        ("allocation_handle",),
+        "an allocation of a failed wake unmapped again",
+    ),
+    Seam(
+        "vllm.device_allocator.cumem.libcudart",
+        "cudaMemcpy",
+        None,
+        "a woken level-1 weight copied back to the host before it is unmapped again",
+    ),
+)
+
 #: What tidal uses of TRL's colocated vLLM (checked when the policy becomes a role beside TRL's
 #: engine): the module's names its ``VLLMGeneration`` builds the engine by (``LLM``: replaced
 #: while TRL builds, to size the KV cache) and empties the device's cache by before a wake
@@ -284,11 +317,21 @@ def load_weights_of(llm: Any) -> Any:
 
 
 def check_engine(llm: Any, *, who: str) -> None:
-    """Raise :class:`SeamError` for each of :data:`VLLM_SEAMS` an in-process ``vllm.LLM`` lacks."""
+    """Raise :class:`SeamError` for each of :data:`VLLM_SEAMS` an in-process ``vllm.LLM`` lacks,
+    and each of :data:`VLLM_POOL_SEAMS` missing from the installed vLLM."""
     problems = [p for p in (seam.problem(type(llm)) for seam in VLLM_SEAMS) if p]
     problems = [p.replace("llm.", type(llm).__name__ + ".", 1) for p in problems]
     _raise(problems, who)
     load_weights_of(llm)
+    check_module_seams(VLLM_POOL_SEAMS, who=who)
+
+
+def engine_pool() -> tuple[Any, Any, Any]:
+    """vLLM's sleep-mode pool of this process, its ``unmap_and_release`` and its ``libcudart``
+    (:data:`VLLM_POOL_SEAMS`, checked as the engine was built)."""
+    cumem = importlib.import_module("vllm.device_allocator.cumem")
+    pool = importlib.import_module("vllm.device_allocator").get_mem_allocator_instance()
+    return pool, cumem.unmap_and_release, cumem.libcudart
 
 
 def check_trl_engine(generation: Any, *, who: str) -> None:

@@ -93,6 +93,7 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         self._tidal_launch = check_launch(self.accelerator, type(self).__name__)
         refuse_vllm_launch(self.args, self._tidal_launch, type(self).__name__)
         self._tidal_engine: VllmEngine | None = None  # TRL's colocated vLLM, once the policy is a role
+        self._tidal_engine_retries_logged = 0  # the engine's wakes run again after OOM, as far as logged
         refuse_host_optimizer(self.optimizer, self._tidal_launch, type(self).__name__)
         if self._tidal_launch == "ddp" or wraps_in_ddp(self.accelerator):
             use_bucket_views(self.accelerator)  # before train() prepares (wraps) the policy
@@ -370,6 +371,9 @@ class TidalRLTrainer(AgainIfOutOfMemory, ActivationFigures, CPUAdamClipping):
         if self.tidal_config.prefetch:
             logs["tidal/oom_retries"] = self._tidal_retries - self._tidal_retries_logged
             self._tidal_retries_logged = self._tidal_retries
+        if self._tidal_engine is not None:
+            logs["tidal/engine_oom_retries"] = self._tidal_engine.oom_retries - self._tidal_engine_retries_logged
+            self._tidal_engine_retries_logged = self._tidal_engine.oom_retries
         logs.update(self._tidal_figures)
         self._tidal_figures.clear()
         for phase, peak in peaks.items():

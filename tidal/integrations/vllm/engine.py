@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
+from tidal.errors import InsufficientMemoryError
 from tidal.integrations.seams import check_engine, instead, load_weights_of
+from tidal.integrations.vllm.pool import allocation_bytes, asleep_allocations, is_out_of_memory, put_back_to_sleep
 from tidal.memory import phase_need_bytes
 
 __all__ = ["VllmEngine", "kv_bytes_per_token", "kv_cache_bytes_for"]
@@ -129,6 +131,8 @@ class VllmEngine:
         self.moves: list[Any] = []  # the timeshare's transitions made for the engine
         self.woken: dict[str, int] = {}  # tag -> the device bytes its last wake took (driver level)
         self._kv_room = False  # the room for the KV cache was made in this turn already
+        self._slept_level = sleep_level  # the level the engine last slept at (TRL's: 2)
+        self.oom_retries = 0  # wakes run again after running out of memory, the roles out
 
     # ---- the hand-over ---------------------------------------------------------------------------
     def _need(self, *tags: str) -> int | None:
@@ -246,12 +250,47 @@ class VllmEngine:
 
     def _wake(self, wake: Any, tags: list[str]) -> Any:
         """``wake()`` for ``tags``, the device bytes it took measured at driver level (what
-        vLLM's pool maps), for the next turns' room."""
+        vLLM's pool maps), for the next turns' room.
+
+        A wake that raises is put back to sleep (:func:`~tidal.integrations.vllm.pool.put_back_to_sleep`:
+        what of it was mapped unmapped again), whatever it raised. Where it ran out of memory,
+        every role that may go goes to the host (all but the policy before the weights wake:
+        their source), the cache goes back to the driver, and the engine wakes once more
+        (counted in :attr:`oom_retries`).
+
+        Raises:
+            InsufficientMemoryError: the wake ran out of memory again with those roles out (the
+                engine asleep, the roles intact).
+        """
         ops = self.timeshare.ops
-        before = ops.driver_free_bytes()[0]
-        out = wake()
-        taken = max(0, before - ops.driver_free_bytes()[0])
         asleep = [t for t in tags if (self.asleep if t == "weights" else self.kv_asleep)]
+        sleeping = asleep_allocations(asleep)
+        backed_up = ("weights",) if self._slept_level == 1 else ()
+        before = ops.driver_free_bytes()[0]
+        try:
+            out = wake()
+        except BaseException as e:
+            put_back_to_sleep(sleeping, backed_up=backed_up)
+            if not is_out_of_memory(e):
+                raise
+            self.oom_retries += 1
+            self._room_after_out_of_memory(asleep)
+            before = ops.driver_free_bytes()[0]
+            try:
+                out = wake()
+            except BaseException as again:
+                put_back_to_sleep(sleeping, backed_up=backed_up)
+                if not is_out_of_memory(again):
+                    raise
+                raise InsufficientMemoryError(
+                    f"waking the engine's {' and '.join(asleep)}",
+                    needed_bytes=allocation_bytes(sleeping),
+                    free_bytes=ops.driver_free_bytes()[0],
+                    hint="Every role that may leave was on the host; the engine sleeps again. Give the engine a "
+                    "smaller KV cache (TidalConfig(vllm_kv_cache_bytes=...), vllm_gpu_memory_utilization) or the "
+                    "device more room (another process's memory, prefetch_peak_bytes)",
+                ) from again
+        taken = max(0, before - ops.driver_free_bytes()[0])
         if len(asleep) == 1:
             self.woken[asleep[0]] = taken
         if "weights" in tags:
@@ -260,10 +299,21 @@ class VllmEngine:
             self.kv_asleep = False
         return out
 
+    def _room_after_out_of_memory(self, tags: list[str]) -> None:
+        """After a wake of ``tags`` ran out of memory: every role not in use to the host (all but
+        the policy while the weights wake: they are pushed from it), the cache to the driver."""
+        ts = self.timeshare
+        for name in list(ts.resident_roles):
+            if ts.role(name).in_use or (name == self.policy and "weights" in tags):
+                continue
+            self._record(ts.offload(name))
+        self._release()
+
     def sleep(self) -> None:
         """The engine's memory back to the driver (``sleep_level``)."""
         self.llm.sleep(level=self.sleep_level)
         self.asleep = self.kv_asleep = True
+        self._slept_level = self.sleep_level
 
     # ---- a trainer that drives the engine ------------------------------------------------------
     @contextlib.contextmanager
@@ -296,6 +346,7 @@ class VllmEngine:
         def put_to_sleep(*args: Any, **kwargs: Any) -> Any:
             out = sleep(*args, **kwargs)
             self.asleep = self.kv_asleep = True
+            self._slept_level = kwargs.get("level", args[0] if args else 1)  # vLLM's default level: 1
             return out
 
         self._kv_room = False  # a new turn: the roles may be back since the last
