@@ -14,13 +14,21 @@ what a prefetch or a keep may bring the device to (``prefetch_peak_bytes``), ``t
 holds all but G GiB of the GPU first (an 80 GB GPU stood in for on an H200); a variant that runs
 out of memory says so in its row.
 
+``--micro N`` trains the 64 completions in micro-batches of N (gradient accumulation; one
+generation a step, as at 64).
+
 Measured after ``--warmup`` steps: each step's wall time (from ``on_step_begin`` to
 ``on_step_end``, the compute stream synchronised at both: not the whole device, whose wait would
 add to the step the copies tidal leaves running on its own stream across the step's end, which
 the next step's work overlaps), each generation's (TRL's ``_generate``, the same way), the peak of the
 device's used memory (``total - free`` from ``cudaMemGetInfo`` sampled every 10 ms, less what the
-capping process holds), and for tidal its transitions and host memory. Prints the variants side
-by side with the ratio to the first ``trl`` run, and writes a JSON per run and one merged JSON.
+capping process holds), each phase's device seconds (``phase_clock.PhaseClock``), and for tidal
+its transitions and host memory. A tidal row's floor is bench_trl.py's: the phases' compute (their
+device seconds less what the steps waited on tidal's copies) plus the optimizer state that cannot
+be on the device beside the weights and gradients (none where it fits) at the host-to-device line
+rate measured in this run; its host memory is read against what tidal holds plus the process's
+baseline. Prints the variants side by side with the ratio to the first ``trl`` run, and writes a
+JSON per run and one merged JSON.
 """
 
 from __future__ import annotations
@@ -78,6 +86,7 @@ def child(variant: str, model_path: str, args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from bench_trl import _char_task
+    from phase_clock import PhaseClock
     from tidal.memory import host_rss_bytes
 
     name, *extras = variant.split("+")
@@ -89,7 +98,8 @@ def child(variant: str, model_path: str, args) -> dict:
         learning_rate=1e-6,
         max_steps=args.warmup + args.steps,
         num_generations=8,
-        per_device_train_batch_size=64,
+        per_device_train_batch_size=args.micro,
+        gradient_accumulation_steps=64 // args.micro,
         max_completion_length=args.completion,
         logging_steps=1,
         report_to=[],
@@ -107,16 +117,26 @@ def child(variant: str, model_path: str, args) -> dict:
     peak = DriverPeak()
     held_by_cap = args.cap_held_bytes
     steps: list[dict] = []
+    phases = PhaseClock(cuda=True)
+    box: list = []  # the trainer, once built
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **kw):
             torch.cuda.current_stream().synchronize()
+            phases.wrap_optimizer(box[0])  # the trainer makes its optimizer in train()
+            phases.take()  # this step's phases only
             self.t0 = time.perf_counter()
             peak.reset()
 
         def on_step_end(self, *a, **kw):
             torch.cuda.current_stream().synchronize()
-            steps.append({"seconds": time.perf_counter() - self.t0, "peak_bytes": peak.peak() - held_by_cap})
+            steps.append(
+                {
+                    "seconds": time.perf_counter() - self.t0,
+                    "peak_bytes": peak.peak() - held_by_cap,
+                    "phase_s": phases.take(),
+                }
+            )
 
     common = dict(
         model=model_path, reward_funcs=_char_task().reward_sevens, args=cfg, train_dataset=data, callbacks=[Clock()]
@@ -151,7 +171,16 @@ def child(variant: str, model_path: str, args) -> dict:
             return r
 
         trainer._generate = timed
+        phases.wrap_trainer(trainer)
+        box.append(trainer)
         trainer.train()
+        weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        out["workload"] = {
+            "device_total_bytes": (args.cap_gib * 2**30) if args.cap_gib else torch.cuda.mem_get_info()[1],
+            "weights_bytes": weights,
+            "grads_bytes": weights,  # full-parameter: a gradient for every weight
+            "optimizer_state_bytes": _optimizer_state_bytes(trainer),
+        }
         out["generate_s"] = gen_s
         hist = [h for h in trainer.state.log_history if "loss" in h]
         out["losses"] = [h.get("loss") for h in hist]
@@ -190,6 +219,34 @@ def child(variant: str, model_path: str, args) -> dict:
     finally:
         peak.stop()
     return out
+
+
+def _optimizer_state_bytes(trainer) -> int:
+    """The bytes of the optimizer's state tensors (their shapes: wherever they are now)."""
+    import torch
+
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    n = 0
+    for st in inner.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                n += v.numel() * v.element_size()
+    return n
+
+
+def _floor(r: dict, line: dict | None, warmup: int) -> dict | None:
+    """bench_trl.py's floor for a tidal row: the phases' compute (their device seconds less the
+    steps' waits on tidal's copies) plus the optimizer state beyond the room beside the weights
+    and gradients at the host-to-device line rate; None without the phases or a line rate."""
+    steps, logs, w = r.get("steps", [])[warmup:], (r.get("tidal_logs") or [])[warmup:], r.get("workload")
+    if not steps or not w or not line or not all("phase_s" in s for s in steps):
+        return None
+    compute = statistics.median(sum(s["phase_s"].values()) for s in steps)
+    exposed = statistics.median(h.get("tidal/exposed_s", 0.0) for h in logs) if logs else 0.0
+    compute = max(0.0, compute - exposed)
+    room = w["device_total_bytes"] - w["weights_bytes"] - w["grads_bytes"]
+    beyond = max(0, w["optimizer_state_bytes"] - room)
+    return {"floor_s": compute + beyond / (line["h2d_gbps"] * 1e9), "compute_s": compute, "beyond_room_bytes": beyond}
 
 
 def _summary(r: dict, warmup: int) -> dict:
@@ -233,6 +290,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--completion", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--micro", type=int, default=64, help="completions a micro-batch (64 / it accumulated)")
     p.add_argument("--cap-gib", type=float, default=None)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--json", default=None)
@@ -249,6 +307,8 @@ def main(argv=None) -> int:
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cap-held-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.micro <= 0 or 64 % args.micro:
+        p.error(f"--micro must divide the 64 completions of a step, got {args.micro}")
     if args._child:
         res = child(args._child, args._model, args)
         with open(args._out, "w") as f:
@@ -257,10 +317,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench_trl import save_model
+    from bench_trl import _line_rate, save_model
 
     model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"bench_vllm_{args.preset}")
     save_model(args.preset, model_dir)
+    line = _line_rate()  # before another process holds the device's memory
+    if line:
+        print(f"line rate: {line}", flush=True)
     cap_proc, held = None, 0
     if args.cap_gib is not None:
         free, total = torch.cuda.mem_get_info()
@@ -283,6 +346,9 @@ def main(argv=None) -> int:
             cmd = [sys.executable, __file__, "--_child", v, "--_out", out, "--_model", model_dir]
             cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--completion", str(args.completion)]
             cmd += ["--max-model-len", str(args.max_model_len), "--cap-held-bytes", str(held)]
+            cmd += ["--micro", str(args.micro)]
+            if args.cap_gib is not None:
+                cmd += ["--cap-gib", str(args.cap_gib)]
             t0 = time.perf_counter()
             try:
                 subprocess.run(cmd, timeout=args.timeout)
@@ -296,6 +362,11 @@ def main(argv=None) -> int:
             res["process_s"] = time.perf_counter() - t0
             res["round"] = rnd
             res["summary"] = _summary(res, args.warmup)
+            if res.get("ok") and res.get("host_held_bytes") is not None:
+                res["summary"].update(_floor(res, line, args.warmup) or {})
+                res["summary"]["host_rss_over_held_plus_baseline"] = res["host_rss_bytes"] / (
+                    res["host_held_bytes"] + res["baseline_rss_bytes"]
+                )
             rows.append(res)
             s = res["summary"]
             print(f"== {v}: ok={res.get('ok')} {s} {res.get('error', '')}", flush=True)
@@ -319,6 +390,12 @@ def main(argv=None) -> int:
             return format(x, fmt) if x is not None else "-".rjust(width)
 
         note = r.get("error", "")[:80] if not r.get("ok") else ""
+        if s.get("floor_s"):
+            note = (
+                f"floor {s['floor_s']:.3f} s (compute {s['compute_s']:.3f} + "
+                f"{s['beyond_room_bytes'] / 1e9:.1f} GB beyond the room): {s['step_s'] / s['floor_s']:.3f}x; "
+                f"host RSS {s['host_rss_over_held_plus_baseline']:.3f}x held + baseline"
+            )
         print(
             f"{r['variant']:<22}{f(s['step_s'], '9.3f')}{f(ratio, '8.3f')}{f(s['generate_s'], '8.3f')}"
             f"{f(s['peak_gib'], '10.2f')}{f(pratio, '8.3f')}  {s['n']:>5}  {note}"
@@ -329,7 +406,15 @@ def main(argv=None) -> int:
         interval = f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "needs 6 rounds or more"
         print(f"paired, {v}: step {st['ratio_median']:.3f}x TRL + vLLM's (median of {st['n']} rounds; 95% {interval})")
     if args.json:
-        out = {"gpu": gpu, "versions": versions, "preset": args.preset, "cap_gib": args.cap_gib, "rows": rows}
+        out = {
+            "gpu": gpu,
+            "versions": versions,
+            "preset": args.preset,
+            "cap_gib": args.cap_gib,
+            "micro": args.micro,
+            "line_rate": line,
+            "rows": rows,
+        }
         with open(args.json, "w") as f:
             json.dump({**out, "paired": paired}, f)
     return 0

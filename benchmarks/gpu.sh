@@ -45,9 +45,13 @@
 #                            (VLLM_VARIANTS, trl,tidal; VLLM_STEPS, 4)
 #                7b          the same at Qwen2-7B bf16 (VLLM_VARIANTS7B)
 #                7b80        7B with another process holding all but 80 GiB (VLLM_VARIANTS80)
+#                14b         the Qwen2.5-14B shape bf16, 64 x 256 in micro-batches of VLLM_MICRO14B (16),
+#                            VLLM_STEPS14B (10) steps (VLLM_VARIANTS14B: tidal+role+prefetch+kv=auto, then
+#                            trl), vLLM's max model length VLLM_LEN14B (320)
 #                paired      VLLM_PRESET (qwen2-1.5b), VLLM_ROUNDS (6) rounds of VLLM_VARIANTS_PAIRED
 #                            (trl,tidal+prefetch), the order reversed every other round: the median
 #                            step ratio and its 95% interval
+#               VLLM_ARGS: more bench_trl_vllm.py flags for each of these (e.g. --max-model-len 320)
 #               vLLM arrives as parts (benchmarks/fetch_wheels.sh vllm; benchmarks/vllm_stage.sh):
 #               each call carries one part of .vllm/, the call that completes them unpacks it
 #   vmm         *tests       tests/vmm and the region-role tests
@@ -165,7 +169,7 @@ declare -A EXTRA=(
   [lease]="processes"
   [deepspeed]="bench-1.5b"
   [multi]="ddp7b copies decode save zero3 fsdp4"
-  [vllm]="7b 7b80 paired"
+  [vllm]="7b 7b80 14b paired"
 )
 ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two multi"
 
@@ -376,13 +380,19 @@ vllm_bench() {  # vllm_bench LOG PRESET VARIANTS TAGNAME [ARGS...]
   shift 4
   need_vllm || return 0
   run "$log" timeout "$(limit "${BENCH_TIMEOUT:-590}")" python3 benchmarks/bench_trl_vllm.py --preset "$preset" \
-    --variants "$variants" --steps "${VLLM_STEPS:-4}" --warmup 1 --json "$OUT/vllm_${name}_$TAG.json" "$@"
+    --variants "$variants" --steps "${VLLM_STEPS:-4}" --warmup 1 --json "$OUT/vllm_${name}_$TAG.json" "$@" \
+    ${VLLM_ARGS:-}
 }
 p_vllm_bench() { vllm_bench vllm_bench.log qwen2-1.5b "${VLLM_VARIANTS:-trl,tidal}" 1.5b; }
 p_vllm_7b() { vllm_bench vllm_bench7b.log qwen2-7b "${VLLM_VARIANTS7B:-trl,tidal}" 7b; }
 p_vllm_paired() {
   vllm_bench vllm_paired.log "${VLLM_PRESET:-qwen2-1.5b}" "${VLLM_VARIANTS_PAIRED:-trl,tidal+prefetch}" paired \
     --rounds "${VLLM_ROUNDS:-6}"
+}
+p_vllm_14b() {
+  VLLM_STEPS="${VLLM_STEPS14B:-10}" vllm_bench vllm_bench14b.log qwen2.5-14b \
+    "${VLLM_VARIANTS14B:-tidal+role+prefetch+kv=auto,trl}" 14b --micro "${VLLM_MICRO14B:-16}" \
+    --max-model-len "${VLLM_LEN14B:-320}"
 }
 p_vllm_7b80() { vllm_bench vllm_bench7b80.log qwen2-7b "${VLLM_VARIANTS80:-trl,tidal+kv=4}" 7b80 --cap-gib 80; }
 
