@@ -137,6 +137,12 @@ def child(variant: str, model_path: str, args) -> dict:
                     "phase_s": phases.take(),
                 }
             )
+            s = steps[-1]  # as it goes: a run cut short keeps its steps in the log
+            print(
+                f"[bench_trl_vllm] {variant} step {len(steps)}: {s['seconds']:.3f} s, peak "
+                f"{s['peak_bytes'] / 2**30:.2f} GiB, phases {sum(s['phase_s'].values()):.3f} s",
+                flush=True,
+            )
 
     common = dict(
         model=model_path, reward_funcs=_char_task().reward_sevens, args=cfg, train_dataset=data, callbacks=[Clock()]

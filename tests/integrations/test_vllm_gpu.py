@@ -19,57 +19,51 @@ from tidal.integrations.vllm import VllmEngine  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm_tiny")
-    save_char_models(path, hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def big_model_path(tmp_path_factory):
     """A model whose weights (480 MiB in bf16) take many allocations of vLLM's pool."""
-    path = tmp_path_factory.mktemp("vllm_big")
+    path = tmp_path_factory.mktemp("vllm_model")
     save_char_models(path, hidden=1024, intermediate=4096, layers=16, heads=8, kv_heads=4)
     return str(path)
 
 
-def _world_of_one(monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def llm(model_path):
+    """One engine for the module: vLLM's pool takes one engine a process."""
     import socket
 
-    # vLLM's in-process launcher reads a world of one from the environment (TRL sets it so).
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.MonkeyPatch.context() as mp:
+        # vLLM's in-process launcher reads a world of one from the environment (TRL sets it so).
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}.items():
+            mp.setenv(k, v)
+        mp.setenv("MASTER_PORT", str(port))
+        yield vllm.LLM(
+            model=model_path,
+            dtype="bfloat16",
+            enable_sleep_mode=True,
+            enforce_eager=True,
+            kv_cache_memory_bytes=256 << 20,
+            max_model_len=64,
+            distributed_executor_backend="external_launcher",
+            seed=0,
+        )
 
 
-def _llm(path: str):
-    return vllm.LLM(
-        model=path,
-        dtype="bfloat16",
-        enable_sleep_mode=True,
-        enforce_eager=True,
-        kv_cache_memory_bytes=256 << 20,
-        max_model_len=64,
-        distributed_executor_backend="external_launcher",
-        seed=0,
-    )
+GREEDY = dict(temperature=0.0, max_tokens=8)
+PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4]}]
 
 
-def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_weights(model_path, monkeypatch):
+def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_weights(model_path, llm):
     from transformers import AutoModelForCausalLM
 
-    _world_of_one(monkeypatch)
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
     ts = tidal.Timeshare(device="cuda")
     ts.add_role("policy", model=policy, optimizer=torch.optim.AdamW(policy.parameters(), lr=1e-3))
     ts.add_role("reference", model=reference, frozen=True)
-    llm = _llm(model_path)
     engine = VllmEngine(llm, ts, kv_cache_bytes=256 << 20)
-    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=8)
-    prompts = [{"prompt_token_ids": [1, 2, 3, 4]}]
+    greedy, prompts = vllm.SamplingParams(**GREEDY), PROMPTS
     first = llm.generate(prompts, greedy, use_tqdm=False)[0].outputs[0].token_ids
     engine.sleep()
     torch.cuda.synchronize()
@@ -87,7 +81,7 @@ def test_the_engine_takes_turns_with_the_roles_and_generates_with_the_pushed_wei
     ts.close()
 
 
-def test_a_wake_out_of_memory_is_put_back_to_sleep_and_woken_again_with_the_roles_out(big_model_path, monkeypatch):
+def test_a_wake_out_of_memory_is_put_back_to_sleep_and_woken_again_with_the_roles_out(model_path, llm):
     """vLLM's own wake running out of memory (its pool's ``CUDA Error: out of memory``) beside a
     role the engine's turn kept on a stale measurement of its memory: put back to sleep (its pool
     as the engine counts it), the role out, woken again; the generation is the one before."""
@@ -96,19 +90,14 @@ def test_a_wake_out_of_memory_is_put_back_to_sleep_and_woken_again_with_the_role
     from tidal.integrations.seams import engine_pool
     from tidal.memory import phase_need_bytes
 
-    _world_of_one(monkeypatch)
-    policy = AutoModelForCausalLM.from_pretrained(big_model_path, dtype=torch.bfloat16).cuda()
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
     weights = sum(p.numel() * p.element_size() for p in policy.parameters())
     ts = tidal.Timeshare(device="cuda")
     ts.add_role("policy", model=policy, optimizer=torch.optim.SGD(policy.parameters(), lr=1e-3))
-    llm = _llm(big_model_path)
-    engine = VllmEngine(llm, ts, kv_cache_bytes=256 << 20, keep_free_bytes=0)
-    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=8)
-    prompts = [{"prompt_token_ids": [1, 2, 3, 4]}]
-    first = llm.generate(prompts, greedy, use_tqdm=False)[0].outputs[0].token_ids
-    engine.sleep()
-    with engine.generating(policy):
-        pass  # the wakes measured
+    engine = VllmEngine(llm, ts, kv_cache_bytes=256 << 20, keep_free_bytes=0, asleep=True)  # the test above's sleep
+    greedy, prompts = vllm.SamplingParams(**GREEDY), PROMPTS
+    with engine.generating(policy) as running:  # the wakes measured
+        first = running.generate(prompts, greedy, use_tqdm=False)[0].outputs[0].token_ids
     # Stale measurements (as if the engine's memory had been small), a 1 GiB role the turn will
     # keep by them, and the rest of the device held outside tidal but for room between what the
     # stale need asks and the weights.
