@@ -144,10 +144,13 @@ class VllmEngine:
         wake = self._wake_bytes(*tags)
         if wake is None:
             return None
+        ops = self.timeshare.ops
         above = 0
         if self.peak_bytes is not None:
-            above = max(0, self.timeshare.ops.driver_free_bytes()[1] - self.peak_bytes)
-        return wake + self.keep_free_bytes + above
+            above = max(0, ops.driver_free_bytes()[1] - self.peak_bytes)
+        # vLLM's pool maps memory from the driver: the free pieces of torch's partly used segments
+        # (the backward's fragments) count as free to a role's load but cannot go back to it.
+        return wake + self.keep_free_bytes + above + ops.fragmented_free_bytes()
 
     def _wake_bytes(self, *tags: str) -> int | None:
         """What waking ``tags`` (those asleep) takes at driver level, +10% and 256 MiB (0: all
@@ -197,8 +200,10 @@ class VllmEngine:
         self._release(self._wake_bytes("kv_cache"))
 
     def _free_bytes(self) -> int:
+        """What vLLM's pool could map once torch's cache is released: the driver's free memory
+        and the cache's whole free segments (not the pieces of partly used ones)."""
         ops = self.timeshare.ops
-        return ops.driver_free_bytes()[0] + ops.cached_free_bytes()
+        return ops.driver_free_bytes()[0] + ops.cached_free_bytes() - ops.fragmented_free_bytes()
 
     def _release(self, wake_bytes: int | None = None) -> None:
         """What torch's cache holds goes back to the driver, where vLLM's pool takes its memory
@@ -254,9 +259,9 @@ class VllmEngine:
 
         A wake that raises is put back to sleep (:func:`~tidal.integrations.vllm.pool.put_back_to_sleep`:
         what of it was mapped unmapped again), whatever it raised. Where it ran out of memory,
-        every role that may go goes to the host (all but the policy before the weights wake:
-        their source), the cache goes back to the driver, and the engine wakes once more
-        (counted in :attr:`oom_retries`).
+        every role that may go goes to the host (before the weights wake, of the policy only its
+        optimizer state and gradients: its weights are their source), the cache goes back to the
+        driver, and the engine wakes once more (counted in :attr:`oom_retries`).
 
         Raises:
             InsufficientMemoryError: the wake ran out of memory again with those roles out (the
@@ -300,13 +305,17 @@ class VllmEngine:
         return out
 
     def _room_after_out_of_memory(self, tags: list[str]) -> None:
-        """After a wake of ``tags`` ran out of memory: every role not in use to the host (all but
-        the policy while the weights wake: they are pushed from it), the cache to the driver."""
+        """After a wake of ``tags`` ran out of memory: every role not in use to the host (while
+        the weights wake, of the policy only its optimizer state and gradients: its weights are
+        pushed from it), the cache to the driver."""
         ts = self.timeshare
         for name in list(ts.resident_roles):
-            if ts.role(name).in_use or (name == self.policy and "weights" in tags):
+            if ts.role(name).in_use:
                 continue
-            self._record(ts.offload(name))
+            if name == self.policy and "weights" in tags:
+                self._record(ts.offload_optimizer_state(name, grads=True))
+            else:
+                self._record(ts.offload(name))
         self._release()
 
     def sleep(self) -> None:
