@@ -271,30 +271,26 @@ class VllmEngine:
         asleep = [t for t in tags if (self.asleep if t == "weights" else self.kv_asleep)]
         sleeping = asleep_allocations(asleep)
         backed_up = ("weights",) if self._slept_level == 1 else ()
-        before = ops.driver_free_bytes()[0]
-        try:
-            out = wake()
-        except BaseException as e:
-            put_back_to_sleep(sleeping, backed_up=backed_up)
-            if not is_out_of_memory(e):
-                raise
-            self.oom_retries += 1
-            self._room_after_out_of_memory(asleep)
+        for retry in (False, True):
             before = ops.driver_free_bytes()[0]
             try:
                 out = wake()
-            except BaseException as again:
+                break
+            except BaseException as e:
                 put_back_to_sleep(sleeping, backed_up=backed_up)
-                if not is_out_of_memory(again):
+                if not is_out_of_memory(e):
                     raise
-                raise InsufficientMemoryError(
-                    f"waking the engine's {' and '.join(asleep)}",
-                    needed_bytes=allocation_bytes(sleeping),
-                    free_bytes=ops.driver_free_bytes()[0],
-                    hint="Every role that may leave was on the host; the engine sleeps again. Give the engine a "
-                    "smaller KV cache (TidalConfig(vllm_kv_cache_bytes=...), vllm_gpu_memory_utilization) or the "
-                    "device more room (another process's memory, prefetch_peak_bytes)",
-                ) from again
+                if retry:
+                    raise InsufficientMemoryError(
+                        f"waking the engine's {' and '.join(asleep)}",
+                        needed_bytes=allocation_bytes(sleeping),
+                        free_bytes=ops.driver_free_bytes()[0],
+                        hint="Every role that may leave was on the host; the engine sleeps again. Give the engine "
+                        "a smaller KV cache (TidalConfig(vllm_kv_cache_bytes=...), vllm_gpu_memory_utilization) or "
+                        "the device more room (another process's memory, prefetch_peak_bytes)",
+                    ) from e
+                self.oom_retries += 1
+                self._room_after_out_of_memory(asleep)
         taken = max(0, before - ops.driver_free_bytes()[0])
         if len(asleep) == 1:
             self.woken[asleep[0]] = taken
