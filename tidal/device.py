@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "DeviceOps",
     "HostMemory",
+    "RandomState",
     "SyncPolicy",
     "host_available_bytes",
     "host_memory",
@@ -31,6 +32,21 @@ __all__ = [
     "sync_policy",
     "use_sync_policy",
 ]
+
+
+class RandomState:
+    """The state of the random generators work on ``device`` draws from (the host's and, on
+    CUDA, the device's default generator), to run that work again from the same draws."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = torch.get_rng_state()
+        self.on_device = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.host)
+        if self.on_device is not None:
+            torch.cuda.set_rng_state(self.on_device, self.device)
 
 
 class SyncPolicy:

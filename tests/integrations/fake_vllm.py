@@ -1,7 +1,7 @@
 """A test double of the part of vLLM's ``LLM`` that TRL's colocate mode and tidal call, for CPU
 tests only (the GPU runs use vLLM itself): a real small Hugging Face model of its own (the
 engine's copy of the weights), a KV cache of real memory sized as vLLM sizes it, sleep levels
-1 and 2 that release both, and sampling with the engine's own generator.
+1 and 2 that release both, and sampling with the process's random generator, as vLLM's.
 
 What it keeps of vLLM's behaviour, because TRL and tidal depend on it:
 
@@ -23,8 +23,14 @@ What it keeps of vLLM's behaviour, because TRL and tidal depend on it:
   copies ``t`` into the engine's parameter of that name.
 * ``generate(prompts, sampling_params)``: each ``{"prompt_token_ids": ids}`` sampled to
   ``max_tokens`` tokens (or an end token) at ``temperature``, with the per-token log-probability
-  of the sampled token (``logprobs=0``), from one generator seeded by ``seed`` at construction.
-  A generation while asleep raises, as vLLM's would crash.
+  of the sampled token (``logprobs=0``), from torch's default generator, seeded with ``seed`` at
+  construction (vLLM samples requests without a seed of their own from the device's default
+  generator). A generation while asleep raises, as vLLM's would crash.
+* A generation's requests stay the engine's until they finish
+  (``llm_engine.output_processor.request_states``); one that raised leaves them there, and the
+  next generation returns their outputs too (vLLM's ``generate`` collects every request that
+  finishes), unless ``llm_engine.abort_request(ids, internal=True)`` dropped them. A failure
+  injected at ``("decode", None, exc, k)`` raises at the k-th decoded token, mid-generation.
 
 :func:`install` puts it where TRL's ``trl.generation.vllm_generation`` looks for vLLM.
 """
@@ -241,7 +247,9 @@ class FakeLLM:
         self.kv_cache_bytes = kv_cache_memory_bytes
         self.kv_cache = torch.zeros(kv_cache_memory_bytes, dtype=torch.uint8)
         self.enable_sleep_mode = enable_sleep_mode
-        self.generator = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)  # vLLM's engine seeds the process's generators as it starts
+        self.request_states: dict[str, list[int]] = {}  # unfinished requests: id -> prompt ids
+        self._next_request = 0
         self.sleeping_weights = self.sleeping_kv = False
         self.pool = pool or FakePool.instance or FakePool()
         self._allocations = [self.pool.add(p, "weights") for p in self.model.parameters()]
@@ -252,6 +260,8 @@ class FakeLLM:
         limit = max_model_len or getattr(self.model.config, "max_position_embeddings", 2048)
         self.llm_engine = types.SimpleNamespace(
             model_config=types.SimpleNamespace(max_model_len=limit),
+            output_processor=types.SimpleNamespace(request_states=self.request_states),
+            abort_request=self._abort_request,
             model_executor=types.SimpleNamespace(
                 driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=_Loader(self)))
             ),
@@ -319,6 +329,12 @@ class FakeLLM:
         if "kv_cache" in tags:
             self.sleeping_kv = False
 
+    def _abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        """``llm_engine.abort_request``: the requests dropped."""
+        self.calls.append(("abort_request", len(request_ids)))
+        for rid in request_ids:
+            self.request_states.pop(rid, None)
+
     def reset_prefix_cache(self) -> bool:
         self.calls.append(("reset_prefix_cache",))
         return True
@@ -334,23 +350,32 @@ class FakeLLM:
             raise RuntimeError("generate() while the engine sleeps: its memory is unmapped")
         sp = sampling_params or SamplingParams()
         eos = getattr(self.model.config, "eos_token_id", None)
-        out = []
+        # Requests an earlier generation left unfinished run too, and are returned with these.
+        stale = [(rid, ids) for rid, ids in self.request_states.items()]
+        mine = []
         for prompt in prompts:
-            ids = list(prompt["prompt_token_ids"])
+            rid = str(self._next_request)
+            self._next_request += 1
+            self.request_states[rid] = list(prompt["prompt_token_ids"])
+            mine.append((rid, list(prompt["prompt_token_ids"])))
+        out = []
+        for rid, ids in stale + mine:
             completions = []
             for _ in range(sp.n):
                 seq, toks, lps = torch.tensor([ids]), [], []
                 for _ in range(sp.max_tokens):
+                    self._maybe_fail("decode")
                     logits = self.model(input_ids=seq).logits[0, -1].float()
                     logits = logits / max(sp.temperature, 1e-6)
                     logp = torch.log_softmax(logits, dim=-1)
-                    tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator))
+                    tok = int(torch.multinomial(logp.exp(), 1))
                     toks.append(tok)
                     lps.append({tok: Logprob(float(logp[tok]), rank=1)})
                     seq = torch.cat([seq, torch.tensor([[tok]])], dim=1)
                     if eos is not None and tok == eos:
                         break
                 completions.append(CompletionOutput(token_ids=toks, logprobs=lps if sp.logprobs is not None else None))
+            del self.request_states[rid]
             out.append(RequestOutput(prompt_token_ids=ids, outputs=completions))
         return out
 

@@ -175,6 +175,7 @@ POINTS = [
     ("wake_up", ("kv_cache",)),
     ("map", ("kv_cache",)),
     ("generate", None),
+    ("decode", None),  # part-way through a generation (the first step's), its requests unfinished
     ("sleep", None),
 ]
 
@@ -226,6 +227,7 @@ def test_a_fault_at_any_step_of_the_engines_turn_leaves_the_training_state_resto
         assert all(torch.equal(v, ref[k]) for k, v in trainer.ref_model.state_dict().items())
         assert held_bytes(next(trainer.ref_model.parameters())) > 0
     assert fake_vllm.FakePool.instance.consistent()  # the engine's memory as it counts it: it can wake
+    assert trainer.vllm_generation.llm.request_states == {}  # no request left to come back in the next
 
 
 def _optim_state(optimizer) -> dict:
@@ -347,6 +349,27 @@ def test_a_wake_out_of_memory_beside_a_kept_role_wakes_again_with_it_out_and_res
     retries = [h["tidal/engine_oom_retries"] for h in ours.state.log_history if "loss" in h]
     assert retries == [0, 1, 1]  # the first turn moved every role (nothing measured yet); then kept it
     assert fake_vllm.FakePool.instance.consistent()
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["switch", "prefetch"])
+def test_a_generation_out_of_memory_runs_again_and_results_do_not_change(tiny, tmp_path, engine, prefetch):
+    """The engine runs out of memory part-way through the second step's generation (the
+    reference coming in behind it, with prefetch): its requests are dropped, every role not in
+    use leaves, and it generates again from the same random draws (counted in
+    tidal/engine_oom_retries): the logs and weights are TRL + vLLM alone's."""
+    # TRL + vLLM alone, the tokens each generation decodes counted (a failure never reached).
+    engine.fail = ("decode", None, RuntimeError, 1 << 30)
+    starts: list[int] = []
+    engine.on_generate = lambda llm: starts.append(llm._seen.get(("decode", None), 0))
+    plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain")
+    engine.on_generate = None
+    assert len(starts) == 3 and starts[1] > 0
+    engine.fail = ("decode", None, torch.OutOfMemoryError, starts[1] + 3)  # in the second generation
+    ours = _vllm_run(TidalGRPOTrainer, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=prefetch))
+    _same(plain, ours)
+    retries = [h["tidal/engine_oom_retries"] for h in ours.state.log_history if "loss" in h]
+    assert sum(retries) == 1 and retries[0] == 0
+    assert ours.vllm_generation.llm.request_states == {}
 
 
 def test_a_trl_without_the_vllm_module_function_tidal_replaces_is_refused(tiny, tmp_path, engine, monkeypatch):

@@ -320,3 +320,65 @@ def test_a_fault_part_way_through_a_wake_puts_it_back_to_sleep(tiny, pool, exc):
     with engine.generating(policy) as running:
         assert running.generate([{"prompt_token_ids": [1]}], fake_vllm.SamplingParams(max_tokens=2))
     ts.close()
+
+
+def test_a_generation_that_raised_leaves_its_requests_and_the_next_returns_them_as_vllms_does(tiny, pool):
+    """What the double keeps of vLLM's engine: a generation that raised part-way leaves its
+    requests unfinished, and the next generation returns their outputs beside its own."""
+    llm = fake_vllm.FakeLLM(tiny, kv_cache_memory_bytes=1 << 20)
+    sp = fake_vllm.SamplingParams(max_tokens=3)
+    fake_vllm.FakeLLM.fail = ("decode", None, KeyboardInterrupt, 2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([{"prompt_token_ids": [1, 2]}], sp)
+    finally:
+        fake_vllm.FakeLLM.fail = None
+    assert len(llm.generate([{"prompt_token_ids": [3]}], sp)) == 2
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_a_generation_that_raises_in_a_turn_leaves_no_request_behind(tiny, pool, exc):
+    policy, opt, ts, llm = _setup(tiny)
+    engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20)
+    sp = fake_vllm.SamplingParams(max_tokens=3)
+    fake_vllm.FakeLLM.fail = ("decode", None, exc, 2)
+    try:
+        with pytest.raises(exc, match="injected at decode"):
+            with engine.generating(policy) as running:
+                running.generate([{"prompt_token_ids": [1, 2]}], sp)
+    finally:
+        fake_vllm.FakeLLM.fail = None
+    assert llm.request_states == {} and engine.oom_retries == 0
+    with engine.generating(policy) as running:
+        assert len(running.generate([{"prompt_token_ids": [3]}], sp)) == 1
+    ts.close()
+
+
+def test_a_generation_out_of_memory_runs_again_with_the_roles_out_from_the_same_draws(tiny, pool):
+    """Out of memory part-way through a generation beside a kept role: its requests dropped,
+    the role out, and the generation run again from the same random draws: the tokens of a
+    turn that never kept the role."""
+    import torch
+
+    prompts, sp = [{"prompt_token_ids": [1, 2, 3]}], fake_vllm.SamplingParams(n=2, max_tokens=4, logprobs=0)
+    runs = {}
+    for fail in (False, True):
+        policy, opt, ts, llm = _setup(tiny)
+        llm.sleep(level=2)
+        engine = VllmEngine(llm, ts, kv_cache_bytes=1 << 20, keep_free_bytes=1 << 20, asleep=True)
+        with engine.generating(policy):
+            pass  # measured: the next turn keeps the policy beside the engine
+        torch.manual_seed(7)
+        if fail:
+            fake_vllm.FakeLLM.fail = ("decode", None, torch.OutOfMemoryError, 3)
+        try:
+            with engine.generating(policy) as running:
+                outs = running.generate(prompts, sp)
+                resident = ts.resident_roles
+        finally:
+            fake_vllm.FakeLLM.fail = None
+        runs[fail] = ([c.token_ids for c in outs[0].outputs], engine.oom_retries, resident)
+        ts.close()
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 2
+    assert runs[False][1] == 0 and "policy" in runs[False][2]
+    assert runs[True][1:] == (1, [])

@@ -42,6 +42,7 @@ __all__ = [
     "VLLM_SEAMS",
     "TRL_VLLM_SEAMS",
     "VLLM_POOL_SEAMS",
+    "abort_unfinished",
     "engine_pool",
     "load_weights_of",
     "instead",
@@ -323,7 +324,26 @@ def check_engine(llm: Any, *, who: str) -> None:
     problems = [p.replace("llm.", type(llm).__name__ + ".", 1) for p in problems]
     _raise(problems, who)
     load_weights_of(llm)
+    engine = getattr(llm, "llm_engine", None)
+    problems = []
+    if not isinstance(getattr(getattr(engine, "output_processor", None), "request_states", None), dict):
+        problems.append("LLM.llm_engine.output_processor.request_states is missing [a failed generation's requests]")
+    abort = Seam("llm_engine", "abort_request", ("request_ids", "internal"), "a failed generation's requests dropped")
+    if engine is not None and (p := abort.problem(engine)):
+        problems.append(p.replace("llm_engine.", "LLM.llm_engine.", 1) + f" [{abort.why}]")
+    _raise(problems, who)
     check_module_seams(VLLM_POOL_SEAMS, who=who)
+
+
+def abort_unfinished(llm: Any) -> int:
+    """Drop the requests an in-process ``vllm.LLM`` holds unfinished (a ``generate`` that raised
+    leaves them, and the next one would return their outputs with its own): its engine's
+    ``abort_request`` of its output processor's ``request_states``. Returns how many."""
+    engine = llm.llm_engine
+    ids = list(engine.output_processor.request_states)
+    if ids:
+        engine.abort_request(ids, internal=True)
+    return len(ids)
 
 
 def engine_pool() -> tuple[Any, Any, Any]:

@@ -46,7 +46,8 @@ What it does, on the trainer's one device:
   roles counts as taken.
   With TRL's colocated vLLM engine, ``tidal/engine_gib/weights`` and ``.../kv_cache``: what its
   last wakes took at driver level, and ``tidal/engine_oom_retries``: its wakes that ran out of
-  memory, were put back to sleep and woke again once every role that may leave had left.
+  memory, were put back to sleep and woke again once every role that may leave had left, and its
+  generations that ran out of memory and ran again so.
 * ``save_model``, checkpoints and resume read and write the state wherever it is (tidal's
   state-dict hooks), so saving with the reference offloaded or the optimizer state on the
   host writes the real values.

@@ -13,26 +13,12 @@ from typing import Any, Callable
 
 import torch
 
+from tidal.device import RandomState
 from tidal.integrations.trl.launch import decodes_in_step
 from tidal.integrations.seams import instead
 from tidal.memory import phase_need_bytes
 
-__all__ = ["AgainIfOutOfMemory", "RandomState"]
-
-
-class RandomState:
-    """The state of the random generators a phase draws from (the host's and, on CUDA, the
-    device's default generator), to run the phase again from the same draws."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.host = torch.get_rng_state()
-        self.on_device = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.host)
-        if self.on_device is not None:
-            torch.cuda.set_rng_state(self.on_device, self.device)
+__all__ = ["AgainIfOutOfMemory"]
 
 
 class AgainIfOutOfMemory:

@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
+from tidal.device import RandomState
 from tidal.errors import InsufficientMemoryError
-from tidal.integrations.seams import check_engine, instead, load_weights_of
+from tidal.integrations.seams import abort_unfinished, check_engine, instead, load_weights_of
 from tidal.integrations.vllm.pool import allocation_bytes, asleep_allocations, is_out_of_memory, put_back_to_sleep
 from tidal.memory import phase_need_bytes
 
@@ -236,8 +237,11 @@ class VllmEngine:
     def generating(self, policy: torch.nn.Module, *, names=None) -> Iterator[Any]:
         """The engine awake with ``policy``'s weights for the block, the roles out of its way;
         asleep (``sleep_level``) after it, its memory back with the driver. ``names(name)``
-        maps a parameter's name to the engine's (default: as it is). Yields the ``llm``."""
+        maps a parameter's name to the engine's (default: as it is). Yields the ``llm``, whose
+        ``generate`` in the block leaves no request behind when it raises and runs again after
+        running out of memory (:meth:`_generate`)."""
         llm = self.llm
+        generate = llm.generate
         if self.asleep:
             self.room_for_weights()
             self._wake(lambda: llm.wake_up(tags=["weights"]), ["weights"])
@@ -249,7 +253,8 @@ class VllmEngine:
         if self.kv_asleep:
             self._wake(lambda: llm.wake_up(tags=["kv_cache"]), ["kv_cache"])
         try:
-            yield llm
+            with instead(llm, "generate", lambda *a, **kw: self._generate(generate, *a, **kw)):
+                yield llm
         finally:
             self.sleep()
 
@@ -300,6 +305,29 @@ class VllmEngine:
             self.kv_asleep = False
         return out
 
+    def _generate(self, generate: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``generate(*args, **kwargs)``. One that raises leaves no request of its in the
+        engine (vLLM keeps a failed generation's requests, and the next would return their
+        outputs with its own), whatever it raised; one that ran out of memory runs again once
+        every role not in use has left and the cache is the driver's, from the same random
+        draws (counted in :attr:`oom_retries`): its tokens are those of a run that never kept
+        the roles. A second failure goes on as it came."""
+        draws = RandomState(self.timeshare.device)
+        try:
+            return generate(*args, **kwargs)
+        except BaseException as e:
+            abort_unfinished(self.llm)
+            if not is_out_of_memory(e):
+                raise
+        self.oom_retries += 1
+        self._room_after_out_of_memory(["kv_cache"])
+        draws.restore()
+        try:
+            return generate(*args, **kwargs)
+        except BaseException:
+            abort_unfinished(self.llm)
+            raise
+
     def _room_after_out_of_memory(self, tags: list[str]) -> None:
         """After a wake of ``tags`` ran out of memory: every role not in use to the host (while
         the weights wake, of the policy only its optimizer state and gradients: its weights are
@@ -346,7 +374,7 @@ class VllmEngine:
                 self.room_for_kv_cache()  # awake all along (sleep mode off): the room made now
             if before_generate is not None:
                 before_generate()
-            return generate(*args, **kwargs)
+            return self._generate(generate, *args, **kwargs)
 
         def put_to_sleep(*args: Any, **kwargs: Any) -> Any:
             out = sleep(*args, **kwargs)
