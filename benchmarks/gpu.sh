@@ -45,6 +45,7 @@
 #                            (VLLM_VARIANTS, trl,tidal; VLLM_STEPS, 4)
 #                7b          the same at Qwen2-7B bf16 (VLLM_VARIANTS7B)
 #                7b80        7B with another process holding all but 80 GiB (VLLM_VARIANTS80)
+#                demo        tidal demo --rollout-engine vllm (DEMO_VLLM_FLAGS: --preset qwen2-0.5b --steps 5)
 #                14b         the Qwen2.5-14B shape bf16, 64 x 256 in micro-batches of VLLM_MICRO14B (16),
 #                            VLLM_STEPS14B (10) steps (VLLM_VARIANTS14B: tidal+role+prefetch+kv=auto, then
 #                            trl), vLLM's max model length VLLM_LEN14B (320)
@@ -169,7 +170,7 @@ declare -A EXTRA=(
   [lease]="processes"
   [deepspeed]="bench-1.5b"
   [multi]="ddp7b copies decode save zero3 fsdp4"
-  [vllm]="7b 7b80 14b paired"
+  [vllm]="7b 7b80 14b demo paired"
 )
 ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two multi"
 
@@ -388,6 +389,11 @@ p_vllm_7b() { vllm_bench vllm_bench7b.log qwen2-7b "${VLLM_VARIANTS7B:-trl,tidal
 p_vllm_paired() {
   vllm_bench vllm_paired.log "${VLLM_PRESET:-qwen2-1.5b}" "${VLLM_VARIANTS_PAIRED:-trl,tidal+prefetch}" paired \
     --rounds "${VLLM_ROUNDS:-6}"
+}
+p_vllm_demo() {  # tidal demo rolling out with vLLM (DEMO_VLLM_FLAGS)
+  need_vllm || return 0
+  run vllm_demo.log timeout "$(limit "${BENCH_TIMEOUT:-590}")" python3 -m tidal_recipes demo --device cuda \
+    --rollout-engine vllm --out "$OUT/demo_vllm" ${DEMO_VLLM_FLAGS:---preset qwen2-0.5b --steps 5}
 }
 p_vllm_14b() {
   VLLM_STEPS="${VLLM_STEPS14B:-10}" vllm_bench vllm_bench14b.log qwen2.5-14b \

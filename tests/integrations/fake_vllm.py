@@ -62,6 +62,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     structured_outputs: Any = None
     seed: int | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    detokenize: bool = True
 
 
 @dataclasses.dataclass
@@ -348,31 +351,38 @@ class FakeLLM:
             FakeLLM.on_generate(self)
         if self.sleeping_weights or self.sleeping_kv:
             raise RuntimeError("generate() while the engine sleeps: its memory is unmapped")
-        sp = sampling_params or SamplingParams()
+        given = sampling_params or SamplingParams()
+        per_prompt = list(given) if isinstance(given, (list, tuple)) else [given] * len(prompts)
         eos = getattr(self.model.config, "eos_token_id", None)
         # Requests an earlier generation left unfinished run too, and are returned with these.
         stale = [(rid, ids) for rid, ids in self.request_states.items()]
         mine = []
-        for prompt in prompts:
+        for prompt, sp in zip(prompts, per_prompt):
             rid = str(self._next_request)
             self._next_request += 1
             self.request_states[rid] = list(prompt["prompt_token_ids"])
-            mine.append((rid, list(prompt["prompt_token_ids"])))
+            mine.append((rid, list(prompt["prompt_token_ids"]), sp))
         out = []
-        for rid, ids in stale + mine:
+        for rid, ids, sp in [(r, i, per_prompt[0]) for r, i in stale] + mine:
             completions = []
+            # A request with a seed of its own samples from its own generator (vLLM's too).
+            gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
             for _ in range(sp.n):
                 seq, toks, lps = torch.tensor([ids]), [], []
                 for _ in range(sp.max_tokens):
                     self._maybe_fail("decode")
                     logits = self.model(input_ids=seq).logits[0, -1].float()
+                    if sp.allowed_token_ids is not None:
+                        keep = torch.full_like(logits, -math.inf)
+                        keep[sp.allowed_token_ids] = 0.0
+                        logits = logits + keep
                     logits = logits / max(sp.temperature, 1e-6)
                     logp = torch.log_softmax(logits, dim=-1)
-                    tok = int(torch.multinomial(logp.exp(), 1))
+                    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
                     toks.append(tok)
                     lps.append({tok: Logprob(float(logp[tok]), rank=1)})
                     seq = torch.cat([seq, torch.tensor([[tok]])], dim=1)
-                    if eos is not None and tok == eos:
+                    if eos is not None and tok == eos and len(toks) >= sp.min_tokens:
                         break
                 completions.append(CompletionOutput(token_ids=toks, logprobs=lps if sp.logprobs is not None else None))
             del self.request_states[rid]
@@ -430,6 +440,19 @@ class FakeClient:
             "logprobs": [[[lp[t].logprob] for lp, t in zip(c.logprobs, c.token_ids)] for c in completions],
             "logprob_token_ids": [[[t] for t in c.token_ids] for c in completions],
         }
+
+
+def install_module(monkeypatch) -> None:
+    """Make ``import vllm`` give the double (``LLM``, ``SamplingParams``) and its pool, for code
+    that builds the engine itself (the GRPO recipe's ``rollout_engine="vllm"``)."""
+    import importlib.machinery
+
+    module = types.ModuleType("vllm")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    module.LLM, module.SamplingParams = FakeLLM, SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    FakeLLM.instances, FakeLLM.fail, FakeLLM.on_generate = [], None, None
+    install_pool(monkeypatch)
 
 
 def install(monkeypatch) -> None:

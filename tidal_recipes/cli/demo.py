@@ -9,6 +9,8 @@ the timeshare), and writes ``timeline.png`` and ``demo.jsonl`` to the output fol
 
 from __future__ import annotations
 
+import importlib.util
+
 import dataclasses
 import math
 import os
@@ -49,6 +51,7 @@ class DemoSettings:
     dtype: str = "float32"
     grad_ckpt: bool = False
     rollout_graph: bool = False
+    rollout_engine: str = "hf"
     prefetch: bool = False
     async_transitions: bool = False
     kl_coef: float = 0.02
@@ -115,6 +118,16 @@ class DemoSettings:
         if self.rollout_graph and self.roles != "local":
             raise ValueError(
                 f"--rollout-graph runs with the roles in this process (--roles local), not roles={self.roles!r}"
+            )
+        if self.rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "--rollout-engine vllm needs vLLM installed (pip install vllm, on a machine with a CUDA device); "
+                "the default --rollout-engine hf rolls out with the policy's own forward"
+            )
+        if self.rollout_engine == "vllm" and (self.roles != "local" or self.baseline_steps or self.rollout_graph):
+            raise ValueError(
+                "--rollout-engine vllm runs one vLLM engine in this process beside the roles (--roles local), with no "
+                "all-resident comparison (vLLM takes one engine a process: --baseline-steps 0) and no --rollout-graph"
             )
 
 
@@ -203,6 +216,7 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
         optimizer_residency=s.optimizer_residency,
         grad_ckpt=s.grad_ckpt,
         rollout_graph=s.rollout_graph,
+        rollout_engine=s.rollout_engine,
         loss=LossConfig(kl_coef=s.kl_coef),
         timeshare=timeshare,
         timeshare_config=TimeshareConfig(

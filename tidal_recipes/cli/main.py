@@ -248,6 +248,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "Region released between rollouts (CUDA only)",
     )
     p.add_argument(
+        "--rollout-engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="roll out with the policy's own forward (hf, the default) or an in-process vLLM engine taking turns "
+        "with the roles (vllm: vLLM installed, a CUDA device; no all-resident comparison: --baseline-steps 0)",
+    )
+    p.add_argument(
         "--prefetch",
         action="store_true",
         help="each phase brings the next phase's role in behind its compute and writes its own role back "
@@ -265,8 +272,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--baseline-steps",
         type=nonneg_int,
-        default=2,
-        help="steps of the same loop with all roles resident, to measure its peak (0: skip)",
+        default=None,
+        help="steps of the same loop with all roles resident, to measure its peak (0: skip; default 2, "
+        "0 with --rollout-engine vllm)",
     )
     p.add_argument(
         "--switch-extra-mib",
@@ -350,12 +358,16 @@ def _run_demo(args: argparse.Namespace) -> int:
             kl_coef=args.kl_coef,
             lora_rank=args.lora_rank,
             rollout_graph=args.rollout_graph,
+            rollout_engine=args.rollout_engine,
             prefetch=args.prefetch,
             async_transitions=args.async_transitions,
             grad_accumulation=args.grad_accumulation or "device",
             optim_state_dtype=args.optim_state_dtype or "fp32",
             optimizer_residency=args.optimizer_residency or "stream",
-            baseline_steps=args.baseline_steps,
+            # vLLM takes one engine a process: no all-resident loop beside its run unless asked (then refused).
+            baseline_steps=args.baseline_steps
+            if args.baseline_steps is not None
+            else (0 if args.rollout_engine == "vllm" else 2),
             seed=args.seed,
             switch_extra_mib=None if args.full_overlap else args.switch_extra_mib,
             evict=args.evict or "others",

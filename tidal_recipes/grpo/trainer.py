@@ -42,6 +42,7 @@ from tidal_recipes.grpo.grpo import LossConfig, action_logprobs, group_advantage
 from tidal_recipes.grpo.modes import role_mode, set_checkpointing
 from tidal_recipes.grpo.phases import RoleTurns
 from tidal_recipes.grpo.rollout import logits_kwargs, sample_answers
+from tidal_recipes.grpo.vllm_rollout import VllmDecoder
 from tidal_recipes.grpo.tasks import DIGIT0, TASK_VOCAB, DigitTask
 from tidal.state import storage_key, unique_storage_bytes
 from tidal.state.digest import digest_many
@@ -107,6 +108,12 @@ class GRPOConfig:
             graph's workspace live in a :class:`tidal.Region` and go back to the driver between
             rollouts; with the timeshare the policy's weights live there too (a role with
             ``region=``), so the graph survives their offloads. CUDA only; not with LoRA.
+        rollout_engine: ``"hf"`` (the policy's own forward, as above; the default, and the CPU's)
+            or ``"vllm"``: an in-process vLLM engine built from the policy as the trainer
+            starts, a turn of the timeshare (:class:`tidal_recipes.grpo.vllm_rollout.VllmDecoder`):
+            the policy's weights pushed into it before each rollout, its memory back with the
+            driver after. Needs vLLM installed and ``timeshare=True``; not with
+            ``rollout_graph`` or LoRA.
         timeshare: run the roles through a Timeshare (False: all roles stay resident).
         timeshare_config: its settings (default: only the role in use is resident).
         prefetch: with the timeshare, each phase starts bringing the next phase's role in
@@ -139,6 +146,7 @@ class GRPOConfig:
     grad_ckpt: bool = False
     temperature: float = 1.0
     rollout_graph: bool = False
+    rollout_engine: str = "hf"
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     timeshare: bool = True
     timeshare_config: TimeshareConfig | None = None
@@ -179,6 +187,13 @@ class GRPOConfig:
             raise ValueError("lr and temperature must be > 0 and max_grad_norm >= 0")
         if self.prefetch and not self.timeshare:
             raise ValueError("prefetch=True brings the next role in through the timeshare; it needs timeshare=True")
+        if self.rollout_engine not in ("hf", "vllm"):
+            raise ValueError(f"rollout_engine must be 'hf' or 'vllm', got {self.rollout_engine!r}")
+        if self.rollout_engine == "vllm" and (self.rollout_graph or not self.timeshare):
+            raise ValueError(
+                "rollout_engine='vllm' rolls out with vLLM's own engine, a turn of the timeshare: it needs "
+                "timeshare=True and no rollout_graph (the generate path's CUDA graph)"
+            )
 
     @property
     def batch_size(self) -> int:
@@ -387,6 +402,20 @@ class GRPOTrainer:
                 config=ScheduleConfig(prefetch=cfg.prefetch, unmeasured_keep_free_bytes=phase_need_bytes(0)),
             )
         self.turns = RoleTurns(self.ops, self.timeline, self.ts, lease, schedule=self.schedule)
+        self.engine_decoder: VllmDecoder | None = None
+        if cfg.rollout_engine == "vllm":
+            if self.lora:
+                raise ValueError(
+                    "rollout_engine='vllm' pushes the whole policy into the engine: not with a LoRA policy"
+                )
+            self.engine_decoder = VllmDecoder(
+                policy,
+                self.ts,
+                role="rollout",
+                sequences=cfg.batch_size,
+                max_len=cfg.task.prompt_len + cfg.task.answer_len,
+                seed=cfg.seed,
+            )
         if cfg.prefetch:
             # The digest kernel that write-backs use is compiled on its first call (about 1-2 s
             # on a GPU): here, at start-up, not in the middle of the first prefetching step.
@@ -463,7 +492,12 @@ class GRPOTrainer:
             self._phase("rollout", res),
             role_mode(self.policy, "rollout"),
         ):
-            sample = self.decoder.sample if self.decoder is not None else functools.partial(sample_answers, self.policy)
+            if self.engine_decoder is not None:
+                sample = self.engine_decoder.sample
+            elif self.decoder is not None:
+                sample = self.decoder.sample
+            else:
+                sample = functools.partial(sample_answers, self.policy)
             answers = sample(
                 prompts,
                 n_ans,
@@ -582,6 +616,8 @@ class GRPOTrainer:
 
     def close(self) -> None:
         """Bring every role back to the device and release tidal's host memory."""
+        if self.engine_decoder is not None:
+            self.engine_decoder.close()
         if self.ts is not None:
             self.ts.close()
         if self.region is not None:

@@ -113,6 +113,25 @@ def test_a_demo_output_that_cannot_be_written_loses_nothing_else(tmp_path, capsy
     assert (out / "timeline.png").is_file()
 
 
+def test_a_vllm_rollout_is_refused_before_any_work_without_vllm_or_with_a_baseline(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    import sys
+
+    monkeypatch.setattr(tidal_recipes.cli.demo, "build_policy", _no_work)
+    out = tmp_path / "demo"
+    if importlib.util.find_spec("vllm") is None:
+        assert main(["demo", "--device", "cpu", "--rollout-engine", "vllm", "--out", str(out)]) == EXIT_USAGE
+        assert "--rollout-engine vllm needs vLLM installed" in capsys.readouterr().err
+    from tests.integrations import fake_vllm
+
+    fake_vllm.install_module(monkeypatch)  # vLLM "installed": the settings tidal cannot run are refused
+    assert "vllm" in sys.modules
+    code = main(["demo", "--device", "cpu", "--rollout-engine", "vllm", "--baseline-steps", "1", "--out", str(out)])
+    assert code == EXIT_USAGE
+    assert "vLLM takes one engine a process: --baseline-steps 0" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_rollout_graph_refused_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tidal_recipes.cli.demo, "build_policy", _no_work)
     out = tmp_path / "demo"

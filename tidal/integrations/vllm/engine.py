@@ -187,8 +187,7 @@ class VllmEngine:
         self._kv_room = True
         need = self._need("kv_cache")
         if need is None:
-            self._record(ts.offload_all())
-            self._release()
+            self._all_out(["kv_cache"])  # a role in use (its phase's, in a loop of one's own) stays
             return
         order = sorted(ts.resident_roles, key=lambda r: (r == self.policy, ts.role(r).last_used))
         for name in order:
@@ -295,7 +294,7 @@ class VllmEngine:
                         "the device more room (another process's memory, prefetch_peak_bytes)",
                     ) from e
                 self.oom_retries += 1
-                self._room_after_out_of_memory(asleep)
+                self._all_out(asleep)
         taken = max(0, before - ops.driver_free_bytes()[0])
         if len(asleep) == 1:
             self.woken[asleep[0]] = taken
@@ -320,7 +319,7 @@ class VllmEngine:
             if not is_out_of_memory(e):
                 raise
         self.oom_retries += 1
-        self._room_after_out_of_memory(["kv_cache"])
+        self._all_out(["kv_cache"])
         draws.restore()
         try:
             return generate(*args, **kwargs)
@@ -328,10 +327,11 @@ class VllmEngine:
             abort_unfinished(self.llm)
             raise
 
-    def _room_after_out_of_memory(self, tags: list[str]) -> None:
-        """After a wake of ``tags`` ran out of memory: every role not in use to the host (while
-        the weights wake, of the policy only its optimizer state and gradients: its weights are
-        pushed from it), the cache to the driver."""
+    def _all_out(self, tags: list[str]) -> None:
+        """Before ``tags`` wake with nothing measured, or after their wake (or a generation)
+        ran out of memory: every role not in use to the host (while the weights wake, of the
+        policy only its optimizer state and gradients: its weights are pushed from it), the
+        cache to the driver."""
         ts = self.timeshare
         for name in list(ts.resident_roles):
             if ts.role(name).in_use:
