@@ -190,6 +190,11 @@ def child(variant: str, model_path: str, args) -> dict:
         out["generate_s"] = gen_s
         hist = [h for h in trainer.state.log_history if "loss" in h]
         out["losses"] = [h.get("loss") for h in hist]
+        # TRL's own log lines (tidal's figures and the timings left out) and a digest of the
+        # final weights: what the identity check sets against the first TRL + vLLM run.
+        out["trl_logs"] = [{k: v for k, v in h.items() if k in _COMPARED} for h in hist]
+        out["weights_sha256"] = _weights_digest(trainer.accelerator.unwrap_model(trainer.model))
+        out["kv_cache_tokens"] = _kv_cache_tokens(trainer)
         out["host_rss_bytes"] = host_rss_bytes()
         out["baseline_rss_bytes"] = baseline_rss
         ts = getattr(trainer, "timeshare", None)
@@ -224,6 +229,73 @@ def child(variant: str, model_path: str, args) -> dict:
         out["traceback"] = traceback.format_exc()[-3000:]
     finally:
         peak.stop()
+    return out
+
+
+#: TRL's logged values that the same run must reproduce (not timings, not tidal's own figures).
+_COMPARED = (
+    "loss",
+    "grad_norm",
+    "reward",
+    "reward_std",
+    "kl",
+    "entropy",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "clip_ratio/region_mean",
+)
+
+
+def _weights_digest(model) -> str:
+    """SHA-256 of the model's parameters' bytes, in their order (host copies, one at a time)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _kv_cache_tokens(trainer) -> int | None:
+    """The tokens the colocated engine's KV cache holds (vLLM's blocks times their size), or None
+    where the engine does not say."""
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    return int(blocks) * int(size) if blocks and size else None
+
+
+def identity(rows: list[dict]) -> list[dict]:
+    """Each finished run against the first finished ``trl`` run: whether TRL's log lines are
+    equal (and their largest difference) and whether the final weights are the same bytes."""
+    ok = [r for r in rows if r.get("ok") and r.get("trl_logs") is not None]
+    base = next((r for r in ok if r["variant"].split("+")[0] == "trl"), None)
+    if base is None:
+        return []
+    out = []
+    for r in ok:
+        if r is base:
+            continue
+        a, b = base["trl_logs"], r["trl_logs"]
+        diffs = [
+            abs(x[k] - y[k])
+            for x, y in zip(a, b)
+            for k in x.keys() & y.keys()
+            if isinstance(x[k], (int, float)) and isinstance(y[k], (int, float))
+        ]
+        out.append(
+            {
+                "variant": r["variant"],
+                "round": r.get("round"),
+                "logs_equal": len(a) == len(b) and a == b,
+                "max_log_diff": max(diffs) if diffs else None,
+                "weights_equal": r["weights_sha256"] == base["weights_sha256"],
+            }
+        )
     return out
 
 
@@ -411,6 +483,23 @@ def main(argv=None) -> int:
         ci = st["ratio_ci95"]
         interval = f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "needs 6 rounds or more"
         print(f"paired, {v}: step {st['ratio_median']:.3f}x TRL + vLLM's (median of {st['n']} rounds; 95% {interval})")
+    same = identity(rows)
+    for i in same:
+        diff = f"{i['max_log_diff']:.3g}" if i["max_log_diff"] is not None else "-"
+        print(
+            f"against the first TRL + vLLM run, {i['variant']} (round {i['round']}): TRL's log lines "
+            f"{'equal' if i['logs_equal'] else 'differ'} (largest difference {diff}), final weights "
+            f"{'the same bytes' if i['weights_equal'] else 'differ'}"
+        )
+    for r in rows:
+        if r.get("kv_cache_tokens"):
+            logs = r.get("tidal_logs") or [{}]
+            kv = logs[-1].get("tidal/engine_gib/kv_cache")
+            print(
+                f"{r['variant']}: KV cache of {r['kv_cache_tokens']} tokens"
+                + (f" ({kv:.2f} GiB at driver level)" if kv else "")
+                + f"; generation {r['summary']['generate_s'] or float('nan'):.3f} s"
+            )
     if args.json:
         out = {
             "gpu": gpu,
@@ -422,7 +511,7 @@ def main(argv=None) -> int:
             "rows": rows,
         }
         with open(args.json, "w") as f:
-            json.dump({**out, "paired": paired}, f)
+            json.dump({**out, "paired": paired, "identity": same}, f)
     return 0
 
 

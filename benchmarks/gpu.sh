@@ -52,6 +52,12 @@
 #                paired      VLLM_PRESET (qwen2-1.5b), VLLM_ROUNDS (6) rounds of VLLM_VARIANTS_PAIRED
 #                            (trl,tidal+prefetch), the order reversed every other round: the median
 #                            step ratio and its 95% interval
+#                identity    VLLM_PRESET (qwen2-1.5b), VLLM_VARIANTS_ID (trl,trl,tidal+prefetch,tidal+role+
+#                            prefetch+kv=auto), VLLM_STEPS_ID (3) steps: TRL's log lines and the final
+#                            weights of each run against the first TRL + vLLM run's
+#                long        a long rollout: Qwen2-7B bf16, 64 x VLLM_LONG (2048) in micro-batches of
+#                            VLLM_MICRO_LONG (4), VLLM_STEPS_LONG (2) steps (VLLM_VARIANTS_LONG: trl,
+#                            tidal+role+prefetch+kv=auto): each engine's KV cache and generation time
 #               VLLM_ARGS: more bench_trl_vllm.py flags for each of these (e.g. --max-model-len 320)
 #               vLLM arrives as parts (benchmarks/fetch_wheels.sh vllm; benchmarks/vllm_stage.sh):
 #               each call carries one part of .vllm/, the call that completes them unpacks it
@@ -170,7 +176,7 @@ declare -A EXTRA=(
   [lease]="processes"
   [deepspeed]="bench-1.5b"
   [multi]="ddp7b copies decode save zero3 fsdp4"
-  [vllm]="7b 7b80 14b demo paired"
+  [vllm]="7b 7b80 14b demo paired identity long"
 )
 ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two multi"
 
@@ -399,6 +405,16 @@ p_vllm_14b() {
   VLLM_STEPS="${VLLM_STEPS14B:-10}" vllm_bench vllm_bench14b.log qwen2.5-14b \
     "${VLLM_VARIANTS14B:-tidal+role+prefetch+kv=auto,trl}" 14b --micro "${VLLM_MICRO14B:-16}" \
     --max-model-len "${VLLM_LEN14B:-320}"
+}
+p_vllm_identity() {
+  VLLM_STEPS="${VLLM_STEPS_ID:-3}" vllm_bench vllm_identity.log "${VLLM_PRESET:-qwen2-1.5b}" \
+    "${VLLM_VARIANTS_ID:-trl,trl,tidal+prefetch,tidal+role+prefetch+kv=auto}" identity --warmup 0
+}
+p_vllm_long() {
+  local n="${VLLM_LONG:-2048}"
+  VLLM_STEPS="${VLLM_STEPS_LONG:-2}" vllm_bench vllm_long.log qwen2-7b \
+    "${VLLM_VARIANTS_LONG:-trl,tidal+role+prefetch+kv=auto}" "long$n" --completion "$n" \
+    --max-model-len "$((n + 64))" --micro "${VLLM_MICRO_LONG:-4}"
 }
 p_vllm_7b80() { vllm_bench vllm_bench7b80.log qwen2-7b "${VLLM_VARIANTS80:-trl,tidal+kv=4}" 7b80 --cap-gib 80; }
 
