@@ -517,7 +517,7 @@ def test_a_role_the_loss_kept_goes_before_a_backward_it_has_no_room_beside(tiny,
     class LossKeepsAll(_with_counters({"backward": 1 << 60})):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            schedule = self._tidal_schedule
+            schedule = self.tidal.schedule
             keep_free = schedule.keep_free
             schedule.keep_free = lambda role, phase: 0 if phase == "loss" else keep_free(role, phase)
 
@@ -546,9 +546,9 @@ def test_generations_prefetch_is_queued_once_its_first_forward_runs(tiny, tmp_pa
     events: list[tuple] = []
     built: list = []
 
-    class Recording(TidalGRPOTrainer):
-        def _policy_ready(self):
-            ready = super()._policy_ready()
+    class Recording(PolicyReadyHook, TidalGRPOTrainer):
+        def _policy_ready(self, own):
+            ready = own()
             if ready and not built:
                 built.append(True)
                 ts, model = self.timeshare, self.accelerator.unwrap_model(self.model)
@@ -610,6 +610,17 @@ def testat_first_forward_runs_once_at_the_first_forward_or_at_the_end_and_never_
     assert calls == ["other thread ran", "fn"]  # another thread's module did not fire it
 
 
+class PolicyReadyHook:
+    """Put in front of a tidal trainer in a test: its ``_policy_ready(own)`` runs each time the
+    trainer's adapter asks whether the policy is a role yet (``own()``: the adapter's answer,
+    which registers the policy once its optimizer exists)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        own = self.tidal.policy_ready
+        self.tidal.policy_ready = lambda: self._policy_ready(own)
+
+
 def _with_counters(growth: dict[str, int] | None = None):
     """tidal's trainer with the device memory counters a GPU has, on the CPU: every phase
     allocates nothing beyond what it starts with (a fake allocator), or, for the phases in
@@ -633,7 +644,7 @@ def _with_counters(growth: dict[str, int] | None = None):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             dev = FakeAllocator()
-            self._tidal_schedule.memory = Memory(lambda: dev.now, lambda: dev.high, dev.reset)
+            self.tidal.schedule.memory = Memory(lambda: dev.now, lambda: dev.high, dev.reset)
 
     return Counted
 
@@ -682,8 +693,8 @@ def test_prefetch_keeps_on_the_device_what_each_turn_has_room_for(tiny, tmp_path
     moves = lambda t: [(r.kind, r.roles_out, r.role_in) for r in t.timeshare.records]  # noqa: E731
     # Every turn's need is counted from after its switch (run i5): generation, the reference's
     # scoring and the loss, in each of the three steps.
-    assert room._tidal_schedule.memory.rebased == 3 * ["generate", "reference", "loss"], (
-        room._tidal_schedule.memory.rebased
+    assert room.tidal.schedule.memory.rebased == 3 * ["generate", "reference", "loss"], (
+        room.tidal.schedule.memory.rebased
     )
 
     # Room: the first step (nothing measured) moves the policy out for the reference and the
@@ -724,11 +735,11 @@ def _out_of_memory_when_crowded(base):
     loss, a forward of the policy or the reference raises ``torch.OutOfMemoryError`` while
     another role's state (resident, or brought in by a prefetch) is on the device with it."""
 
-    class Crowded(base):
+    class Crowded(PolicyReadyHook, base):
         raised = 0
 
-        def _policy_ready(self):
-            ready = super()._policy_ready()
+        def _policy_ready(self, own):
+            ready = own()
             if ready and not getattr(self, "_crowding", False):
                 self._crowding = True
                 ts, policy = self.timeshare, self.accelerator.unwrap_model(self.model)
@@ -741,7 +752,7 @@ def _out_of_memory_when_crowded(base):
                     if not crowded():
                         seen["generate"] = 0
                         return
-                    generating = module is policy and not torch.is_grad_enabled() and self._tidal_schedule.depth == 1
+                    generating = module is policy and not torch.is_grad_enabled() and self.tidal.schedule.depth == 1
                     seen["generate"] += generating
                     if not generating or seen["generate"] >= 2:
                         type(self).raised += 1
@@ -852,13 +863,13 @@ def test_a_backward_out_of_memory_beside_what_tidal_kept_runs_again_with_the_sam
     monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
     seen = {"raised": 0, "generations": 0}
 
-    class Crowded(_with_counters({"backward": 1 << 30})):
+    class Crowded(PolicyReadyHook, _with_counters({"backward": 1 << 30})):
         def _generate(self, prompts):
             seen["generations"] += 1
             return super()._generate(prompts)
 
-        def _policy_ready(self):
-            ready = super()._policy_ready()
+        def _policy_ready(self, own):
+            ready = own()
             if ready and not getattr(self, "_crowding", False):
                 self._crowding = True
 
@@ -893,9 +904,9 @@ def test_a_backward_after_accumulated_gradients_is_not_run_again(tiny, tmp_path,
     monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (1 << 40, 1 << 41))
     monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
 
-    class Crowded(_with_counters({"backward": 1 << 30})):
-        def _policy_ready(self):
-            ready = super()._policy_ready()
+    class Crowded(PolicyReadyHook, _with_counters({"backward": 1 << 30})):
+        def _policy_ready(self, own):
+            ready = own()
             if ready and not getattr(self, "_crowding", False):
                 self._crowding = True
                 policy = self.accelerator.unwrap_model(self.model)
@@ -927,14 +938,18 @@ def _marking_the_step(base, box):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             box["trainer"] = self
+            retry = self.tidal.retry
+            room, measured = retry.room_for_step, retry.step_measured
 
-        def _room_for_step(self):
-            super()._room_for_step()
-            box["in_step"] = True
+            def room_for_step():
+                room()
+                box["in_step"] = True
 
-        def _step_measured(self):
-            box["in_step"] = False
-            super()._step_measured()
+            def step_measured():
+                box["in_step"] = False
+                measured()
+
+            retry.room_for_step, retry.step_measured = room_for_step, step_measured
 
     return Marked
 
@@ -994,9 +1009,9 @@ def test_an_optimizer_step_out_of_memory_in_its_update_goes_on_as_it_came(tiny, 
     monkeypatch.setattr(DeviceOps, "driver_free_bytes", lambda self: (1 << 40, 1 << 41))
     monkeypatch.setattr(DeviceOps, "fragmented_free_bytes", lambda self: 0)
 
-    class Crowded(_with_counters()):
-        def _policy_ready(self):
-            ready = super()._policy_ready()
+    class Crowded(PolicyReadyHook, _with_counters()):
+        def _policy_ready(self, own):
+            ready = own()
             if ready and not getattr(self, "_crowding", False):
                 self._crowding = True
 
@@ -1054,14 +1069,14 @@ def test_each_log_line_carries_the_fragments_each_phase_reached_the_last_time_it
             super().__init__(*args, **kwargs)
             dev = FakeAllocator()
             readings = iter(range(start, 0, -1))
-            self._tidal_schedule.memory = PhaseMemory(
+            self.tidal.schedule.memory = PhaseMemory(
                 lambda: dev.now, lambda: dev.high, dev.reset, lambda: next(readings) * gib
             )
 
     trainer = _run(Fragmented, tiny, tmp_path / "frag", tidal_config=TidalConfig(prefetch=True))
     lines = [h for h in trainer.state.log_history if "loss" in h]
     assert len(lines) == 3
-    memory = trainer._tidal_schedule.memory
+    memory = trainer.tidal.schedule.memory
     logged = [{k.rsplit("/", 1)[-1]: v for k, v in h.items() if k.startswith("tidal/fragments_gib/")} for h in lines]
     for got in logged:
         assert {"generate", "reference", "loss", "backward"} <= set(got), got
@@ -1093,15 +1108,15 @@ def test_the_optimizer_states_prefetch_leaves_room_for_the_fragments_the_backwar
         class Split(_with_counters({"backward": 1 << 30})):
             def __init__(self, *a, **kw):
                 super().__init__(*a, **kw)
-                read = type(self._tidal_schedule.memory)._read
+                read = type(self.tidal.schedule.memory)._read
 
                 def _read(memory):
                     read(memory)
                     if "backward" in memory.fragments or "backward" in memory.growth:
                         memory.fragments["backward"] = nbytes
 
-                self._tidal_schedule.memory._read = lambda: _read(self._tidal_schedule.memory)
-                assert isinstance(self._tidal_schedule.memory, PhaseMemory)
+                self.tidal.schedule.memory._read = lambda: _read(self.tidal.schedule.memory)
+                assert isinstance(self.tidal.schedule.memory, PhaseMemory)
 
         return Split
 

@@ -169,6 +169,7 @@ def test_a_backward_and_an_optimizer_step_out_of_memory_beside_kept_state_run_ag
     the optimizer step made to run out of memory while tidal brings its state in beside a kept
     role steps again: the same run as TRL alone."""
     from tests.integrations.test_trl import (
+        PolicyReadyHook,
         _RaiseWhere,
         _crowded,
         _in_step_beside_another_role,
@@ -183,9 +184,9 @@ def test_a_backward_and_an_optimizer_step_out_of_memory_beside_kept_state_run_ag
     plain = _run(trl.GRPOTrainer, policy, tmp_path / "plain", use_cpu=False)
     box = {"raised": 0}
 
-    class Crowded(_marking_the_step(_with_counters({"backward": 1 << 20}), box)):
-        def _policy_ready(self):
-            ready = super()._policy_ready()
+    class Crowded(PolicyReadyHook, _marking_the_step(_with_counters({"backward": 1 << 20}), box)):
+        def _policy_ready(self, own):
+            ready = own()
             if ready and not getattr(self, "_crowding", False):
                 self._crowding = True
 

@@ -89,7 +89,7 @@ def test_grpo_with_vllm_is_bit_identical_to_trl_with_vllm_alone(tiny, tmp_path, 
     _same(plain, ours)
     assert seen == 3 * [(False, False)]
     llm = ours.vllm_generation.llm
-    assert isinstance(ours._tidal_engine, VllmEngine)
+    assert isinstance(ours.tidal.engine, VllmEngine)
     # The policy left for each generation (its weights were in the engine) and came back.
     out = [r for r in ours.timeshare.records if r.kind == "offload" and "policy" in r.roles_out]
     assert len(out) == 3 and all(r.bytes_out > 0 for r in out)
@@ -128,7 +128,7 @@ def test_an_auto_kv_cache_holds_every_sequence_of_a_generation_at_its_longest(ti
     sequences = ours.args.per_device_train_batch_size * ours.args.steps_per_generation
     want = kv_cache_bytes_for(policy.config, torch.float32, sequences=sequences, max_len=100)
     assert want == sequences * 112 * kv_bytes_per_token(policy.config, torch.float32)  # 7 blocks of 16 tokens
-    assert ours.vllm_generation.llm.kv_cache_bytes == want and ours._tidal_engine.kv_cache_bytes == want
+    assert ours.vllm_generation.llm.kv_cache_bytes == want and ours.tidal.engine.kv_cache_bytes == want
     with pytest.raises(ValueError, match="vllm_kv_cache_bytes='auto'.*vllm_max_model_length"):
         _vllm_run(TidalGRPOTrainer, tiny, tmp_path / "bad", tidal_config=cfg)
     assert len(fake_vllm.FakeLLM.instances) == 2  # refused before TRL built an engine
@@ -288,18 +288,18 @@ def test_with_prefetch_the_engines_turns_keep_what_fits_beside_its_measured_memo
     free memory), a generation moves out only what it must: with room for everything nothing
     moves for the engine after the first; with room for the engine alone the policy goes each
     time. The same results as TRL + vLLM alone either way."""
-    from tidal.integrations.trl import trainer as trl_trainer
+    from tidal.integrations.trl import adapter as trl_adapter
 
     plain = _vllm_run(trl.GRPOTrainer, tiny, tmp_path / "plain")
     Watched, box = _watched()
 
     # The generation's own room: small on this device (the engine's memory is a few MiB).
-    monkeypatch.setattr(trl_trainer, "VLLM_GENERATION_BYTES", 1 << 20)
+    monkeypatch.setattr(trl_adapter, "VLLM_GENERATION_BYTES", 1 << 20)
     capacity = (1 << 40) if room == "all" else (8 << 20) + fake_vllm.FakeLLM(tiny).weights_bytes * 3
     _fake_capacity(monkeypatch, capacity, box)
     ours = _vllm_run(Watched, tiny, tmp_path / "ours", tidal_config=TidalConfig(prefetch=True))
     _same(plain, ours)
-    eng = ours._tidal_engine
+    eng = ours.tidal.engine
     assert set(eng.woken) == {"weights", "kv_cache"} and eng.woken["weights"] == ours.vllm_generation.llm.weights_bytes
     last = [h for h in ours.state.log_history if "loss" in h][-1]
     assert last["tidal/engine_gib/weights"] == eng.woken["weights"] / 2**30  # the log says it too
@@ -393,7 +393,7 @@ def test_the_logged_phase_peaks_leave_out_the_sleeping_engines_pool(tiny, tmp_pa
     Watched, box = _watched()
     _fake_capacity(monkeypatch, 1 << 40, box)
     ours = _vllm_run(Watched, tiny, tmp_path / "ours")
-    eng = ours._tidal_engine
+    eng = ours.tidal.engine
     asleep = eng.asleep_bytes()
     assert asleep == eng.woken["weights"] + eng.woken["kv_cache"] > 0
     last = [h for h in ours.state.log_history if "loss" in h][-1]
@@ -417,4 +417,4 @@ def test_server_mode_is_bit_identical_to_trl_with_the_same_server_alone(tiny, tm
     kinds = [(r.kind, r.roles_out, r.role_in) for r in ours.timeshare.records]
     assert kinds.count(("switch", ("policy",), "reference")) + kinds.count(("reload", (), "reference")) >= 3
     servers = [c.server for c in fake_vllm.FakeClient.instances]
-    assert ours._tidal_engine is None and all(any(e is x for x in servers) for e in engine.instances)  # none here
+    assert ours.tidal.engine is None and all(any(e is x for x in servers) for e in engine.instances)  # none here

@@ -56,11 +56,12 @@ from tidal.optim import CPUAdam
 __all__ = [
     "AUTO_LAYER_PATHS",
     "ActivationFigures",
-    "CPUAdamClipping",
     "TidalTrainer",
     "TidalTrainerConfig",
     "check_bool_fields",
     "find_layers",
+    "host_adam",
+    "host_grad_norm",
 ]
 
 #: Where ``activation_layers="auto"`` looks for a model's list of transformer blocks, in this
@@ -168,46 +169,41 @@ _ADAMW = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adam
 
 
 class ActivationFigures:
-    """A Trainer mixin: after each training step (forward and backward), what the loss
-    forward's activation offloader moved is added to ``self._tidal_figures`` (summed until the
-    next log line takes them). The trainer's ``compute_loss`` sets ``self._tidal_offloader``."""
+    """What the loss forwards' activation offloaders moved, summed into ``figures`` (the next
+    log line takes them). Whoever runs a loss forward under :func:`tidal.offload_activations`
+    sets :attr:`offloader`; :meth:`step_ended` (after the micro-batch's backward) reads its
+    report. Memory cost: none."""
 
-    _tidal_offloader: Any = None
-    _tidal_figures: dict[str, float]
+    def __init__(self, figures: dict[str, float]) -> None:
+        self.figures = figures
+        self.offloader: Any = None  # the last loss forward's, until its backward has run
 
-    def training_step(self, *args: Any, **kwargs: Any):
-        loss = super().training_step(*args, **kwargs)  # forward and backward
-        off, self._tidal_offloader = self._tidal_offloader, None
+    def step_ended(self) -> None:
+        off, self.offloader = self.offloader, None
         if off is not None:
             # Waits for the backward's copies; Trainer's NaN check of the loss just after
             # (logging_nan_inf_filter, on by default) waits for the backward anyway.
-            add_activation_figures(self._tidal_figures, off.report())
-        return loss
+            add_activation_figures(self.figures, off.report())
 
 
-class CPUAdamClipping:
-    """A Trainer mixin: with :class:`tidal.CPUAdam` as the optimizer, clipping and the logged
-    gradient norm use its host gradients. Other optimizers: Trainer's own behaviour."""
-
-    def _tidal_cpu_adam(self) -> CPUAdam | None:
-        opt = getattr(self, "optimizer", None)
-        opt = getattr(opt, "optimizer", opt)  # accelerate's wrapper holds the torch one
-        return opt if isinstance(opt, CPUAdam) else None
-
-    def _clip_grad_norm(self, model):
-        opt = self._tidal_cpu_adam()
-        if opt is None:
-            return super()._clip_grad_norm(model)
-        return opt.clip_grad_norm_(self.args.max_grad_norm)
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        opt = self._tidal_cpu_adam()
-        if opt is None or grad_norm is not None:
-            return super()._get_grad_norm(model, grad_norm)
-        return opt.clip_grad_norm_(float("inf"))
+def host_adam(optimizer: Any) -> CPUAdam | None:
+    """The :class:`tidal.CPUAdam` a trainer steps (inside accelerate's wrapper, where wrapped),
+    or None for any other optimizer: with it, clipping and the logged gradient norm read its
+    host gradients (:meth:`tidal.CPUAdam.clip_grad_norm_`), which the device's parameters
+    lack."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch one
+    return optimizer if isinstance(optimizer, CPUAdam) else None
 
 
-class TidalTrainer(ActivationFigures, CPUAdamClipping, Trainer):
+def host_grad_norm(optimizer: Any, max_norm: float, otherwise: Any) -> Any:
+    """With :class:`tidal.CPUAdam` as the trainer's ``optimizer``: the norm of its host gradients,
+    clipped to ``max_norm`` (``inf``: only read); with any other, ``otherwise()`` (Trainer's own
+    clipping or norm)."""
+    opt = host_adam(optimizer)
+    return otherwise() if opt is None else opt.clip_grad_norm_(max_norm)
+
+
+class TidalTrainer(Trainer):
     """``transformers.Trainer`` with CPU Adam and/or activation offload (see the module
     docstring). Takes Trainer's arguments, plus ``tidal=TidalTrainerConfig(...)``.
 
@@ -265,6 +261,7 @@ class TidalTrainer(ActivationFigures, CPUAdamClipping, Trainer):
             )
         self._tidal_layers = find_layers(self.model, tidal.activation_layers) if tidal.activation_offload else None
         self._tidal_figures: dict[str, float] = {}  # summed since the last log
+        self._tidal_activations = ActivationFigures(self._tidal_figures)
         if tidal.cpu_adam:
             self.add_callback(_OptimizerStepTimer(self._tidal_figures))
 
@@ -276,8 +273,23 @@ class TidalTrainer(ActivationFigures, CPUAdamClipping, Trainer):
             layers=self._tidal_layers,
             min_offload_bytes=self.tidal_config.activation_min_offload_bytes,
         ) as off:
-            self._tidal_offloader = off
+            self._tidal_activations.offloader = off
             return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        loss = super().training_step(*args, **kwargs)  # forward and backward
+        self._tidal_activations.step_ended()
+        return loss
+
+    def _clip_grad_norm(self, model):
+        inner = super()._clip_grad_norm
+        return host_grad_norm(self.optimizer, self.args.max_grad_norm, lambda: inner(model))
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        inner = super()._get_grad_norm
+        if grad_norm is not None:
+            return inner(model, grad_norm)
+        return host_grad_norm(self.optimizer, float("inf"), lambda: inner(model, grad_norm))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.update(take_figures(self._tidal_figures, self.args.device))

@@ -23,6 +23,7 @@ import importlib
 import importlib.metadata
 import inspect
 import sys
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -47,6 +48,7 @@ __all__ = [
     "load_weights_of",
     "instead",
     "module_functions_instead",
+    "wrap_step",
 ]
 
 #: The versions tidal's integrations are tested with (CI: the CPU; the GPU machine: transformers
@@ -398,3 +400,14 @@ def module_functions_instead(trainer_cls: type, name: str, value: Any) -> Iterat
     finally:
         for m, fn in saved.items():
             setattr(m, name, fn)
+
+
+def wrap_step(optimizer: Any, step: Any) -> None:
+    """``optimizer.step`` is ``step(optimizer, *args, **kwargs)`` from now on (a method of the
+    instance, as torch's LR schedulers expect; where a scheduler's counter already wraps what
+    was there, the mark it leaves is kept, so it does not wrap again). Used for: the policy's
+    optimizer step made room for and run again after running out of memory beside kept roles
+    (:class:`tidal.integrations.trl.retry.OutOfMemoryRetry`)."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        step._wrapped_by_lr_sched = True
+    optimizer.step = types.MethodType(step, optimizer)

@@ -89,11 +89,15 @@ The private surfaces of TRL, transformers and accelerate it uses are named in
 :mod:`tidal.integrations.seams` and checked when the trainer class is built: a TRL whose
 surfaces changed is a :class:`~tidal.integrations.seams.SeamError` naming the tested versions.
 
-The package, by concept: ``config`` (:class:`TidalConfig`), ``trainer`` (the trainers and
-their hooks into TRL's phases), ``phases`` (work started at a block's first forward),
+The package, by concept: ``config`` (:class:`TidalConfig`), ``trainer`` (the trainers: TRL's
+phases overridden, each handing TRL's own work to the trainer's adapter), ``adapter``
+(:class:`~tidal.integrations.trl.adapter.TrlAdapter`, ``trainer.tidal``: the one object that
+does tidal's part of each phase and owns the timeshare, the phase schedule, the colocated vLLM
+engine, the retries and the log's figures), ``phases`` (work started at a block's first forward),
 ``schedule`` (TRL's step for the library's :class:`~tidal.timeshare.schedule.PhaseSchedule`,
 which decides what each turn keeps and what comes in ahead),
-``retry`` (a phase run again after running out of memory beside kept roles), ``reference``
+``retry`` (:class:`~tidal.integrations.trl.retry.OutOfMemoryRetry`: a phase run again after
+running out of memory beside kept roles), ``reference``
 (``sync_ref_model`` with a moved-out reference), ``launch`` (the launches it runs under),
 ``checks`` (the settings refused before any work).
 """
