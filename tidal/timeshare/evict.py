@@ -1,14 +1,19 @@
-"""Choosing what to evict: :class:`EvictionChoice`, the part of :class:`~tidal.Timeshare` that
-decides which resident roles bringing one in moves out (the budget, the headroom, roles in
-use, storages shared between roles)."""
+"""Choosing what to evict. :func:`choose_evictions` is the decision itself, pure and free of any
+device: from what each resident role holds (storage keys and their bytes), when each was used,
+which are in use, and the room the device has, which roles bringing one in moves out.
+:class:`EvictionChoice`, the part of :class:`~tidal.Timeshare` that reads those figures off its
+roles, its store and the driver, and raises where the room cannot be made."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 from tidal.units import format_bytes
 from tidal.state.handover import RoomSource
 from tidal.timeshare.role import Role
 
-__all__ = ["EvictionChoice", "check_keep_free_bytes"]
+__all__ = ["EvictionChoice", "Eviction", "Resident", "check_keep_free_bytes", "choose_evictions"]
 
 
 def check_keep_free_bytes(keep_free_bytes: int | None) -> None:
@@ -21,8 +26,115 @@ def check_keep_free_bytes(keep_free_bytes: int | None) -> None:
         raise ValueError(f"keep_free_bytes must be >= 0 or None, got {keep_free_bytes}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Resident:
+    """A resident role beside the one coming in, as :func:`choose_evictions` sees it: its device
+    storages (``entries``: storage key -> bytes; roles that share a module share keys), of them
+    those already out on the host (``out``: a resident role's optimizer state may be), whether
+    it is in use, and when it was last used (larger: more recently)."""
+
+    name: str
+    entries: Mapping[int, int]
+    out: frozenset[int] = frozenset()
+    in_use: bool = False
+    last_used: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Eviction:
+    """What :func:`choose_evictions` decided: the roles to move out (``evict``, in that order),
+    the roles in use among those that stay (``busy``), whether the room asked for is still
+    short with every role that may go out gone (``short``: the move itself raises, naming the
+    bytes) and whether what stays is over the budget (``over_budget``)."""
+
+    evict: list[str]
+    busy: list[str]
+    short: bool
+    over_budget: bool
+
+
+def choose_evictions(
+    incoming: Mapping[int, int],
+    others: Sequence[Resident],
+    *,
+    coming_bytes: int,
+    free_bytes: int,
+    bucket_bytes: int,
+    budget_bytes: int | None,
+    as_needed: bool,
+    room_asked: bool,
+    ignore_use: bool = False,
+) -> Eviction:
+    """The residents of ``others`` that bringing in a role with device storages ``incoming``
+    (key -> bytes) moves out. Pure: reads nothing but its arguments.
+
+    ``coming_bytes``: of ``incoming``, what must still be copied in. ``free_bytes``: what an
+    allocation can get now, less the headroom or the bytes asked to stay free (memory a move
+    gives back first, such as a cancelled prefetch, counted in). ``bucket_bytes``: one staging
+    bucket (0 off an accelerator): one for the copies in, one for those out if anything goes
+    out. ``budget_bytes``: what every resident storage together may hold (None: no budget).
+    ``as_needed``: move out only what the room takes (else, without a budget, every role goes:
+    the caller's case). ``room_asked``: room is made (something comes in, or bytes are asked to
+    stay free). ``ignore_use``: as if no role were in use.
+
+    Roles go least recently used first. A role whose storages are all shared with a role that
+    stays frees nothing alone: it goes with the roles that share them, where that frees
+    something, and stays otherwise. Memory cost: none."""
+    staying = sorted(others, key=lambda r: r.last_used)
+
+    def resident_bytes(roles: Sequence[Resident]) -> int:
+        keys = dict(incoming)
+        for r in roles:
+            keys.update(r.entries)
+        return sum(keys.values())
+
+    def freed_by_evicting(roles: Sequence[Resident]) -> int:
+        """Device bytes moving out with everything resident but ``roles`` and the incoming."""
+        keep = set(incoming).union(*(r.entries for r in roles))
+        gone = {
+            k: n for r in others if r not in roles for k, n in r.entries.items() if k not in keep and k not in r.out
+        }
+        return sum(gone.values())
+
+    def short(roles: Sequence[Resident]) -> bool:
+        over_budget = budget_bytes is not None and resident_bytes(roles) > budget_bytes
+        if over_budget or not as_needed or not room_asked:
+            return over_budget
+        staging = bucket_bytes * (int(bool(coming_bytes)) + int(len(roles) < len(others)))
+        return coming_bytes > free_bytes - staging + freed_by_evicting(roles)
+
+    def gains(rest: Sequence[Resident]) -> bool:
+        return resident_bytes(rest) < resident_bytes(staying) or freed_by_evicting(rest) > freed_by_evicting(staying)
+
+    evictable = lambda r: not r.in_use or ignore_use  # noqa: E731
+    evict: list[str] = []
+    changed = True
+    while changed and short(staying):
+        changed = False
+        for r in [x for x in staying if evictable(x)]:  # least recently used first
+            if not short(staying):
+                break
+            rest = [x for x in staying if x is not r]
+            if not gains(rest):
+                # It frees nothing alone (its storages are shared): with the evictable roles
+                # sharing them, it may (a policy's rollout and training roles).
+                group = {r.name} | {x.name for x in staying if evictable(x) and set(x.entries) & set(r.entries)}
+                rest = [x for x in staying if x.name not in group]
+                if not gains(rest):
+                    continue  # evicting it frees nothing
+            evict += [x.name for x in staying if x not in rest]
+            staying, changed = rest, True
+    return Eviction(
+        evict=evict,
+        busy=[r.name for r in staying if r.in_use],
+        short=short(staying),
+        over_budget=budget_bytes is not None and resident_bytes(staying) > budget_bytes,
+    )
+
+
 class EvictionChoice:
-    """Which roles a transition moves out, a mixin of :class:`~tidal.Timeshare`."""
+    """Which roles a transition moves out, a mixin of :class:`~tidal.Timeshare`: the figures
+    :func:`choose_evictions` decides from, read off the roles, the store and the driver."""
 
     def _free_bytes(self) -> int:
         """Device bytes an allocation of this process can get now: the driver's free memory
@@ -73,15 +185,18 @@ class EvictionChoice:
                 f"role {role.name!r} holds {format_bytes(incoming_bytes)} of state, more than "
                 f"budget_bytes={budget} ({format_bytes(budget)}); raise the budget or shrink the role"
             )
-        entries = {r.name: self._device_entries(r) for r in others}
-        staying = sorted(others, key=lambda r: r.last_used)
-
-        def resident_bytes(roles: list[Role]) -> int:
-            keys = {k: e.nbytes for k, e in incoming.items()}
-            for r in roles:
-                keys.update((k, e.nbytes) for k, e in entries[r.name].items())
-            return sum(keys.values())
-
+        residents = []
+        for r in others:
+            entries = self._device_entries(r)
+            residents.append(
+                Resident(
+                    name=r.name,
+                    entries={k: e.nbytes for k, e in entries.items()},
+                    out=frozenset(k for k in entries if self.store.is_offloaded(k)),
+                    in_use=r.in_use,
+                    last_used=r.last_used,
+                )
+            )
         prefetched = self.store.prefetched_keys()
         coming = self._to_load(role, incoming, prefetched)
         # Room is made for what comes in; with keep_free_bytes, for the free bytes asked too.
@@ -93,63 +208,28 @@ class EvictionChoice:
             free += sum(e.nbytes for e in self.store.offloaded_entries(sorted(prefetched - set(incoming))))
             if room_source is not None:
                 free += room_source.pending_bytes()  # the load waits for it
-
-        def freed_by_evicting(roles: list[Role]) -> int:
-            """Device bytes moving out with everything resident but ``roles`` and ``role``."""
-            keep = set(incoming).union(*(entries[r.name] for r in roles))
-            gone = {
-                k: e.nbytes
-                for r in others
-                if r not in roles
-                for k, e in entries[r.name].items()
-                if k not in keep and not self.store.is_offloaded(k)
-            }
-            return sum(gone.values())
-
-        def short(roles: list[Role]) -> bool:
-            over_budget = budget is not None and resident_bytes(roles) > budget
-            if over_budget or not as_needed or not room_asked:
-                return over_budget
-            # A staging bucket for the copies in, and one for those out if anything goes out.
-            staging = self.store.staging_bytes(int(bool(coming)) + int(len(roles) < len(others)))
-            return coming > free - staging + freed_by_evicting(roles)
-
-        def gains(rest: list[Role]) -> bool:
-            return resident_bytes(rest) < resident_bytes(staying) or freed_by_evicting(rest) > freed_by_evicting(
-                staying
-            )
-
-        evictable = lambda r: not r.in_use or ignore_use  # noqa: E731
-        evict: list[Role] = []
-        changed = True
-        while changed and short(staying):
-            changed = False
-            for r in [x for x in staying if evictable(x)]:  # least recently used first
-                if not short(staying):
-                    break
-                rest = [x for x in staying if x is not r]
-                if not gains(rest):
-                    # It frees nothing alone (its storages are shared): with the evictable roles
-                    # sharing them, it may (a policy's rollout and training roles).
-                    group = {r.name} | {
-                        x.name for x in staying if evictable(x) and set(entries[x.name]) & set(entries[r.name])
-                    }
-                    rest = [x for x in staying if x.name not in group]
-                    if not gains(rest):
-                        continue  # evicting it frees nothing
-                evict += [x for x in staying if x not in rest]
-                staying, changed = rest, True
-        busy = [r.name for r in staying if r.in_use]
-        if budget is not None and resident_bytes(staying) > budget and not ignore_use:
+        choice = choose_evictions(
+            {k: e.nbytes for k, e in incoming.items()},
+            residents,
+            coming_bytes=coming,
+            free_bytes=free,
+            bucket_bytes=self.store.staging_bytes(1),
+            budget_bytes=budget,
+            as_needed=as_needed,
+            room_asked=room_asked,
+            ignore_use=ignore_use,
+        )
+        if choice.over_budget and not ignore_use:
             raise RuntimeError(
                 f"role {role.name!r} does not fit in budget_bytes={budget} next to the roles in "
-                f"use {busy}; exit their use() blocks first or raise the budget"
+                f"use {choice.busy}; exit their use() blocks first or raise the budget"
             )
-        if as_needed and busy and short(staying) and not ignore_use:
+        if as_needed and choice.busy and choice.short and not ignore_use:
             raise RuntimeError(
                 f"role {role.name!r} ({format_bytes(coming)} to load) does not fit in the device's free memory "
                 f"({format_bytes(max(0, free))} after leaving {format_bytes(headroom)} free) next to the "
-                f"roles in use {busy}; exit their use() blocks first or lower headroom_bytes (keep_free_bytes)"
+                f"roles in use {choice.busy}; exit their use() blocks first or lower headroom_bytes (keep_free_bytes)"
             )
         # Short with every evictable role out: the move itself raises, naming the bytes.
-        return evict
+        by_name = {r.name: r for r in others}
+        return [by_name[n] for n in choice.evict]
