@@ -66,10 +66,10 @@ def test_a_switch_releases_what_goes_out_behind_its_copies_without_a_host_wait()
         assert _equal(ref, want_ref)
     # Each wait of the compute stream for copies was timed; read once run (0 here: the fake's
     # copies are synchronous), and the pairs are let go.
-    waited = [i for i, _ in ts._stalls]
+    waited = [i for i, _ in ts.log._stalls]
     assert waited and all(ts.records[i].role_in is not None for i in waited)
     ts.settle_stalls(wait=True)
-    assert not ts._stalls and all(ts.records[i].stall_seconds == 0.0 for i in waited)
+    assert not ts.log._stalls and all(ts.records[i].stall_seconds == 0.0 for i in waited)
 
 
 def test_readers_of_host_copies_wait_for_the_copies_out():

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+import warnings
+from typing import Any
 
 from tidal.units import format_bytes
 from tidal.state.result import MoveResult
 
-__all__ = ["TransitionRecord", "format_report"]
+__all__ = ["TransitionLog", "TransitionRecord", "format_report"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,6 +121,121 @@ class TransitionRecord:
         d.update(dataclasses.asdict(self.move))
         d["gbps"] = self.gbps
         return d
+
+
+class TransitionLog:
+    """The records of one timeshare's transitions (:attr:`records`) and the bookkeeping that times
+    them: each verb's host time from :meth:`start_clock` (or the verb's previous record) to its
+    record, and on an accelerator the compute stream's waits for the move's copies
+    (``store.take_stalls()``: pairs of events) and its window around the verb (an event at each
+    end), read into the records once they have run (:meth:`settle`).
+
+    ``ops`` is the timeshare's :class:`~tidal.device.DeviceOps` (its streams, events and whether
+    it is an accelerator), ``store`` its :class:`~tidal.state.store.OffloadStore` (the copies'
+    waits, the host memory held). ``measure_release``: a record reads what the driver got back
+    of the memory the move freed (``TransitionRecord.unreleased_bytes``), and warns once per kind
+    of transition where that is more than ``release_tolerance_bytes`` short. Not thread-safe:
+    the timeshare calls it under its lock. Memory cost: a record per transition, and until
+    :meth:`settle` reads them, two device events per wait and per window."""
+
+    def __init__(self, ops: Any, store: Any, *, measure_release: bool, release_tolerance_bytes: int) -> None:
+        self.ops, self.store = ops, store
+        self.measure_release, self.release_tolerance_bytes = measure_release, release_tolerance_bytes
+        self.records: list[TransitionRecord] = []
+        self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory
+        self._verb_t0 = time.perf_counter()  # see start_clock
+        self._verb_mark: tuple[Any, Any] | None = None  # (stream, event) where the verb started
+        # (record index, compute-stream wait event pairs) not yet read (see settle)
+        self._stalls: list[tuple[int, list]] = []
+        # (record index, start, end): the compute stream's events around a record's window
+        self._gaps: list[tuple[int, Any, Any]] = []
+
+    def start_clock(self) -> None:
+        """A verb starts: the host time of the records it makes counts from here, and on an
+        accelerator their device gap from an event recorded now on the current stream."""
+        self._verb_t0 = time.perf_counter()
+        self._verb_mark = self._mark_stream()
+
+    def _mark_stream(self) -> tuple[Any, Any] | None:
+        """A timing event recorded on the current stream now (with the stream), or None on CPU."""
+        if not self.ops.is_accelerator:
+            return None
+        stream = self.ops.current_stream()
+        event = self.ops.new_event(timing=True)
+        event.record(stream)
+        return stream, event
+
+    def _close_gap(self, index: int) -> None:
+        """Record ``index`` ends its window now: pair the window's start event with one recorded
+        here (same stream only), to be read by :meth:`settle`."""
+        start, self._verb_mark = self._verb_mark, self._mark_stream()
+        if start is not None and self._verb_mark is not None and start[0] == self._verb_mark[0]:
+            self._gaps.append((index, start[1], self._verb_mark[1]))
+
+    def record(
+        self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
+    ) -> TransitionRecord:
+        """Add a store move to :attr:`records` (and warn if the driver did not get the freed
+        memory back). The record's host time runs from the verb's start, or the previous
+        record of the same verb, to now."""
+        now = time.perf_counter()
+        host_seconds, self._verb_t0 = now - self._verb_t0, now
+        self.settle()
+        stalls = self.store.take_stalls()
+        rec = TransitionRecord.from_move(
+            len(self.records),
+            kind,
+            roles_out,
+            role_in,
+            move,
+            self.store.host_reserved_bytes,
+            measure_release=self.measure_release,
+            note=note,
+            host_seconds=host_seconds,
+        )
+        self.records.append(rec)
+        if stalls:  # only once the record exists: an interrupt before leaves nothing to settle
+            self._stalls.append((rec.index, stalls))
+        self._close_gap(rec.index)
+        if rec.unreleased_bytes > self.release_tolerance_bytes and kind not in self._warned_unreleased:
+            # Once per kind of transition: a loop repeats the same cause every step; the records
+            # (and report()) keep every transition's figure.
+            self._warned_unreleased.add(kind)
+            warnings.warn(
+                f"transition {rec.index} ({kind}) freed {format_bytes(move.bytes_out)} but the driver "
+                f"got back {format_bytes(rec.unreleased_bytes)} less than expected: caching-allocator "
+                f"segments are shared with tensors outside the roles (activations, caches) and "
+                f"cannot be released. Free those tensors before switching, or set "
+                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. Later {kind} transitions are not "
+                f"warned about; each record's unreleased_bytes has its figure",
+                stacklevel=4,
+            )
+        return rec
+
+    def pending_ends(self) -> list[Any]:
+        """The device events whose completion the records not yet settled wait for."""
+        ends = [after for _, pairs in self._stalls for _, after in pairs]
+        return ends + [end for _, _, end in self._gaps]
+
+    def settle(self) -> None:
+        """Fill in ``stall_seconds`` and ``gap_seconds`` of the records whose waits and windows
+        have run on the device (a query of one event per record not yet read, and of two per
+        wait); the others stay pending."""
+        pending = []
+        for index, pairs in self._stalls:
+            if not all(after.query() for _, after in pairs):
+                pending.append((index, pairs))
+                continue
+            stall = sum(before.elapsed_time(after) for before, after in pairs) / 1e3
+            self.records[index] = dataclasses.replace(self.records[index], stall_seconds=stall)
+        self._stalls = pending
+        gaps = []
+        for index, start, end in self._gaps:
+            if not end.query():
+                gaps.append((index, start, end))
+                continue
+            self.records[index] = dataclasses.replace(self.records[index], gap_seconds=start.elapsed_time(end) / 1e3)
+        self._gaps = gaps
 
 
 def _gbps_text(records: list[TransitionRecord]) -> str:

@@ -14,10 +14,8 @@ bucket per direction during a transition.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
-import time
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -36,7 +34,7 @@ from tidal.timeshare.registration import Registration, timeshare_of
 from tidal.timeshare.role import Role
 from tidal.timeshare.residency import policy_for
 from tidal.timeshare.threads import serialised, wait_for_room
-from tidal.timeshare.telemetry import TransitionRecord, format_report
+from tidal.timeshare.telemetry import TransitionLog, TransitionRecord, format_report
 from tidal.timeshare.transition import Transitions
 from tidal.transfer.context import TransferContext
 
@@ -101,15 +99,14 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         # the bytes its switch keeps free)
         self._waiting: dict[int, tuple[str, set[str], dict[int, int], int, int | None]] = {}
         self._roles: dict[str, Role] = {}
-        self.records: list[TransitionRecord] = []
-        self._warned_unreleased: set[str] = set()  # transition kinds warned about unreleased memory
+        # Every transition's record, and the device timings read into them.
+        self.log = TransitionLog(
+            self.ops,
+            self.store,
+            measure_release=self.ops.is_accelerator and self.config.release_to_driver,
+            release_tolerance_bytes=self.config.release_tolerance_bytes,
+        )
         self._clock = 0
-        self._verb_t0 = time.perf_counter()  # see _start_clock
-        self._verb_mark: tuple[Any, Any] | None = None  # (stream, event) where the verb started
-        # (record index, compute-stream wait event pairs) not yet read (see settle_stalls)
-        self._stalls: list[tuple[int, list]] = []
-        # (record index, start, end): the compute stream's events around a record's window
-        self._gaps: list[tuple[int, Any, Any]] = []
         self.closed = False
         # Set before a transition changes anything and cleared once the roles' flags agree with
         # the store again: if it is still set, an exception interrupted one (see _recover).
@@ -335,7 +332,7 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         """Roles and transitions on this device: a summary per kind of transition and roles
         (count, bytes, seconds, GB/s); ``detail=True`` lists every transition."""
         with self._lock:
-            self._settle_stalls()  # what has run on the device is read: one measure where it can be
+            self.log.settle()  # what has run on the device is read: one measure where it can be
         rows = []
         for n, r in self._roles.items():
             total = self.role_bytes(n)
@@ -404,27 +401,14 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
                 f"TimeshareConfig.budget_bytes so both roles can stay resident"
             )
 
+    @property
+    def records(self) -> list[TransitionRecord]:
+        """Every transition so far, in order (:class:`~tidal.timeshare.telemetry.TransitionRecord`)."""
+        return self.log.records
+
     def _start_clock(self) -> None:
-        """A verb starts: the host time of the records it makes counts from here, and on an
-        accelerator their device gap from an event recorded now on the current stream."""
-        self._verb_t0 = time.perf_counter()
-        self._verb_mark = self._mark_stream()
-
-    def _mark_stream(self) -> tuple[Any, Any] | None:
-        """A timing event recorded on the current stream now (with the stream), or None on CPU."""
-        if not self.ops.is_accelerator:
-            return None
-        stream = self.ops.current_stream()
-        event = self.ops.new_event(timing=True)
-        event.record(stream)
-        return stream, event
-
-    def _close_gap(self, index: int) -> None:
-        """Record ``index`` ends its window now: pair the window's start event with one recorded
-        here (same stream only), to be read by :meth:`settle_stalls`."""
-        start, self._verb_mark = self._verb_mark, self._mark_stream()
-        if start is not None and self._verb_mark is not None and start[0] == self._verb_mark[0]:
-            self._gaps.append((index, start[1], self._verb_mark[1]))
+        """A verb starts: its records' host time (and device gap) count from here."""
+        self.log.start_clock()
 
     def settle_stalls(self, *, wait: bool = False) -> None:
         """Fill in the records' ``stall_seconds`` (how long the compute stream waited for
@@ -434,29 +418,11 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         and of two per wait."""
         if wait:
             with self._lock:
-                ends = [after for _, pairs in self._stalls for _, after in pairs]
-                ends += [end for _, _, end in self._gaps]
+                ends = self.log.pending_ends()
             for end in ends:  # outside the lock: another thread's verbs need not wait for this
                 end.synchronize()  # the figures are read now: the waits and windows must have run
         with self._lock:
-            self._settle_stalls()
-
-    def _settle_stalls(self) -> None:
-        pending = []
-        for index, pairs in self._stalls:
-            if not all(after.query() for _, after in pairs):
-                pending.append((index, pairs))
-                continue
-            stall = sum(before.elapsed_time(after) for before, after in pairs) / 1e3
-            self.records[index] = dataclasses.replace(self.records[index], stall_seconds=stall)
-        self._stalls = pending
-        gaps = []
-        for index, start, end in self._gaps:
-            if not end.query():
-                gaps.append((index, start, end))
-                continue
-            self.records[index] = dataclasses.replace(self.records[index], gap_seconds=start.elapsed_time(end) / 1e3)
-        self._gaps = gaps
+            self.log.settle()
 
     def _tick(self) -> int:
         """The next value of the clock that orders eviction (least recently used first)."""

@@ -4,11 +4,8 @@ with its storages when an exception (``KeyboardInterrupt`` included) stopped a m
 
 from __future__ import annotations
 
-import time
-import warnings
 from typing import Sequence
 
-from tidal.units import format_bytes
 from tidal.state.collect import StateEntry, storage_key
 from tidal.state.handover import ReleaseProgress, RoomSource
 from tidal.state.result import MoveResult
@@ -179,40 +176,8 @@ class Transitions:
     def record_move(
         self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
     ) -> TransitionRecord:
-        """Add a store move to the timeshare's records (and warn if the driver did not get the
-        freed memory back). For optimizer residency strategies, which move state themselves.
-        The record's host time runs from the verb's start, or the previous record of the
-        same verb, to now."""
-        now = time.perf_counter()
-        host_seconds, self._verb_t0 = now - self._verb_t0, now
-        self._settle_stalls()
-        stalls = self.store.take_stalls()
-        rec = TransitionRecord.from_move(
-            len(self.records),
-            kind,
-            roles_out,
-            role_in,
-            move,
-            self.store.host_reserved_bytes,
-            measure_release=self.ops.is_accelerator and self.config.release_to_driver,
-            note=note,
-            host_seconds=host_seconds,
-        )
-        self.records.append(rec)
-        if stalls:  # only once the record exists: an interrupt before leaves nothing to settle
-            self._stalls.append((rec.index, stalls))
-        self._close_gap(rec.index)
-        if rec.unreleased_bytes > self.config.release_tolerance_bytes and kind not in self._warned_unreleased:
-            # Once per kind of transition: a loop repeats the same cause every step; the records
-            # (and report()) keep every transition's figure.
-            self._warned_unreleased.add(kind)
-            warnings.warn(
-                f"transition {rec.index} ({kind}) freed {format_bytes(move.bytes_out)} but the driver "
-                f"got back {format_bytes(rec.unreleased_bytes)} less than expected: caching-allocator "
-                f"segments are shared with tensors outside the roles (activations, caches) and "
-                f"cannot be released. Free those tensors before switching, or set "
-                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. Later {kind} transitions are not "
-                f"warned about; each record's unreleased_bytes has its figure",
-                stacklevel=3,
-            )
-        return rec
+        """Add a store move to the timeshare's records (:class:`~tidal.timeshare.telemetry.TransitionLog`;
+        it warns if the driver did not get the freed memory back). For optimizer residency
+        strategies, which move state themselves. The record's host time runs from the verb's
+        start, or the previous record of the same verb, to now."""
+        return self.log.record(kind, roles_out, role_in, move, note)
