@@ -26,6 +26,11 @@ What it keeps of vLLM's behaviour, because TRL and tidal depend on it:
   of the sampled token (``logprobs=0``), from torch's default generator, seeded with ``seed`` at
   construction (vLLM samples requests without a seed of their own from the device's default
   generator). A generation while asleep raises, as vLLM's would crash.
+* The KV cache is vLLM's block pool: ``kv_cache_memory_bytes`` in blocks of 16 tokens (every
+  layer's key and value), one of them vLLM's null block, which no request gets. A generation
+  whose running sequences come to need more blocks than that at one decode step has its
+  youngest request preempted (vLLM recomputes it later): counted in :attr:`FakeLLM.preemptions`
+  (the tokens do not change here).
 * A generation's requests stay the engine's until they finish
   (``llm_engine.output_processor.request_states``); one that raised leaves them there, and the
   next generation returns their outputs too (vLLM's ``generate`` collects every request that
@@ -249,6 +254,12 @@ class FakeLLM:
                 )
         self.kv_cache_bytes = kv_cache_memory_bytes
         self.kv_cache = torch.zeros(kv_cache_memory_bytes, dtype=torch.uint8)
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_block = 16 * 2 * cfg.num_hidden_layers * heads * head_dim * 4  # fp32, as its weights
+        self.kv_blocks = kv_cache_memory_bytes // per_block - 1  # less vLLM's null block
+        self.preemptions = 0  # decode steps that found the block pool short (see generate)
         self.enable_sleep_mode = enable_sleep_mode
         torch.manual_seed(seed)  # vLLM's engine seeds the process's generators as it starts
         self.request_states: dict[str, list[int]] = {}  # unfinished requests: id -> prompt ids
@@ -362,7 +373,7 @@ class FakeLLM:
             self._next_request += 1
             self.request_states[rid] = list(prompt["prompt_token_ids"])
             mine.append((rid, list(prompt["prompt_token_ids"]), sp))
-        out = []
+        out, lengths = [], []
         for rid, ids, sp in [(r, i, per_prompt[0]) for r, i in stale] + mine:
             completions = []
             # A request with a seed of its own samples from its own generator (vLLM's too).
@@ -385,9 +396,20 @@ class FakeLLM:
                     if eos is not None and tok == eos and len(toks) >= sp.min_tokens:
                         break
                 completions.append(CompletionOutput(token_ids=toks, logprobs=lps if sp.logprobs is not None else None))
+                lengths.append((len(ids), len(toks)))
             del self.request_states[rid]
             out.append(RequestOutput(prompt_token_ids=ids, outputs=completions))
+        self._count_preemptions(lengths)
         return out
+
+    def _count_preemptions(self, lengths: list[tuple[int, int]]) -> None:
+        """vLLM runs a generation's sequences together: at its t-th decode step each sequence
+        still running holds its prompt and t tokens in whole blocks; a step that needs more
+        blocks than the pool has preempts a request."""
+        for t in range(1, max((c for _, c in lengths), default=0) + 1):
+            need = sum(-(-(p + t) // 16) for p, c in lengths if c >= t)
+            if need > self.kv_blocks:
+                self.preemptions += 1
 
 
 class FakeClient:

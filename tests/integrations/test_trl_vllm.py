@@ -127,7 +127,9 @@ def test_an_auto_kv_cache_holds_every_sequence_of_a_generation_at_its_longest(ti
     policy = ours.accelerator.unwrap_model(ours.model)
     sequences = ours.args.per_device_train_batch_size * ours.args.steps_per_generation
     want = kv_cache_bytes_for(policy.config, torch.float32, sequences=sequences, max_len=100)
-    assert want == sequences * 112 * kv_bytes_per_token(policy.config, torch.float32)  # 7 blocks of 16 tokens
+    # 7 blocks of 16 tokens a sequence, and vLLM's null block
+    assert want == (sequences * 7 + 1) * 16 * kv_bytes_per_token(policy.config, torch.float32)
+    assert ours.vllm_generation.llm.preemptions == 0
     assert ours.vllm_generation.llm.kv_cache_bytes == want and ours.tidal.engine.kv_cache_bytes == want
     with pytest.raises(ValueError, match="vllm_kv_cache_bytes='auto'.*vllm_max_model_length"):
         _vllm_run(TidalGRPOTrainer, tiny, tmp_path / "bad", tidal_config=cfg)

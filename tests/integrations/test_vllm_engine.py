@@ -118,8 +118,9 @@ def test_a_kv_cache_for_a_generation_holds_each_sequence_in_whole_blocks():
     from tidal.integrations.vllm import kv_cache_bytes_for
 
     cfg = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4)
-    assert kv_cache_bytes_for(cfg, torch.bfloat16, sequences=64, max_len=1024) == 64 * 1024 * 57344  # 3.5 GiB
-    assert kv_cache_bytes_for(cfg, torch.bfloat16, sequences=1, max_len=17) == 32 * 57344  # two blocks of 16
+    # 64 sequences of 64 blocks, and vLLM's null block, which no request gets: 3.5 GiB.
+    assert kv_cache_bytes_for(cfg, torch.bfloat16, sequences=64, max_len=1024) == (64 * 64 + 1) * 16 * 57344
+    assert kv_cache_bytes_for(cfg, torch.bfloat16, sequences=1, max_len=17) == 3 * 16 * 57344  # two blocks, and null
     for bad in (dict(sequences=0, max_len=8), dict(sequences=2, max_len=None)):
         with pytest.raises(ValueError, match="must be an int > 0"):
             kv_cache_bytes_for(cfg, torch.bfloat16, **bad)

@@ -57,9 +57,9 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
 
 def kv_cache_bytes_for(config: Any, dtype: torch.dtype, *, sequences: int, max_len: int) -> int:
     """The KV cache that holds ``sequences`` sequences of ``max_len`` tokens at once (each in whole
-    blocks of :data:`KV_BLOCK_TOKENS`) in a decoder of this Hugging Face ``config``: a
-    generation of that many sequences never waits for room in it, and nothing is sized from a
-    fraction of the device.
+    blocks of :data:`KV_BLOCK_TOKENS`, beside vLLM's null block) in a decoder of this Hugging Face
+    ``config``: a generation of that many sequences never waits for room in it (no request is
+    preempted), and nothing is sized from a fraction of the device.
 
     Raises:
         ValueError: ``sequences`` or ``max_len`` not an int > 0.
@@ -68,7 +68,9 @@ def kv_cache_bytes_for(config: Any, dtype: torch.dtype, *, sequences: int, max_l
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"kv_cache_bytes_for: {name} must be an int > 0, got {v!r}")
     blocks = -(-max_len // KV_BLOCK_TOKENS)
-    return sequences * blocks * KV_BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
+    # vLLM's block pool keeps one block that no request gets (its null block): without it the
+    # last sequence is preempted as every sequence reaches its longest.
+    return (sequences * blocks + 1) * KV_BLOCK_TOKENS * kv_bytes_per_token(config, dtype)
 
 
 class VllmEngine:
