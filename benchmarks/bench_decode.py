@@ -35,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_trl import PRESETS, qwen2_config  # noqa: E402  (the same model shapes)
+from trl_bench.workload import PRESETS, qwen2_config  # noqa: E402  (the same model shapes)
 
 
 def build(preset: str, device, seed: int):

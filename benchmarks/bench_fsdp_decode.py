@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_decode import Gaps, build, gap_stats, generate_greedy  # noqa: E402
-from bench_trl import PRESETS  # noqa: E402
+from trl_bench.workload import PRESETS  # noqa: E402
 
 
 def shard_as_accelerate(model) -> None:

@@ -23,7 +23,7 @@ add to the step the copies tidal leaves running on its own stream across the ste
 the next step's work overlaps), each generation's (TRL's ``_generate``, the same way), the peak of the
 device's used memory (``total - free`` from ``cudaMemGetInfo`` sampled every 10 ms, less what the
 capping process holds), each phase's device seconds (``phase_clock.PhaseClock``), and for tidal
-its transitions and host memory. A tidal row's floor is bench_trl.py's: the phases' compute (their
+its transitions and host memory. A tidal row's floor is bench_trl.py's (``trl_bench.report.step_floor``): the phases' compute (their
 device seconds less what the steps waited on tidal's copies) plus the optimizer state that cannot
 be on the device beside the weights and gradients (none where it fits) at the host-to-device line
 rate measured in this run; its host memory is read against what tidal holds plus the process's
@@ -85,7 +85,7 @@ def child(variant: str, model_path: str, args) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from bench_trl import _char_task
+    from trl_bench.workload import char_task
     from phase_clock import PhaseClock
     from tidal.memory import host_rss_bytes
 
@@ -145,7 +145,7 @@ def child(variant: str, model_path: str, args) -> dict:
             )
 
     common = dict(
-        model=model_path, reward_funcs=_char_task().reward_sevens, args=cfg, train_dataset=data, callbacks=[Clock()]
+        model=model_path, reward_funcs=char_task().reward_sevens, args=cfg, train_dataset=data, callbacks=[Clock()]
     )
     baseline_rss = host_rss_bytes()
     out: dict = {"variant": variant, "gpu": torch.cuda.get_device_name(), "steps": steps}
@@ -313,9 +313,10 @@ def _optimizer_state_bytes(trainer) -> int:
 
 
 def _floor(r: dict, line: dict | None, warmup: int) -> dict | None:
-    """bench_trl.py's floor for a tidal row: the phases' compute (their device seconds less the
-    steps' waits on tidal's copies) plus the optimizer state beyond the room beside the weights
-    and gradients at the host-to-device line rate; None without the phases or a line rate."""
+    """bench_trl.py's floor (``trl_bench.report.step_floor``) for a tidal row, over the steps
+    after ``warmup``: the phases' compute (their device seconds less the steps' waits on tidal's
+    copies) plus the optimizer state beyond the room beside the weights and gradients at the
+    host-to-device line rate; None without the phases or a line rate."""
     steps, logs, w = r.get("steps", [])[warmup:], (r.get("tidal_logs") or [])[warmup:], r.get("workload")
     if not steps or not w or not line or not all("phase_s" in s for s in steps):
         return None
@@ -342,8 +343,8 @@ def _summary(r: dict, warmup: int) -> dict:
 def _paired_rounds(rows: list[dict]) -> dict:
     """Per tidal variant: each round's median step against that round's TRL + vLLM run (the
     runs of one round are neighbours in time), the median of those ratios and its 95% interval
-    (``bench_trl.median_ci95``: distribution-free, None below 6 rounds)."""
-    from bench_trl import median_ci95
+    (``trl_bench.stats.median_ci95``: distribution-free, None below 6 rounds)."""
+    from trl_bench.stats import median_ci95
 
     base = {
         r["round"]: r["summary"]["step_s"] for r in rows if r["variant"].startswith("trl") and r["summary"]["step_s"]
@@ -395,11 +396,12 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench_trl import _line_rate, save_model
+    from trl_bench.probes import line_rate
+    from trl_bench.workload import save_model
 
     model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"bench_vllm_{args.preset}")
     save_model(args.preset, model_dir)
-    line = _line_rate()  # before another process holds the device's memory
+    line = line_rate()  # before another process holds the device's memory
     if line:
         print(f"line rate: {line}", flush=True)
     cap_proc, held = None, 0

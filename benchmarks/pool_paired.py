@@ -3,9 +3,9 @@
 Each input is the JSON of one bench process (``--paired N --in-process``) that ran TRL alone and
 tidal in turn on its own GPU; ``gpu.sh trl:paired`` with ``PAIRED_GPUS=k`` runs k of them at
 once, one a GPU of one machine. Every pair stays inside its process (a tidal run against the TRL
-run of its round, as ``bench_trl._paired`` pairs them), so what differs between processes (the
+run of its round, as ``trl_bench.stats.paired`` pairs them), so what differs between processes (the
 GPU, the host's speed then) cancels within each ratio; the pooled figures are the median of all
-the processes' ratios and the distribution-free interval for it (``bench_trl.median_ci95``).
+the processes' ratios and the distribution-free interval for it (``trl_bench.stats.median_ci95``).
 
     python3 benchmarks/pool_paired.py --json OUT.json IN.json [IN.json ...]
 
@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_trl import _paired, median_ci95  # noqa: E402
+from trl_bench.stats import median_ci95, paired  # noqa: E402
 
 __all__ = ["lockstep_pairs", "pool"]
 
@@ -60,7 +60,7 @@ def pool(runs: list[dict]) -> dict:
         )
     out: dict = {}
     for i, run in enumerate(runs):
-        for name, p in _paired(run.get("variants", [])).items():
+        for name, p in paired(run.get("variants", [])).items():
             row = out.setdefault(name, {"step": [], "generate": [], "per_probe": [], "peak": [], "per_process": []})
             row["step"] += p["ratios"]
             row["peak"] += p["peak_ratios"]

@@ -271,17 +271,17 @@ def test_the_command_line_pairs_two_lockstep_processes_and_refuses_one(tmp_path,
 
 
 def test_the_bench_refuses_lockstep_without_one_variant_in_turn_before_any_work(tmp_path, capsys):
-    bench_trl = pytest.importorskip("bench_trl")
+    launch = pytest.importorskip("trl_bench.launch")
     cache = tmp_path / "models"
     for extra in (
         ["--variants", "trl,stream", "--paired", "2"],  # not --in-process
         ["--variants", "trl,stream,role", "--paired", "2", "--in-process"],  # two tidal variants
     ):
         with pytest.raises(SystemExit) as e:
-            bench_trl.main([*extra, "--lockstep", "127.0.0.1:29611", "--model-cache", str(cache)])
+            launch.main([*extra, "--lockstep", "127.0.0.1:29611", "--model-cache", str(cache)])
         assert e.value.code == 2 and "--lockstep pairs TRL alone with one tidal variant" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench_trl.main(
+        launch.main(
             [
                 "--variants",
                 "trl,stream",
@@ -304,7 +304,7 @@ def test_the_bench_refuses_lockstep_without_one_variant_in_turn_before_any_work(
         ([*lock, "--main-cores", f"0,{max(os.sched_getaffinity(0)) + 1}"], "give two different cores"),
     ):
         with pytest.raises(SystemExit) as e:
-            bench_trl.main([*extra, "--model-cache", str(cache)])
+            launch.main([*extra, "--model-cache", str(cache)])
         assert e.value.code == 2 and says in capsys.readouterr().err
     assert not cache.exists()  # no model saved, no process launched
 

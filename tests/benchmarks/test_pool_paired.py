@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
-bench_trl = pytest.importorskip("bench_trl")
+pytest.importorskip("trl_bench.stats")
 pool_paired = pytest.importorskip("pool_paired")
 
 

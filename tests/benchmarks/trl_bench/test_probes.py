@@ -1,5 +1,6 @@
-"""bench_trl.py's reading of the trainer's per-phase log figures (``tidal/peak_gib/<phase>``,
-``tidal/fragments_gib/<phase>``) step by step."""
+"""trl_bench.probes: the trainer's per-phase log figures (``tidal/peak_gib/<phase>``,
+``tidal/fragments_gib/<phase>``) read step by step, a step's moves in order, a lockstep
+process's patience."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
 
-bench_trl = pytest.importorskip("bench_trl")
+probes = pytest.importorskip("trl_bench.probes")
 
 GIB = 2**30
 
@@ -22,11 +23,11 @@ def test_each_measured_step_s_figures_in_bytes_by_phase():
         {"step": 2, "train_runtime": 3.0, "tidal/peak_gib/loss": 99.0},  # the run's summary line: no loss
         {"step": 3, "loss": 0.3, "tidal/peak_gib/generate": 10.0, "tidal/fragments_gib/generate": 5.5},
     ]
-    peaks = bench_trl.logged_per_step(history, "tidal/peak_gib/")
+    peaks = probes.logged_per_step(history, "tidal/peak_gib/")
     assert peaks == [{"generate": 10.5 * GIB, "loss": 12.0 * GIB}, {"generate": 10.0 * GIB}]
     # A step without the figure is left out, not kept as an empty reading.
-    assert bench_trl.logged_per_step(history, "tidal/fragments_gib/") == [{"generate": 5.5 * GIB}]
-    assert bench_trl.logged_per_step(history, "tidal/other/") == []
+    assert probes.logged_per_step(history, "tidal/fragments_gib/") == [{"generate": 5.5 * GIB}]
+    assert probes.logged_per_step(history, "tidal/other/") == []
 
 
 def test_a_steps_moves_are_listed_in_order_with_a_streamed_steps_chunks_summed():
@@ -47,7 +48,7 @@ def test_a_steps_moves_are_listed_in_order_with_a_streamed_steps_chunks_summed()
         rec("optim-stream", ("policy",), None, 0, 1e9),
         rec("prefetch", (), "reference", 1e9, 0),
     ]
-    assert bench_trl.step_moves(records) == [
+    assert probes.step_moves(records) == [
         ["prefetch", ["policy"], "reference", 4.0, 7.0, 0.0, 0.0],
         ["switch", [], "reference", 3.0, 0.0, 4.0, 0.05],
         ["optim-in", [], "policy", 2.0, 0.0, 0.0, 0.0],
@@ -66,10 +67,8 @@ def test_with_turns_the_wait_lasts_two_partner_steps_wherever_another_pair_was_b
         now = 1000.0
         deadline = now + left
         assert not now + 1.15 * 2 * step + 20.0 > deadline  # the bench's check: not late
-        assert bench_trl.lockstep_patience(300.0, deadline, now, step, turns=True) >= 2 * step
+        assert probes.lockstep_patience(300.0, deadline, now, step, turns=True) >= 2 * step
     # Starting together, the partner is at most a moment away: the patience keeps a step's room.
-    assert bench_trl.lockstep_patience(300.0, 1100.0, 1000.0, step, turns=False) == pytest.approx(
-        100 - 1.15 * step - 30
-    )
-    assert bench_trl.lockstep_patience(300.0, 0.0, 1000.0, step, turns=True) == 300.0  # no deadline
-    assert bench_trl.lockstep_patience(300.0, 1005.0, 1000.0, step, turns=True) == 1.0  # at least 1 s
+    assert probes.lockstep_patience(300.0, 1100.0, 1000.0, step, turns=False) == pytest.approx(100 - 1.15 * step - 30)
+    assert probes.lockstep_patience(300.0, 0.0, 1000.0, step, turns=True) == 300.0  # no deadline
+    assert probes.lockstep_patience(300.0, 1005.0, 1000.0, step, turns=True) == 1.0  # at least 1 s
