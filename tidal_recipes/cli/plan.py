@@ -60,8 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--host-mem-gib",
         type=gib_arg,
         default=None,
-        help="host RAM the job may use, in GiB, for the recommendation's host check (default: what this "
-        "machine has available now, memory cgroup included)",
+        help="host RAM the job may use, in GiB, for the recommendation's host check (default: on a machine "
+        "with a GPU of --gpu-mem-gib, what it has available now, memory cgroup included; elsewhere the host "
+        "is not checked)",
     )
     p.add_argument("--gpus", type=positive_int, default=1, help="GPUs (data-parallel degree; default 1)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (default 0)")
@@ -205,6 +206,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.set_defaults(run=run)
     return p
+
+
+def _is_the_gpu_host(gpu_mem_bytes: int) -> bool:
+    """This machine has a CUDA GPU of about ``gpu_mem_bytes`` (within 5%): a plan for that GPU is
+    a plan for this machine, whose RAM is then the host's. False without torch or a GPU."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    total = torch.cuda.get_device_properties(0).total_memory
+    return abs(total - gpu_mem_bytes) <= 0.05 * gpu_mem_bytes
 
 
 def _format_kept(kept: dict, host: dict, gpu_mem_gib: float) -> str:
@@ -436,14 +450,15 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     rec, host_source = None, None
     if args.gpu_mem_gib is not None:
+        host = None  # not checked (the summary says so)
         if args.host_mem_gib is not None:
             host, host_source = int(args.host_mem_gib * GIB), "--host-mem-gib"
-        else:
+        elif _is_the_gpu_host(int(args.gpu_mem_gib * GIB)):
             try:
                 host = host_memory().available_bytes  # this machine's, now (a cgroup's limit included)
                 host_source = "this machine's available memory"
             except OSError:
-                host = None  # no /proc/meminfo: the host is not checked (the summary says so)
+                pass  # no /proc/meminfo
         rec = recommend(
             config, gpu_mem_bytes=int(args.gpu_mem_gib * GIB), gpus=args.gpus, bandwidth=bw, host_mem_bytes=host
         )
@@ -458,10 +473,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json is None:
         print(format_plan(plan, rec), flush=True)
         if host_source == "this machine's available memory":
-            # The GPU host is often not the machine planning for it: say where the figure came from.
             print(
-                f"(the host's memory above is this machine's available memory, {host / GIB:.2f} GiB; "
-                "plan for another machine's with --host-mem-gib)",
+                f"(the host's memory above is this machine's available memory, {host / GIB:.2f} GiB: it has "
+                f"a GPU of {args.gpu_mem_gib:g} GiB; plan for another machine's with --host-mem-gib)",
+                flush=True,
+            )
+        elif rec is not None and host_source is None:
+            # Planning for another machine: its RAM is not this one's.
+            print(
+                f"(host memory not checked: this machine has no GPU of {args.gpu_mem_gib:g} GiB, so its RAM is "
+                "not the GPU host's; give the GPU host's available RAM with --host-mem-gib)",
                 flush=True,
             )
         if kept is not None:

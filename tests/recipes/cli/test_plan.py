@@ -182,14 +182,26 @@ def test_host_memory_is_itemised_and_checked(capsys, monkeypatch):
     code, out, _ = _run([*base, "--host-mem-gib", "1000"], capsys)
     assert code == 0 and "gradient staging" not in out
     assert "Host memory: 113.48 GiB pinned of 900.00 GiB usable." in out
-    # Without --host-mem-gib the machine's available memory (a cgroup's limit included) is used.
+    # Without --host-mem-gib on the GPU host (a GPU of that memory here), its available memory (a
+    # cgroup's limit included) is used; elsewhere the host is not checked, and the output asks for it.
     import tidal.memory  # noqa: PLC0415
+    from tidal_recipes.cli import plan as plan_cli  # noqa: PLC0415
 
     fake = tidal.memory.HostMemory(total_bytes=64 << 30, available_bytes=60 << 30, cgroup_limit_bytes=64 << 30)
     monkeypatch.setattr(tidal.memory, "host_memory", lambda: fake)
+    monkeypatch.setattr(plan_cli, "_is_the_gpu_host", lambda nbytes: nbytes == int(79.2 * 2**30))
     code, out, _ = _run(args, capsys)
     assert code == 0 and "of 54.00 GiB usable" in out and "156.04 GiB" in out
-    assert "this machine's available memory, 60.00 GiB; plan for another machine's with --host-mem-gib" in out
+    assert "this machine's available memory, 60.00 GiB: it has a GPU of 79.2 GiB" in out
+    elsewhere = [a if a != "79.2" else "80" for a in args]  # a GPU this machine does not have
+    code, out, _ = _run(elsewhere, capsys)
+    assert code == 0 and "54.00 GiB usable" not in out and "not checked: no host memory given" in out
+    assert "this machine has no GPU of 80 GiB" in out and "--host-mem-gib" in out
+    monkeypatch.undo()
+    import torch  # noqa: PLC0415
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not plan_cli._is_the_gpu_host(int(79.2 * 2**30))  # no GPU here: not the GPU host
     data = json.loads(_run([*args, "--host-mem-gib", "100", "--json"], capsys)[1])
     assert data["plan"]["host"]["CPU Adam fp32 gradients"] == 4 * 7615616512
     assert data["recommendation"]["host_usable_bytes"] == 90 << 30 and data["host_memory_from"] == "--host-mem-gib"
