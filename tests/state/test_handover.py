@@ -17,6 +17,7 @@ from tests.transfer.fakes import FakeAccelOps
 from tidal.errors import InsufficientMemoryError
 from tidal.state import OffloadStore
 from tidal.state.backends import ResizeBackend
+from tidal.state.moves import SwitchOptions
 from tidal.transfer import TransferConfig
 from tests.helpers import is_out
 
@@ -270,9 +271,9 @@ def test_misused_hand_over_arguments_are_refused_before_anything_moves():
     b, _, _ = _role(2)
     store.offload(b)
     with pytest.raises(ValueError, match="no incoming entries"):
-        store.switch(a, b, on_released=lambda r, t: None)
+        store.switch(a, b, SwitchOptions(on_released=lambda r, t: None))
     with pytest.raises(ValueError, match="release on"):
-        store.switch(a, [], on_released=print, release=False)
+        store.switch(a, [], SwitchOptions(on_released=print, release=False))
     with pytest.raises(ValueError, match="release_chunk_bytes"):
         store.offload(a, on_released=print, release_chunk_bytes=0)
     assert not any(store.is_offloaded(e.key) for e in a)

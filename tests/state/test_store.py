@@ -9,6 +9,7 @@ from tidal.errors import InsufficientMemoryError
 from tidal.state import MoveResult, OffloadStore, collect_module_state, collect_optimizer_state, storage_key
 from tidal import guard
 from tidal.state.collect import collect_tensors
+from tidal.state.moves import SwitchOptions
 from tidal.transfer import TransferConfig, TransferContext
 from tests.transfer.fakes import FakeAccelOps, assert_bits_equal, bits
 from tests.helpers import held_bytes, is_out
@@ -554,9 +555,9 @@ def test_headroom_counts_against_the_room_check(monkeypatch):
     store.offload(entries)
     monkeypatch.setattr(store.ops, "driver_free_bytes", lambda: (5000, 1 << 30))
     with pytest.raises(InsufficientMemoryError) as info:
-        store.switch([], entries, headroom_bytes=2000)
+        store.switch([], entries, SwitchOptions(headroom_bytes=2000))
     assert info.value.needed_bytes == 6000
-    store.switch([], entries, headroom_bytes=1000)  # 4000 <= 5000 - 1000
+    store.switch([], entries, SwitchOptions(headroom_bytes=1000))  # 4000 <= 5000 - 1000
     assert torch.equal(t, clone)
 
 
@@ -702,7 +703,7 @@ def test_switch_extra_bytes_caps_what_both_sides_hold(extra):
         return copy_in(seg)
 
     store.engine.copy_in = spy
-    store.switch(a, b, extra_bytes=extra)
+    store.switch(a, b, SwitchOptions(extra_bytes=extra))
     side = sum(e.nbytes for e in a)
     if extra is None:
         assert max(held) == 2 * side  # everything of B allocated while A still held
@@ -739,7 +740,7 @@ def test_an_offload_of_frozen_storages_only_still_returns_memory_to_the_driver()
     t = torch.randn(1000)
     entries = collect_tensors([("t", t, "param")], torch.device("cpu"), min_offload_bytes=1)
     store.offload(entries)
-    store.switch([], entries, frozen={entries[0].key})  # reloaded as frozen: its host copy stays valid
+    store.switch([], entries, SwitchOptions(frozen={entries[0].key}))  # reloaded as frozen: its host copy stays valid
     settled.clear()
     move = store.offload(entries)
     assert move.bytes_skipped == 4000 and move.bytes_out == 0

@@ -5,6 +5,7 @@ engines), and frees what a failed move had queued."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any, Collection, Sequence
@@ -20,7 +21,32 @@ from tidal.state.handover import ReleaseProgress, RoomSource
 from tidal.state.result import MoveResult
 from tidal.transfer.engine import Segment
 
-__all__ = ["StoreMoves"]
+__all__ = ["StoreMoves", "SwitchOptions"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwitchOptions:
+    """How :meth:`StoreMoves.switch` moves (each field's effect is in its docstring): ``what``
+    names the move in errors; ``headroom_bytes`` stay free beside what comes in; ``extra_bytes``
+    caps the overlap of the two sides (None: what is free); ``release`` gives the freed memory
+    back (None: the backend's default; False: keep it for the next move); ``frozen`` and
+    ``check_unchanged`` are storage keys (incoming ones never written; out-going ones released
+    without a copy where unchanged); ``on_released`` with ``release_chunk_bytes`` gives an
+    offload's memory back chunk by chunk; ``room_source`` with ``reserve_max_bytes`` waits for
+    memory another process is handing over; ``wait=False``: the host waits for no copy the move
+    does not need. The defaults: a plain switch that waits for its copies."""
+
+    what: str = "switch"
+    headroom_bytes: int = 0
+    extra_bytes: int | None = None
+    release: bool | None = None
+    frozen: Collection[int] = ()
+    check_unchanged: Collection[int] = ()
+    on_released: ReleaseProgress | None = None
+    release_chunk_bytes: int = 256 << 20
+    room_source: RoomSource | None = None
+    reserve_max_bytes: int | None = None
+    wait: bool = True
 
 
 class StoreMoves:
@@ -43,9 +69,10 @@ class StoreMoves:
         (unless ``release`` is False) the backend has settled the freed memory (by default:
         back with the driver). ``on_released``: give the memory back chunk by chunk and report
         it (see :meth:`switch`)."""
-        return self.switch(
-            entries, [], release=release, on_released=on_released, release_chunk_bytes=release_chunk_bytes, wait=wait
+        how = SwitchOptions(
+            release=release, on_released=on_released, release_chunk_bytes=release_chunk_bytes, wait=wait
         )
+        return self.switch(entries, [], how)
 
     def reload(
         self,
@@ -60,28 +87,17 @@ class StoreMoves:
         :class:`InsufficientMemoryError` before moving anything if they cannot fit, counting
         what ``room_source`` says is still coming (see :meth:`switch`; ``wait=False``: the
         compute stream waits for the copies, the host does not)."""
-        return self.switch(
-            [], entries, what=what, room_source=room_source, reserve_max_bytes=reserve_max_bytes, wait=wait
-        )
+        how = SwitchOptions(what=what, room_source=room_source, reserve_max_bytes=reserve_max_bytes, wait=wait)
+        return self.switch([], entries, how)
 
     def switch(
         self,
         out_entries: Sequence[StateEntry],
         in_entries: Sequence[StateEntry],
-        *,
-        what: str = "switch",
-        headroom_bytes: int = 0,
-        extra_bytes: int | None = None,
-        release: bool | None = None,
-        frozen: Collection[int] = (),
-        check_unchanged: Collection[int] = (),
-        on_released: ReleaseProgress | None = None,
-        release_chunk_bytes: int = 256 << 20,
-        room_source: RoomSource | None = None,
-        reserve_max_bytes: int | None = None,
-        wait: bool = True,
+        options: SwitchOptions | None = None,
     ) -> MoveResult:
-        """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy.
+        """Offload ``out_entries`` while reloading ``in_entries``, both copy engines busy, as
+        ``options`` (:class:`SwitchOptions`; None: its defaults) say; their fields below.
 
         ``check_unchanged``: keys of out-going storages to release without a copy if their
         device bytes are still those their host slot holds. A digest of the device bytes
@@ -154,6 +170,15 @@ class StoreMoves:
         Raises ``ValueError`` (before anything moves) for ``on_released`` with incoming
         entries or with ``release=False``, or a ``release_chunk_bytes`` below 1.
         """
+        o = options or SwitchOptions()
+        what, headroom_bytes, extra_bytes, release = o.what, o.headroom_bytes, o.extra_bytes, o.release
+        frozen, check_unchanged, on_released = o.frozen, o.check_unchanged, o.on_released
+        release_chunk_bytes, room_source, reserve_max_bytes, wait = (
+            o.release_chunk_bytes,
+            o.room_source,
+            o.reserve_max_bytes,
+            o.wait,
+        )
         if on_released is not None and (in_entries or release is False):
             raise ValueError(
                 "on_released reports memory given back by an offload: pass no incoming entries "

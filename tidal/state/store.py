@@ -98,7 +98,7 @@ class OffloadStore(StoreMoves, StoreAhead):
         self.last_move: MoveResult | None = None
         self._closed = False
         # The D2H event of the last storages released before their copy completed
-        # (switch(wait=False)): host readers of host copies wait for it, H2D copies queue after it.
+        # (SwitchOptions(wait=False)): host readers of host copies wait for it, H2D copies queue after it.
         self._departed: Any = None
         # key -> (queue order, D2H event) of each storage released that way, until a reader
         # of its host copy has been ordered behind it
@@ -111,7 +111,7 @@ class OffloadStore(StoreMoves, StoreAhead):
         # owner that declared them frozen (never written). Offloading one copies nothing.
         self._host_valid: set[int] = set()
         # key -> digest of the bytes its host slot holds, for storages whose owner asks to skip
-        # unchanged copies (switch(check_unchanged=...)): set once a copy has completed, dropped
+        # unchanged copies (SwitchOptions(check_unchanged=...)): set once a copy has completed, dropped
         # whenever the slot may hold anything else (re-reserved, handed out, overwritten).
         self._host_digest: dict[int, int] = {}
         # key -> its prefetch (prefetch()): device memory allocated and the H2D copy queued; the
@@ -406,7 +406,7 @@ class OffloadStore(StoreMoves, StoreAhead):
     @property
     def departure_event(self) -> Any:
         """The D2H event of the last storages released before their copies completed
-        (``switch(wait=False)``), or None once the host has waited for them."""
+        (``SwitchOptions(wait=False)``), or None once the host has waited for them."""
         return self._departed
 
     def is_arriving(self, key: int) -> bool:

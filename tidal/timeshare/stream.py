@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from tidal.state.collect import StateEntry, collect_optimizer_state
+from tidal.state.moves import SwitchOptions
 from tidal.timeshare.core import TimeshareCore
 from tidal.timeshare.role import Role
 
@@ -177,13 +178,12 @@ def streamed_step(ts: TimeshareCore, role: Role, opt: torch.optim.Optimizer) -> 
                 ts.store.engine.wait("stream_chunk_departed", departing.pop(0)[0])
             # Blocks freed here are what the next chunk reuses: return them to the driver
             # only once, after the last chunk.
-            move = ts.store.switch(
-                out,
-                nxt,
+            how = SwitchOptions(
                 what=f"optimizer state of {role.name!r}",
                 release=None if last else False,
                 wait=ts.config.wait_for_copies,
             )
+            move = ts.store.switch(out, nxt, how)
             ts.record_move("optim-stream", (role.name,), role.name if nxt else None, move, note="optimizer state chunk")
             if move.queued and ts.store.departure_event is not None:
                 departing.append((ts.store.departure_event, move.bytes_out))

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from tidal.state.collect import StateEntry, storage_key
 from tidal.state.handover import ReleaseProgress, RoomSource
+from tidal.state.moves import SwitchOptions
 from tidal.state.result import MoveResult
 from tidal.timeshare.role import Role
 from tidal.timeshare.residency import policy_for
@@ -46,9 +47,7 @@ class Transitions:
         def move_state() -> MoveResult:
             # A prefetch of another role gives its memory back first (its storages stay out).
             self._cancel_prefetch(keep={e.key for e in in_entries}, guarded=False)
-            return self.store.switch(
-                out_entries,
-                in_entries,
+            how = SwitchOptions(
                 what=what,
                 headroom_bytes=self.config.headroom_bytes,
                 extra_bytes=self.config.switch_extra_bytes,
@@ -61,6 +60,7 @@ class Transitions:
                 # Runs no larger than a hand-over chunk: the next chunked offload returns them one by one.
                 reserve_max_bytes=self.config.handover_chunk_bytes if room_source is not None else None,
             )
+            return self.store.switch(out_entries, in_entries, how)
 
         move = self._guarded(
             move_state,
