@@ -136,6 +136,10 @@ class VllmEngine:
         self._kv_room = False  # the room for the KV cache was made in this turn already
         self._slept_level = sleep_level  # the level the engine last slept at (TRL's: 2)
         self.oom_retries = 0  # wakes run again after running out of memory, the roles out
+        # Tags whose wake (or, for the KV cache, a generation) ran out of memory beside the roles
+        # a turn kept: their turns from then on move those roles out first, as the retry did,
+        # rather than run out of memory again each time the same way.
+        self.out_first: set[str] = set()
 
     # ---- the hand-over ---------------------------------------------------------------------------
     def _need(self, *tags: str) -> int | None:
@@ -176,8 +180,13 @@ class VllmEngine:
     def room_for_weights(self) -> None:
         """Before the weights wake: the policy on the device (their source), and the other roles
         out where the engine's weights and KV cache (measured at their last wake) and
-        ``keep_free_bytes`` do not fit beside it; every other role before they were measured."""
+        ``keep_free_bytes`` do not fit beside it; every other role before they were measured,
+        and, once a wake of the weights ran out of memory beside a kept turn, every role that
+        may go and the policy's optimizer state and gradients (:attr:`out_first`)."""
         self._record(self.timeshare.load(self.policy, keep_free_bytes=self._need("weights", "kv_cache")))
+        if "weights" in self.out_first and self.asleep:
+            self._all_out(["weights"])  # the room a kept turn lacked before: what its retry moved
+            return
         self._release(self._wake_bytes("weights"))
 
     def room_for_kv_cache(self) -> None:
@@ -188,8 +197,10 @@ class VllmEngine:
         ts = self.timeshare
         self._kv_room = True
         need = self._need("kv_cache")
-        if need is None:
-            self._all_out(["kv_cache"])  # a role in use (its phase's, in a loop of one's own) stays
+        if need is None or "kv_cache" in self.out_first:
+            # Nothing measured yet, or a kept turn ran short before: every role that may go goes
+            # (a role in use, its phase's in a loop of one's own, stays).
+            self._all_out(["kv_cache"])
             return
         order = sorted(ts.resident_roles, key=lambda r: (r == self.policy, ts.role(r).last_used))
         for name in order:
@@ -267,7 +278,9 @@ class VllmEngine:
         what of it was mapped unmapped again), whatever it raised. Where it ran out of memory,
         every role that may go goes to the host (before the weights wake, of the policy only its
         optimizer state and gradients: its weights are their source), the cache goes back to the
-        driver, and the engine wakes once more (counted in :attr:`oom_retries`).
+        driver, and the engine wakes once more (counted in :attr:`oom_retries`); the later turns
+        of those tags move the same out before their wakes (:attr:`out_first`), instead of
+        keeping what the reading said fits and running out of memory again.
 
         Raises:
             InsufficientMemoryError: the wake ran out of memory again with those roles out (the
@@ -296,6 +309,7 @@ class VllmEngine:
                         "the device more room (another process's memory, prefetch_peak_bytes)",
                     ) from e
                 self.oom_retries += 1
+                self.out_first.update(asleep)
                 self._all_out(asleep)
         taken = max(0, before - ops.driver_free_bytes()[0])
         if len(asleep) == 1:
@@ -321,6 +335,7 @@ class VllmEngine:
             if not is_out_of_memory(e):
                 raise
         self.oom_retries += 1
+        self.out_first.add("kv_cache")
         self._all_out(["kv_cache"])
         draws.restore()
         try:
