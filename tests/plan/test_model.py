@@ -323,3 +323,43 @@ def test_fused_head_and_rollout_settings_are_checked():
         _toy(lm_head="chunked")
     with pytest.raises(ValueError, match="zero3_rollout must be one of"):
         _toy(zero3_rollout="all")
+
+
+def test_in_one_micro_batch_on_one_gpu_the_backward_holds_the_gradients_made_so_far():
+    """One micro-batch on one GPU: the gradients arrive as the backward walks down the layers,
+    so its highest moment is the first layer it reaches (every saved activation, the head's,
+    the norm's and that layer's gradients) or the last (one layer's activations beside every
+    gradient, the embedding's counted as a bound), never every activation beside every
+    gradient. From a second micro-batch on, every gradient exists throughout."""
+    from tidal.plan.phases import role_state, train_transient
+
+    shape = preset("qwen2-7b")
+    base = dict(
+        shape=shape,
+        prompts=8,
+        group=8,
+        prompt_len=8,
+        gen_len=256,
+        logprob_span="completion",
+        lm_head="fused",
+        misc_bytes=0,
+    )
+    seq, e = 264, 2
+
+    def saved_layer(mb: int) -> int:
+        return mb * seq * layer_saved_bytes_per_token(shape, e=e, seq=seq)
+
+    ckpt = PlanConfig(**base, micro_batch=64, grad_ckpt=True)  # a layer's input is less than its gradients
+    comps, grads = train_transient(ckpt, role_state(ckpt))
+    assert grads == shape.param_count() * e
+    assert comps["saved activations"] == 64 * seq * shape.hidden * e  # the last layer's input only
+    plain = PlanConfig(**base, micro_batch=64)  # a layer's saved set outweighs its gradients: the top is higher
+    comps, grads = train_transient(plain, role_state(plain))
+    assert grads <= (shape.vocab * shape.hidden + shape.hidden + shape.layer_params()) * e  # the head's moment: none
+    assert comps["saved activations"] == shape.layers * saved_layer(64)
+    two = PlanConfig(**base, micro_batch=32)
+    comps, grads = train_transient(two, role_state(two))
+    assert grads == shape.param_count() * e and comps["saved activations"] == shape.layers * saved_layer(32)
+    ddp = PlanConfig(**{**base, "prompts": 32}, micro_batch=64, dp=4)  # DDP: its buckets exist from the start
+    comps, grads = train_transient(ddp, role_state(ddp))
+    assert grads == shape.param_count() * e and comps["saved activations"] == shape.layers * saved_layer(64)

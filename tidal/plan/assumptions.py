@@ -7,6 +7,8 @@ what a run actually does (and the model corrected where the run differs).
 
 from __future__ import annotations
 
+from tidal.plan.phases import grads_arrive_with_the_backward
+
 __all__ = ["assumptions"]
 
 
@@ -107,7 +109,13 @@ def assumptions(c, bw) -> list[str]:
         "Gradients are None outside train/optimizer_step (zero_grad(set_to_none=True)); from the second micro-batch "
         "on all gradients exist during the next forward/backward"
         + (
-            "; with one micro-batch only the LM head's gradient exists at the logits peak."
+            "; with one micro-batch only the LM head's gradient exists at the logits peak"
+            + (
+                "; on one GPU the rest arrive as the backward walks down the layers: the peak there is the first "
+                "layer's (every saved activation) or the last's (every gradient, the embedding's counted as a bound)."
+                if grads_arrive_with_the_backward(c)
+                else "."
+            )
             if c.micro_batches == 1
             else "."
         )

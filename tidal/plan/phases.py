@@ -19,6 +19,7 @@ __all__ = [
     "reference_transient",
     "train_transient",
     "cpu_adam_step_transient",
+    "grads_arrive_with_the_backward",
     "CPU_ADAM_CHUNK",
 ]
 
@@ -308,6 +309,10 @@ def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], 
             # backward holds the larger of them, not their sum (DDP's buckets, and the
             # gradients of earlier micro-batches, exist whole from the backward's start).
             at_layer["saved activations"] = max(0, saved - grads)
+        elif grads_arrive_with_the_backward(c):
+            at_layer, layer_grads = _one_pass_layer_moment(c, st, at_layer_base, saved, ckpt_in, layer)
+            a, b = sum(at_logits.values()) + first_grads, sum(at_layer.values()) + layer_grads
+            return (at_logits, first_grads) if a >= b else (at_layer, layer_grads)
         a, b = sum(at_logits.values()) + first_grads, sum(at_layer.values()) + grads
         return (at_logits, first_grads) if a >= b else (at_layer, grads)
     fl = _cpu_adam_inflight(c, st)
@@ -345,6 +350,38 @@ def train_transient(c: PlanConfig, st: dict[str, int]) -> tuple[dict[str, int], 
             }
         )
     return max(moments, key=lambda d: sum(d.values())), 0
+
+
+def grads_arrive_with_the_backward(c: PlanConfig) -> bool:
+    """Whether the train backward's gradients come into existence one parameter at a time as
+    it walks down the layers: full-parameter, one micro-batch, one GPU (no DDP buckets, no
+    gradients of an earlier micro-batch), AdamW, every layer's saved activations on the GPU."""
+    return c.micro_batches == 1 and c.dp == 1 and not c.lora_rank and not c.act_offload
+
+
+def _one_pass_layer_moment(
+    c: PlanConfig, st: dict[str, int], base: dict[str, int], saved: int, ckpt_in: int, layer: int
+) -> tuple[dict[str, int], int]:
+    """The train backward's highest moment inside the decoder layers when the gradients arrive
+    with it (:func:`grads_arrive_with_the_backward`), and the gradient bytes held then.
+
+    At layer ``k`` (the backward runs from the last layer to the first) the LM head's and the
+    final norm's gradients exist, and those of layers ``k`` (counted whole) to the last; the
+    saved activations of layers ``0..k`` are still held (each layer's input with checkpointing,
+    its whole saved set without). Both are linear in ``k``, so the highest is at the first
+    layer the backward reaches (every activation, the head's, the norm's and one layer's
+    gradients) or at the last (one layer's activations beside every gradient). The
+    embedding's gradient is made after that last layer's backward, beside what is left of
+    it; the plan counts it with the last layer's activations, a bound on both moments (it
+    is over by the smaller of the embedding's gradient and the layer's transient).
+    ``base``: the components of :func:`train_transient` at a layer's backward, every layer's
+    activations saved."""
+    s, ge = c.shape, st["ge"]
+    top = (s.vocab * s.hidden + s.hidden) * ge  # the head's gradient (a tied one: the embedding's) and the norm's
+    own = ckpt_in if c.grad_ckpt else layer
+    first = ({**base, "saved activations": saved}, top + s.layer_params() * ge)
+    last = ({**base, "saved activations": own}, st["grads"])
+    return max(first, last, key=lambda m: sum(m[0].values()) + m[1])
 
 
 def _largest_trainable(c: PlanConfig) -> int:
