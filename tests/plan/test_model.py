@@ -363,3 +363,26 @@ def test_in_one_micro_batch_on_one_gpu_the_backward_holds_the_gradients_made_so_
     ddp = PlanConfig(**{**base, "prompts": 32}, micro_batch=64, dp=4)  # DDP: its buckets exist from the start
     comps, grads = train_transient(ddp, role_state(ddp))
     assert grads == shape.param_count() * e and comps["saved activations"] == shape.layers * saved_layer(64)
+
+
+def test_every_role_resident_under_fsdp2_is_trl_alone():
+    """Without the timeshare (TRL + FSDP2 alone) the generation gathers per unit, whatever
+    ``zero3_rollout`` asks of tidal's trainer, and the reference, which TRL shards as one unit,
+    is gathered whole at its forward; the timeshared phases (tidal's trainer, the reference
+    sharded per block) are as before. One GPU: nothing gathered."""
+    shape = preset("qwen2.5-32b")
+    base = dict(shape=shape, prompts=32, group=8, prompt_len=8, gen_len=256, micro_batch=64, zero_stage=3, dp=4)
+    base.update(grad_ckpt=True, lm_head="fused", logprob_span="completion")  # the 32B run's workload
+    plan = build_plan(PlanConfig(**base, zero3_rollout="lent", timeshare=False))
+    resident = plan.all_resident
+    assert resident["reference"].transient["zero3 reference gathered whole (TRL: one unit)"] == shape.param_count() * 2
+    assert "zero3 whole policy gathered" not in resident["rollout"].transient
+    assert resident["rollout"].transient["zero3 gathered params"] > 0
+    assert not any(t.before == t.after for t in plan.transitions)  # nothing lent without tidal
+    assert plan.peak_phase == "reference"
+    shared = build_plan(PlanConfig(**base, zero3_rollout="lent"))
+    assert "zero3 reference gathered whole (TRL: one unit)" not in shared.timeshared["reference"].transient
+    assert "zero3 whole policy gathered" in shared.timeshared["rollout"].transient
+    assert [t for t in shared.transitions if t.before == t.after == "rollout"]
+    one = build_plan(PlanConfig(**{**base, "dp": 1, "prompts": 8}, timeshare=False)).all_resident
+    assert not any("gathered" in k for p in one.values() for k in p.transient)

@@ -183,3 +183,42 @@ def test_each_recommended_lever_names_what_to_type():
     assert r.to_dict()["settings"] == {"cpu_adam": {"trl": SETTINGS["cpu_adam"][0], "demo": "--optimizer cpu_adam"}}
     fits = recommend(PlanConfig(shape="qwen2-0.5b", timeshare=False), gpu_mem_bytes=80 * GIB)
     assert fits.settings() == [] and "To type" not in "\n".join(fits.summary())
+
+
+def test_lora_is_chosen_only_where_no_full_parameter_set_fits():
+    """LoRA changes what is trained: it costs more than every full-parameter set of levers
+    together, so a set with it is chosen only where none without it fits (GPU and host)."""
+    from tidal.plan.recommend import _choices
+
+    fams = _choices(PlanConfig(shape="qwen2-7b", timeshare=False), 4)
+    full = sum(max(sum(LEVER_COSTS[x] for x in opt if x != "lora") for opt in fam) for fam in fams)
+    assert full < LEVER_COSTS["lora"]
+    cases = [
+        (PlanConfig(shape="qwen2-7b", prompts=4, group=4, micro_batch=2), 18 * GIB, 1),
+        # 32B under FSDP2, 2 micro-batches of 4 a GPU: the gradients held unsharded through them
+        (PlanConfig(shape="qwen2.5-32b"), int(79.2 * GIB), 4),
+        (PlanConfig(shape="qwen2.5-32b", zero3_rollout="whole"), int(79.2 * GIB), 4),
+        (PlanConfig(shape="qwen2-7b", prompts=64, group=8, gen_len=1024, micro_batch=8), 40 * GIB, 1),
+    ]
+    for config, gpu, gpus in cases:
+        r = recommend(config, gpu_mem_bytes=gpu, gpus=gpus, host_mem_bytes=1000 * GIB)
+        full_only = recommend(config, gpu_mem_bytes=gpu, gpus=gpus, host_mem_bytes=1000 * GIB, allow_lora=False)
+        assert ("lora" in r.levers) == (r.fits and not full_only.fits), config
+    # The 32B run's workload under FSDP2 (one micro-batch of 64 a GPU, checkpointed): full-parameter.
+    shape = dict(shape="qwen2.5-32b", prompts=32, group=8, prompt_len=8, gen_len=256, micro_batch=64)
+    run = PlanConfig(**shape, grad_ckpt=True, logprob_span="completion", lm_head="fused", zero3_rollout="whole")
+    r = recommend(run, gpu_mem_bytes=int(79.2 * GIB), gpus=4, host_mem_bytes=1000 * GIB)
+    assert r.fits and "lora" not in r.levers and not r.plan.config.lora_rank
+
+
+def test_the_streamed_state_is_the_cheaper_residency_and_offered_once():
+    """AdamW's state streamed during step() holds less than brought in whole and measured the
+    shorter step where both ran: it is the cheaper lever. Where optimizer_offload streams
+    (``offload_chunk_bytes``) the two are one plan, offered once."""
+    from tidal.plan.recommend import _choices
+
+    assert LEVER_COSTS["optimizer_stream"] < LEVER_COSTS["optimizer_offload"]
+    config = PlanConfig(shape="qwen2-7b")
+    assert ("optimizer_stream",) in _choices(config, 1)[1]
+    assert ("optimizer_stream",) not in _choices(config, 1, 256 << 20)[1]
+    assert ("optimizer_offload",) in _choices(config, 1, 256 << 20)[1]

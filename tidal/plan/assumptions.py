@@ -189,6 +189,12 @@ def assumptions(c, bw) -> list[str]:
                     else "."
                 )
                 + (
+                    " Every role resident is TRL alone under FSDP2: its generation gathers per unit, and its "
+                    "reference, sharded as one unit, is gathered whole for its forward."
+                    if not c.timeshare
+                    else ""
+                )
+                + (
                     " In one micro-batch the backward holds the larger of the saved activations and the sharded "
                     "gradients, not both: each unit's gradient arrives as its activations are freed."
                     if c.micro_batches == 1 and not c.lora_rank

@@ -149,7 +149,11 @@ class Transition:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """The result of :func:`build_plan`. ``phases`` follows ``config.timeshare``;
-    ``timeshared`` / ``all_resident`` hold both modes for comparison. ``streamed``: bytes per
+    ``timeshared`` / ``all_resident`` hold both modes for comparison. Under ZeRO 3 over several
+    GPUs ``all_resident`` is TRL alone under FSDP2 (the ``no_timeshare`` lever): its generation
+    gathers per unit whatever ``zero3_rollout`` says (only tidal's trainer gathers the policy
+    whole), and TRL shards the reference as one unit, so the reference's forward gathers all
+    of it beside every shard. ``streamed``: bytes per
     step that cross PCIe overlapped with compute (CPU Adam gradients/weights, activation
     offload), with their time at the one-way rate. ``host``: the host memory the plan holds for
     one GPU's process, by component (pinned: timeshare host copies, offloaded optimizer
@@ -290,6 +294,16 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         "train": {**train_t, **gathered},
         "optimizer_step": step_t,
     }
+    all_transients = dict(transients)
+    if gathered:  # every role resident: TRL alone under FSDP2 (what the no_timeshare lever names)
+        all_transients["rollout"] = {**rollout_transient(c), **gathered}  # per unit: it gathers nothing whole
+        if st["reference"]:
+            # TRL's prepare_fsdp shards the reference as one unit: its forward gathers all of it at once
+            whole_reference = c.shape.param_count() * act.dtype_bytes(c.param_dtype)
+            all_transients["reference"] = {
+                **reference_transient(c),
+                "zero3 reference gathered whole (TRL: one unit)": whole_reference,
+            }
 
     rollout_weights = {"rollout weights": st["rollout_copy"]} if st["rollout_copy"] else {"actor params": actor_params}
     lent = lends_shards(c)
@@ -318,13 +332,13 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
     if c.optim_stream_chunk_bytes is not None:  # the states are on the host even with every role "resident"
         all_res["optimizer_step"]["optimizer states"] = step_states
 
-    def phases(res: dict[str, dict[str, int]]) -> dict[str, Phase]:
+    def phases(res: dict[str, dict[str, int]], trans: dict[str, dict[str, int]]) -> dict[str, Phase]:
         res = {p: {**r, "misc (cuBLAS workspace, small tensors)": c.misc_bytes} for p, r in res.items()}
         out = {
             p: Phase(
                 name=p,
                 resident={k: v for k, v in res[p].items() if v},
-                transient={k: v for k, v in transients[p].items() if v},
+                transient={k: v for k, v in trans[p].items() if v},
             )
             for p in PHASES
         }
@@ -359,7 +373,7 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         for a, b, o, i in moves
         if o or i
     ]
-    if lent:  # within the rollout: the shards out as their units are gathered, back after (not overlapped)
+    if lent and c.timeshare:  # in the rollout: the shards out as their units are gathered, back after (not overlapped)
         transitions.append(
             Transition(
                 before="rollout",
@@ -384,8 +398,8 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
     return Plan(
         config=c,
         bandwidth=bw,
-        timeshared=phases(ts_res),
-        all_resident=phases(all_res),
+        timeshared=phases(ts_res, transients),
+        all_resident=phases(all_res, all_transients),
         transitions=transitions,
         streamed=streamed,
         host=host,

@@ -6,8 +6,12 @@ Levers, in order of what they cost (time, or a change of what is trained):
    held on the host): it saves time, so it is chosen wherever it fits without a lever that costs
    more than the timeshare does (``timeshare`` then stays);
 1. ``timeshare``: roles take turns on the GPU (transitions at PCIe rate);
-2. ``optimizer_offload``: AdamW states on the host except during the step (``"step"`` residency),
-   ``optimizer_stream``: the same, brought in a chunk at a time during it (``"stream"``);
+2. ``optimizer_stream``: AdamW states on the host, brought in a chunk at a time during the step
+   (``"stream"`` residency), then ``optimizer_offload``: the same, brought in whole for the step
+   (``"step"``). Streamed is the cheaper: it holds less at the step, and in each run that
+   measured both residencies side by side inside TRL it took the shorter step (benchmarks/
+   RESULTS.md, "TRL's GRPOTrainer with tidal"). With ``offload_chunk_bytes`` the two are one
+   plan, offered once, as ``optimizer_offload``;
 3. ``grad_ckpt``: gradient checkpointing (one extra forward per layer in backward);
 4. ``cpu_adam``: the optimizer runs on the host, gradients stream out during backward;
 5. ``bf16_moments``: the optimizer's moments in bf16 (CPU Adam: 4 instead of 8 host bytes per
@@ -32,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from tidal.plan.model import GIB, Bandwidth, Plan, PlanConfig, build_plan
+from tidal.plan.model import GIB, Bandwidth, Plan, PlanConfig, build_plan, gathered_rollout
 
 __all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK", "RESERVE_FRACTION", "SETTINGS"]
 
@@ -42,8 +46,8 @@ RESERVE_FRACTION = 0.05  # of a GPU's memory left out of what a plan may use (al
 LEVER_COSTS = {
     "no_timeshare": -1,
     "timeshare": 1,
-    "optimizer_offload": 2,
-    "optimizer_stream": 3,
+    "optimizer_stream": 2,
+    "optimizer_offload": 3,
     "grad_ckpt": 4,
     "cpu_adam": 8,
     "bf16_moments": 16,
@@ -244,8 +248,10 @@ def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int, offload_chunk_b
     return base.replace(**ch)
 
 
-def _choices(base: PlanConfig, gpus: int) -> list[list[tuple[str, ...]]]:
-    """Per lever family, the options not already in ``base`` (the empty tuple = leave as is)."""
+def _choices(base: PlanConfig, gpus: int, offload_chunk_bytes: int | None = None) -> list[list[tuple[str, ...]]]:
+    """Per lever family, the options not already in ``base`` (the empty tuple = leave as is);
+    ``optimizer_stream`` only where ``optimizer_offload`` does not stream (no
+    ``offload_chunk_bytes``)."""
     fams: list[list[tuple[str, ...]]] = []
     if not base.timeshare:
         fams.append([(), ("timeshare",)])
@@ -253,7 +259,9 @@ def _choices(base: PlanConfig, gpus: int) -> list[list[tuple[str, ...]]]:
         fams.append([(), ("no_timeshare",)])
     optim = [()]
     if base.optimizer == "adamw":
-        optim += [("optimizer_offload",), ("optimizer_stream",)]
+        optim.append(("optimizer_offload",))
+        if offload_chunk_bytes is None:  # else optimizer_offload streams already: the same plan
+            optim.append(("optimizer_stream",))
     if base.optimizer != "cpu_adam":
         optim.append(("cpu_adam",))
     fams.append(optim)
@@ -298,8 +306,11 @@ def recommend(
     :data:`LEVER_COSTS`; ``allow_lora=False`` is ``exclude=("lora",)``). ``offload_chunk_bytes``:
     the ``optimizer_offload`` lever streams the state in chunks of this size during ``step()``
     (the timeshare's ``optimizer_residency="stream"``); None: all of it at once (``"step"``).
-    Returns a
-    :class:`Recommendation`. Raises ``ValueError`` on an unknown lever name.
+    With ZeRO 3 over several GPUs and ``config.zero3_rollout`` ``"whole"`` or ``"lent"``
+    (tidal's gathered generation), each timeshared set of levers is planned with the rollout
+    tidal's trainer would hold for it on these GPUs (:func:`~tidal.plan.gathered_rollout`:
+    whole, lending the shards, or per unit); a set without the timeshare is TRL alone, whose
+    generation gathers per unit. Returns a :class:`Recommendation`. Raises ``ValueError`` on an unknown lever name.
     """
     unknown = sorted(set(exclude) - set(LEVER_COSTS))
     if unknown:
@@ -312,13 +323,21 @@ def recommend(
     usable = int(gpu_mem_bytes * (1 - reserve_fraction))
     host_usable = None if host_mem_bytes is None else int(host_mem_bytes * (1 - host_reserve_fraction))
     baseline = build_plan(base, bandwidth=bandwidth)
-    fams = _choices(base, gpus)
+    fams = _choices(base, gpus, offload_chunk_bytes)
     banned = set(exclude) | (set() if allow_lora else {"lora"})
     fams = [[opt for opt in f if not banned & set(opt)] for f in fams]
     scored = []
     for combo in itertools.product(*fams):
         levers = tuple(x for part in combo for x in part)
-        plan = build_plan(_apply(base, levers, gpus, offload_chunk_bytes), bandwidth=bandwidth)
+        candidate = _apply(base, levers, gpus, offload_chunk_bytes)
+        if base.zero3_rollout != "layers" and candidate.timeshare:
+            # tidal's trainer gathers the policy for generation as the candidate's room allows
+            # (whole, lending the shards, or per unit): decided for each set of levers, not once
+            mode = gathered_rollout(
+                candidate.replace(zero3_rollout="whole"), usable - candidate.cuda_context_bytes, bandwidth=bandwidth
+            )
+            candidate = candidate.replace(zero3_rollout=mode)
+        plan = build_plan(candidate, bandwidth=bandwidth)
         scored.append((sum(LEVER_COSTS[x] for x in levers), plan.device_peak_bytes, levers, plan))
     dp = base.dp
     on_gpu = [x for x in scored if x[1] <= usable]
