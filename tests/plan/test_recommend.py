@@ -49,7 +49,10 @@ def test_levers_chosen_fit_and_each_is_needed():
 
 
 def test_multi_gpu_uses_zero_when_one_gpu_cannot():
-    config = PlanConfig(shape="llama3-8b", prompts=16, group=4, prompt_len=256, gen_len=512, micro_batch=2)
+    # One micro-batch a GPU (8 of the 64 sequences on each of 8): FSDP2 holds accumulated
+    # gradients unsharded between micro-batches, and CPU Adam (what let 2-sequence micro-batches
+    # fit) is not a lever across GPUs.
+    config = PlanConfig(shape="llama3-8b", prompts=16, group=4, prompt_len=256, gen_len=512, micro_batch=8)
     one = recommend(config, gpu_mem_bytes=16 * GIB, gpus=1, allow_lora=False)
     assert not one.fits and one.miss_bytes == one.plan.device_peak_bytes - one.usable_bytes > 0
     assert "Nothing fits" in one.summary()[0]
@@ -222,3 +225,15 @@ def test_the_streamed_state_is_the_cheaper_residency_and_offered_once():
     assert ("optimizer_stream",) in _choices(config, 1)[1]
     assert ("optimizer_stream",) not in _choices(config, 1, 256 << 20)[1]
     assert ("optimizer_offload",) in _choices(config, 1, 256 << 20)[1]
+
+
+def test_cpu_adam_is_offered_on_one_gpu_only():
+    """CPU Adam takes each gradient to the host as the backward makes it, before the ranks'
+    gradients are reduced (tidal's trainers refuse it with several processes): across GPUs the
+    planner looks for another set, here ZeRO over the 4 GPUs."""
+    config = PlanConfig(shape="qwen2-7b", grad_ckpt=True)
+    one = recommend(config, gpu_mem_bytes=40 * GIB, host_mem_bytes=500 * GIB)
+    assert one.fits and "cpu_adam" in one.levers
+    four = recommend(config.replace(dp=4), gpu_mem_bytes=40 * GIB, gpus=4, host_mem_bytes=500 * GIB)
+    assert four.fits and "cpu_adam" not in four.levers and "lora" not in four.levers, four.levers
+    assert any(lever.startswith("zero") for lever in four.levers), four.levers

@@ -251,7 +251,9 @@ def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int, offload_chunk_b
 def _choices(base: PlanConfig, gpus: int, offload_chunk_bytes: int | None = None) -> list[list[tuple[str, ...]]]:
     """Per lever family, the options not already in ``base`` (the empty tuple = leave as is);
     ``optimizer_stream`` only where ``optimizer_offload`` does not stream (no
-    ``offload_chunk_bytes``)."""
+    ``offload_chunk_bytes``); ``cpu_adam`` only on one GPU (it takes each gradient to the host as
+    the backward makes it, before the ranks' gradients are reduced: tidal's trainers refuse it
+    with several processes)."""
     fams: list[list[tuple[str, ...]]] = []
     if not base.timeshare:
         fams.append([(), ("timeshare",)])
@@ -262,7 +264,7 @@ def _choices(base: PlanConfig, gpus: int, offload_chunk_bytes: int | None = None
         optim.append(("optimizer_offload",))
         if offload_chunk_bytes is None:  # else optimizer_offload streams already: the same plan
             optim.append(("optimizer_stream",))
-    if base.optimizer != "cpu_adam":
+    if base.optimizer != "cpu_adam" and gpus == 1:
         optim.append(("cpu_adam",))
     fams.append(optim)
     if base.optim_state_dtype != "bf16":
