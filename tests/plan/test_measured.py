@@ -19,18 +19,17 @@ def _run(name: str, variant: str) -> dict:
 
 # The 14B shape inside TRL on one H100 (2026-11-27, e8daabd): 64 x 256 in micro-batches of 16,
 # TRL's fused LM head scoring the completion, gradient checkpointing, transformers' fused AdamW.
-TRL_14B = dict(
-    shape="qwen2.5-14b",
+TRL_STEP = dict(
     prompts=8,
     group=8,
     prompt_len=8,
     gen_len=256,
-    micro_batch=16,
     grad_ckpt=True,
     logprob_span="completion",
     lm_head="fused",
     adamw_foreach=False,
 )
+TRL_14B = dict(TRL_STEP, shape="qwen2.5-14b", micro_batch=16)
 
 
 def test_the_14b_run_on_one_h100_is_what_the_planner_recommends_and_predicts():
@@ -54,18 +53,7 @@ def test_the_14b_run_on_one_h100_is_what_the_planner_recommends_and_predicts():
 # micro-batch (per_device_train_batch_size=64); GRPOConfig's defaults for the rest: gradient
 # checkpointing, transformers' fused AdamW (adamw_torch_fused), TRL's fused LM head scoring the
 # completion.
-TRL_7B = dict(
-    shape="qwen2-7b",
-    prompts=8,
-    group=8,
-    prompt_len=8,
-    gen_len=256,
-    micro_batch=64,
-    grad_ckpt=True,
-    logprob_span="completion",
-    lm_head="fused",
-    adamw_foreach=False,
-)
+TRL_7B = dict(TRL_STEP, shape="qwen2-7b", micro_batch=64)
 
 
 def test_the_7b_run_on_one_h100_is_what_the_planner_recommends_and_predicts():
@@ -115,16 +103,10 @@ def test_the_7b_run_on_one_h200_is_what_the_planner_recommends_and_predicts():
 # checkpointing, transformers' fused AdamW, TRL's fused LM head scoring the completion); tidal's
 # generation gathered for the step (the shards lent to the host, RESULTS.md's 32B section).
 TRL_32B_FSDP2 = dict(
+    TRL_STEP,
     shape="qwen2.5-32b",
     prompts=32,
-    group=8,
-    prompt_len=8,
-    gen_len=256,
     micro_batch=64,
-    grad_ckpt=True,
-    logprob_span="completion",
-    lm_head="fused",
-    adamw_foreach=False,
     zero_stage=3,
     zero3_rollout="whole",  # tidal's gathered generation: recommend() decides as the trainer does
 )
