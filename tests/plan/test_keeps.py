@@ -4,8 +4,8 @@ role kept beside a phase where its state and the phase's need (+10%, 256 MiB) fi
 import pytest
 
 from tidal.memory import phase_need_bytes
-from tidal.plan import PlanConfig, build_plan, kept_phases
-from tidal.plan.keeps import KeptPhase
+from tidal.plan import PlanConfig, build_plan, kept_host, kept_phases
+from tidal.plan.keeps import ENGINE_GENERATION_BYTES, ENGINE_KEPT_STATE, KeptPhase
 
 from tests.plan.test_model import TOY
 
@@ -104,3 +104,69 @@ def test_an_optimizer_state_on_the_host_comes_in_behind_the_backward_where_it_fi
     assert PREFETCHED_STATE in got["train"].kept and PREFETCHED_STATE not in got["optimizer_step"].kept
     # Moving with the policy ("adamw"), the state is on the device through the backward already.
     assert all(PREFETCHED_STATE not in k.kept for k in kept_phases(_plan(), 1 << 40).values())
+
+
+# ---- beside a vLLM engine ---------------------------------------------------------------------
+def _engine_plan(**kw):
+    return _plan(rollout_engine="vllm", **kw)
+
+
+def _engine_edge(plan, kept_bytes):
+    """The room at which the engine's turn keeps exactly ``kept_bytes`` beside it."""
+    rollout = plan.timeshared["rollout"]
+    engine = rollout.resident["engine weights"] + rollout.transient["engine kv cache"]
+    return phase_need_bytes(engine) + ENGINE_GENERATION_BYTES + kept_bytes
+
+
+def test_the_engine_keeps_the_policy_then_its_state_with_room_for_the_gradients_then_the_reference():
+    plan = _engine_plan()
+    ts = plan.timeshared
+    policy, state = ts["train"].resident["actor params"], ts["train"].resident["optimizer states"]
+    grads, ref = ts["optimizer_step"].resident["grads"], ts["reference"].resident["reference params"]
+    # (the reference, behind the generation, needs only what is free once the cache woke: the
+    # engine's margin of 10% and 256 MiB is the toy's room for it)
+    assert "policy" not in kept_phases(plan, _engine_edge(plan, policy) - 1)["rollout"].kept
+    assert kept_phases(plan, _engine_edge(plan, policy))["rollout"].kept["policy"] == policy
+    # the state stays only with the gradients' memory beside it (torch's cache keeps it after the step)
+    short = kept_phases(plan, _engine_edge(plan, policy + state + grads) - 1)["rollout"].kept
+    assert short["policy"] == policy and ENGINE_KEPT_STATE not in short
+    assert kept_phases(plan, _engine_edge(plan, policy + state + grads))["rollout"].kept[ENGINE_KEPT_STATE] == state
+    roomy = kept_phases(plan, 1 << 40)
+    assert roomy["rollout"].kept == {"policy": policy, ENGINE_KEPT_STATE: state, "reference": ref}
+    # the policy kept: the push's moment (both weights at once) is not beyond what is kept
+    assert roomy["rollout"].peak_bytes == (
+        ts["rollout"].resident["engine weights"]
+        + ts["rollout"].transient["engine kv cache"]
+        + ts["rollout"].transient["engine generation workspace"]
+        + policy
+        + state
+        + ref
+        + plan.config.misc_bytes
+    )
+
+
+def test_a_state_that_left_for_the_engine_comes_back_behind_the_backward_not_for_the_scoring():
+    plan = _engine_plan()
+    ts = plan.timeshared
+    policy, state = ts["train"].resident["actor params"], ts["train"].resident["optimizer states"]
+    # room for the policy beside the engine, not its state; the reference's scoring keeps the weights only
+    got = kept_phases(plan, _engine_edge(plan, policy + state))
+    assert ENGINE_KEPT_STATE not in got["rollout"].kept
+    assert got["reference"].kept == {"policy": policy}
+    assert kept_phases(plan, 1 << 40)["reference"].kept == {"policy": policy + state}
+
+
+def test_the_host_holds_every_role_beside_an_engine():
+    """An upper bound: the engine's first turns follow first measurements (the 7B run in 80 GiB
+    moved AdamW's state out once, in its second step, though the steady state keeps it)."""
+    plan = _engine_plan()
+    assert kept_host(plan, kept_phases(plan, 1 << 40)) == plan.host
+    hf = _plan()
+    assert "optimizer states (timeshare host copy)" not in kept_host(hf, kept_phases(hf, 1 << 40))
+
+
+def test_the_room_the_engine_keeps_free_is_the_trainer_s():
+    pytest.importorskip("trl")
+    from tidal.integrations.trl.adapter import VLLM_GENERATION_BYTES
+
+    assert ENGINE_GENERATION_BYTES == VLLM_GENERATION_BYTES

@@ -386,3 +386,67 @@ def test_every_role_resident_under_fsdp2_is_trl_alone():
     assert [t for t in shared.transitions if t.before == t.after == "rollout"]
     one = build_plan(PlanConfig(**{**base, "dp": 1, "prompts": 8}, timeshare=False)).all_resident
     assert not any("gathered" in k for p in one.values() for k in p.transient)
+
+
+# ---- the vLLM engine's rollout --------------------------------------------------------------
+def test_with_a_vllm_engine_the_rollout_holds_its_weights_then_its_cache_the_policy_out_after_the_push():
+    c = PlanConfig(shape="qwen2-7b", prompts=8, group=8, prompt_len=8, gen_len=256, rollout_engine="vllm")
+    plan = build_plan(c)
+    rollout = plan.timeshared["rollout"]
+    weights = c.shape.param_count() * 2
+    assert rollout.resident["engine weights"] == weights and "actor params" not in rollout.resident
+    cache = rollout.transient["engine kv cache"]
+    generation = cache + rollout.transient["engine generation workspace"]
+    # the push: both weights at once, more than the cache beside the engine's weights
+    assert rollout.peak_bytes == weights + max(weights, generation) + c.misc_bytes
+    # every role resident (TRL + vLLM alone): the engine beside them, the gradients' memory still cached
+    alone = plan.all_resident["rollout"]
+    assert alone.resident["engine weights"] == weights and alone.resident["optimizer states"] > 0
+    assert (
+        alone.transient["gradients' memory left in torch's cache"]
+        == plan.timeshared["optimizer_step"].resident["grads"]
+    )
+    # asleep the rest of the step: nothing allocated, its own memory at driver level only
+    assert all("engine" not in k for p in ("reference", "train", "optimizer_step") for k in plan.phases[p].resident)
+    assert plan.device_peak_bytes == plan.peak_bytes + c.cuda_context_bytes + c.vllm_own_bytes
+    hf = build_plan(c.replace(rollout_engine="hf"))
+    assert hf.device_peak_bytes == hf.peak_bytes + c.cuda_context_bytes
+
+
+def test_the_engine_cache_for_the_batch_is_the_one_tidal_sizes():
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from tidal.integrations.vllm import kv_cache_bytes_for
+    from tidal.plan.phases import engine_kv_cache_bytes
+
+    hf = transformers.Qwen2Config(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064,
+    )  # fmt: skip
+    for sequences, max_len in ((64, 320), (64, 2112), (3, 17)):
+        c = PlanConfig(
+            shape=ModelShape.from_hf_config(hf), prompts=sequences, group=1, prompt_len=8, gen_len=8,
+            rollout_engine="vllm", vllm_max_model_len=max_len,
+        )  # fmt: skip
+        assert engine_kv_cache_bytes(c) == kv_cache_bytes_for(hf, torch.bfloat16, sequences=sequences, max_len=max_len)
+    assert engine_kv_cache_bytes(c.replace(vllm_kv_cache_bytes=4 << 30)) == 4 << 30
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        (dict(dp=2), "one GPU"),
+        (dict(zero_stage=1), "one GPU"),
+        (dict(vllm_max_model_len=100), "below a sequence"),
+        (dict(vllm_kv_cache_bytes=0), "vllm_kv_cache_bytes"),
+        (dict(vllm_kv_cache_bytes=1.5), "vllm_kv_cache_bytes"),
+        (dict(vllm_gpu_memory_utilization=0), "utilization"),
+        (dict(vllm_gpu_memory_utilization=1.2), "utilization"),
+        (dict(rollout_shares_weights=False), "own copy"),
+    ],
+)
+def test_a_vllm_plan_refuses_what_it_cannot_plan(bad, why):
+    with pytest.raises(ValueError, match=why):
+        PlanConfig(shape="qwen2-7b", prompt_len=64, gen_len=64, rollout_engine="vllm", **bad)
+    with pytest.raises(ValueError, match="rollout_engine"):
+        PlanConfig(shape="qwen2-7b", rollout_engine="sglang")

@@ -8,6 +8,7 @@ Imports only the standard library (no torch, no CUDA): a plan is arithmetic on s
 * :func:`predict_phases`: the calibration hook (predicted peak allocated bytes per phase);
 * :func:`gathered_rollout`: how tidal's TRL trainer holds a sharded policy for generation;
 * :func:`recommend`: the cheapest set of memory levers that fits a GPU;
+* :func:`trl_vllm_kv_cache_bytes`: the KV cache TRL's colocated vLLM engine gives itself;
 * :func:`step_flops`: a step's matmul FLOPs by phase (its compute floor at a measured rate).
 """
 
@@ -27,6 +28,7 @@ from tidal.plan.model import (
     predict_phases,
 )
 from tidal.plan.keeps import KeptPhase, kept_host, kept_phases
+from tidal.plan.phases import trl_vllm_kv_cache_bytes
 from tidal.plan.recommend import LEVER_COSTS, Recommendation, recommend
 from tidal.plan.report import format_plan
 from tidal.plan.shapes import LORA_TARGETS, PRESETS, ModelShape, load_shape, preset
@@ -57,4 +59,5 @@ __all__ = [
     "preset",
     "recommend",
     "step_flops",
+    "trl_vllm_kv_cache_bytes",
 ]

@@ -50,7 +50,9 @@ def assumptions(c, bw) -> list[str]:
         ),
         "Saved activations per decoder layer follow tidal.plan.activations (measured exactly against "
         "Qwen2DecoderLayer's saved tensors on CPU, sdpa and eager, bf16 and fp32, with and without LoRA).",
-        (
+        _engine_rollout(c)
+        if c.rollout_engine == "vllm"
+        else (
             "Rollout: HF generate with a DynamicCache, every sequence reaching the full length; peak = the largest of "
             "prefill (prompt KV + one layer's no-grad workspace), the last decode forward (full KV cache + the previous "
             "step's sampling buffers + one layer's keys copied by torch.cat"
@@ -230,3 +232,22 @@ def assumptions(c, bw) -> list[str]:
         f"copy engines, both at once at most {bw.bidir_gbps:g} GB/s (pinned host memory)."
     )
     return out
+
+
+def _engine_rollout(c) -> str:
+    cache = (
+        f"{c.vllm_kv_cache_bytes / (1 << 30):.2f} GiB"
+        if c.vllm_kv_cache_bytes is not None
+        else f"sized for the rollout batch ({c.rollout_batch} sequences of {c.engine_max_len} tokens in blocks of 16, "
+        "beside vLLM's null block)"
+    )
+    return (
+        "Rollout: TRL's colocated vLLM engine (sleep mode): its weights woken and pushed from the policy's on the "
+        "device (both copies at once), the policy out before its KV cache wakes (" + cache + "), the generation's "
+        "own workspace the larger of the prompts' prefill and the sampler's fp32 (batch x vocab) buffers; asleep "
+        f"(level 2) the rest of the step, nothing allocated, {c.vllm_own_bytes / (1 << 30):.2f} GiB of its own "
+        "(CUDA graphs, non-torch) counted at driver level in every phase. Without the timeshare (TRL alone) its "
+        f"cache is what vLLM takes from {c.vllm_gpu_memory_utilization:g} of the device less its weights and own "
+        "memory, and the gradients' memory stays in torch's cache beside it after the optimizer step (vLLM maps "
+        "from the driver)."
+    )

@@ -10,7 +10,18 @@ from typing import Any
 from tidal.plan import activations as act
 from tidal.plan.shapes import LORA_TARGETS, ModelShape, load_shape
 
-__all__ = ["GIB", "LM_HEADS", "MIB", "OPTIMIZERS", "PHASES", "SAMPLING", "ZERO3_ROLLOUTS", "PlanConfig"]
+__all__ = [
+    "GIB",
+    "LM_HEADS",
+    "MIB",
+    "OPTIMIZERS",
+    "PHASES",
+    "ROLLOUT_ENGINES",
+    "SAMPLING",
+    "VLLM_BLOCK_TOKENS",
+    "ZERO3_ROLLOUTS",
+    "PlanConfig",
+]
 
 MIB, GIB = 1 << 20, 1 << 30
 PHASES = ("rollout", "reference", "train", "optimizer_step")
@@ -18,6 +29,8 @@ OPTIMIZERS = ("adamw", "adamw_offload", "cpu_adam")
 SAMPLING = ("generate", "own")
 LM_HEADS = ("logits", "fused")
 ZERO3_ROLLOUTS = ("layers", "whole", "lent")
+ROLLOUT_ENGINES = ("hf", "vllm")
+VLLM_BLOCK_TOKENS = 16  # tokens per block of vLLM's paged KV cache (its default block_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,6 +117,20 @@ class PlanConfig:
     ``repeat_kv_in_decode``: each decode step repeats one layer's K/V to all heads (transformers
     5.17 with a padding mask, measured; 5.23 packs GQA queries instead: set False).
 
+    Rollout engine: ``rollout_engine="hf"`` generates with the policy itself (HF ``generate``
+    or ``sampling="own"``, above); ``"vllm"`` with a vLLM engine in the same process (TRL's
+    ``use_vllm=True, vllm_mode="colocate"``, sleep mode on; tidal's
+    :class:`~tidal.integrations.vllm.VllmEngine`), one GPU. The engine holds a copy of the
+    weights in the param dtype (``engine weights``) and a paged KV cache of
+    ``vllm_kv_cache_bytes`` (None: sized for the rollout batch, every sequence of
+    ``vllm_max_model_len`` tokens, default ``seq_len``, in whole blocks of
+    :data:`VLLM_BLOCK_TOKENS` beside vLLM's null block: ``TidalConfig(vllm_kv_cache_bytes="auto")``);
+    ``vllm_own_bytes`` besides (its CUDA graphs' pool and non-torch allocations, which stay
+    taken while it sleeps: a driver-level constant, like the CUDA context). Between generations
+    it sleeps (level 2: weights and cache back with the driver). TRL alone sizes the cache from
+    ``vllm_gpu_memory_utilization`` of the device (see
+    :func:`tidal.plan.phases.trl_vllm_kv_cache_bytes`). The sampling fields above do not apply.
+
     Memory levers: ``timeshare``, ``grad_ckpt``, ``act_offload`` (tidal: at most two layers'
     activations on the GPU), plus the optimizer and sharding choices above.
     """
@@ -149,6 +176,11 @@ class PlanConfig:
     act_offload: bool = False
     timeshare: bool = True
     rollout_shares_weights: bool = True
+    rollout_engine: str = "hf"
+    vllm_kv_cache_bytes: int | None = None
+    vllm_max_model_len: int | None = None
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_own_bytes: int = int(1.35 * GIB)
     cuda_context_bytes: int = 500 * MIB
     misc_bytes: int = 48 * MIB
 
@@ -192,6 +224,33 @@ class PlanConfig:
             self.optimizer != "adamw_offload" or self.optim_stream_chunk_bytes < 1
         ):
             raise ValueError("optim_stream_chunk_bytes needs optimizer='adamw_offload' and a size >= 1")
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(f"rollout_engine must be one of {ROLLOUT_ENGINES}, got {self.rollout_engine!r}")
+        if self.rollout_engine == "vllm":
+            if self.dp > 1 or self.zero_stage:
+                raise ValueError(
+                    "rollout_engine='vllm' is planned on one GPU without ZeRO (the engine beside one process's roles); "
+                    "plan several GPUs with rollout_engine='hf'"
+                )
+            if not self.rollout_shares_weights:
+                raise ValueError("rollout_engine='vllm': the engine holds its own copy; leave rollout_shares_weights")
+            if self.vllm_kv_cache_bytes is not None and (
+                isinstance(self.vllm_kv_cache_bytes, bool)
+                or not isinstance(self.vllm_kv_cache_bytes, int)
+                or self.vllm_kv_cache_bytes < 1
+            ):
+                raise ValueError(f"vllm_kv_cache_bytes must be an int >= 1 or None, got {self.vllm_kv_cache_bytes!r}")
+            if self.vllm_max_model_len is not None and self.vllm_max_model_len < self.seq_len:
+                raise ValueError(
+                    f"vllm_max_model_len={self.vllm_max_model_len} is below a sequence of the step "
+                    f"(prompt_len + gen_len = {self.seq_len}); vLLM would refuse the requests"
+                )
+            if not 0 < self.vllm_gpu_memory_utilization <= 1:
+                raise ValueError(
+                    f"vllm_gpu_memory_utilization must be in (0, 1], got {self.vllm_gpu_memory_utilization!r}"
+                )
+            if self.vllm_own_bytes < 0:
+                raise ValueError(f"vllm_own_bytes must be >= 0, got {self.vllm_own_bytes}")
         if self.sampling not in SAMPLING:
             raise ValueError(f"sampling must be one of {SAMPLING}, got {self.sampling!r}")
         if self.action_vocab is not None and not 1 <= self.action_vocab <= self.shape.vocab:
@@ -223,6 +282,11 @@ class PlanConfig:
     def rollout_batch(self) -> int:
         """Sequences generated on each GPU per step: ``ceil(prompts * group / dp)``."""
         return -(-self.prompts * self.group // self.dp)
+
+    @property
+    def engine_max_len(self) -> int:
+        """Tokens of the longest sequence the vLLM engine takes (``vllm_max_model_len`` or ``seq_len``)."""
+        return self.vllm_max_model_len or self.seq_len
 
     @property
     def micro_batches(self) -> int:

@@ -6,7 +6,10 @@ need (what the phase allocated the last time, 10% more and 256 MiB:
 :func:`tidal.memory.phase_need_bytes`). The plan's timeshared phases hold only the active
 role; this adds to each phase the role the trainer's schedule keeps or brings in beside it:
 
-* ``rollout``: the reference, brought in behind generation;
+* ``rollout``: the reference, brought in behind generation; with a vLLM engine
+  (``rollout_engine="vllm"``) first the policy and its optimizer state where they fit beside
+  the engine (:func:`_beside_the_engine`), and a state that left for the engine's turn comes
+  back behind the backward;
 * ``reference``: the policy (its weights, and its optimizer state where it moves with the
   policy: ``optimizer="adamw"``, ``optimizer_residency="role"``), kept through the scoring;
 * ``train``: the reference, kept through the loss and its backward; and, where the optimizer
@@ -30,10 +33,15 @@ import dataclasses
 from tidal.units import phase_need_bytes
 from tidal.plan.model import Phase, Plan
 
-__all__ = ["PREFETCHED_STATE", "KeptPhase", "kept_host", "kept_phases"]
+__all__ = ["ENGINE_GENERATION_BYTES", "ENGINE_KEPT_STATE", "PREFETCHED_STATE", "KeptPhase", "kept_host", "kept_phases"]
 
 # The key of the optimizer state brought in behind the backward, in a KeptPhase's ``kept``.
 PREFETCHED_STATE = "optimizer state (prefetched)"
+# The key of the policy's optimizer state kept beside a vLLM engine, in the rollout's ``kept``.
+ENGINE_KEPT_STATE = "policy's optimizer state"
+# What a vLLM engine's turn keeps free for the generation's own memory beside the engine's
+# (tidal.integrations.trl.adapter.VLLM_GENERATION_BYTES: the trainer's side; this layer imports no torch).
+ENGINE_GENERATION_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,9 +82,15 @@ def kept_phases(plan: Plan, usable_bytes: int) -> dict[str, KeptPhase]:
         return p.resident_bytes + phase_need_bytes(p.transient_bytes) + extra <= usable_bytes
 
     out: dict[str, KeptPhase] = {}
-    out["rollout"] = KeptPhase(
-        phase=phases["rollout"], kept={"reference": reference} if fits(phases["rollout"], reference) else {}
-    )
+    if c.rollout_engine == "vllm":
+        out["rollout"] = _beside_the_engine(plan, usable_bytes)
+    else:
+        out["rollout"] = KeptPhase(
+            phase=phases["rollout"], kept={"reference": reference} if fits(phases["rollout"], reference) else {}
+        )
+    if c.rollout_engine == "vllm" and ENGINE_KEPT_STATE not in out["rollout"].kept:
+        # the state left for the engine's turn: it comes back behind the backward, not before
+        policy = phases["train"].resident.get("actor params", 0)
     out["reference"] = KeptPhase(
         phase=phases["reference"], kept={"policy": policy} if fits(phases["reference"], policy) else {}
     )
@@ -97,6 +111,41 @@ def kept_phases(plan: Plan, usable_bytes: int) -> dict[str, KeptPhase]:
     return out
 
 
+def _beside_the_engine(plan: Plan, usable_bytes: int) -> KeptPhase:
+    """The vLLM engine's turn (:class:`~tidal.integrations.vllm.VllmEngine` with
+    ``keep_free_bytes``): the policy stays beside the engine where the engine's memory (+10%,
+    256 MiB) and :data:`ENGINE_GENERATION_BYTES` fit beside it (its weights first, then its
+    optimizer state where that moves with it and the room holds the gradients' bytes as well:
+    the memory they leave in torch's cache after the step, measured at the engine's turn as
+    fragments of the gradients' size, 13.2 GiB at Qwen2-7B and 30-35 GiB at the 14B shape, which
+    a vLLM wake cannot use; where the room lacks it, tidal's engine learns it from one wake out
+    of memory and moves the state out first from then on); once the cache's room is made, the reference comes
+    in behind the generation where it fits with that much still free."""
+    phases = plan.timeshared
+    rollout = phases["rollout"]
+    engine = rollout.resident.get("engine weights", 0) + rollout.transient.get("engine kv cache", 0)
+    room = usable_bytes - phase_need_bytes(engine) - ENGINE_GENERATION_BYTES
+    policy = phases["train"].resident.get("actor params", 0)
+    state = phases["train"].resident.get("optimizer states", 0)  # with the policy: optimizer="adamw"
+    # After the optimizer step the gradients' memory stays in torch's cache, in segments the kept
+    # state shares; vLLM maps its memory from the driver and cannot use it: a state kept beside
+    # the engine keeps that much taken with it.
+    grads = phases["optimizer_step"].resident.get("grads", 0)
+    kept: dict[str, int] = {}
+    if policy <= room:
+        kept["policy"] = policy
+        if state and policy + state + grads <= room:
+            kept[ENGINE_KEPT_STATE] = state
+    transient = {k: v for k, v in rollout.transient.items() if not k.startswith("policy's weights beside")}
+    generating = dataclasses.replace(rollout, transient=transient)  # the push is over by then
+    if kept:  # the policy stays: the push's moment holds nothing beyond the engine and the cache
+        rollout = generating
+    reference = phases["reference"].resident.get("reference params", 0)
+    if generating.peak_bytes + sum(kept.values()) + ENGINE_GENERATION_BYTES + reference <= usable_bytes:
+        kept["reference"] = reference
+    return KeptPhase(phase=rollout, kept=kept)
+
+
 def kept_host(plan: Plan, kept: dict[str, KeptPhase]) -> dict[str, int]:
     """The host memory the prefetching trainer holds for ``plan`` (components as
     :attr:`~tidal.plan.model.Plan.host`), given its phases' ``kept`` (:func:`kept_phases`).
@@ -109,6 +158,8 @@ def kept_host(plan: Plan, kept: dict[str, KeptPhase]) -> dict[str, int]:
     does not keep the policy, so its host copy is counted only then. A streamed or offloaded
     state (``optimizer="adamw_offload"``) lives on the host whatever is kept."""
     host = dict(plan.host)
+    if plan.config.rollout_engine == "vllm":
+        return host  # the engine's first turns, before its memory is measured, move every role out
     if plan.config.optimizer == "adamw" and "policy" in kept["reference"].kept:
         host.pop("optimizer states (timeshare host copy)", None)
     return host

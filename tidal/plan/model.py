@@ -30,6 +30,9 @@ from tidal.plan.config import GIB, MIB, OPTIMIZERS, PHASES, PlanConfig
 from tidal.plan.phases import (
     accumulates_unsharded,
     cpu_adam_step_transient,
+    engine_generation_transient,
+    engine_kv_cache_bytes,
+    engine_weights_bytes,
     gathered_params,
     reference_transient,
     role_state,
@@ -201,9 +204,16 @@ class Plan:
 
     @property
     def device_peak_bytes(self) -> int:
-        """Driver-level estimate: peak allocated + CUDA context (allocator caching and
-        fragmentation on top are not modelled)."""
-        return self.peak_bytes + self.config.cuda_context_bytes
+        """Driver-level estimate: peak allocated + CUDA context (+ a vLLM engine's own memory,
+        which stays taken while it sleeps); allocator caching and fragmentation on top are not
+        modelled."""
+        return self.peak_bytes + self.config.cuda_context_bytes + self.engine_own_bytes
+
+    @property
+    def engine_own_bytes(self) -> int:
+        """A vLLM engine's memory outside torch's counters in every phase
+        (:attr:`PlanConfig.vllm_own_bytes`); 0 without one."""
+        return self.config.vllm_own_bytes if self.config.rollout_engine == "vllm" else 0
 
     @property
     def transition_seconds(self) -> float:
@@ -288,13 +298,34 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         layer_max = max(a * b for a, b in s.linear_shapes().values()) * per if not c.lora_rank else big
         chunk = c.optim_stream_chunk_bytes
         step_states = min(st["optim"], int(max(big, chunk) + chunk + layer_max))
+    engine = c.rollout_engine == "vllm"
+    if engine:
+        # The engine's memory while it generates: its weights, then its cache (the generation's
+        # own workspace beside it). Its weights are pushed from the policy's on the device, and the
+        # policy leaves before the cache wakes: the push's moment holds both weights.
+        weights, cache = engine_weights_bytes(c), engine_kv_cache_bytes(c)
+        generation = {"engine kv cache": cache, **engine_generation_transient(c)}
+        push = {"engine weights": weights}
+        source = actor_params - sum(generation.values())
+        rollout_t = {
+            **generation,
+            "policy's weights beside the engine's at the push (beyond the cache)": max(0, source),
+        }
+    else:
+        rollout_t = {**rollout_transient(c), **gathered_params(c, rollout=True)}
     transients = {
-        "rollout": {**rollout_transient(c), **gathered_params(c, rollout=True)},
+        "rollout": rollout_t,
         "reference": {**reference_transient(c), **gathered},
         "train": {**train_t, **gathered},
         "optimizer_step": step_t,
     }
     all_transients = dict(transients)
+    if engine:  # every role resident: the engine's weights and cache beside them all
+        # After the optimizer step the gradients' memory stays in torch's cache, in segments the
+        # resident optimizer state shares: vLLM maps its own from the driver and cannot use it
+        # (measured as fragments of the gradients' size at the engine's turn, benchmarks/RESULTS.md).
+        held = st["grads"] if optim_in_train else 0
+        all_transients["rollout"] = {**generation, "gradients' memory left in torch's cache": held}
     if gathered:  # every role resident: TRL alone under FSDP2 (what the no_timeshare lever names)
         all_transients["rollout"] = {**rollout_transient(c), **gathered}  # per unit: it gathers nothing whole
         if st["reference"]:
@@ -314,6 +345,8 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         if c.lora_rank
         else {"reference params": st["reference"]}
     )
+    if engine:
+        rollout_weights = push  # the policy is out once its weights are in the engine
     ts_res = {
         "rollout": rollout_weights,
         "reference": ref_weights,
@@ -327,6 +360,8 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         "optimizer states": optim_in_train,
     }
     all_res = {p: dict(everything) for p in PHASES}
+    if engine:
+        all_res["rollout"].update(push)
     all_res["train"][train_grads_key] = train_grads
     all_res["optimizer_step"].update({"grads": st["grads"], "optimizer states": st["optim"]})
     if c.optim_stream_chunk_bytes is not None:  # the states are on the host even with every role "resident"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tidal.plan import activations as act
 
-from tidal.plan.config import PlanConfig
+from tidal.plan.config import VLLM_BLOCK_TOKENS, PlanConfig
 
 __all__ = [
     "role_state",
@@ -20,6 +20,10 @@ __all__ = [
     "train_transient",
     "cpu_adam_step_transient",
     "grads_arrive_with_the_backward",
+    "engine_weights_bytes",
+    "engine_kv_cache_bytes",
+    "engine_generation_transient",
+    "trl_vllm_kv_cache_bytes",
     "CPU_ADAM_CHUNK",
 ]
 
@@ -96,6 +100,42 @@ def rollout_transient(c: PlanConfig) -> dict[str, int]:
     }
     sample = {"kv cache": kv, "sampling logits": vocab_row * (e + 4 * c.sampling_fp32_buffers)}
     return max((forward, sample, _prefill(c)), key=lambda d: sum(d.values()))
+
+
+def engine_weights_bytes(c: PlanConfig) -> int:
+    """The vLLM engine's copy of the policy's weights: every parameter in the param dtype
+    (with LoRA, the adapters merged into the base, as TRL pushes them)."""
+    return c.shape.param_count() * act.dtype_bytes(c.param_dtype)
+
+
+def engine_kv_cache_bytes(c: PlanConfig) -> int:
+    """The engine's KV cache: ``vllm_kv_cache_bytes``, or (None) the rollout batch at once, each
+    sequence of ``engine_max_len`` tokens in whole blocks, beside vLLM's null block (what
+    :func:`tidal.integrations.vllm.kv_cache_bytes_for` sizes for ``vllm_kv_cache_bytes="auto"``)."""
+    if c.vllm_kv_cache_bytes is not None:
+        return c.vllm_kv_cache_bytes
+    per_token = act.kv_cache_bytes_per_token(c.shape, kv_e=act.dtype_bytes(c.kv_dtype or c.param_dtype))
+    blocks = _div(c.engine_max_len, VLLM_BLOCK_TOKENS)
+    return (c.rollout_batch * blocks + 1) * VLLM_BLOCK_TOKENS * per_token
+
+
+def engine_generation_transient(c: PlanConfig) -> dict[str, int]:
+    """What the engine's generation allocates beside its weights and cache (through torch's
+    allocator): the larger of the prompts' prefill (one layer's no-grad workspace for every
+    prompt token at once) and the sampler's fp32 ``(batch x vocab)`` buffers (logits, the
+    processed logits, the probabilities)."""
+    s, e = c.shape, act.dtype_bytes(c.param_dtype)
+    prefill = c.rollout_batch * c.prompt_len * act.forward_workspace_bytes_per_token(s, e=e, padding_mask=False)
+    return {"engine generation workspace": max(prefill, c.rollout_batch * s.vocab * 4 * 3)}
+
+
+def trl_vllm_kv_cache_bytes(c: PlanConfig, device_bytes: int) -> int:
+    """The KV cache vLLM gives itself where TRL builds the engine (``vllm_gpu_memory_utilization``
+    of the device's ``device_bytes``, less the engine's weights and its own memory: vLLM 0.25
+    sizes the cache from its share alone, whatever else is on the device); 0 where the share
+    does not hold the weights."""
+    share = int(c.vllm_gpu_memory_utilization * device_bytes)
+    return max(0, share - engine_weights_bytes(c) - c.vllm_own_bytes)
 
 
 def _prefill(c: PlanConfig) -> dict[str, int]:

@@ -37,6 +37,7 @@ import dataclasses
 import itertools
 
 from tidal.plan.model import GIB, Bandwidth, Plan, PlanConfig, build_plan, gathered_rollout
+from tidal.plan.phases import engine_kv_cache_bytes, trl_vllm_kv_cache_bytes
 
 __all__ = ["Recommendation", "recommend", "LEVER_COSTS", "LORA_SUGGESTED_RANK", "RESERVE_FRACTION", "SETTINGS"]
 
@@ -155,7 +156,11 @@ class Recommendation:
             else f"Host memory: {host:.2f} GiB pinned{procs} (not checked: no host memory given)."
         )
         if self.fits and not self.levers:
-            return [f"Fits as configured: {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable.", host_line]
+            return [
+                f"Fits as configured: {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable.",
+                host_line,
+                *self._engine_lines(),
+            ]
         if self.fits and self.levers == ["no_timeshare"]:
             return [
                 f"No timeshare needed: every role fits at once, {peak:.2f} GiB peak (with context) of {use:.2f} GiB "
@@ -190,14 +195,34 @@ class Recommendation:
 
     def settings(self) -> list[str]:
         """What to type for the recommended levers (:data:`SETTINGS`): in a TRL script, and
-        ``tidal demo``'s flags; none where it fits as configured."""
+        ``tidal demo``'s flags; none where it fits as configured (but the vLLM engine's)."""
         if not self.levers:
-            return []
+            return self._engine_lines()
         lines = ["  To type (TRL; tidal demo):"]
         for lever in self.levers:
             trl, demo = SETTINGS[lever]
             lines.append(f"    {lever}: {trl}; demo: {demo}")
-        return lines
+        return lines + self._engine_lines()
+
+    def _engine_lines(self) -> list[str]:
+        """With a vLLM engine: its settings, and its KV cache as planned."""
+        c = self.plan.config
+        if c.rollout_engine != "vllm":
+            return []
+        cache = engine_kv_cache_bytes(c) / GIB
+        trl = 'GRPOConfig(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True'
+        if not c.timeshare:
+            return [
+                f"  vLLM engine: {trl}, vllm_gpu_memory_utilization={c.vllm_gpu_memory_utilization}): "
+                f"its KV cache {cache:.2f} GiB, what vLLM gives itself from that share"
+            ]
+        auto = c.vllm_kv_cache_bytes is None
+        sized = f" ({c.rollout_batch} sequences of {c.engine_max_len} tokens at once)" if auto else ""
+        size = '"auto"' if auto else str(c.vllm_kv_cache_bytes)
+        return [
+            f"  vLLM engine: {trl}) with TidalConfig(vllm_kv_cache_bytes={size}, prefetch=True): "
+            f"its KV cache {cache:.2f} GiB{sized}"
+        ]
 
     def to_dict(self) -> dict:
         return {
@@ -217,6 +242,14 @@ class Recommendation:
             "config": self.plan.config.to_dict(),
             "settings": {lever: dict(zip(("trl", "demo"), SETTINGS[lever])) for lever in self.levers},
         }
+
+
+def _engine_as_built(c: PlanConfig, gpu_mem_bytes: int) -> PlanConfig:
+    """Without the timeshare a vLLM engine is TRL's alone: its KV cache is what vLLM gives
+    itself from ``vllm_gpu_memory_utilization`` of the device, whatever the plan configured."""
+    if c.rollout_engine != "vllm" or c.timeshare:
+        return c
+    return c.replace(vllm_kv_cache_bytes=max(1, trl_vllm_kv_cache_bytes(c, gpu_mem_bytes)))
 
 
 def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int, offload_chunk_bytes: int | None = None) -> PlanConfig:
@@ -324,7 +357,7 @@ def recommend(
     base = config.replace(dp=gpus)
     usable = int(gpu_mem_bytes * (1 - reserve_fraction))
     host_usable = None if host_mem_bytes is None else int(host_mem_bytes * (1 - host_reserve_fraction))
-    baseline = build_plan(base, bandwidth=bandwidth)
+    baseline = build_plan(_engine_as_built(base, gpu_mem_bytes), bandwidth=bandwidth)
     fams = _choices(base, gpus, offload_chunk_bytes)
     banned = set(exclude) | (set() if allow_lora else {"lora"})
     fams = [[opt for opt in f if not banned & set(opt)] for f in fams]
@@ -339,7 +372,7 @@ def recommend(
                 candidate.replace(zero3_rollout="whole"), usable - candidate.cuda_context_bytes, bandwidth=bandwidth
             )
             candidate = candidate.replace(zero3_rollout=mode)
-        plan = build_plan(candidate, bandwidth=bandwidth)
+        plan = build_plan(_engine_as_built(candidate, gpu_mem_bytes), bandwidth=bandwidth)
         scored.append((sum(LEVER_COSTS[x] for x in levers), plan.device_peak_bytes, levers, plan))
     dp = base.dp
     on_gpu = [x for x in scored if x[1] <= usable]

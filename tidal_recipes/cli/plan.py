@@ -26,7 +26,16 @@ import json
 import sys
 
 from tidal.plan.shapes import PRESETS
-from tidal_recipes.cli.args import MAX_GIB, bounded_int, gib_arg, mib_arg, nonneg_int, positive_int, rate_arg
+from tidal_recipes.cli.args import (
+    MAX_GIB,
+    bounded_int,
+    finite_float,
+    gib_arg,
+    mib_arg,
+    nonneg_int,
+    positive_int,
+    rate_arg,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -168,6 +177,33 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         choices=("generate", "own"),
         default="generate",
         help="rollout by HF generate (default) or a loop of one's own like tidal_recipes.grpo's",
+    )
+    p.add_argument(
+        "--rollout-engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="generate with the policy itself (hf, default) or with TRL's colocated vLLM engine (vllm: use_vllm=True, "
+        'vllm_mode="colocate", sleep mode; one GPU)',
+    )
+    p.add_argument(
+        "--vllm-max-model-len",
+        type=positive_int,
+        default=None,
+        help="with --rollout-engine vllm: the engine's max_model_len (GRPOConfig(vllm_max_model_length)); "
+        "default prompt + completion",
+    )
+    p.add_argument(
+        "--vllm-kv-cache-gib",
+        type=gib_arg,
+        default=None,
+        help='with --rollout-engine vllm under the timeshare: the KV cache (TidalConfig(vllm_kv_cache_bytes)); default "auto", '
+        "sized for the rollout batch",
+    )
+    p.add_argument(
+        "--vllm-gpu-memory-utilization",
+        type=finite_float(0.0, inclusive=False, highest=1.0, why="a share of the device"),
+        default=0.3,
+        help="with --rollout-engine vllm: TRL's share of the device for its engine alone (default 0.3, TRL's)",
     )
     p.add_argument(
         "--cpu-adam-inflight-mib", type=mib_arg, default=512, help="CPUAdam(max_inflight_bytes) in MiB (default 512)"
@@ -344,6 +380,7 @@ def run(args: argparse.Namespace) -> int:
         kept_phases,
         load_shape,
         recommend,
+        trl_vllm_kv_cache_bytes,
     )
     from tidal.plan.recommend import RESERVE_FRACTION  # noqa: PLC0415
 
@@ -363,6 +400,28 @@ def run(args: argparse.Namespace) -> int:
         print(
             "tidal plan: error: --prefetch keeps what fits beside each phase: it needs --gpu-mem-gib (80 GB H100: "
             "79.2). Nothing was run",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    vllm_flags = [
+        flag
+        for flag, given in (
+            ("--vllm-max-model-len", args.vllm_max_model_len is not None),
+            ("--vllm-kv-cache-gib", args.vllm_kv_cache_gib is not None),
+            ("--vllm-gpu-memory-utilization", args.vllm_gpu_memory_utilization != 0.3),
+        )
+        if given
+    ]
+    if args.rollout_engine != "vllm" and vllm_flags:
+        print(
+            f"tidal plan: error: {', '.join(vllm_flags)} size the vLLM engine: add --rollout-engine vllm. Nothing was run",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.rollout_engine == "vllm" and not args.timeshare and args.gpu_mem_gib is None:
+        print(
+            "tidal plan: error: --rollout-engine vllm --no-timeshare is TRL's engine alone, whose KV cache is "
+            "--vllm-gpu-memory-utilization of the GPU: it needs --gpu-mem-gib. Nothing was run",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -432,14 +491,23 @@ def run(args: argparse.Namespace) -> int:
             act_offload=args.act_offload,
             timeshare=args.timeshare,
             cuda_context_bytes=args.context_mib << 20,
+            rollout_engine=args.rollout_engine,
+            vllm_max_model_len=args.vllm_max_model_len,
+            vllm_kv_cache_bytes=int(args.vllm_kv_cache_gib * GIB) if args.vllm_kv_cache_gib else None,
+            vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         )
+        shown = config
+        if config.rollout_engine == "vllm" and not config.timeshare:  # TRL's engine alone sizes its own cache
+            cache = trl_vllm_kv_cache_bytes(config, int(args.gpu_mem_gib * GIB))
+            shown = config.replace(vllm_kv_cache_bytes=max(1, cache))
     except (ValueError, OSError) as e:
         print(f"tidal plan: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.gpu_mem_gib is not None and config.zero3_rollout == "whole" and config.zero_stage >= 3 and config.dp > 1:
         usable = int(args.gpu_mem_gib * GIB * (1 - RESERVE_FRACTION)) - config.cuda_context_bytes
         config = _as_the_trainer_gathers(config, usable, bw)
-    plan = build_plan(config, bandwidth=bw)
+        shown = config
+    plan = build_plan(shown, bandwidth=bw)
     if plan.device_peak_bytes > MAX_GIB * GIB:  # what no GPU holds: the numbers are a typo
         print(
             f"tidal plan: error: this step would peak at {plan.device_peak_bytes / GIB / MAX_GIB:,.0f} PiB on one GPU "

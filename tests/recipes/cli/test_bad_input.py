@@ -205,6 +205,11 @@ def _one_line_error(capsys, command: str) -> str:
         (["--prompts", "99999999999999999999"], "PiB on one GPU (rollout), more than any machine has"),
         (["--gen-len", "99999999999999999999"], "more than any machine has; lower --prompts, --group"),
         (["--lora-rank", "99999999999"], "LoRA rank 99999999999 is more than 256, the narrowest side"),
+        (["--vllm-kv-cache-gib", "4"], "--vllm-kv-cache-gib size the vLLM engine: add --rollout-engine vllm"),
+        (["--rollout-engine", "vllm", "--no-timeshare"], "TRL's engine alone, whose KV cache is"),
+        (["--rollout-engine", "vllm", "--gpus", "2"], "rollout_engine='vllm' is planned on one GPU"),
+        (["--rollout-engine", "vllm", "--vllm-max-model-len", "100"], "vllm_max_model_len=100 is below a sequence"),
+        (["--rollout-engine", "vllm", "--vllm-gpu-memory-utilization", "1.5"], "expected a number <= 1"),
     ],
 )
 def test_plan_numbers_that_make_no_sense_are_refused(capsys, monkeypatch, argv, expect):

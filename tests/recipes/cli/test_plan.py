@@ -316,3 +316,25 @@ def test_a_gathered_rollout_is_planned_as_the_trainer_gathers_whole_lending_or_p
     assert code == 0 and "warning" in err and "may run out of memory" in err and "does not fit" not in err
     code, _, err = _run(b14, capsys)  # no GPU size given: nothing to say
     assert code == 0 and "gathered-rollout" not in err
+
+
+def test_a_vllm_rollout_is_planned_with_the_engine_and_what_to_type(capsys):
+    """The 14B shape with TRL's vLLM engine on a whole H200: the engine's turn in the table, the
+    recommendation with the engine's settings, what prefetch keeps beside the engine."""
+    argv = "--preset qwen2.5-14b --prompts 8 --group 8 --prompt-len 8 --gen-len 256 --micro-batch 16 --grad-ckpt "
+    argv += "--logprob-span completion --fused-lm-head --fused-adamw --rollout-engine vllm --vllm-max-model-len 320 "
+    argv += "--gpu-mem-gib 139.8 --host-mem-gib 125 --prefetch"
+    code, out, _ = _run(argv.split(), capsys)
+    assert code == 0
+    assert "Fits as configured" in out
+    assert 'TidalConfig(vllm_kv_cache_bytes="auto", prefetch=True): its KV cache 3.75 GiB' in out
+    assert "Rollout: TRL's colocated vLLM engine" in out
+    assert "rollout             86.44 GiB  (+ policy 27.51, + reference 27.51)" in out
+    code, out, _ = _run([*argv.split(), "--json"], capsys)
+    data = json.loads(out)
+    assert data["plan"]["config"]["rollout_engine"] == "vllm"
+    assert data["plan"]["phases"]["rollout"]["resident"]["engine weights"] == 14_770_033_664 * 2
+    # TRL's engine alone takes its share of the device: the 14B shape does not fit beside it
+    code, out, _ = _run([*argv.replace("--prefetch", "--no-timeshare").split()], capsys)
+    assert code == 0 and "As configured it does not fit" in out and "engine kv cache 13.08" in out
+    assert 'TidalConfig(vllm_kv_cache_bytes="auto", prefetch=True)' in out  # the lever's engine: tidal's cache
