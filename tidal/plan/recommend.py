@@ -219,8 +219,13 @@ class Recommendation:
         auto = c.vllm_kv_cache_bytes is None
         sized = f" ({c.rollout_batch} sequences of {c.engine_max_len} tokens at once)" if auto else ""
         size = '"auto"' if auto else str(c.vllm_kv_cache_bytes)
+        residency = ""  # CPU Adam: the trainer's optimizer, none of tidal's residencies
+        if c.optimizer == "adamw":
+            residency = ', optimizer_residency="role"'
+        elif c.optimizer == "adamw_offload":
+            residency = f', optimizer_residency="{"stream" if c.optim_stream_chunk_bytes else "step"}"'
         return [
-            f"  vLLM engine: {trl}) with TidalConfig(vllm_kv_cache_bytes={size}, prefetch=True): "
+            f"  vLLM engine: {trl}) with TidalConfig(vllm_kv_cache_bytes={size}{residency}, prefetch=True): "
             f"its KV cache {cache:.2f} GiB{sized}"
         ]
 

@@ -327,7 +327,10 @@ def test_a_vllm_rollout_is_planned_with_the_engine_and_what_to_type(capsys):
     code, out, _ = _run(argv.split(), capsys)
     assert code == 0
     assert "Fits as configured" in out
-    assert 'TidalConfig(vllm_kv_cache_bytes="auto", prefetch=True): its KV cache 3.75 GiB' in out
+    assert (
+        'TidalConfig(vllm_kv_cache_bytes="auto", optimizer_residency="role", prefetch=True): its KV cache 3.75 GiB'
+        in out
+    )
     assert "Rollout: TRL's colocated vLLM engine" in out
     assert "rollout             86.44 GiB  (+ policy 27.51, + reference 27.51)" in out
     code, out, _ = _run([*argv.split(), "--json"], capsys)
@@ -337,4 +340,4 @@ def test_a_vllm_rollout_is_planned_with_the_engine_and_what_to_type(capsys):
     # TRL's engine alone takes its share of the device: the 14B shape does not fit beside it
     code, out, _ = _run([*argv.replace("--prefetch", "--no-timeshare").split()], capsys)
     assert code == 0 and "As configured it does not fit" in out and "engine kv cache 13.08" in out
-    assert 'TidalConfig(vllm_kv_cache_bytes="auto", prefetch=True)' in out  # the lever's engine: tidal's cache
+    assert 'TidalConfig(vllm_kv_cache_bytes="auto", optimizer_residency="role", prefetch=True)' in out  # tidal's cache
