@@ -89,8 +89,12 @@ def test_readme_is_short_and_its_first_screen_has_what_a_newcomer_needs():
     # The two commands first, then a few figures a newcomer can read, then the quickstart.
     assert text.index("## Two commands") < text.index("## Measured") < text.index("## Quickstart")
     measured = text[text.index("## Measured") : text.index("## Quickstart")]
-    rows = [ln for ln in measured.splitlines() if ln.startswith("| ") and not ln.startswith("| what")]
-    assert 3 <= len(rows) <= 5, "three to five rows, the rest linked"
+    figures = re.split(r"^- ", measured.split("\n\n![")[0], flags=re.M)[1:]
+    assert 3 <= len(figures) <= 7, "three to seven figures, the rest linked"
+    for figure in figures:  # a plain sentence or two each: the commits and the method in docs/measurements.md
+        assert len(figure.strip().splitlines()) <= 3, figure
+        assert not re.search(r"\b[0-9a-f]{7}\b", figure), f"a commit in the README's figures: {figure}"
+    assert "(docs/measurements.md)" in measured
     assert "python -m pytest -q -m slow" in text and "python -m pytest -q\n" in text
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"(docs/{page.name})" in text, f"docs/{page.name} is not linked from the README"
