@@ -237,3 +237,38 @@ def test_cpu_adam_is_offered_on_one_gpu_only():
     four = recommend(config.replace(dp=4), gpu_mem_bytes=40 * GIB, gpus=4, host_mem_bytes=500 * GIB)
     assert four.fits and "cpu_adam" not in four.levers and "lora" not in four.levers, four.levers
     assert any(lever.startswith("zero") for lever in four.levers), four.levers
+
+
+def test_a_smaller_micro_batch_is_a_lever_the_largest_that_fits():
+    """A micro-batch of fewer sequences, more of them accumulated (the same gradient): searched
+    from the configured size halved down to one, the largest that fits taken, with what to type."""
+    config = PlanConfig(
+        shape="qwen2-7b", prompts=8, group=8, prompt_len=64, gen_len=2048, micro_batch=64, grad_ckpt=True,
+        logprob_span="completion", lm_head="fused", adamw_foreach=False,
+    )  # fmt: skip
+    r = recommend(config, gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=500 * GIB, exclude=("no_timeshare",))
+    assert r.fits and "micro_batch" in r.levers
+    m = r.plan.config.micro_batch
+    assert m < 64 and 64 % m == 0
+    others = config.replace(**{k: getattr(r.plan.config, k) for k in ("optimizer", "optim_stream_chunk_bytes")})
+    if m < 32:  # the next larger size with the same other levers does not fit
+        assert build_plan(others.replace(micro_batch=2 * m)).device_peak_bytes > r.usable_bytes
+    assert build_plan(others.replace(micro_batch=m)).device_peak_bytes <= r.usable_bytes
+    steps = -(-64 // m)
+    text = "\n".join(r.summary())
+    assert f"per_device_train_batch_size={m}, gradient_accumulation_steps={steps}" in text
+    assert f"demo: --micro-batch {m}" in text and f"{m} sequences, {steps} a step (from 64)" in text
+    assert r.to_dict()["settings"]["micro_batch"]["demo"] == f"--micro-batch {m}"
+    from tidal.plan.recommend import _choices
+
+    assert not any("micro_batch" in opt for fam in _choices(config.replace(micro_batch=1), 1) for opt in fam)
+
+
+def test_the_timeshare_off_with_tidal_s_own_levers_names_tidal_s_trainer():
+    config = PlanConfig(
+        shape="qwen2-7b", prompts=8, group=8, prompt_len=64, gen_len=1024, micro_batch=64, grad_ckpt=True,
+        logprob_span="completion", lm_head="fused", adamw_foreach=False,
+    )  # fmt: skip
+    r = recommend(config, gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=500 * GIB)
+    assert r.levers == ["no_timeshare", "optimizer_stream"]
+    assert "no_timeshare: TidalGRPOTrainer(..., tidal=TidalConfig(prefetch=True))" in "\n".join(r.summary())

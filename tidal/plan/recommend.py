@@ -13,6 +13,8 @@ Levers, in order of what they cost (time, or a change of what is trained):
    RESULTS.md, "TRL's GRPOTrainer with tidal"). With ``offload_chunk_bytes`` the two are one
    plan, offered once, as ``optimizer_offload``;
 3. ``grad_ckpt``: gradient checkpointing (one extra forward per layer in backward);
+3b. ``micro_batch``: a smaller train micro-batch, more of them accumulated (the same gradient;
+   less work a kernel): the largest of the configured size halved down to 1 that fits;
 4. ``cpu_adam``: the optimizer runs on the host, gradients stream out during backward;
 5. ``bf16_moments``: the optimizer's moments in bf16 (CPU Adam: 4 instead of 8 host bytes per
    parameter; its fp32 masters stay; rounding measured in benchmarks/RESULTS.md);
@@ -50,14 +52,15 @@ LEVER_COSTS = {
     "optimizer_stream": 2,
     "optimizer_offload": 3,
     "grad_ckpt": 4,
-    "cpu_adam": 8,
-    "bf16_moments": 16,
-    "host_grads": 32,
-    "act_offload": 64,
-    "zero1": 128,
-    "zero2": 256,
-    "zero3": 512,
-    "lora": 1024,
+    "micro_batch": 8,
+    "cpu_adam": 16,
+    "bf16_moments": 32,
+    "host_grads": 64,
+    "act_offload": 128,
+    "zero1": 256,
+    "zero2": 512,
+    "zero3": 1024,
+    "lora": 2048,
 }
 LORA_SUGGESTED_RANK = 16
 _WHY = {
@@ -66,6 +69,8 @@ _WHY = {
     "optimizer_offload": "AdamW states wait on the host outside the optimizer step",
     "optimizer_stream": "AdamW states wait on the host and come in for the step a chunk at a time",
     "grad_ckpt": "layers keep only their input; backward recomputes one layer at a time",
+    "micro_batch": "fewer sequences a forward and backward, more of them summed (gradient accumulation: the same "
+    "gradient); the activations shrink with the micro-batch",
     "cpu_adam": "no optimizer state or gradient stays on the GPU",
     "bf16_moments": "the optimizer's moments kept in bf16 (half their bytes; fp32 masters stay)",
     "host_grads": "CPU Adam sums the micro-batches' gradients on the host: none stays on the GPU",
@@ -85,6 +90,10 @@ SETTINGS = {
     "optimizer_offload": ('TidalConfig(optimizer_residency="step")', "--optimizer-residency step"),
     "optimizer_stream": ('TidalConfig(optimizer_residency="stream")', "--optimizer-residency stream"),
     "grad_ckpt": ("GRPOConfig(gradient_checkpointing=True)", "--grad-ckpt"),
+    "micro_batch": (
+        "GRPOConfig(per_device_train_batch_size={m}, gradient_accumulation_steps={steps})",
+        "--micro-batch {m}",
+    ),
     "cpu_adam": ("optimizers=(tidal.CPUAdam(model.parameters(), lr=...), None)", "--optimizer cpu_adam"),
     "bf16_moments": ("tidal.CPUAdam(..., state_dtype=torch.bfloat16)", "--optim-state-dtype bf16"),
     "host_grads": ("tidal.CPUAdam(..., host_accumulation=True) (its default)", "--grad-accumulation host"),
@@ -101,6 +110,10 @@ SETTINGS = {
         f"--lora-rank {LORA_SUGGESTED_RANK}",
     ),
 }
+
+
+# Levers only tidal's trainer gives (TidalConfig's): with them "the timeshare off" is tidal keeping every role.
+_TIDAL_ONLY = {"optimizer_stream", "optimizer_offload", "act_offload"}
 
 
 def _binding(peak: int, host: int, usable: int, host_usable: int | None, dp: int) -> str:
@@ -199,10 +212,23 @@ class Recommendation:
         if not self.levers:
             return self._engine_lines()
         lines = ["  To type (TRL; tidal demo):"]
-        for lever in self.levers:
-            trl, demo = SETTINGS[lever]
+        for lever, (trl, demo) in self._typed().items():
             lines.append(f"    {lever}: {trl}; demo: {demo}")
         return lines + self._engine_lines()
+
+    def _typed(self) -> dict[str, tuple[str, str]]:
+        """:data:`SETTINGS` of the recommended levers, the micro-batch's with its size filled in."""
+        c = self.plan.config
+        m, steps = c.micro_batch, c.micro_batches
+        typed = {lever: tuple(x.format(m=m, steps=steps) for x in SETTINGS[lever]) for lever in self.levers}
+        if "no_timeshare" in typed and set(self.levers) & _TIDAL_ONLY:
+            # those levers are tidal's trainer's: with prefetch every role stays where it fits
+            typed["no_timeshare"] = (
+                "TidalGRPOTrainer(..., tidal=TidalConfig(prefetch=True)): every role stays on the GPU, only the "
+                "levers below move state",
+                typed["no_timeshare"][1],
+            )
+        return typed
 
     def _engine_lines(self) -> list[str]:
         """With a vLLM engine: its settings, and its KV cache as planned."""
@@ -245,7 +271,7 @@ class Recommendation:
             "host_usable_bytes": self.host_usable_bytes,
             "host_miss_bytes": self.host_miss_bytes,
             "config": self.plan.config.to_dict(),
-            "settings": {lever: dict(zip(("trl", "demo"), SETTINGS[lever])) for lever in self.levers},
+            "settings": {lever: dict(zip(("trl", "demo"), typed)) for lever, typed in self._typed().items()},
         }
 
 
@@ -283,7 +309,20 @@ def _apply(base: PlanConfig, levers: tuple[str, ...], gpus: int, offload_chunk_b
             ch["zero_stage"], ch["dp"] = int(lever[4]), gpus
         elif lever == "lora":
             ch["lora_rank"] = LORA_SUGGESTED_RANK
+        # micro_batch: its size is searched by recommend (_smaller_micro_batch)
     return base.replace(**ch)
+
+
+def _micro_batches(base: PlanConfig) -> list[int]:
+    """The micro-batch sizes the ``micro_batch`` lever tries, largest first: the configured one
+    halved until one sequence."""
+    sizes, m = [], base.micro_batch // 2
+    while m >= 1:
+        sizes.append(m)
+        m //= 2
+    if sizes and sizes[-1] != 1:
+        sizes.append(1)
+    return sizes
 
 
 def _choices(base: PlanConfig, gpus: int, offload_chunk_bytes: int | None = None) -> list[list[tuple[str, ...]]]:
@@ -312,6 +351,8 @@ def _choices(base: PlanConfig, gpus: int, offload_chunk_bytes: int | None = None
     for flag in ("grad_ckpt", "act_offload"):
         if not getattr(base, flag):
             fams.append([(), (flag,)])
+    if min(base.micro_batch, base.rollout_batch) > 1:
+        fams.append([(), ("micro_batch",)])
     if gpus > 1:
         fams.append([()] + [(f"zero{s}",) for s in range(max(base.zero_stage + 1, 1), 4)])
     if not base.lora_rank:
@@ -378,6 +419,14 @@ def recommend(
             )
             candidate = candidate.replace(zero3_rollout=mode)
         plan = build_plan(_engine_as_built(candidate, gpu_mem_bytes), bandwidth=bandwidth)
+        if "micro_batch" in levers:
+            # the largest smaller micro-batch that fits (GPU and host), else the smallest
+            for m in _micro_batches(candidate):
+                plan = build_plan(
+                    _engine_as_built(candidate.replace(micro_batch=m), gpu_mem_bytes), bandwidth=bandwidth
+                )
+                if plan.device_peak_bytes <= usable and (host_usable is None or plan.node_host_bytes <= host_usable):
+                    break
         scored.append((sum(LEVER_COSTS[x] for x in levers), plan.device_peak_bytes, levers, plan))
     dp = base.dp
     on_gpu = [x for x in scored if x[1] <= usable]
@@ -403,9 +452,12 @@ def recommend(
             )
         elif over == "fits":  # a set that does not fit either: the lever lowers the peak
             over = f"{without.device_peak_bytes / GIB:.2f} GiB peak (with context)"
-        reasons[lever] = (
-            f"{_WHY[lever]}; with it {over}" if lever == "no_timeshare" else f"{_WHY[lever]}; without it {over}"
-        )
+        why = _WHY[lever]
+        if lever == "micro_batch":
+            why += (
+                f": {plan.config.micro_batch} sequences, {plan.config.micro_batches} a step (from {base.micro_batch})"
+            )
+        reasons[lever] = f"{why}; with it {over}" if lever == "no_timeshare" else f"{why}; without it {over}"
     levers_sorted = sorted(levers, key=LEVER_COSTS.get)
     return Recommendation(
         fits=fits,
