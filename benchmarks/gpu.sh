@@ -68,7 +68,8 @@
 #               *plan-small  tidal demo with the planner's levers, Qwen2-0.5B (PLAN_STEPS)
 #               *plan-7b     the same, Qwen2-7B full-parameter (BIG_STEPS)
 #               *prefetch    benchmarks/bench_prefetch.py (PREFETCH_STEPS, PREFETCH_ARGS)
-#               *timeline    $OUT/timeline.png for docs/timeline.png (TIMELINE_ARGS: demo flags)
+#               *timeline    $OUT/timeline.png for docs/timeline.png: the demo's GPU default, the smallest
+#                            shape the GPU cannot hold with every role resident (TIMELINE_ARGS: demo flags)
 #   activations *tests       GPU tests of tests/activations
 #               *bench       benchmarks/bench_activations.py --configs qwen2-1.5b-16L (ACT_CONFIGS)
 #   cpu_adam    *tests       GPU tests of tests/optim
@@ -574,7 +575,7 @@ p_demo_bench() {
 p_demo_plan_small() {
   TAILN=24
   run demo_small.log timeout "${SMALL_TIMEOUT:-150}" ${TIMED[@]+"${TIMED[@]}"} python3 -m tidal_recipes demo \
-    --steps "${PLAN_STEPS:-5}" --baseline-steps 2 --out "$OUT/demo-small"
+    --preset qwen2-0.5b --steps "${PLAN_STEPS:-5}" --baseline-steps 2 --out "$OUT/demo-small"
 }
 p_demo_plan_7b() {
   TAILN=26
@@ -626,7 +627,7 @@ p_cpu_adam_host() {
 p_cpu_adam_accumulate() {
   local acc
   for acc in host device; do
-    run demo_$acc.log timeout "${DEMO_TIMEOUT:-170}" python3 -m tidal_recipes demo --steps "${ACC_STEPS:-5}" --baseline-steps 2 \
+    run demo_$acc.log timeout "${DEMO_TIMEOUT:-170}" python3 -m tidal_recipes demo --preset qwen2-0.5b --steps "${ACC_STEPS:-5}" --baseline-steps 2 \
       --grad-accumulation $acc --out "$OUT/demo-$acc"
   done
 }

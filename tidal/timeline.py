@@ -36,6 +36,7 @@ class PhaseSpan:
     peak_allocated_bytes: int = 0
     peak_driver_used_bytes: int = 0
     step: int = -1
+    error: str | None = None  # the exception that ended it, if one did
 
 
 class MemoryTimeline:
@@ -54,6 +55,8 @@ class MemoryTimeline:
         self.phases: list[PhaseSpan] = []
         self.marks: list[dict] = []
         self._open: PhaseSpan | None = None
+        # The device's memory, drawn as a line where set (the demo sets it on an accelerator).
+        self.capacity_bytes: int | None = None
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
@@ -75,6 +78,18 @@ class MemoryTimeline:
         """A point event (a transition), drawn as a vertical line."""
         self.marks.append({"t": self.now(), "label": label, **fields})
 
+    def out_of_memory(self, error: BaseException, **fields) -> None:
+        """Mark where the run ran out of device memory (the open phase, if any, is named), drawn
+        as a cross at the top of the memory panel. Takes a last sample first."""
+        self.sample("out of memory")
+        phase = self._open.name if self._open is not None else None
+        if phase is None and self.phases and self.phases[-1].error:  # the phase it ended
+            phase = self.phases[-1].name
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        self.marks.append(
+            {"t": self.now(), "label": "out of memory", "kind": "oom", "phase": phase, "error": first, **fields}
+        )
+
     @contextlib.contextmanager
     def phase(self, name: str, *, step: int = -1) -> Iterator[PhaseSpan]:
         """Time a phase and keep its peak. On an accelerator the allocator's peak counter is
@@ -89,6 +104,9 @@ class MemoryTimeline:
         self.sample(f"{name} start")
         try:
             yield span
+        except BaseException as e:
+            span.error = type(e).__name__
+            raise
         finally:
             if self.ops.is_accelerator:
                 self.ops.synchronize()  # the phase's time and peak include its queued kernels
@@ -169,7 +187,7 @@ class MemoryTimeline:
             raise ImportError("the memory timeline PNG needs matplotlib: pip install 'tidal[demo]'") from e
         runs = [(title or f"device memory on {self.ops.device}", self), *beside]
         windows = [tl._window(last_steps) for _, tl in runs]
-        peak = max(w[3] for w in windows)
+        peak = max([w[3] for w in windows] + [tl.capacity_bytes or 0 for _, tl in runs])
         unit, scale = ("GiB", float(1 << 30)) if peak >= 1 << 30 else ("MiB", float(1 << 20))
         rows, cols = (2 if rewards else 1), len(runs)
         fig = plt.figure(figsize=(11 if cols == 1 else 7.5 * cols, 3.6 * rows), dpi=110)
@@ -197,6 +215,7 @@ class MemoryTimeline:
         phases = [p for p in self.phases if p.step in shown]
         t_lo = min((p.start_s for p in phases), default=0.0)
         t_hi = max((p.end_s for p in phases), default=self.now())
+        t_hi = max([t_hi] + [m["t"] for m in self.marks if m.get("kind") == "oom"])  # a run that failed: to its end
         samples = [x for x in self.samples if t_lo <= x["t"] <= t_hi]
         peak = max([x["allocated"] for x in samples] + [x.get("driver_used", 0) for x in samples] + [1])
         return phases, samples, (t_lo, t_hi), peak, len(shown)
@@ -227,9 +246,16 @@ class MemoryTimeline:
                 drawstyle="steps-post",
                 label="used (driver)",
             )
-        marks = [m for m in self.marks if t_lo <= m["t"] <= t_hi]
-        for i, m in enumerate(marks):
+        if self.capacity_bytes:
+            ax.axhline(self.capacity_bytes / scale, color="#9d0208", lw=1.0, label="the device's memory")
+        marks = [m for m in self.marks if t_lo <= m["t"] <= t_hi + 1e-9]
+        moves = [m for m in marks if m.get("kind") != "oom"]
+        for i, m in enumerate(moves):
             ax.axvline(m["t"] - t_lo, color="#6c757d", lw=0.8, ls=":", label="transition" if i == 0 else None)
+        for m in (m for m in marks if m.get("kind") == "oom"):
+            top = (self.capacity_bytes or _peak) / scale
+            where = f" in {m['phase']}" if m.get("phase") else ""
+            ax.plot([m["t"] - t_lo], [top], marker="X", ms=11, color="#9d0208", ls="", label=f"out of memory{where}")
         handles, labels = ax.get_legend_handles_labels()
         names = [n for n in _COLORS if any(p.name == n for p in phases)]
         handles += [Patch(color=_COLORS[n], alpha=0.35) for n in names]

@@ -58,6 +58,9 @@ class DemoSettings:
     lora_rank: int = 0
     baseline_steps: int = 2
     baseline_optimizers: tuple[str, ...] = ("same", "adamw")
+    # The GPU cannot hold this workload with every role resident (the planner says so at any
+    # micro-batch): the all-resident loop runs once, to where it runs out of memory, and is drawn so.
+    beyond_resident: bool = False
     switch_extra_mib: int | None = 256
     evict: str = "others"
     headroom_mib: int | None = None  # None: 0, or on a GPU what the planner picks
@@ -123,6 +126,11 @@ class DemoSettings:
             raise ValueError(
                 "--rollout-engine vllm needs vLLM installed (pip install vllm, on a machine with a CUDA device); "
                 "the default --rollout-engine hf rolls out with the policy's own forward"
+            )
+        if self.beyond_resident and (self.roles != "local" or not str(self.device).startswith("cuda")):
+            raise ValueError(
+                "beyond_resident: a workload the GPU cannot hold with every role resident is a GPU's, with the roles "
+                f"in this process (--roles local), not device={self.device!r}, roles={self.roles!r}"
             )
         if self.rollout_engine == "vllm" and (self.roles != "local" or self.baseline_steps or self.rollout_graph):
             raise ValueError(
@@ -232,10 +240,41 @@ def _grpo_config(s: DemoSettings, *, timeshare: bool):
     )
 
 
-def _trainer(s: DemoSettings, *, timeshare: bool):
+def _trainer(s: DemoSettings, *, timeshare: bool, timeline=None):
     from tidal_recipes.grpo import GRPOTrainer  # noqa: PLC0415
 
-    return GRPOTrainer(build_policy(s), config=_grpo_config(s, timeshare=timeshare))
+    return GRPOTrainer(build_policy(s), config=_grpo_config(s, timeshare=timeshare), timeline=timeline)
+
+
+def _resident_to_failure(s: DemoSettings, log: Callable[[str], None]):
+    """The loop with every role resident (GPU AdamW), which the planner says this GPU cannot hold:
+    built and stepped until it runs out of device memory. Returns ``(title, timeline)`` for the
+    picture, its memory up to the failure and where it failed marked; or, should it run after all,
+    the timeline of its steps and a note in the log."""
+    from tidal.device import DeviceOps  # noqa: PLC0415
+    from tidal.timeline import MemoryTimeline  # noqa: PLC0415
+
+    ops = DeviceOps(s.device)
+    timeline = MemoryTimeline(ops)
+    timeline.capacity_bytes = ops.driver_free_bytes()[1]
+    base = None
+    try:
+        base = _trainer(dataclasses.replace(s, optimizer="adamw"), timeshare=False, timeline=timeline)
+        for _ in range(max(1, s.baseline_steps)):
+            base.step()
+        log("all roles resident (GPU AdamW, no timeshare): it ran, which the planner did not expect")
+        title = "the same loop, all roles resident (GPU AdamW): it ran"
+    except torch.OutOfMemoryError as e:
+        timeline.out_of_memory(e)
+        where = timeline.marks[-1]["phase"] or "building the models"
+        log(f"all roles resident (GPU AdamW, no timeshare): out of device memory in {where}: {str(e).splitlines()[0]}")
+        title = f"the same loop, all roles resident (GPU AdamW): out of memory in {where}"
+    finally:
+        if base is not None:
+            base.close()
+        base = None
+        _free_device(s.device)
+    return title, timeline
 
 
 def _progress(steps: int):
@@ -411,6 +450,8 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     results = run_steps(trainer.step, s.steps, log)
     run_s = time.perf_counter() - t_run
     timeline = trainer.timeline
+    if s.beyond_resident:  # the device's memory beside the run, and beside the loop that does not fit it
+        timeline.capacity_bytes = trainer.ops.driver_free_bytes()[1]
     report = trainer.ts.report() if trainer.ts is not None else ""
     records = trainer.ts.records if trainer.ts is not None else []
     # What the driver did not get back after each switch (allocator segments still shared
@@ -447,8 +488,12 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
             "all-resident baseline of 1 step: AdamW creates its state in that step's step(), after the forward and "
             "backward, so the peak of a later step (the state beside the activations) is not measured"
         )
+    if s.beyond_resident and s.baseline_steps:
+        title, failed = _resident_to_failure(s, log)
+        baseline_timelines.append((title, failed))
+        baselines["adamw"] = "OOM" if failed.marks and failed.marks[-1].get("kind") == "oom" else "ran"
     for which in dict.fromkeys(s.optimizer if b == "same" else b for b in s.baseline_optimizers):
-        if s.baseline_steps == 0:
+        if s.baseline_steps == 0 or s.beyond_resident:
             break
         mb = s.micro_batch
         while which not in baselines:
@@ -491,7 +536,9 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     )
     for which, peak in baselines.items():
         how = f"optimizer {which}" + (" as above" if which == s.optimizer else " on the device, the usual way")
-        if peak == "OOM":
+        if peak == "ran":
+            log(f"all roles resident ({how}, no timeshare): ran (see above)")
+        elif peak == "OOM":
             log(f"all roles resident ({how}, no timeshare): out of memory")
         else:
             at = f", micro-batch {baseline_mb[which]}" if baseline_mb[which] != s.micro_batch else ""

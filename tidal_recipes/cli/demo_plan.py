@@ -18,7 +18,17 @@ from typing import Any
 
 from tidal.plan import ModelShape, PlanConfig, Recommendation, build_plan, recommend
 
-__all__ = ["LEVER_SETTINGS", "choose_levers", "host_need_bytes", "plan_config", "plan_kwargs", "plan_shape"]
+__all__ = [
+    "BEYOND_RESIDENT_PRESETS",
+    "LEVER_SETTINGS",
+    "Workload",
+    "choose_levers",
+    "host_need_bytes",
+    "plan_config",
+    "plan_kwargs",
+    "plan_shape",
+    "workload_beyond_resident",
+]
 
 # The demo setting each lever turns, and the planner levers the demo never applies.
 LEVER_SETTINGS = {
@@ -30,8 +40,9 @@ LEVER_SETTINGS = {
     "host_grads": "grad_accumulation",
 }
 # The demo exists to show the roles taking turns: the timeshare stays on (its all-resident loop
-# is run beside it for the comparison), whatever fits.
-NOT_IN_DEMO = ("no_timeshare", "act_offload", "zero1", "zero2", "zero3", "lora")
+# is run beside it for the comparison), whatever fits; its micro-batch it sizes itself (the
+# largest that fits with the levers chosen).
+NOT_IN_DEMO = ("no_timeshare", "micro_batch", "act_offload", "zero1", "zero2", "zero3", "lora")
 STREAM_CHUNK_BYTES = 256 << 20  # TimeshareConfig.optimizer_chunk_bytes' default
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -189,3 +200,64 @@ def _largest_micro_batch(s: Any, rec: Recommendation) -> int:
             return mb
         mb //= 2
     return s.micro_batch
+
+
+# The released shapes the demo tries, smallest first, for a workload the GPU cannot hold with
+# every role resident.
+BEYOND_RESIDENT_PRESETS = ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2.5-14b", "qwen2.5-32b")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What :func:`workload_beyond_resident` found: ``preset`` (None: no shape qualifies), the
+    all-resident loop's planned peak at a micro-batch of one with checkpointing (driver level),
+    the GPU's usable bytes, and ``why`` in words."""
+
+    preset: str | None
+    all_resident_bytes: int
+    usable_bytes: int
+    why: str
+
+
+def workload_beyond_resident(
+    s: Any, *, fixed: tuple[str, ...] = (), gpu_mem_bytes: int, host_mem_bytes: int | None
+) -> Workload:
+    """The smallest of :data:`BEYOND_RESIDENT_PRESETS` that this GPU cannot hold with every
+    role resident, however small the micro-batch (GPU AdamW, gradient checkpointing, one sequence a
+    forward: the all-resident loop at its least), and that runs with the roles taking turns and the
+    planner's levers (:func:`choose_levers` fits the GPU and the host). ``s``: the demo settings
+    whose batch, task and dtype the workload keeps. Arithmetic only: nothing is built."""
+    from tidal.plan.recommend import RESERVE_FRACTION  # noqa: PLC0415
+
+    usable = int(gpu_mem_bytes * (1 - RESERVE_FRACTION))
+    misses = []
+    floor = 0
+    for preset in BEYOND_RESIDENT_PRESETS:
+        candidate = dataclasses.replace(s, preset=preset)
+        least = dataclasses.replace(
+            candidate, optimizer="adamw", optimizer_residency="role", micro_batch=1, grad_ckpt=True
+        )
+        floor = build_plan(plan_config(least).replace(timeshare=False)).device_peak_bytes
+        if floor <= usable:
+            continue  # every role fits at once, at some micro-batch: nothing to show
+        _, rec = choose_levers(candidate, fixed=fixed, gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes)
+        if rec.fits:
+            return Workload(
+                preset=preset,
+                all_resident_bytes=floor,
+                usable_bytes=usable,
+                why=f"{preset}: with every role resident it needs {floor / GIB_:.2f} GiB at a micro-batch of one "
+                f"(GPU AdamW, checkpointing), more than the {usable / GIB_:.2f} GiB usable here; the roles taking "
+                "turns fit",
+            )
+        misses.append(f"{preset}: {rec.binding(rec.plan.device_peak_bytes, rec.plan.node_host_bytes)}")
+    return Workload(
+        preset=None,
+        all_resident_bytes=floor,
+        usable_bytes=usable,
+        why="no shape that this GPU cannot hold with every role resident fits with the roles taking turns either"
+        + (f" ({'; '.join(misses)})" if misses else ""),
+    )
+
+
+GIB_ = 1 << 30

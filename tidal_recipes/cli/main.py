@@ -192,13 +192,18 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         description="Train a Qwen2-shape model (random weights, no download) on a digit task with GRPO; "
         "its rollout, reference and training roles share the device through tidal's timeshare. Prints "
         "per-phase time, peak memory and bytes moved, the peak against all roles resident, and writes "
-        "a memory-timeline PNG and a JSONL log. Defaults: a tiny model on the CPU; on a GPU a Qwen2-0.5B "
-        "shape whose memory levers (optimizer residency, gradient checkpointing, micro-batch, keeping the "
-        "roles resident) the planner picks for the GPU's memory, any lever given here kept as given.",
+        "a memory-timeline PNG and a JSONL log. Defaults: a tiny model on the CPU; on a GPU the smallest "
+        "Qwen2 shape that GPU cannot hold with every role resident (drawn beside the run to where it runs out "
+        "of memory), whose memory levers (optimizer residency, gradient checkpointing, micro-batch) the "
+        "planner picks for the GPU's and the host's memory, any lever given here kept as given.",
     )
     p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument(
-        "--preset", choices=_PRESETS, default=None, help="model shape (default nano on cpu, qwen2-0.5b on a GPU)"
+        "--preset",
+        choices=_PRESETS,
+        default=None,
+        help="model shape (default nano on cpu; on a GPU the smallest shape it cannot hold with every role "
+        "resident but can with the roles taking turns, else qwen2-0.5b)",
     )
     p.add_argument(
         "--steps",
@@ -398,6 +403,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             )
             if value is not None
         )
+        if args.preset is None and settings.rollout_engine == "hf" and settings.baseline_steps:
+            settings = _beyond_resident(settings, fixed)
         settings = _plan_levers(settings, fixed)
         if settings is None:
             return EXIT_USAGE
@@ -442,6 +449,33 @@ def _host_memory_problem(settings) -> str | None:
         f"samples of {2 * settings.digits + 2} tokens, micro-batch {settings.micro_batch}, {settings.preset}) and "
         f"this host has {format_bytes(available)} available; lower --prompts, --group, --digits or --micro-batch"
     )
+
+
+def _beyond_resident(settings, fixed: tuple[str, ...]):
+    """On a GPU, with no --preset: the smallest shape this GPU cannot hold with every role
+    resident but can with the roles taking turns (:func:`~tidal_recipes.cli.demo_plan.workload_beyond_resident`),
+    said in a line; where none fits this machine, the settings as they are, said why."""
+    from tidal.device import DeviceOps  # noqa: PLC0415
+    from tidal.memory import host_memory  # noqa: PLC0415
+    from tidal_recipes.cli.demo_plan import workload_beyond_resident  # noqa: PLC0415
+
+    _free, total = DeviceOps(settings.device).driver_free_bytes()
+    work = workload_beyond_resident(
+        settings, fixed=fixed, gpu_mem_bytes=total, host_mem_bytes=host_memory().available_bytes
+    )
+    if work.preset is None:
+        print(
+            f"tidal demo: note: {work.why}; running {settings.preset}, which fits with every role resident too "
+            "(--preset picks a shape)",
+            flush=True,
+        )
+        return settings
+    print(
+        f"tidal demo: the workload for this GPU: {work.why}. The same loop with every role resident runs once "
+        f"beside it, to where it runs out of memory (--preset {settings.preset}: the small default)",
+        flush=True,
+    )
+    return dataclasses.replace(settings, preset=work.preset, beyond_resident=True)
 
 
 def _plan_levers(settings, fixed: tuple[str, ...]):

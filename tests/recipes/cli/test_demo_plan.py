@@ -133,3 +133,59 @@ def test_the_cli_prints_the_levers_and_why_or_refuses_before_any_work(capsys, mo
     assert _plan_levers(_gpu_demo(preset="qwen2-7b"), ()) is None
     err = capsys.readouterr().err
     assert "finds no way to fit" in err and "Nothing was run" in err
+
+
+# ---- the GPU's default workload: one it cannot hold with every role resident -----------------
+def test_the_gpu_default_is_the_smallest_shape_the_gpu_cannot_hold_with_every_role_resident():
+    """An 80 GB GPU holds the 7B loop with every role resident at a micro-batch of one, not the
+    14B shape's, which runs with the roles taking turns on a large host; a small host fits
+    neither and says why; nothing is built."""
+    from tidal_recipes.cli.demo_plan import BEYOND_RESIDENT_PRESETS, workload_beyond_resident
+
+    work = workload_beyond_resident(_gpu_demo(), gpu_mem_bytes=80 * GIB, host_mem_bytes=1000 * GIB)
+    assert work.preset == "qwen2.5-14b" and work.all_resident_bytes > work.usable_bytes
+    assert "more than the 76.00 GiB usable here" in work.why
+    smaller = BEYOND_RESIDENT_PRESETS[: BEYOND_RESIDENT_PRESETS.index(work.preset)]
+    for preset in smaller:  # each fits with every role resident, at its least
+        least = _gpu_demo(preset=preset, optimizer="adamw", optimizer_residency="role", micro_batch=1, grad_ckpt=True)
+        assert build_plan(plan_config(least).replace(timeshare=False)).device_peak_bytes <= work.usable_bytes
+    s, rec = choose_levers(_gpu_demo(preset=work.preset), gpu_mem_bytes=80 * GIB, host_mem_bytes=1000 * GIB)
+    assert rec.fits
+    none = workload_beyond_resident(_gpu_demo(), gpu_mem_bytes=80 * GIB, host_mem_bytes=64 * GIB)
+    assert none.preset is None and "qwen2.5-14b: host: 110.05 GiB to pin, 57.60 GiB usable" in none.why
+
+
+def test_the_loop_that_does_not_fit_is_drawn_to_where_it_ran_out_of_memory(monkeypatch):
+    """The all-resident loop beside a workload beyond it: built and stepped until the device runs
+    out of memory, the phase it failed in named, its timeline kept for the picture."""
+    import torch
+
+    from tidal_recipes.cli import demo
+
+    class Failing:
+        def __init__(self, timeline):
+            self.timeline, self.closed = timeline, False
+
+        def step(self):
+            with self.timeline.phase("train", step=0):
+                self.timeline.sample()
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.45 GiB")
+
+        def close(self):
+            self.closed = True
+
+    made = []
+    monkeypatch.setattr(
+        demo, "_trainer", lambda s, *, timeshare, timeline=None: made.append(Failing(timeline)) or made[-1]
+    )
+    lines = []
+    s = DemoSettings(**{**defaults_for("cpu"), "baseline_steps": 1})
+    title, timeline = demo._resident_to_failure(s, lines.append)
+    assert made[0].closed and timeline is made[0].timeline
+    assert title == "the same loop, all roles resident (GPU AdamW): out of memory in train"
+    assert timeline.marks[-1]["kind"] == "oom" and timeline.capacity_bytes > 0
+    assert lines == [
+        "all roles resident (GPU AdamW, no timeshare): out of device memory in train: CUDA out of memory. Tried to allocate 1.45 GiB"
+    ]
+    with pytest.raises(ValueError, match="a GPU's"):
+        DemoSettings(**{**defaults_for("cpu"), "beyond_resident": True})
