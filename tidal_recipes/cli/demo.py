@@ -460,6 +460,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
     # After the first step: that one also allocates lazily created workspaces (cuBLAS).
     rollout_left = max(r.phases["rollout"]["left_allocated_bytes"] for r in (results[1:] or results))
     captures = trainer.decoder.captures if trainer.decoder is not None else None
+    engine_cache = trainer.engine_decoder.kv_cache_bytes if trainer.engine_decoder is not None else None
     graph_tags = [trainer.region.tags[n] for n in ("kv", "graph")] if trainer.region is not None else []
     # The rollout's cache and graph workspace: their size, and what stays mapped after a rollout.
     graph_mem = (sum(t.allocated_bytes for t in graph_tags), sum(t.mapped_bytes for t in graph_tags))
@@ -555,6 +556,14 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
             f"region, while unmapped: read the driver's 'peak used'); the driver got back all but "
             f"{format_bytes(unreleased)} of what every switch freed ({len(records)} transitions)"
         )
+    elif engine_cache is not None:
+        # The engine's cache is its own pool's, back with the driver while it sleeps; what torch
+        # counts across a rollout is the roles moving around the engine's turn, not a cache left.
+        log(
+            f"rollout: vLLM's engine, its KV cache {format_bytes(engine_cache)} in its own pool (sized for the "
+            f"step's sequences; back with the driver while it sleeps); the driver got back all but "
+            f"{format_bytes(unreleased)} of what every switch freed ({len(records)} transitions)"
+        )
     elif on_gpu:
         log(
             f"rollout KV cache: {format_bytes(rollout_left)} left allocated after a rollout (its sampled "
@@ -563,6 +572,7 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         )
     rollout_tps = s.prompts * s.group * s.digits / rows["rollout"]["seconds"]
     how = f"decode step in a CUDA graph, captured {captures} time(s)" if captures is not None else "eager decode"
+    how = "vLLM's engine" if engine_cache is not None else how
     log(f"rollout: {rollout_tps:,.0f} sampled tokens/s ({how}; steps after the first)")
     # Training runs forward and backward over every token of every sequence (prompt + answer),
     # and the optimizer step, inside the train phase.
@@ -593,7 +603,8 @@ def run_demo(s: DemoSettings, *, log: Callable[[str], None] = print) -> dict:
         "micro_batch_all_resident_by_optimizer": baseline_mb,
         "reward_first": first,
         "reward_last": last,
-        "rollout_left_allocated_bytes": rollout_left,
+        "rollout_left_allocated_bytes": rollout_left if engine_cache is None else None,
+        "rollout_engine_kv_cache_bytes": engine_cache,
         "rollout_tokens_per_second": rollout_tps,
         "train_tokens_per_second": train_tps,
         "compute_floor": floor,

@@ -83,3 +83,25 @@ def test_bad_engine_settings_are_refused_before_any_work(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # not installed
     with pytest.raises(ValueError, match="needs vLLM installed"):
         GRPOTrainer(tiny_policy(), config=_config(rollout_engine="vllm"))
+
+
+def test_the_demo_rolling_out_with_the_engine_reports_its_cache_not_what_torch_counts_across_the_turn(
+    monkeypatch, tmp_path
+):
+    """``tidal demo --rollout-engine vllm``: the engine's KV cache is its own pool's; what torch
+    counts across its turn (the roles moving around it) is not a cache left allocated (the GPU
+    demo printed -2.81 GiB there, 2026-12-03)."""
+    from tidal_recipes.cli.demo import DemoSettings, defaults_for, run_demo
+
+    fake_vllm.install_module(monkeypatch)
+    settings = DemoSettings(
+        **{**defaults_for("cpu"), "steps": 2, "prompts": 4, "group": 4, "micro_batch": 16},
+        rollout_engine="vllm",
+        baseline_steps=0,
+        out_dir=str(tmp_path / "demo"),
+    )
+    lines: list[str] = []
+    summary = run_demo(settings, log=lines.append)
+    assert summary["rollout_engine_kv_cache_bytes"] > 0 and summary["rollout_left_allocated_bytes"] is None
+    said = "\n".join(lines)
+    assert "rollout: vLLM's engine, its KV cache" in said and "left allocated after a rollout" not in said
