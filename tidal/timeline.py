@@ -260,7 +260,9 @@ class MemoryTimeline:
         names = [n for n in _COLORS if any(p.name == n for p in phases)]
         handles += [Patch(color=_COLORS[n], alpha=0.35) for n in names]
         labels += names
-        ax.legend(handles, labels, loc="upper right", fontsize=8, ncol=2, framealpha=0.9)
+        # a run that failed has its cross at the top right, where the legend would cover it
+        failed = any(m.get("kind") == "oom" for m in marks)
+        ax.legend(handles, labels, loc="upper left" if failed else "upper right", fontsize=8, ncol=2, framealpha=0.9)
         ax.set_xlabel(f"seconds (last {n_steps} step{'s' if n_steps != 1 else ''})")
         ax.set_ylabel(unit)
         ax.set_ylim(0, ymax)

@@ -217,15 +217,19 @@ def test_the_7b_run_with_vllm_in_80_gib_is_what_the_planner_recommends_and_predi
 def test_the_14b_run_with_vllm_on_one_h200_is_what_the_planner_recommends_and_predicts():
     """The Qwen2.5-14B shape on the whole H200 (micro-batches of 16): TRL + vLLM alone ran out of
     memory in its first step (fcff718), and the planner says it does not fit; it keeps the
-    timeshare as configured, which ran 11 steps. AdamW's state does not stay beside the engine
-    (with the gradients' memory in torch's cache it would not fit: the run's wakes ran out of
-    memory until the state went), so the reference's scoring keeps the policy's weights only and
-    the state comes back behind the backward: those phases and the host memory held within 10%.
-    The generation's own peak in that run is the failed wake's (the state and the engine's
-    weights at once), not a turn the plan makes."""
+    timeshare as configured, which ran 11 steps (2b087e7, the engine's turns learning from one
+    wake out of memory). AdamW's state does not stay beside the engine (with the gradients' memory
+    in torch's cache it would not fit: the first measured step's wake ran out of memory with it
+    kept, the later steps moved it out first), so the reference's scoring keeps the policy's
+    weights only and the state comes back behind the backward: those phases, the host memory held
+    and the device's peak over a step (driver level, the median step) within 10%. The generation's
+    own allocated peak (114.18 GiB) counts AdamW's state with the engine's weights and cache at
+    once: torch's counters count the sleeping engine's pool, and the log does not say whether the
+    state was still leaving as the engine woke; the plan's turn (86.44 GiB) is not held to it."""
     alone = _vllm_run("trl_vllm_qwen2.5-14b_64x256_trl_alone_h200_2026-12-03_fcff718.json", "trl")
     assert not alone["ok"] and alone["error"].startswith("OutOfMemoryError")
-    run = _vllm_run("trl_vllm_qwen2.5-14b_64x256_h200_2026-12-02_8769aee.json", "tidal+role+prefetch+kv=auto")
+    name = "trl_vllm_qwen2.5-14b_64x256_learned_keep_h200_2026-12-03_2b087e7.json"
+    run = _vllm_run(name, "tidal+role+prefetch+kv=auto")
     device = run["workload"]["device_total_bytes"]
     config = PlanConfig(**TRL_VLLM, shape="qwen2.5-14b", micro_batch=16)
     rec = recommend(config, gpu_mem_bytes=device)
@@ -237,6 +241,9 @@ def test_the_14b_run_with_vllm_on_one_h200_is_what_the_planner_recommends_and_pr
     assert abs(kept["reference"].peak_bytes / _logged(run, "reference") - 1) <= 0.10
     assert abs(kept["train"].peak_bytes / _logged(run, "backward") - 1) <= 0.10
     assert abs(sum(kept_host(rec.plan, kept).values()) / run["host_held_bytes"] - 1) <= 0.10
+    steps = sorted(step["peak_bytes"] for step in run["steps"])
+    driver = max(p.peak_bytes for p in kept.values()) + config.cuda_context_bytes + rec.plan.engine_own_bytes
+    assert abs(driver / steps[len(steps) // 2] - 1) <= 0.10
 
 
 def test_the_kv_cache_trl_s_engine_gives_itself_is_what_vllm_gave():
