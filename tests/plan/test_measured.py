@@ -72,6 +72,10 @@ def test_the_7b_run_on_one_h100_is_what_the_planner_recommends_and_predicts():
     rec = recommend(PlanConfig(**TRL_7B), gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=run["host_total_bytes"])
     assert rec.fits and rec.levers == []  # as configured: the timeshare, AdamW's state with the policy
     assert rec.plan.config.timeshare and rec.plan.config.optimizer == "adamw"
+    # what ran, to type: role residency with prefetch, its peak and host memory as kept_phases says
+    (line,) = rec.prefetch_lines()
+    assert 'TidalConfig(optimizer_residency="role", prefetch=True)' in line and line in rec.summary()
+    assert "(rollout: + reference; reference: + policy)" in line and "28.37 GiB pinned on the host" in line
     kept = kept_phases(rec.plan, rec.usable_bytes - rec.plan.config.cuda_context_bytes)  # as tidal plan --prefetch
     peak = max(p.peak_bytes for p in kept.values())  # allocated bytes, as the run's peak_bytes
     assert abs(peak / run["peak_bytes"] - 1) <= 0.10

@@ -272,3 +272,18 @@ def test_the_timeshare_off_with_tidal_s_own_levers_names_tidal_s_trainer():
     r = recommend(config, gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=500 * GIB)
     assert r.levers == ["no_timeshare", "optimizer_stream"]
     assert "no_timeshare: TidalGRPOTrainer(..., tidal=TidalConfig(prefetch=True))" in "\n".join(r.summary())
+
+
+def test_prefetch_is_offered_with_the_timeshare_only_where_there_is_something_to_keep():
+    """Prefetch costs no room beyond the usable bytes (each turn keeps only what fits), so a
+    timeshared plan that fits names it with its kept peak; without the timeshare or with LoRA
+    there is nothing to keep."""
+    seven = PlanConfig(shape="qwen2-7b", prompts=8, group=8, prompt_len=8, gen_len=256, micro_batch=16)
+    r = recommend(seven, gpu_mem_bytes=int(79.2 * GIB), host_mem_bytes=500 * GIB, exclude=("no_timeshare",))
+    assert r.fits and r.plan.config.timeshare
+    (line,) = r.prefetch_lines()
+    assert "prefetch=True" in line and line in r.summary()
+    alone = recommend(seven, gpu_mem_bytes=int(139.8 * GIB), host_mem_bytes=500 * GIB)
+    assert alone.levers == ["no_timeshare"] and alone.prefetch_lines() == []
+    lora = recommend(seven.replace(lora_rank=16), gpu_mem_bytes=int(79.2 * GIB), exclude=("no_timeshare",))
+    assert lora.fits and lora.prefetch_lines() == []

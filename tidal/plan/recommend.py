@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from tidal.plan.keeps import kept_host, kept_phases
 from tidal.plan.model import GIB, Bandwidth, Plan, PlanConfig, build_plan, gathered_rollout
 from tidal.plan.phases import engine_kv_cache_bytes, trl_vllm_kv_cache_bytes
 
@@ -116,6 +117,16 @@ SETTINGS = {
 _TIDAL_ONLY = {"optimizer_stream", "optimizer_offload", "act_offload"}
 
 
+def _residency(c: PlanConfig) -> str:
+    """``TidalConfig``'s ``optimizer_residency`` for the plan's optimizer, as a keyword to append
+    (``', optimizer_residency="role"'``); empty with CPU Adam (the trainer's own optimizer)."""
+    if c.optimizer == "adamw":
+        return ', optimizer_residency="role"'
+    if c.optimizer == "adamw_offload":
+        return f', optimizer_residency="{"stream" if c.optim_stream_chunk_bytes else "step"}"'
+    return ""
+
+
 def _binding(peak: int, host: int, usable: int, host_usable: int | None, dp: int) -> str:
     over = []
     if peak > usable:
@@ -173,6 +184,7 @@ class Recommendation:
                 f"Fits as configured: {peak:.2f} GiB peak (with context) of {use:.2f} GiB usable.",
                 host_line,
                 *self._engine_lines(),
+                *self.prefetch_lines(),
             ]
         if self.fits and self.levers == ["no_timeshare"]:
             return [
@@ -204,7 +216,30 @@ class Recommendation:
                 "the rollout batch (prompts x group per GPU) or the sequence length, or use more GPUs."
             ]
         lines += [f"  {lever}: {self.reasons[lever]}" for lever in self.levers]
-        return lines + (self.settings() if self.fits else [])
+        return lines + (self.settings() + self.prefetch_lines() if self.fits else [])
+
+    def prefetch_lines(self) -> list[str]:
+        """For a timeshared plan that fits: what prefetch (``TidalConfig(prefetch=True)``) adds.
+        It costs no memory beyond the room: each turn keeps a role beside its phase only where it
+        fits (:func:`~tidal.plan.keeps.kept_phases` on the usable bytes), so it saves the copies
+        of what is kept and hides the next role's behind compute; ``prefetch_peak_bytes`` bounds
+        the keeps lower (to leave room for another process). None without the timeshare or with
+        LoRA (nothing to keep)."""
+        c = self.plan.config
+        if not self.fits or not c.timeshare or c.lora_rank:
+            return []
+        extra = c.cuda_context_bytes + self.plan.engine_own_bytes
+        kept = kept_phases(self.plan, self.usable_bytes - c.cuda_context_bytes)
+        peak = max(k.peak_bytes for k in kept.values()) + extra
+        host = sum(kept_host(self.plan, kept).values()) * c.dp
+        beside = "; ".join(f"{p}: + {', '.join(k.kept)}" for p, k in kept.items() if k.kept) or "nothing fits beside"
+        return [
+            f"  prefetch: TidalConfig({_residency(c).lstrip(', ')}{', ' if _residency(c) else ''}prefetch=True) "
+            "(demo: --prefetch): each turn keeps what fits beside it and "
+            f"brings the next role in behind its compute ({beside}): {peak / GIB:.2f} GiB peak (with context) of "
+            f"{self.usable_bytes / GIB:.2f} usable, {host / GIB:.2f} GiB pinned on the host; "
+            "TidalConfig(prefetch_peak_bytes=...) bounds it lower"
+        ]
 
     def settings(self) -> list[str]:
         """What to type for the recommended levers (:data:`SETTINGS`): in a TRL script, and
@@ -245,11 +280,7 @@ class Recommendation:
         auto = c.vllm_kv_cache_bytes is None
         sized = f" ({c.rollout_batch} sequences of {c.engine_max_len} tokens at once)" if auto else ""
         size = '"auto"' if auto else str(c.vllm_kv_cache_bytes)
-        residency = ""  # CPU Adam: the trainer's optimizer, none of tidal's residencies
-        if c.optimizer == "adamw":
-            residency = ', optimizer_residency="role"'
-        elif c.optimizer == "adamw_offload":
-            residency = f', optimizer_residency="{"stream" if c.optim_stream_chunk_bytes else "step"}"'
+        residency = _residency(c)
         return [
             f"  vLLM engine: {trl}) with TidalConfig(vllm_kv_cache_bytes={size}{residency}, prefetch=True): "
             f"its KV cache {cache:.2f} GiB{sized}"
