@@ -36,7 +36,7 @@ def _all_on_device(tensors) -> bool:
 # ---- 1. a switch that fails part-way leaves the evicted roles marked resident --------------
 def test_failed_switch_keeps_role_flags_consistent_with_storages(monkeypatch):
     """store.switch() frees the out-going storages and marks them offloaded before it re-raises
-    an allocation/copy failure of the in-coming half, but Timeshare._transition only updates
+    an allocation/copy failure of the in-coming half, but Timeshare.transitions.run only updates
     the roles after switch() returns. The evicted role stays resident=True with 0-byte
     storages: load() is a no-op, the forward guard lets it run (segfault), close() fails."""
     model, opt = make_trained()

@@ -16,7 +16,7 @@ from tidal.timeshare.config import TimeshareConfig
 from tidal.timeshare.role import Role
 from tidal.timeshare.telemetry import TransitionRecord
 
-__all__ = ["LendingTimeshare", "ThreadedTimeshare", "TimeshareCore"]
+__all__ = ["GuardedMoves", "LendingTimeshare", "ThreadedTimeshare", "TimeshareCore"]
 
 
 class TimeshareCore(Protocol):
@@ -68,22 +68,29 @@ class ThreadedTimeshare(Protocol):
     ) -> list[Role]: ...
 
 
+class GuardedMoves(Protocol):
+    """A timeshare's transitions as :class:`LendingTimeshare` uses them (what
+    :class:`tidal.timeshare.transition.TransitionRunner` gives): a store move that, interrupted,
+    brings the roles' flags back in line with the store before the exception goes on."""
+
+    def guarded(
+        self, move: Any, *, touches_model: bool, recovering: bool = False, settled_by_caller: bool = False
+    ) -> Any: ...
+
+
 class LendingTimeshare(Protocol):
     """What :class:`tidal.timeshare.lending.Lending` uses of its timeshare: the lock and store,
-    the storages lent now, the guarded move that settles the roles' flags if it is
-    interrupted, and the records."""
+    the storages lent now, its transitions (the guarded move that settles the roles' flags if it
+    is interrupted), and the records."""
 
     _lock: threading.RLock
     store: OffloadStore
     lent_keys: set[int]
+    transitions: GuardedMoves
 
     def _check_open(self) -> None: ...
 
     def _start_clock(self) -> None: ...
-
-    def _guarded(
-        self, move: Any, *, touches_model: bool, recovering: bool = False, settled_by_caller: bool = False
-    ): ...
 
     def record_move(
         self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""

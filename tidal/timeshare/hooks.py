@@ -16,11 +16,11 @@ class RoleHooks:
     def _make_guard(self, role: Role):
         def guard(where, tensors):
             # Called by the role's sources before their state is used (a module's forward).
-            if self._interrupted:
+            if self.transitions.interrupted:
                 with self._lock:
-                    if self._interrupted:
+                    if self.transitions.interrupted:
                         self._start_clock()  # the recovery's record counts from here
-                        self._recover()
+                        self.transitions.recover()
             if role.resident:
                 return
             # The role is out; a module may still run if its own tensors are on the device
@@ -45,7 +45,7 @@ class RoleHooks:
 
         def step_pre(opt):
             self._start_clock()
-            self._recover_if_interrupted()
+            self.transitions.recover_if_interrupted()
             self._restore_groups(role, opt)
             if role.optimizer_locked:
                 raise RuntimeError(

@@ -68,7 +68,7 @@ class Lending:
             # the block's end brings back exactly what left, whatever stopped this move.
             ts.lent_keys.update(e.key for e in going)
             try:
-                move = ts._guarded(lambda: ts.store.offload(going), touches_model=True)
+                move = ts.transitions.guarded(lambda: ts.store.offload(going), touches_model=True)
             finally:
                 self._lent.update((e.key, e) for e in going if ts.store.is_offloaded(e.key))
                 ts.lent_keys.difference_update(e.key for e in going if e.key not in self._lent)
@@ -85,7 +85,7 @@ class Lending:
             try:
                 if back:
                     ts._start_clock()
-                    move = ts._guarded(
+                    move = ts.transitions.guarded(
                         lambda: ts.store.reload(back, what=f"role {self._name!r}'s lent parameters"),
                         touches_model=True,
                     )

@@ -26,7 +26,7 @@ class OptimizerStateMoves:
         """Move the role's optimizer state (and its params' grads if ``grads``) to the host;
         its params stay. Storages another resident role holds stay too."""
         self._start_clock()
-        self._recover_if_interrupted()
+        self.transitions.recover_if_interrupted()
         role = self.role(name)
         if grads:
             role.before_copy()  # grads come from the sources, which may still write them
@@ -36,7 +36,7 @@ class OptimizerStateMoves:
         if not entries:
             return None
         wait = self.config.wait_for_copies
-        move = self._guarded(lambda: self.store.offload(entries, wait=wait), touches_model=grads)
+        move = self.transitions.guarded(lambda: self.store.offload(entries, wait=wait), touches_model=grads)
         return self.record_move(kind, (name,), None, move, note="optimizer state" + (" + grads" if grads else ""))
 
     @serialised
@@ -45,14 +45,14 @@ class OptimizerStateMoves:
     ) -> TransitionRecord | None:
         """Bring the role's offloaded optimizer state (and grads if ``grads``) back."""
         self._start_clock()
-        self._recover_if_interrupted()
+        self.transitions.recover_if_interrupted()
         role = self.role(name)
         role.optimizer_touched()
         live = self._optimizer_live(role, grads)
         entries = [e for e in self.store.resolve(live) if self.store.is_offloaded(e.key)]
         if not entries:
             return None
-        move = self._guarded(
+        move = self.transitions.guarded(
             lambda: self.store.reload(
                 entries, what=f"reloading the optimizer state of role {name!r}", wait=self.config.wait_for_copies
             ),

@@ -79,15 +79,15 @@ class Prefetching:
             resident = {e.key: e.nbytes for r in self._roles.values() if r.resident for e in self._live(r)}
             room = max(0, budget - sum(n for k, n in resident.items() if not self.store.is_offloaded(k)))
             limit_bytes = room if limit_bytes is None else min(limit_bytes, room)
-        in_entries, inc = self._incoming(role)
-        self._cancel_prefetch(keep={e.key for e in in_entries})
+        in_entries, inc = self.transitions.incoming(role)
+        self.transitions.cancel_prefetch(keep={e.key for e in in_entries})
         t0 = time.perf_counter()
         inn = self.store.prefetch(in_entries, leave_free_bytes=leave, limit_bytes=limit_bytes)
         out = None
         if write_back:
             for r in evict:
                 r.before_copy()  # the write-back waits for the current stream: it waits for the sources' own work
-            out_entries = self._outgoing(evict, self.resident_keys(exclude=evict) | {e.key for e in inc})[0]
+            out_entries = self.transitions.outgoing(evict, self.resident_keys(exclude=evict) | {e.key for e in inc})[0]
             out = self.store.write_back(out_entries) if out_entries else None
         if not (inn.bytes_in or (out is not None and out.bytes_out)):
             return None
@@ -129,7 +129,7 @@ class Prefetching:
         entries = [e for e in self.store.resolve(live) if self.store.is_offloaded(e.key)]
         if not entries:
             return None
-        move = self._guarded(
+        move = self.transitions.guarded(
             lambda: self.store.prefetch(entries, leave_free_bytes=leave, limit_bytes=limit_bytes), touches_model=False
         )
         if not move.bytes_in:
@@ -144,7 +144,7 @@ class Prefetching:
         self._check_open()
         self._start_clock()
         self._check_not_in_backward(verb)
-        self._recover_if_interrupted()
+        self.transitions.recover_if_interrupted()
         role = self.role(name)
         leave = self.config.headroom_bytes if leave_free_bytes is None else leave_free_bytes
         for what, v in (("leave_free_bytes", leave), ("limit_bytes", limit_bytes)):

@@ -119,7 +119,7 @@ class Registration:
         """
         self._check_open()
         self._start_clock()  # a recovery's record counts from here, not from the last verb
-        self._recover_if_interrupted()
+        self.transitions.recover_if_interrupted()
         if not isinstance(name, str) or not name:
             raise ValueError(f"role name must be a non-empty string, got {name!r}")
         if name in self._roles:

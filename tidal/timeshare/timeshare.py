@@ -23,6 +23,7 @@ from tidal.state.backends import RegionBackend, ResizeBackend
 from tidal.state.collect import StateEntry
 from tidal.state.foreign import MovedOutMessages, lock_of
 from tidal.state.handover import ReleaseProgress, RoomSource
+from tidal.state.result import MoveResult
 from tidal.state.store import OffloadStore
 from tidal.timeshare.config import TimeshareConfig
 from tidal.timeshare.evict import EvictionChoice, check_keep_free_bytes
@@ -35,7 +36,7 @@ from tidal.timeshare.role import Role
 from tidal.timeshare.residency import policy_for
 from tidal.timeshare.threads import serialised, wait_for_room
 from tidal.timeshare.telemetry import TransitionLog, TransitionRecord, format_report
-from tidal.timeshare.transition import Transitions
+from tidal.timeshare.transition import TransitionRunner
 from tidal.transfer.context import TransferContext
 
 __all__ = ["Timeshare", "TimeshareConfig", "timeshare_of"]
@@ -45,7 +46,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, Transitions, RoleHooks):
+class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, RoleHooks):
     """Roles sharing one device in turns.
 
     Args:
@@ -108,9 +109,17 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         )
         self._clock = 0
         self.closed = False
-        # Set before a transition changes anything and cleared once the roles' flags agree with
-        # the store again: if it is still set, an exception interrupted one (see _recover).
-        self._interrupted = False
+        # Runs, records and recovers every transition (its `interrupted` mark: set before a move
+        # changes anything, cleared once the roles' flags agree with the store again).
+        self.transitions = TransitionRunner(
+            store=self.store,
+            config=self.config,
+            roles=self._roles,
+            log=self.log,
+            live=self._live,
+            resident_keys=self.resident_keys,
+            tick=self._tick,
+        )
         # Storages a lending() block has out while their role stays resident (what a read says).
         self.lent_keys: set[int] = set()
 
@@ -256,14 +265,14 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         self._check_open()
         self._start_clock()
         self._check_not_in_backward("load")
-        self._recover_if_interrupted()
+        self.transitions.recover_if_interrupted()
         role = self.role(name)
         check_keep_free_bytes(keep_free_bytes)
         evict = self._choose_evictions(role, room_source=room_source, keep_free_bytes=keep_free_bytes)
         if role.resident and not evict:
             role.touched(self._tick())
             return None
-        return self._transition(evict, None if role.resident else role, room_source=room_source)
+        return self.transitions.run(evict, None if role.resident else role, room_source=room_source)
 
     @serialised
     def offload(self, name: str) -> TransitionRecord | None:
@@ -272,12 +281,12 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         self._check_open()
         self._start_clock()
         self._check_not_in_backward("offload")
-        self._recover_if_interrupted()
+        self.transitions.recover_if_interrupted()
         role = self.role(name)
         if not role.resident:
             return None
         self._check_evictable(role, reason=f"offload({name!r})")
-        return self._transition([role], None)
+        return self.transitions.run([role], None)
 
     @serialised
     def evict_others(self, name: str) -> int:
@@ -291,7 +300,7 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         self._check_open()
         self._start_clock()
         self._check_not_in_backward("evict_others")
-        self._recover_if_interrupted()
+        self.transitions.recover_if_interrupted()
         role = self.role(name)
         if not role.resident:
             raise ValueError(f"evict_others({name!r}): the role is not resident; load() or use() it first")
@@ -299,10 +308,10 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         freed = sum(e.nbytes for e in self.store.offloaded_entries(sorted(prefetched)))
         others = [r for r in self._roles.values() if r.resident and r is not role and not r.in_use]
         if not others:
-            self._cancel_prefetch(keep=set())
+            self.transitions.cancel_prefetch(keep=set())
             return freed
-        going, _ = self._outgoing(others, self.resident_keys(exclude=others))
-        self._transition(others, None)  # its move gives the prefetched memory back first
+        going, _ = self.transitions.outgoing(others, self.resident_keys(exclude=others))
+        self.transitions.run(others, None)  # its move gives the prefetched memory back first
         return freed + sum(e.nbytes for e in going)
 
     @serialised
@@ -316,7 +325,7 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         self._check_open()
         self._start_clock()
         self._check_not_in_backward("offload_all")
-        self._recover_if_interrupted()
+        self.transitions.recover_if_interrupted()
         out = [r for r in self._roles.values() if r.resident]
         for r in out:
             self._check_evictable(r, reason="offload_all()")
@@ -325,7 +334,7 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
                 "offload_all(on_released=...) hands memory to another process, but this Timeshare "
                 "keeps freed memory in torch's cache (TimeshareConfig(release_to_driver=False))"
             )
-        return self._transition(out, None, on_released=on_released) if out else None
+        return self.transitions.run(out, None, on_released=on_released) if out else None
 
     @serialised
     def report(self, *, detail: bool = False) -> str:
@@ -359,7 +368,7 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         Raises (and changes nothing) if they do not all fit on the device."""
         if self.closed:
             return
-        if self._interrupted:
+        if self.transitions.interrupted:
             self.store.recover()  # no roll-forward: everything comes back just below
         self.store.forget_unreferenced()
         parked = self.store.all_offloaded()
@@ -423,6 +432,15 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
                 end.synchronize()  # the figures are read now: the waits and windows must have run
         with self._lock:
             self.log.settle()
+
+    def record_move(
+        self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
+    ) -> TransitionRecord:
+        """Add a store move to the timeshare's records (:class:`~tidal.timeshare.telemetry.TransitionLog`;
+        it warns if the driver did not get the freed memory back). For optimizer residency
+        strategies, which move state themselves. The record's host time runs from the verb's
+        start, or the previous record of the same verb, to now."""
+        return self.transitions.record(kind, roles_out, role_in, move, note)
 
     def _tick(self) -> int:
         """The next value of the clock that orders eviction (least recently used first)."""

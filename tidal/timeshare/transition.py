@@ -1,26 +1,58 @@
-"""A transition and its undo: :class:`Transitions`, the part of :class:`~tidal.Timeshare` that
-runs a store move for a set of roles, records it, and brings every role's flags back in line
-with its storages when an exception (``KeyboardInterrupt`` included) stopped a move."""
+"""A transition and its undo: :class:`TransitionRunner`, the collaborator of
+:class:`~tidal.Timeshare` that runs a store move for a set of roles, records it, and brings every
+role's flags back in line with its storages when an exception (``KeyboardInterrupt`` included)
+stopped a move."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 from tidal.state.collect import StateEntry, storage_key
 from tidal.state.handover import ReleaseProgress, RoomSource
 from tidal.state.moves import SwitchOptions
 from tidal.state.result import MoveResult
+from tidal.state.store import OffloadStore
+from tidal.timeshare.config import TimeshareConfig
 from tidal.timeshare.role import Role
 from tidal.timeshare.residency import policy_for
-from tidal.timeshare.telemetry import TransitionRecord
+from tidal.timeshare.telemetry import TransitionLog, TransitionRecord
 
-__all__ = ["Transitions"]
+__all__ = ["TransitionRunner"]
 
 
-class Transitions:
-    """Running, recording and recovering transitions, a mixin of :class:`~tidal.Timeshare`."""
+class TransitionRunner:
+    """Running, recording and recovering a timeshare's transitions.
 
-    def _transition(
+    Args:
+        store: the timeshare's store, which moves the storages.
+        config: the timeshare's settings (headroom, overlap cap, hand-over chunks, waits).
+        roles: the timeshare's roles by name (the live mapping: roles added later are seen).
+        log: where each move's record goes.
+        live: ``live(role, optim=...)``: the role's storages now, as the store sees them.
+        resident_keys: ``resident_keys(exclude=...)``: the storages resident roles hold.
+        tick: the next value of the clock that orders eviction.
+
+    :attr:`interrupted` is set before a move changes anything and cleared once the roles' flags
+    agree with the store again: still set, an exception interrupted one (:meth:`recover`).
+    The caller holds the timeshare's lock around every method.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: OffloadStore,
+        config: TimeshareConfig,
+        roles: Mapping[str, Role],
+        log: TransitionLog,
+        live: Callable[..., list[StateEntry]],
+        resident_keys: Callable[..., set[int]],
+        tick: Callable[[], int],
+    ) -> None:
+        self.store, self.config, self.roles, self.log = store, config, roles, log
+        self._live, self._resident_keys, self._tick = live, resident_keys, tick
+        self.interrupted = False
+
+    def run(
         self,
         evict: list[Role],
         incoming: Role | None,
@@ -31,22 +63,24 @@ class Transitions:
     ) -> TransitionRecord | None:
         for r in [*evict, *([incoming] if incoming is not None else [])]:
             r.before_copy()  # the copies wait for the current stream: it waits for the sources' own work
-        keep = self.resident_keys(exclude=evict)
+        """Move ``evict`` out and ``incoming`` in, in one switch; record it. ``recovering``: a
+        step of :meth:`recover` (the interrupted mark stays until it is done)."""
+        keep = self._resident_keys(exclude=evict)
         in_entries: list[StateEntry] = []
         if incoming is not None:
-            in_entries, inc = self._incoming(incoming)
+            in_entries, inc = self.incoming(incoming)
             keep.update(e.key for e in inc)
-        out_entries, check = self._outgoing(evict, keep)
+        out_entries, check = self.outgoing(evict, keep)
         what = f"loading role {incoming.name!r}" if incoming else "offload"
         frozen: set[int] = set()
         if incoming is not None and incoming.frozen:
             # Its parameters and buffers, but none a trained role also holds (a shared module).
-            trained = {e.key for r in self._roles.values() if not r.frozen for e in self._live(r, optim=False)}
+            trained = {e.key for r in self.roles.values() if not r.frozen for e in self._live(r, optim=False)}
             frozen = {e.key for e in in_entries if e.kind != "grad" and e.key not in trained}
 
         def move_state() -> MoveResult:
             # A prefetch of another role gives its memory back first (its storages stay out).
-            self._cancel_prefetch(keep={e.key for e in in_entries}, guarded=False)
+            self.cancel_prefetch(keep={e.key for e in in_entries}, guarded=False)
             how = SwitchOptions(
                 what=what,
                 headroom_bytes=self.config.headroom_bytes,
@@ -62,7 +96,7 @@ class Transitions:
             )
             return self.store.switch(out_entries, in_entries, how)
 
-        move = self._guarded(
+        move = self.guarded(
             move_state,
             touches_model=True,
             recovering=recovering,
@@ -75,18 +109,18 @@ class Transitions:
         if incoming is not None:
             incoming.came_in(self._tick())
         if not recovering:  # a recovery clears the mark once all of it is done
-            self._interrupted = False
+            self.interrupted = False
         kind = "switch" if evict and incoming else ("reload" if incoming else "offload")
-        return self.record_move(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
+        return self.record(kind, tuple(r.name for r in evict), incoming.name if incoming else None, move)
 
-    def _incoming(self, role: Role) -> tuple[list[StateEntry], list[StateEntry]]:
+    def incoming(self, role: Role) -> tuple[list[StateEntry], list[StateEntry]]:
         """(the role's storages that are out, all it brings in) for a transition loading it.
         Optimizer state comes in with the role only under "role" residency; otherwise it stays
         where it is (the step hooks move it), so it need not be looked at."""
         inc = self._live(role, optim=policy_for(role.optimizer_residency).moves_with_role)
         return [e for e in inc if self.store.is_offloaded(e.key)], inc
 
-    def _outgoing(self, evict: Sequence[Role], keep: set[int]) -> tuple[list[StateEntry], set[int]]:
+    def outgoing(self, evict: Sequence[Role], keep: set[int]) -> tuple[list[StateEntry], set[int]]:
         """(the storages moving out with ``evict`` but those in ``keep``, the keys among them
         to copy only if changed: the parameters and buffers of skip_unchanged roles)."""
         out_entries: list[StateEntry] = []
@@ -101,36 +135,37 @@ class Transitions:
                 check.update(e.key for e in going if e.kind in ("param", "buffer"))
         return out_entries, check
 
-    def _cancel_prefetch(self, *, keep: set[int], guarded: bool = True) -> None:
+    def cancel_prefetch(self, *, keep: set[int], guarded: bool = True) -> None:
         """Give back the memory of prefetched storages but those in ``keep``."""
         gone = self.store.prefetched_keys() - keep
         if gone:
             cancel = lambda: self.store.cancel_prefetch(only=gone)  # noqa: E731
-            self._guarded(cancel, touches_model=True) if guarded else cancel()
+            self.guarded(cancel, touches_model=True) if guarded else cancel()
 
-    def _guarded(self, move, *, touches_model: bool, recovering: bool = False, settled_by_caller: bool = False):
+    def guarded(self, move, *, touches_model: bool, recovering: bool = False, settled_by_caller: bool = False):
         """Run a store move. If it raises (anything, ``KeyboardInterrupt`` included), the store
         has already made every storage resident or tracked; when the move touched model state
         (params, buffers, grads) the roles' flags are then brought in line with the store
-        (:meth:`_recover`) before the exception goes on. ``settled_by_caller``: the caller
+        (:meth:`recover`) before the exception goes on. ``settled_by_caller``: the caller
         still has flags to set after the move and clears the interrupted mark itself."""
         if touches_model:
-            self._interrupted = True  # write-ahead: cleared only when the flags are right again
+            self.interrupted = True  # write-ahead: cleared only when the flags are right again
         try:
             result = move()
         except BaseException:
             if touches_model and not recovering:
-                self._recover()
+                self.recover()
             raise
         if touches_model and not recovering and not settled_by_caller:
-            self._interrupted = False
+            self.interrupted = False
         return result
 
-    def _recover_if_interrupted(self) -> None:
-        if self._interrupted or self.store.interrupted:
-            self._recover()
+    def recover_if_interrupted(self) -> None:
+        """:meth:`recover`, where a move was interrupted (here or in the store)."""
+        if self.interrupted or self.store.interrupted:
+            self.recover()
 
-    def _recover(self) -> None:
+    def recover(self) -> None:
         """Bring every role to a state its flag describes after an interrupted transition.
 
         The store first frees whatever it tracked but had not freed (its host copies are the
@@ -143,10 +178,10 @@ class Transitions:
         timeshare stays marked interrupted and the next verb tries again; the flags are
         already safe (a role counts as resident only when all of it is).
         """
-        self._interrupted = True
+        self.interrupted = True
         self.store.recover()
         out, back = [], []
-        for r in self._roles.values():
+        for r in self.roles.values():
             model = self._live(r, optim=False)
             held = [e for e in model if e.kind != "grad"]
             n_out = sum(self.store.is_offloaded(e.key) for e in held)
@@ -159,10 +194,10 @@ class Transitions:
             elif any(not self.store.is_offloaded(e.key) and e.nbytes > 0 for e in model):
                 out.append(r)
         if out:
-            self._transition(out, None, recovering=True)
+            self.run(out, None, recovering=True)
         for r in back:
-            self._transition([], r, recovering=True)
-        self._interrupted = False
+            self.run([], r, recovering=True)
+        self.interrupted = False
 
     def _drop_grads(self, role: Role, keep: set[int]) -> None:
         # grads="drop": free the role's grads once it is out, but never a grad that a role
@@ -173,11 +208,10 @@ class Transitions:
             if storage_key(storage) not in keep:
                 p.grad = None
 
-    def record_move(
+    def record(
         self, kind: str, roles_out: tuple[str, ...], role_in: str | None, move: MoveResult, note: str = ""
     ) -> TransitionRecord:
-        """Add a store move to the timeshare's records (:class:`~tidal.timeshare.telemetry.TransitionLog`;
-        it warns if the driver did not get the freed memory back). For optimizer residency
-        strategies, which move state themselves. The record's host time runs from the verb's
-        start, or the previous record of the same verb, to now."""
+        """Add a store move to the records (:class:`~tidal.timeshare.telemetry.TransitionLog`; it
+        warns if the driver did not get the freed memory back). The record's host time runs from
+        the verb's start, or the previous record of the same verb, to now."""
         return self.log.record(kind, roles_out, role_in, move, note)
