@@ -1,16 +1,20 @@
 """Choosing what to evict. :func:`choose_evictions` is the decision itself, pure and free of any
 device: from what each resident role holds (storage keys and their bytes), when each was used,
 which are in use, and the room the device has, which roles bringing one in moves out.
-:class:`EvictionChoice`, the part of :class:`~tidal.Timeshare` that reads those figures off its
-roles, its store and the driver, and raises where the room cannot be made."""
+:class:`EvictionChoice`, the collaborator of :class:`~tidal.Timeshare` that reads those figures
+off its roles, its store and the driver, and raises where the room cannot be made."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from tidal.device import DeviceOps
 from tidal.units import format_bytes
+from tidal.state.collect import StateEntry
 from tidal.state.handover import RoomSource
+from tidal.state.store import OffloadStore
+from tidal.timeshare.config import TimeshareConfig
 from tidal.timeshare.role import Role
 
 __all__ = ["EvictionChoice", "Eviction", "Resident", "check_keep_free_bytes", "choose_evictions"]
@@ -133,15 +137,39 @@ def choose_evictions(
 
 
 class EvictionChoice:
-    """Which roles a transition moves out, a mixin of :class:`~tidal.Timeshare`: the figures
-    :func:`choose_evictions` decides from, read off the roles, the store and the driver."""
+    """Which roles a transition moves out: the figures :func:`choose_evictions` decides from,
+    read off the roles, the store and the driver.
+
+    Args:
+        ops: the device, for its free memory.
+        store: the timeshare's store (what is out, what a prefetch holds, its staging).
+        config: the timeshare's budget, eviction rule and headroom.
+        roles: the timeshare's roles by name (the live mapping).
+        device_entries: ``device_entries(role)``: what the role holds on the device while resident.
+        check_evictable: ``check_evictable(role, reason=...)``: raises for a role in use.
+
+    The caller holds the timeshare's lock.
+    """
+
+    def __init__(
+        self,
+        *,
+        ops: DeviceOps,
+        store: OffloadStore,
+        config: TimeshareConfig,
+        roles: Mapping[str, Role],
+        device_entries: Callable[[Role], dict[int, StateEntry]],
+        check_evictable: Callable[..., None],
+    ) -> None:
+        self.ops, self.store, self.config, self.roles = ops, store, config, roles
+        self._device_entries, self._check_evictable = device_entries, check_evictable
 
     def _free_bytes(self) -> int:
         """Device bytes an allocation of this process can get now: the driver's free memory
         and what the caching allocator holds unused."""
         return self.ops.driver_free_bytes()[0] + self.ops.cached_free_bytes()
 
-    def _to_load(self, role: Role, incoming: dict, prefetched: set[int]) -> int:
+    def to_load(self, role: Role, incoming: dict, prefetched: set[int]) -> int:
         """What making ``role`` resident must still copy in, of its device entries
         ``incoming``: those that are out, but those a prefetch has allocated already
         (``prefetched``; the driver's reading counts them as used). A resident role brings
@@ -150,7 +178,7 @@ class EvictionChoice:
             return 0
         return sum(e.nbytes for k, e in incoming.items() if self.store.is_offloaded(k) and k not in prefetched)
 
-    def _choose_evictions(
+    def choose(
         self,
         role: Role,
         *,
@@ -164,7 +192,7 @@ class EvictionChoice:
         ``keep_free_bytes``: this transition evicts as needed to leave that many bytes free
         beside ``role`` (the config's ``evict`` and ``headroom_bytes`` set aside), also when
         nothing of ``role`` must come in."""
-        others = [r for r in self._roles.values() if r.resident and r is not role]
+        others = [r for r in self.roles.values() if r.resident and r is not role]
         budget = self.config.budget_bytes
         as_needed = self.config.evict == "as_needed" or keep_free_bytes is not None
         headroom = self.config.headroom_bytes if keep_free_bytes is None else keep_free_bytes
@@ -198,7 +226,7 @@ class EvictionChoice:
                 )
             )
         prefetched = self.store.prefetched_keys()
-        coming = self._to_load(role, incoming, prefetched)
+        coming = self.to_load(role, incoming, prefetched)
         # Room is made for what comes in; with keep_free_bytes, for the free bytes asked too.
         room_asked = bool(coming) or keep_free_bytes is not None
         free = 0

@@ -46,7 +46,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, RoleHooks):
+class Timeshare(Registration, Prefetching, OptimizerStateMoves, RoleHooks):
     """Roles sharing one device in turns.
 
     Args:
@@ -120,8 +120,29 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
             resident_keys=self.resident_keys,
             tick=self._tick,
         )
+        # Which roles a transition moves out (the decision: evict.choose_evictions).
+        self.evictions = EvictionChoice(
+            ops=self.ops,
+            store=self.store,
+            config=self.config,
+            roles=self._roles,
+            device_entries=self._device_entries,
+            check_evictable=self._check_evictable,
+        )
         # Storages a lending() block has out while their role stays resident (what a read says).
         self.lent_keys: set[int] = set()
+
+    @property
+    def config(self) -> TimeshareConfig:
+        """The timeshare's settings; setting them reaches its collaborators too."""
+        return self._config
+
+    @config.setter
+    def config(self, config: TimeshareConfig) -> None:
+        self._config = config
+        for part in ("transitions", "evictions"):
+            if hasattr(self, part):
+                getattr(self, part).config = config
 
     # ---- registration ------------------------------------------------------------------------
     @property
@@ -162,7 +183,7 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         role = self.role(name)
         if role.resident:
             return 0
-        return self._to_load(role, self._device_entries(role), self.store.prefetched_keys())
+        return self.evictions.to_load(role, self._device_entries(role), self.store.prefetched_keys())
 
     def is_resident(self, name: str) -> bool:
         """Whether the role ``name`` is on the device now. Raises ``ValueError`` for an
@@ -441,6 +462,19 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, EvictionChoice, 
         strategies, which move state themselves. The record's host time runs from the verb's
         start, or the previous record of the same verb, to now."""
         return self.transitions.record(kind, roles_out, role_in, move, note)
+
+    def _choose_evictions(
+        self,
+        role: Role,
+        *,
+        ignore_use: bool = False,
+        room_source: RoomSource | None = None,
+        keep_free_bytes: int | None = None,
+    ) -> list[Role]:
+        """The resident roles that bringing ``role`` in moves out (:meth:`EvictionChoice.choose`)."""
+        return self.evictions.choose(
+            role, ignore_use=ignore_use, room_source=room_source, keep_free_bytes=keep_free_bytes
+        )
 
     def _tick(self) -> int:
         """The next value of the clock that orders eviction (least recently used first)."""
