@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from tidal.units import phase_need_bytes
-from tidal.plan.model import Phase, Plan
+from tidal.plan.model import PUSH_SOURCE, Phase, Plan
 
 __all__ = ["ENGINE_GENERATION_BYTES", "ENGINE_KEPT_STATE", "PREFETCHED_STATE", "KeptPhase", "kept_host", "kept_phases"]
 
@@ -136,7 +136,7 @@ def _beside_the_engine(plan: Plan, usable_bytes: int) -> KeptPhase:
         kept["policy"] = policy
         if state and policy + state + grads <= room:
             kept[ENGINE_KEPT_STATE] = state
-    transient = {k: v for k, v in rollout.transient.items() if not k.startswith("policy's weights beside")}
+    transient = {k: v for k, v in rollout.transient.items() if k != PUSH_SOURCE}
     generating = dataclasses.replace(rollout, transient=transient)  # the push is over by then
     if kept:  # the policy stays: the push's moment holds nothing beyond the engine and the cache
         rollout = generating

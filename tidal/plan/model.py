@@ -43,6 +43,7 @@ from tidal.plan.shapes import load_shape
 
 __all__ = [
     "PlanConfig",
+    "PUSH_SOURCE",
     "Bandwidth",
     "Phase",
     "Transition",
@@ -56,6 +57,11 @@ __all__ = [
     "MIB",
     "GIB",
 ]
+
+
+# With a vLLM engine, the rollout's transient at the push: the policy's weights beside the
+# engine's, beyond what the cache and the generation take once the policy has left.
+PUSH_SOURCE = "policy's weights beside the engine's at the push (beyond the cache)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -309,7 +315,7 @@ def build_plan(config: PlanConfig, *, bandwidth: Bandwidth | None = None) -> Pla
         source = actor_params - sum(generation.values())
         rollout_t = {
             **generation,
-            "policy's weights beside the engine's at the push (beyond the cache)": max(0, source),
+            PUSH_SOURCE: max(0, source),
         }
     else:
         rollout_t = {**rollout_transient(c), **gathered_params(c, rollout=True)}

@@ -449,15 +449,11 @@ def recommend(
                 candidate.replace(zero3_rollout="whole"), usable - candidate.cuda_context_bytes, bandwidth=bandwidth
             )
             candidate = candidate.replace(zero3_rollout=mode)
-        plan = build_plan(_engine_as_built(candidate, gpu_mem_bytes), bandwidth=bandwidth)
-        if "micro_batch" in levers:
-            # the largest smaller micro-batch that fits (GPU and host), else the smallest
-            for m in _micro_batches(candidate):
-                plan = build_plan(
-                    _engine_as_built(candidate.replace(micro_batch=m), gpu_mem_bytes), bandwidth=bandwidth
-                )
-                if plan.device_peak_bytes <= usable and (host_usable is None or plan.node_host_bytes <= host_usable):
-                    break
+        # with the micro_batch lever: the largest smaller micro-batch that fits (GPU and host), else the smallest
+        for m in _micro_batches(candidate) if "micro_batch" in levers else [candidate.micro_batch]:
+            plan = build_plan(_engine_as_built(candidate.replace(micro_batch=m), gpu_mem_bytes), bandwidth=bandwidth)
+            if plan.device_peak_bytes <= usable and (host_usable is None or plan.node_host_bytes <= host_usable):
+                break
         scored.append((sum(LEVER_COSTS[x] for x in levers), plan.device_peak_bytes, levers, plan))
     dp = base.dp
     on_gpu = [x for x in scored if x[1] <= usable]

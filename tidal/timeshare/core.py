@@ -16,7 +16,7 @@ from tidal.timeshare.config import TimeshareConfig
 from tidal.timeshare.role import Role
 from tidal.timeshare.telemetry import TransitionRecord
 
-__all__ = ["GuardedMoves", "LendingTimeshare", "ThreadedTimeshare", "TimeshareCore"]
+__all__ = ["EvictionChooser", "GuardedMoves", "LendingTimeshare", "ThreadedTimeshare", "TimeshareCore"]
 
 
 class TimeshareCore(Protocol):
@@ -45,6 +45,21 @@ class TimeshareCore(Protocol):
     ) -> TransitionRecord | None: ...
 
 
+class EvictionChooser(Protocol):
+    """A timeshare's eviction choice as :class:`ThreadedTimeshare` uses it (what
+    :class:`tidal.timeshare.evict.EvictionChoice` gives): the resident roles bringing ``role`` in
+    moves out."""
+
+    def choose(
+        self,
+        role: Role,
+        *,
+        ignore_use: bool = False,
+        room_source: Any = None,
+        keep_free_bytes: int | None = None,
+    ) -> list[Role]: ...
+
+
 class ThreadedTimeshare(Protocol):
     """The timeshare's internals that :mod:`tidal.timeshare.threads` reads and waits on: its
     lock and the condition on it, its roles, the ``use()`` calls waiting for room (thread id ->
@@ -55,17 +70,9 @@ class ThreadedTimeshare(Protocol):
     _idle: threading.Condition
     _roles: dict[str, Role]
     _waiting: dict[int, tuple[str, set[str], dict[int, int], int, int | None]]
+    evictions: EvictionChooser
 
     def _check_open(self) -> None: ...
-
-    def _choose_evictions(
-        self,
-        role: Role,
-        *,
-        ignore_use: bool = False,
-        room_source: Any = None,
-        keep_free_bytes: int | None = None,
-    ) -> list[Role]: ...
 
 
 class GuardedMoves(Protocol):

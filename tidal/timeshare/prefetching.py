@@ -72,7 +72,7 @@ class Prefetching:
         role, leave = self._begin_prefetch("prefetch", name, leave_free_bytes, limit_bytes)
         if role.resident:
             return None
-        evict = self._choose_evictions(role, ignore_use=True, keep_free_bytes=keep_free_bytes)
+        evict = self.evictions.choose(role, ignore_use=True, keep_free_bytes=keep_free_bytes)
         budget = self.config.budget_bytes
         if budget is not None:
             # Nothing goes out before use(): what comes in shares the budget with every resident role.

@@ -48,7 +48,7 @@ def _blockers(ts: ThreadedTimeshare, role: Role, me: int, keep_free_bytes: int |
     would have to move out a role they are using (or, with a budget, cannot fit beside it).
     Empty when the load can go ahead, or fails for another reason (it then raises itself)."""
     try:
-        ts._choose_evictions(role, keep_free_bytes=keep_free_bytes)
+        ts.evictions.choose(role, keep_free_bytes=keep_free_bytes)
         return set()
     except RuntimeError:  # refused: a role in use would have to go out
         return {t for r in ts._roles.values() if r is not role and r.resident for t in r.users if t != me}
@@ -131,7 +131,7 @@ def wait_for_room(
             # resident when it began to wait (so needed nothing out) may have gone out since,
             # and then needs the others' roles out; a stale "nothing" let a thread re-entering
             # its own role in a loop take every turn (2 turns to 42,000 in 2 s on a CPU).
-            needs = {r.name for r in ts._choose_evictions(role, ignore_use=True, keep_free_bytes=keep_free_bytes)}
+            needs = {r.name for r in ts.evictions.choose(role, ignore_use=True, keep_free_bytes=keep_free_bytes)}
             ticket = waits[me][3] if me in waits else next(_TICKETS)
             waits[me] = (role.name, needs, yields, ticket, keep_free_bytes)
             ts._idle.wait(left)

@@ -289,7 +289,7 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, RoleHooks):
         self.transitions.recover_if_interrupted()
         role = self.role(name)
         check_keep_free_bytes(keep_free_bytes)
-        evict = self._choose_evictions(role, room_source=room_source, keep_free_bytes=keep_free_bytes)
+        evict = self.evictions.choose(role, room_source=room_source, keep_free_bytes=keep_free_bytes)
         if role.resident and not evict:
             role.touched(self._tick())
             return None
@@ -462,19 +462,6 @@ class Timeshare(Registration, Prefetching, OptimizerStateMoves, RoleHooks):
         strategies, which move state themselves. The record's host time runs from the verb's
         start, or the previous record of the same verb, to now."""
         return self.transitions.record(kind, roles_out, role_in, move, note)
-
-    def _choose_evictions(
-        self,
-        role: Role,
-        *,
-        ignore_use: bool = False,
-        room_source: RoomSource | None = None,
-        keep_free_bytes: int | None = None,
-    ) -> list[Role]:
-        """The resident roles that bringing ``role`` in moves out (:meth:`EvictionChoice.choose`)."""
-        return self.evictions.choose(
-            role, ignore_use=ignore_use, room_source=room_source, keep_free_bytes=keep_free_bytes
-        )
 
     def _tick(self) -> int:
         """The next value of the clock that orders eviction (least recently used first)."""

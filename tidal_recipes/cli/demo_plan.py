@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tidal.plan import ModelShape, PlanConfig, Recommendation, build_plan, recommend
+from tidal.plan import GIB, ModelShape, PlanConfig, Recommendation, build_plan, recommend
 
 __all__ = [
     "BEYOND_RESIDENT_PRESETS",
@@ -246,8 +246,8 @@ def workload_beyond_resident(
                 preset=preset,
                 all_resident_bytes=floor,
                 usable_bytes=usable,
-                why=f"{preset}: with every role resident it needs {floor / GIB_:.2f} GiB at a micro-batch of one "
-                f"(GPU AdamW, checkpointing), more than the {usable / GIB_:.2f} GiB usable here; the roles taking "
+                why=f"{preset}: with every role resident it needs {floor / GIB:.2f} GiB at a micro-batch of one "
+                f"(GPU AdamW, checkpointing), more than the {usable / GIB:.2f} GiB usable here; the roles taking "
                 "turns fit",
             )
         misses.append(f"{preset}: {rec.binding(rec.plan.device_peak_bytes, rec.plan.node_host_bytes)}")
@@ -258,6 +258,3 @@ def workload_beyond_resident(
         why="no shape that this GPU cannot hold with every role resident fits with the roles taking turns either"
         + (f" ({'; '.join(misses)})" if misses else ""),
     )
-
-
-GIB_ = 1 << 30
