@@ -17,6 +17,10 @@
 #               *elision     benchmarks/bench_elision.py: offloads of frozen or unchanged roles
 #                overhead    benchmarks/bench_overhead.py (and the copy in .before/, if there)
 #                ckpt1       benchmarks/bench_checkpoint.py --world 1: an FSDP2 role's transitions
+#                shapes      benchmarks/bench_shapes.py --trace: reload, offload and switch of a tied Llama
+#                            actor (AdamW foreach) with its critic and reference, an untied one (AdamW
+#                            fused), a role of small tensors, Qwen2-1.5B; beside plain pinned copies
+#                            (first the checkout in .before/, if there: SHAPES_BEFORE, its shapes)
 #   trl         *tests       GPU tests of tests/integrations, tests/timeshare, tests/state
 #               *bench       bench_trl.py, Qwen2-1.5B fp32, 64 completions x 256 tokens (VARIANTS)
 #               *7b          the same at Qwen2-7B bf16 (VARIANTS7B)
@@ -143,7 +147,7 @@
 # BASE_STEPS (the demo's all-resident steps), DEMO_TAG (names its log and folder);
 # CONTENTION_ARGS, DECODE_ARGS, DECODE_TIMEOUT; the others as named above, and SMALL_TIMEOUT,
 # BIG_TIMEOUT, HOST_TIMEOUT, DEMO_TIMEOUT, ACC_STEPS, LEASE_TIMEOUT, TURNS, CHUNK_MB, DEMO_STEPS,
-# LEASE2_TIMEOUT, CKPT_TIMEOUT, NOTE.
+# LEASE2_TIMEOUT, CKPT_TIMEOUT, NOTE, SHAPES_TIMEOUT, SHAPES_ARGS, SHAPES_BEFORE.
 #
 # shellcheck disable=SC2086,SC2329  # knobs (TESTS, BENCH_ARGS) hold several words; parts run by name
 set -uo pipefail
@@ -170,7 +174,7 @@ declare -A DEFAULT=(
   [tests]="gpu"
 )
 declare -A EXTRA=(
-  [core]="overhead ckpt1"
+  [core]="overhead ckpt1 shapes"
   [trl]="14b paired cores stress stress-1.5b stress-7b ds demo7b profile contention decode"
   [demo]=""
   [cpu_adam]="bench precision"
@@ -341,6 +345,16 @@ p_core_offload() {
   TAILN=25
   run bench_offload.log python3 benchmarks/bench_offload.py --results "$OUT/RESULTS.md" --json-dir "$OUT"
   run bench_offload.log python3 -m tidal_recipes bench --preset qwen2-1.5b --keep-cache --results "$OUT/RESULTS.md"
+}
+p_core_shapes() {
+  TAILN=60
+  if [ -d .before ]; then  # an earlier checkout (with this bench_shapes.py), measured first
+    run bench_shapes_before.log env -C .before PYTHONPATH="$PWD/.before" timeout "${SHAPES_TIMEOUT:-540}" \
+      python3 benchmarks/bench_shapes.py ${SHAPES_ARGS:-} ${SHAPES_BEFORE:+--shapes "$SHAPES_BEFORE"} \
+      --json "$OUT/shapes_before_$TAG.json"
+  fi
+  run bench_shapes.log timeout "${SHAPES_TIMEOUT:-540}" python3 benchmarks/bench_shapes.py --trace ${SHAPES_ARGS:-} \
+    --json "$OUT/shapes_$TAG.json"
 }
 p_core_reliability() {
   run bench_reliability.log timeout 250 python3 benchmarks/bench_reliability.py --results "$OUT/RESULTS.md"

@@ -113,10 +113,14 @@ class StoreMoves:
         offload first checks the device bytes against the digest taken when they went out, and
         raises ``ValueError`` (nothing moved) if they were written.
 
-        The out-going D2H copies are all queued first. Incoming storages are allocated and
-        their H2D copies queued as long as free memory allows; when it runs short, the host
-        waits for the next out-going segment's copy, frees it, and goes on. So the switch
-        overlaps fully when both sets fit at once and degrades gracefully when they do not.
+        The out-going D2H copies are queued in step with the incoming H2D ones (by their share
+        of each side's bytes), so both copy engines start at once; with ``verify`` on, all
+        out-going copies first (their digests read beside them). Incoming storages are
+        allocated and their H2D copies queued as long as free memory allows; when it runs
+        short, the host waits for the next out-going segment's copy, frees it, and goes on. So
+        the switch overlaps fully when both sets fit at once and degrades gracefully when they
+        do not. With ``wait``, each incoming segment's storages count as resident once its copy
+        has landed, while the later ones still copy.
 
         Incoming storages that a :meth:`prefetch` has allocated and queued already are not
         copied again: the current stream waits for their copies (no host wait) and they count
@@ -343,9 +347,24 @@ class StoreMoves:
         out_digests: list = []  # per out segment: (digests done event, digests)
         in_digests: list = []
         freed = 0
+        out_total = sum(seg.nbytes for seg in out_segs)
+        in_total = sum(seg.nbytes for seg in in_segs)
+        out_queued = 0
+
+        def queue_next_out() -> None:
+            nonlocal out_queued
+            seg = out_segs[len(out_events)]
+            out_events.append(engine.copy_out(seg))
+            out_queued += seg.nbytes
+
+        def queue_out(fraction: float) -> None:
+            # The out-going segments queued until ``fraction`` of their bytes are.
+            while len(out_events) < len(out_segs) and out_queued < fraction * out_total:
+                queue_next_out()
+
         try:
-            for seg in out_segs:
-                out_events.append(engine.copy_out(seg))
+            if verify != "off" or not in_segs:
+                queue_out(1.0)
             if verify != "off":
                 # On their own stream, reading the bytes while the copy engine does: queued
                 # after the copies so the first copy starts at once.
@@ -356,7 +375,13 @@ class StoreMoves:
             in_events: list = []
             reserved_until, reserve_target = 0, 64 << 20
             alloc_seconds = 0.0
+            in_queued = 0
             for i, seg in enumerate(in_segs):
+                # Both copy engines busy from the start: the out-going copies are queued in step
+                # with the incoming ones (by bytes), so neither direction's first copy waits for
+                # the host to have queued all of the other's.
+                in_queued += seg.nbytes
+                queue_out(in_queued / in_total if in_total else 1.0)
                 ta = time.perf_counter()
                 if room_source is None and coalesce and i >= reserved_until:
                     # Reserve memory for the next run of segments while the copies queued so
@@ -364,6 +389,8 @@ class StoreMoves:
                     reserved_until = self._reserve_device_block(in_segs, i, reserve_target)
                     reserve_target = min(2 * reserve_target, 2 << 30)
                 while seg.nbytes > room and freed < len(out_segs):
+                    if freed == len(out_events):
+                        queue_next_out()  # the next one to free is not queued yet
                     room += self._free_segment(out_segs[freed], out_events[freed], _event(out_digests, freed))
                     freed += 1
                 if room_source is not None:
@@ -398,6 +425,7 @@ class StoreMoves:
                 room -= seg.nbytes
                 last_in_event = engine.copy_in(seg)
                 in_events.append(last_in_event)
+            queue_out(1.0)
             if verify != "off" and in_segs:
                 in_digests = self._digest_segments(in_segs, in_events, verify)
             while freed < len(out_segs):
@@ -407,14 +435,26 @@ class StoreMoves:
             if out_digests:  # every segment's digests were waited for before its free
                 self._keep_digests(out_segs, out_digests)
         except BaseException:
-            # Finish the out-going half whose copies were queued (the storages then live on
-            # the host only, tracked), so a failed switch is at least a complete offload.
-            self._free_queued_after_failure(engine, out_segs[: len(out_events)], freed)
+            # Finish the out-going half (the storages then live on the host only, tracked), so
+            # a failed switch is at least a complete offload; should queueing its rest fail too,
+            # what was queued still ends up tracked and freed.
+            try:
+                queue_out(1.0)
+            finally:
+                self._free_queued_after_failure(engine, out_segs[: len(out_events)], freed)
             raise
         if claimed:
             self._claim(claimed, frozen, what)
         with self._timed_stall():
             engine.publish(last_in_event)
+        if wait and not in_digests:
+            for seg, event in zip(in_segs, in_events):
+                # A segment's bytes must have landed before its storages count as resident; the
+                # storages of each are untracked while the later segments still copy.
+                engine.wait("reload_done", event)
+                for item in seg.items:
+                    self._untrack_arrived(item.tag, frozen)
+            return len(out_segs) + len(in_segs), alloc_seconds
         if wait:
             # The bytes must have landed before the storages count as resident (without wait,
             # the compute stream's wait published above orders every reader behind them).
@@ -427,11 +467,15 @@ class StoreMoves:
                 what,
             )
         for e in in_todo:
-            landed(e.storage)  # its bytes are in: its guard goes (it is still tracked until the next line)
-            del self._offloaded[e.key]
-            self._came_in(e.key, frozen)
-            ops.point("reload_untracked")
+            self._untrack_arrived(e, frozen)
         return len(out_segs) + len(in_segs), alloc_seconds
+
+    def _untrack_arrived(self, e: StateEntry, frozen: set[int]) -> None:
+        """An incoming storage whose bytes have landed becomes resident."""
+        landed(e.storage)  # its bytes are in: its guard goes (it is still tracked until the next line)
+        del self._offloaded[e.key]
+        self._came_in(e.key, frozen)
+        self.ops.point("reload_untracked")
 
     def _offload_in_chunks(
         self, out_todo: list[StateEntry], chunk_bytes: int, on_released: ReleaseProgress, total_bytes: int

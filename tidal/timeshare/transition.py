@@ -65,7 +65,9 @@ class TransitionRunner:
             r.before_copy()  # the copies wait for the current stream: it waits for the sources' own work
         """Move ``evict`` out and ``incoming`` in, in one switch; record it. ``recovering``: a
         step of :meth:`recover` (the interrupted mark stays until it is done)."""
-        keep = self._resident_keys(exclude=evict)
+        # What the roles staying on the device hold: only an eviction needs it (collecting every
+        # resident role's storages costs host time in proportion to their count).
+        keep = self._resident_keys(exclude=evict) if evict else set()
         in_entries: list[StateEntry] = []
         if incoming is not None:
             in_entries, inc = self.incoming(incoming)
