@@ -298,11 +298,13 @@ def test_fake_accelerator_issues_every_wait():
     loss.backward()
     log = ops.log
     d2h, h2d = off._mover.d2h_stream.name, off._mover.h2d_stream.name
+    scatter = off._mover.engine.scatter_stream.name  # where each reload's event is recorded
     recorded = {e: s for kind, s, e in (x for x in log if x[0] == "record")}
     waits = [(s, e) for kind, s, e in (x for x in log if x[0] == "wait_event")]
     produced = [e for e, s in recorded.items() if s == "compute"]
     d2h_done = {e for e, s in recorded.items() if s == d2h}
     h2d_done = {e for e, s in recorded.items() if s == h2d}
+    landed = {e for e, s in recorded.items() if s == scatter}
     batches = len(off._step.batches)
     assert batches == 3
     # produce: D2H waited on a compute event once per batch.
@@ -316,11 +318,21 @@ def test_fake_accelerator_issues_every_wait():
     # event of every reloaded storage, and on nothing else recorded on H2D.
     assert sum(1 for s, e in waits if s == h2d and e in produced) == batches
     reload_done = {r.h2d_done.id for b in off._step.batches for r in b.records}
-    assert reload_done <= h2d_done
-    assert {e for s, e in waits if s == "compute" and e in h2d_done} == reload_done
+    assert reload_done <= landed
+    assert {e for s, e in waits if s == "compute" and e in landed} == reload_done
+    # ...and the event of each segment's copy is what its scatter stream waits for.
+    assert {e for s, e in waits if s == scatter} == h2d_done
     # A sync policy dropping these waits removes every one (the seam the GPU race tests use).
     ops.log.clear()
-    names = {"act_produce", "act_release", "act_alloc", "act_consume", "act_reload_after_offload"}
+    names = {
+        "act_produce",
+        "act_release",
+        "act_alloc",
+        "act_consume",
+        "act_reload_after_offload",
+        "scatter_after_h2d",
+        "staging_in_after_scatter",
+    }
     with use_sync_policy(SkipWaits(names)) as policy:
         with off:
             loss = model(_ids())

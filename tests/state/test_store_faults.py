@@ -62,7 +62,7 @@ def test_fault_at_every_point_of_a_store_move_keeps_every_storage_resident_or_tr
                 assert store.is_offloaded(e.key), f"{e.name}: freed and untracked (fault at {fired})"
             else:
                 assert not store.is_offloaded(e.key), f"{e.name}: tracked but still on the device ({fired})"
-        assert store.engine._staging_in is None and store.engine._staging_out is None, "staging left allocated"
+        assert not store.engine.holds_staging(), "staging left allocated"
         assert not store.interrupted
         store.reload(s["ea"] + s["eb"])
         _assert_state_equal(s["ta"], s["ca"])

@@ -33,8 +33,8 @@ def _two_of_three_fit_then_the_least_recent_goes() -> None:
     one = ts.role_bytes("a")
     torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info()[0]
-    # Leave room for two roles, the headroom and the staging, not for a third.
-    keep = 2 * one + headroom + ts.store.staging_bytes(2) + one // 2
+    # Leave room for two roles, the headroom and the staging (two buckets in, one out), not a third.
+    keep = 2 * one + headroom + ts.store.staging_bytes(3) + one // 2
     filler = torch.empty(free - keep, dtype=torch.uint8, device="cuda")
     try:
         with ts.use("a"):

@@ -247,7 +247,7 @@ def test_evict_as_needed_keeps_roles_while_the_device_has_room_and_then_the_leas
         ts.add_role(n, model=m)
     ts.offload_all()
     one = ts.role_bytes("a")
-    staging = ts.store.staging_bytes(2)  # a bucket in, one out
+    staging = ts.store.staging_bytes(3)  # two buckets in, one out
     with ts.use("a"):
         pass
     with ts.use("b"):
@@ -393,7 +393,7 @@ def test_keep_free_bytes_keeps_the_role_before_where_there_is_room_and_only_ther
     ts.config = dataclasses.replace(ts.config, evict="others")
     want = {n: {k: v.clone() for k, v in ts.role(n).modules[0].state_dict().items()} for n in "ab"}
     one, keep = ts.role_bytes("b"), 1 << 20
-    staging = ts.store.staging_bytes(1)  # a bucket in; nothing goes out
+    staging = ts.store.staging_bytes(2)  # two buckets in; nothing goes out
     ops.free_bytes = one + staging + keep  # room for b and the bytes asked, exactly
     n = len(ts.records)
     with ts.use("b", keep_free_bytes=keep):
@@ -422,7 +422,7 @@ def test_keep_free_bytes_counts_also_when_the_role_arrived_ahead():
     ts, ops = _linear_roles("ab", used="a")
     ts.config = dataclasses.replace(ts.config, evict="others")
     one, keep = ts.role_bytes("b"), 1 << 20
-    ops.free_bytes = one + ts.store.staging_bytes(1) + keep
+    ops.free_bytes = one + ts.store.staging_bytes(2) + keep  # two buckets in
     rec = ts.prefetch("b", keep_free_bytes=keep)
     assert rec.bytes_in == one and rec.bytes_out == 0 and rec.roles_out == ()  # a stays: nothing written back
     ops.free_bytes = keep  # what is free once b holds its memory

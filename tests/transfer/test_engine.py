@@ -220,7 +220,7 @@ def test_round_trip_with_buckets_on_an_accelerator():
     eng = _engine(ops, bucket_bytes=64 * KiB, small_tensor_bytes=16 * KiB)
     segs = _round_trip(eng)
     assert [(s.bucketed, len(s.items)) for s in segs] == [(True, 4), (False, 1), (True, 1)]
-    assert eng._staging_out is None and eng._staging_in is None  # released
+    assert not eng.holds_staging()  # released
 
 
 def test_bucketed_copy_out_leaves_other_slots_alone():
@@ -238,7 +238,7 @@ def test_bucketed_copy_out_leaves_other_slots_alone():
         assert torch.equal(eng.arena.view(slot).view(torch.float32), t)
 
 
-def test_staging_is_one_buffer_per_direction_of_at_least_bucket_bytes():
+def test_staging_is_one_buffer_out_and_two_in_turn_of_at_least_bucket_bytes():
     ops = FakeAccelOps()
     eng = _engine(ops, bucket_bytes=4 * KiB, small_tensor_bytes=1 * KiB)
     items = _items(eng.arena, [100] * 30)
@@ -250,11 +250,42 @@ def test_staging_is_one_buffer_per_direction_of_at_least_bucket_bytes():
     for seg in segs[1:]:
         eng.copy_out(seg)
     assert eng._staging_out is staging  # reused, not reallocated
-    assert eng._staging_in is None
-    eng.copy_in(segs[0])
-    assert eng._staging_in is not None and eng._staging_in is not staging
+    assert eng._staging_in == [None, None]
+    for seg in segs:
+        eng.copy_in(seg)
+    first, second = eng._staging_in
+    assert first is not None and second is not None and first is not second and staging is not first and staging is not second
+    assert first.numel() == second.numel() == 4 * KiB
+    for seg in segs:  # a second transfer's buckets take the same two buffers in turn
+        eng.copy_in(seg)
+    assert eng._staging_in[0] is first and eng._staging_in[1] is second
     eng.release_staging()
-    assert eng._staging_out is None and eng._staging_in is None
+    assert not eng.holds_staging()
+
+
+def test_a_staging_buffer_takes_its_next_bucket_only_after_its_last_scatter():
+    """The H2D copy into a buffer waits for the scatter that last read it (two buckets back) on
+    the scatter stream; the scatter waits for its own bucket's copy; the buffer's block is held
+    for the scatter stream."""
+    ops = FakeAccelOps()
+    eng = _engine(ops, bucket_bytes=4 * KiB, small_tensor_bytes=1 * KiB)
+    segs = eng.plan(_items(eng.arena, [100] * 60))
+    assert len(segs) >= 3
+    h2d, scatter = eng.h2d_stream.name, eng.scatter_stream.name
+    ops.log.clear()
+    done = [eng.copy_in(seg) for seg in segs[:3]]
+    log = ops.log
+    # Each scatter after its copy's event, each segment's event recorded on the scatter stream.
+    copies = [e for e in log if e[0] == "record" and e[1] == h2d]
+    assert [e for e in log if e[0] == "wait_event" and e[1] == scatter] == [
+        ("wait_event", scatter, c[2]) for c in copies
+    ]
+    assert all(("record", scatter, d.id) in log for d in done)
+    # The third bucket reuses the first buffer: its copy waits for the first bucket's scatter.
+    assert ("wait_event", h2d, done[0].id) in log
+    assert log.index(("wait_event", h2d, done[0].id)) < log.index(copies[2])
+    assert ("wait_event", h2d, done[1].id) not in log  # the second buffer is not reused yet
+    assert sum(1 for e in log if e[0] == "hold" and e[1] == scatter) == 2  # both blocks held for it
 
 
 def test_copies_are_ordered_by_stream_waits_and_events():
@@ -274,8 +305,12 @@ def test_copies_are_ordered_by_stream_waits_and_events():
     eng.begin_in()
     ev = eng.copy_in(seg)
     eng.publish(ev)
+    scatter = eng.scatter_stream.name
     assert ops.log[0] == ("wait_stream", h2d, "compute")
-    assert ("record", h2d, ev.id) in ops.log
+    # The bucket's copy on the H2D stream, its scatter after it; the event marks the scatter.
+    copied = next(e for e in ops.log if e[0] == "record" and e[1] == h2d)
+    assert ops.log.index(copied) < ops.log.index(("wait_event", scatter, copied[2]))
+    assert ("record", scatter, ev.id) in ops.log
     assert ops.log[-1] == ("wait_event", "compute", ev.id)  # consumers wait for the data
     ops.log.clear()
     eng.publish(None)
@@ -287,7 +322,7 @@ def test_a_sync_policy_sees_every_wait_and_can_drop_them():
     ops = FakeAccelOps()
     eng = _engine(ops, bucket_bytes=64 * KiB, small_tensor_bytes=16 * KiB)
     (seg,) = eng.plan(_items(eng.arena, [100, 100]))
-    names = ("d2h_after_compute", "free_after_d2h", "h2d_after_compute", "compute_after_h2d")
+    names = ("d2h_after_compute", "free_after_d2h", "h2d_after_compute", "scatter_after_h2d", "compute_after_h2d")
     with use_sync_policy(SkipWaits(names)) as policy:
         eng.begin_out()
         eng.wait("free_after_d2h", eng.copy_out(seg))

@@ -230,7 +230,7 @@ class StoreMoves:
         skipped = sum(e.nbytes for e in skip)
         freeable = sum(e.nbytes for e in out_todo) + skipped
         before = snapshot(self.ops)
-        staging = self.staging_bytes(int(bool(out_todo)) + int(bool(in_todo)))
+        staging = self.staging_bytes(int(bool(out_todo)) + 2 * int(bool(in_todo)))  # two buckets in
         room = before.driver_free_bytes + before.cached_free_bytes - headroom_bytes - staging
         coming = room_source.pending_bytes() if room_source is not None and in_todo else 0
         if extra_bytes is not None:
@@ -240,7 +240,7 @@ class StoreMoves:
         if need_in > room + freeable + coming:
             raise InsufficientMemoryError(
                 what,
-                needed_bytes=need_in + self.staging_bytes(1) + headroom_bytes,
+                needed_bytes=need_in + self.staging_bytes(2) + headroom_bytes,
                 free_bytes=before.driver_free_bytes + before.cached_free_bytes + freeable + coming,
                 hint="Offload another role first, lower the residency budget, or free tensors "
                 "that are not part of any role (activations, caches).",

@@ -75,7 +75,7 @@ def choose_evictions(
     ``coming_bytes``: of ``incoming``, what must still be copied in. ``free_bytes``: what an
     allocation can get now, less the headroom or the bytes asked to stay free (memory a move
     gives back first, such as a cancelled prefetch, counted in). ``bucket_bytes``: one staging
-    bucket (0 off an accelerator): one for the copies in, one for those out if anything goes
+    bucket (0 off an accelerator): two for the copies in, one for those out if anything goes
     out. ``budget_bytes``: what every resident storage together may hold (None: no budget).
     ``as_needed``: move out only what the room takes (else, without a budget, every role goes:
     the caller's case). ``room_asked``: room is made (something comes in, or bytes are asked to
@@ -104,7 +104,7 @@ def choose_evictions(
         over_budget = budget_bytes is not None and resident_bytes(roles) > budget_bytes
         if over_budget or not as_needed or not room_asked:
             return over_budget
-        staging = bucket_bytes * (int(bool(coming_bytes)) + int(len(roles) < len(others)))
+        staging = bucket_bytes * (2 * int(bool(coming_bytes)) + int(len(roles) < len(others)))
         return coming_bytes > free_bytes - staging + freed_by_evicting(roles)
 
     def gains(rest: Sequence[Resident]) -> bool:

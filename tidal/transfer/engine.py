@@ -11,7 +11,10 @@ staging buffer (device copies run at ~3 TB/s) and moved in one PCIe copy; on the
 the staging buffer is scattered into the storages. One multi-tensor kernel does each
 gather/scatter.
 
-Memory cost on the device: at most ``bucket_bytes`` of staging per direction while a
+On the way in, a bucket is scattered on a stream of its own while the copy engine goes on to
+the next bucket, which lands in a second staging buffer (the two are used in turn).
+
+Memory cost on the device: at most ``bucket_bytes`` of staging out and twice that in while a
 transfer runs; released by :meth:`TransferEngine.release_staging`.
 """
 
@@ -160,7 +163,14 @@ class TransferEngine:
             pacer = CopyPacer(ops, self.d2h_stream)
         self.pacer = pacer
         self._staging_out: torch.Tensor | None = None
-        self._staging_in: torch.Tensor | None = None
+        # Two incoming staging buffers, used in turn, and the event after each one's last scatter.
+        self._staging_in: list[torch.Tensor | None] = [None, None]
+        self._scattered: list[Any] = [None, None]
+        self._in_buckets = 0
+        # A bucket's scatter runs here, beside the H2D stream, so the copy engine goes on to the
+        # next copy instead of waiting for the kernel; every incoming segment's event is
+        # recorded here too, so it marks that segment and all before it as landed.
+        self.scatter_stream = ops.new_stream() if self.h2d_stream is not None else None
         self.bytes_out = 0
         self.bytes_in = 0
 
@@ -226,20 +236,47 @@ class TransferEngine:
 
     def copy_in(self, seg: Segment) -> Any:
         """Queue the copy of a segment from its host slots into its (already allocated)
-        device storages; returns the event that marks it done."""
-        with self.ops.on_stream(self.h2d_stream):
-            if seg.bucketed and len(seg.items) > 1:
-                staging = self._staging("in", seg.end - seg.start)
-                host = self.arena.span(seg.chunk, seg.start, seg.end)
-                staging[: seg.end - seg.start].copy_(host, non_blocking=True)
-                src = [staging[it.slot.offset - seg.start : it.slot.offset - seg.start + it.nbytes] for it in seg.items]
-                torch._foreach_copy_([byte_view(it.storage) for it in seg.items], src)
+        device storages; returns the event that marks it done, and every segment queued
+        before it (None on CPU).
+
+        A bucket lands in one of two staging buffers, taken in turn, and is scattered into its
+        storages on :attr:`scatter_stream` while the next copy runs; the buffer's next copy
+        waits for that scatter. Memory cost: two buckets of staging on the device."""
+        ops = self.ops
+        bucket = seg.bucketed and len(seg.items) > 1
+        with ops.on_stream(self.h2d_stream):
+            if bucket:
+                turn = self._in_buckets % 2
+                self._in_buckets += 1
+                staging = self._staging_in_buffer(turn, seg.end - seg.start)
+                if self._scattered[turn] is not None:
+                    # The buffer's previous bucket must have been scattered out of it first.
+                    ops.wait_event("staging_in_after_scatter", self.h2d_stream, self._scattered[turn])
+                staging[: seg.end - seg.start].copy_(self.arena.span(seg.chunk, seg.start, seg.end), non_blocking=True)
             else:
                 for it in seg.items:
                     byte_view(it.storage).copy_(self.arena.view(it.slot), non_blocking=True)
             self.bytes_in += seg.nbytes
-            self.ops.point("h2d_queued")  # queued, its event not yet recorded
-            return self._record(self.h2d_stream)
+            ops.point("h2d_queued")  # queued, its event not yet recorded
+            copied = self._record(self.h2d_stream)
+        if self.scatter_stream is None:  # no streams: the copy has run; scatter it now
+            if bucket:
+                torch._foreach_copy_([byte_view(it.storage) for it in seg.items], self._pieces(staging, seg))
+            return copied
+        # The segment's bytes are on the device (and the storages free of the compute stream's
+        # earlier kernels, which the H2D stream waited for) before it is scattered or counted in.
+        ops.wait_event("scatter_after_h2d", self.scatter_stream, copied)
+        with ops.on_stream(self.scatter_stream):
+            if bucket:
+                torch._foreach_copy_([byte_view(it.storage) for it in seg.items], self._pieces(staging, seg))
+            done = self._record(self.scatter_stream)
+        if bucket:
+            self._scattered[turn] = done
+        return done
+
+    @staticmethod
+    def _pieces(staging: torch.Tensor, seg: Segment) -> list[torch.Tensor]:
+        return [staging[it.slot.offset - seg.start : it.slot.offset - seg.start + it.nbytes] for it in seg.items]
 
     # ---- queued behind compute ---------------------------------------------------------------
     def queue_direct(self, items: Sequence[CopyItem], *, to_device: bool) -> Any:
@@ -283,16 +320,23 @@ class TransferEngine:
         """Block the host until every copy queued on either copy stream has completed, also
         those whose event was never recorded (an exception landed between the two): after
         it, no copy reads or writes any device block or host slot."""
-        for stream in (self.d2h_stream, self.h2d_stream):
+        for stream in (self.d2h_stream, self.h2d_stream, self.scatter_stream):
             if stream is not None:
                 stream.synchronize()
         if self.pacer is not None:
             self.pacer.synchronize()  # pieces on its second stream that the D2H stream never waited for
 
+    def holds_staging(self) -> bool:
+        """Whether a staging buffer is allocated (between a transfer's copies and its end)."""
+        return self._staging_out is not None or any(b is not None for b in self._staging_in)
+
     def release_staging(self) -> None:
-        """Drop the staging buffers (their blocks return to the copy streams' pools)."""
+        """Drop the staging buffers (their blocks return to the copy streams' pools; an
+        incoming one only once the scatters queued from it have run)."""
         self._staging_out = None
-        self._staging_in = None
+        self._staging_in = [None, None]
+        self._scattered = [None, None]
+        self._in_buckets = 0
 
     # ---- internals ------------------------------------------------------------------------
     def _to_host(self, host: torch.Tensor, dev: torch.Tensor) -> None:
@@ -310,14 +354,24 @@ class TransferEngine:
         event.record(stream)
         return event
 
-    def _staging(self, direction: str, nbytes: int) -> torch.Tensor:
-        # Allocated on the copy stream that uses it (we are inside on_stream), so its block
-        # is reused only in that stream's order; one buffer per direction is enough because
-        # the gather, the copy and the next gather are ordered on the same stream.
-        attr = "_staging_out" if direction == "out" else "_staging_in"
-        buf = getattr(self, attr)
+    def _staging_in_buffer(self, turn: int, nbytes: int) -> torch.Tensor:
+        # Allocated on the H2D stream (current here), read by the scatter stream: the allocator
+        # hands the block out again only after the scatters queued by then have run.
+        buf = self._staging_in[turn]
         if buf is None or buf.numel() < nbytes:
-            size = max(nbytes, self.config.bucket_bytes)
-            buf = torch.empty(size, dtype=torch.uint8, device=self.ops.device)
-            setattr(self, attr, buf)
+            buf = torch.empty(max(nbytes, self.config.bucket_bytes), dtype=torch.uint8, device=self.ops.device)
+            self.ops.hold_until("staging_in_read_by_scatter", buf, self.scatter_stream)
+            self._staging_in[turn] = buf
+            self._scattered[turn] = None  # a new block: no scatter of it to wait for
+        return buf
+
+    def _staging(self, direction: str, nbytes: int) -> torch.Tensor:
+        # The out-going buffer. Allocated on the D2H stream that uses it (we are inside
+        # on_stream), so its block is reused only in that stream's order; one buffer is enough
+        # because the gather, the copy and the next gather are ordered on that stream.
+        assert direction == "out"
+        buf = self._staging_out
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, self.config.bucket_bytes), dtype=torch.uint8, device=self.ops.device)
+            self._staging_out = buf
         return buf
