@@ -254,7 +254,13 @@ def test_staging_is_one_buffer_out_and_two_in_turn_of_at_least_bucket_bytes():
     for seg in segs:
         eng.copy_in(seg)
     first, second = eng._staging_in
-    assert first is not None and second is not None and first is not second and staging is not first and staging is not second
+    assert (
+        first is not None
+        and second is not None
+        and first is not second
+        and staging is not first
+        and staging is not second
+    )
     assert first.numel() == second.numel() == 4 * KiB
     for seg in segs:  # a second transfer's buckets take the same two buffers in turn
         eng.copy_in(seg)
