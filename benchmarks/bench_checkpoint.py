@@ -147,7 +147,7 @@ def _run(rank: int, world: int, args, root: str) -> dict:
 
     import tidal
     from tidal.checkpoint import TrainState, load, save
-    from tidal_recipes.cli.models import build_model
+    from tidal_recipes.measure import build_model
     from tidal.distributed import shard_model
 
     cuda = args.device == "cuda"
@@ -200,7 +200,7 @@ def _run(rank: int, world: int, args, root: str) -> dict:
         # The line rate on this rank with the other rank copying at the same time (the
         # transitions below run that way too), so each transition's GB/s has its ratio.
         from tidal.device import DeviceOps
-        from tidal_recipes.cli.bench import measure_line_rate
+        from tidal_recipes.measure import measure_line_rate
 
         dist.barrier()
         out["line"] = measure_line_rate(DeviceOps(device), 1 << 30)

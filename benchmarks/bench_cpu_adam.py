@@ -66,7 +66,7 @@ import torch  # noqa: E402
 
 import tidal  # noqa: E402
 from tidal.optim.cpu_adam import _fused_adamw  # noqa: E402
-from tidal_recipes.cli.models import PRESETS, PlainQwen2Shape, build_model  # noqa: E402
+from tidal_recipes.measure import PRESETS, PlainQwen2Shape, build_model  # noqa: E402
 from tidal.device import host_available_bytes  # noqa: E402
 
 GIB = 1 << 30

@@ -123,7 +123,7 @@ def run_one(args) -> dict:
 
     import deepspeed
 
-    from tidal_recipes.cli.models import PRESETS, StateReference, build_model
+    from tidal_recipes.measure import PRESETS, StateReference, build_model
     from tidal.device import DeviceOps
     from tidal.distributed import DeepSpeedOffload, deepspeed_state_bytes
     from tidal.memory import host_rss_bytes

@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 
 from tidal import Timeshare  # noqa: E402
 from tidal.units import format_bytes  # noqa: E402
-from tidal_recipes.cli.models import build_model  # noqa: E402
+from tidal_recipes.measure import build_model  # noqa: E402
 
 
 def main() -> int:

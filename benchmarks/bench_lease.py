@@ -246,8 +246,8 @@ def _two_gpu_worker(
     (the arbiter at ``address``), in lockstep with the other process through ``barrier``.
     Writes what it measured to ``out_path`` (JSON)."""
     from tidal.device import DeviceOps
-    from tidal_recipes.cli.bench import measure_line_rate
-    from tidal_recipes.cli.models import StateReference, build_model, make_adamw_state, named_state
+    from tidal_recipes.measure import measure_line_rate
+    from tidal_recipes.measure import StateReference, build_model, make_adamw_state, named_state
 
     cuda = device_kind == "cuda"
     if cuda:

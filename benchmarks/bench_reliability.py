@@ -31,8 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import tidal  # noqa: E402
-from tidal_recipes.cli.bench import environment, measure_line_rate  # noqa: E402
-from tidal_recipes.cli.models import build_model, make_adamw_state  # noqa: E402
+from tidal_recipes.measure import environment, measure_line_rate  # noqa: E402
+from tidal_recipes.measure import build_model, make_adamw_state  # noqa: E402
 from tidal.device import DeviceOps  # noqa: E402
 from tidal.state.digest import digest, digest_many  # noqa: E402
 from tidal.transfer import TransferConfig  # noqa: E402

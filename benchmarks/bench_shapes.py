@@ -58,8 +58,8 @@ import torch  # noqa: E402
 
 from tidal.device import DeviceOps, SyncPolicy, use_sync_policy  # noqa: E402
 from tidal.timeshare import Timeshare, TimeshareConfig  # noqa: E402
-from tidal_recipes.cli.bench import _empty_host_cache, environment, measure_line_rate  # noqa: E402
-from tidal_recipes.cli.models import StateReference, build_model, make_adamw_state  # noqa: E402
+from tidal_recipes.measure import empty_host_cache, environment, measure_line_rate  # noqa: E402
+from tidal_recipes.measure import StateReference, build_model, make_adamw_state  # noqa: E402
 
 SHAPES = ("llama-tied", "llama-fused", "small-tensors", "qwen2-1.5b")
 TARGETS = {"reload_vs_line_min": 0.95, "switch_vs_ideal_max": 1.05, "free_gap_max_bytes": 256 << 20}
@@ -393,7 +393,7 @@ def run_shape(shape: str, *, device: str, warm: int, trace: bool, toy: bool = Fa
             cycle(r["name"], 0)
         for r in roles:
             res["roles"][r["name"]]["plain"] = plain_copies(ops, _storages(role_tensors(r)))
-        _empty_host_cache(ops)  # the plain copies' pinned buffers are not tidal's to count
+        empty_host_cache(ops)  # the plain copies' pinned buffers are not tidal's to count
         for r in roles:
             for i in range(1, 1 + (1 if trace else warm)):
                 cycle(r["name"], i)

@@ -38,8 +38,8 @@ from tidal import Timeshare, TimeshareConfig  # noqa: E402
 from tidal.device import DeviceOps  # noqa: E402
 from tidal.units import format_bytes  # noqa: E402
 from tidal.vmm import Region  # noqa: E402
-from tidal_recipes.cli.bench import measure_line_rate  # noqa: E402
-from tidal_recipes.cli.models import PRESETS, PlainQwen2Shape  # noqa: E402
+from tidal_recipes.measure import measure_line_rate  # noqa: E402
+from tidal_recipes.measure import PRESETS, PlainQwen2Shape  # noqa: E402
 
 GiB = 1 << 30
 

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tidal.checkpoint", "tidal.distributed"),  # built on the capabilities
     ("tidal.integrations",),  # adapters for other trainers (TRL, transformers)
     ("tidal",),  # the public API: everything above is a recipe, never imported by the library
+    ("tidal_recipes.measure",),  # models of the planner's shapes, the line rate: what benchmarks measure against
     ("tidal_recipes.grpo",),  # the GRPO reference loop and its toy task
     ("tidal_recipes.cli", "tidal_recipes.__main__", "tidal_recipes"),  # the command line
 ]

@@ -263,7 +263,7 @@ def line_rate() -> dict | None:
     if not torch.cuda.is_available():
         return None
     from tidal.device import DeviceOps
-    from tidal_recipes.cli.bench import measure_line_rate
+    from tidal_recipes.measure import measure_line_rate
 
     return measure_line_rate(DeviceOps(torch.device("cuda")), 1 << 30)
 

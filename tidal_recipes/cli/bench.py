@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import statistics
 import time
 from typing import Callable
@@ -34,7 +33,17 @@ from tidal.device import DeviceOps, host_available_bytes
 from tidal.units import format_bytes, gbps
 from tidal.timeshare import Timeshare, TimeshareConfig
 from tidal.transfer import TransferConfig
-from tidal_recipes.cli.models import PRESETS, StateReference, build_model, make_adamw_state, named_state
+from tidal_recipes.measure import (
+    PRESETS,
+    StateReference,
+    build_model,
+    empty_host_cache,
+    environment,
+    make_adamw_state,
+    measure_line_rate,
+    named_state,
+    timed,
+)
 
 __all__ = ["BenchSkipped", "run_bench", "format_result", "append_results_row", "TARGETS"]
 
@@ -50,87 +59,11 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _timed(ops: DeviceOps, fn: Callable):
-    """(result, seconds) of ``fn`` with the device idle before and after, so the wall clock
-    covers exactly the work ``fn`` queued (the same clock tidal's own records use)."""
-    ops.synchronize()
-    t0 = time.perf_counter()
-    result = fn()
-    ops.synchronize()
-    return result, time.perf_counter() - t0
-
-
-def _empty_host_cache(ops: DeviceOps) -> None:
-    # The anchor's host tensors live in torch's pinned caching allocator; give them back
-    # before tidal pins its own, so the two never hold host RAM at once.
-    fn = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if ops.is_accelerator and fn is not None:
-        fn()
-
-
 def _torch_pinned_bytes(ops: DeviceOps) -> int | None:
     """Bytes torch's pinned host cache holds (rounded blocks), where torch reports it."""
     if ops.device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
         return None
     return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)) or None
-
-
-def environment(ops: DeviceOps) -> dict:
-    try:
-        import transformers  # noqa: PLC0415
-
-        tf = transformers.__version__
-    except ImportError:
-        tf = None
-    cpu_name = platform.processor() or platform.machine() or "cpu"
-    name = torch.cuda.get_device_name(ops.device) if ops.device.type == "cuda" else cpu_name
-    return {
-        "device": str(ops.device),
-        "device_name": name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": tf,
-        "python": platform.python_version(),
-        "cpu_threads": torch.get_num_threads(),
-    }
-
-
-# ---- 1. line rate ---------------------------------------------------------------------------
-def measure_line_rate(ops: DeviceOps, nbytes: int, reps: int = 5) -> dict:
-    """GB/s of one ``nbytes`` copy device->pinned host, host->device, and both at once (two
-    streams, each direction's bytes counted). On CPU the copies are memcpy, run one after the
-    other."""
-    x_dev = torch.full((nbytes,), 7, dtype=torch.uint8, device=ops.device)
-    y_dev = torch.empty(nbytes, dtype=torch.uint8, device=ops.device)
-    x_host = ops.new_host_buffer(nbytes, pin=True)
-    y_host = ops.new_host_buffer(nbytes, pin=True)
-    y_host.fill_(3)
-    d2h, h2d = ops.new_stream(), ops.new_stream()
-    compute = ops.current_stream()
-
-    def queue(pairs):
-        for stream, dst, src in pairs:
-            if stream is not None:
-                # The buffers were written on the compute stream; copies must start after that.
-                stream.wait_stream(compute)
-            with ops.on_stream(stream):
-                dst.copy_(src, non_blocking=True)
-
-    runs = {
-        "d2h": [(d2h, x_host, x_dev)],
-        "h2d": [(h2d, y_dev, y_host)],
-        "bidir": [(d2h, x_host, x_dev), (h2d, y_dev, y_host)],
-    }
-    out: dict = {"bytes": nbytes, "reps": reps, "pinned": bool(ops.is_accelerator and x_host.is_pinned())}
-    for name, pairs in runs.items():
-        _timed(ops, lambda: queue(pairs))  # warm-up: first-touch, driver mappings
-        secs = [_timed(ops, lambda: queue(pairs))[1] for _ in range(reps)]
-        out[f"{name}_gbps"] = gbps(nbytes * len(pairs), statistics.median(secs))
-    ops.free_host_buffer(x_host, pinned=True)
-    ops.free_host_buffer(y_host, pinned=True)
-    del x_dev, y_dev
-    ops.empty_cache()
-    return out
 
 
 # ---- 2. anchor --------------------------------------------------------------------------------
@@ -169,12 +102,12 @@ def run_anchor(ops: DeviceOps, model, opt, warm_iters: int) -> dict:
     host = torch.device("cpu")
     cycles, pinned_bytes, pinned = [], None, None
     for _ in range(1 + warm_iters):
-        (moved, nbytes), t_out = _timed(ops, lambda: _anchor_offload(model, opt, ops.device, host))
-        _, t_release = _timed(ops, ops.empty_cache)
+        (moved, nbytes), t_out = timed(ops, lambda: _anchor_offload(model, opt, ops.device, host))
+        _, t_release = timed(ops, ops.empty_cache)
         if pinned_bytes is None:
             pinned_bytes = _torch_pinned_bytes(ops)
             pinned = next((obj.is_pinned() for k, obj, _ in moved if k == "data"), None) if ops.is_accelerator else None
-        _, t_in = _timed(ops, lambda: _anchor_reload(moved, ops.device))
+        _, t_in = timed(ops, lambda: _anchor_reload(moved, ops.device))
         cycles.append((nbytes, t_out, t_out + t_release, t_in))
         moved = None  # free the host copies before the next cycle makes new ones
     nbytes = cycles[0][0]
@@ -205,9 +138,9 @@ def run_tidal_cycles(
     copy-time GB/s also as a fraction of the ``line`` rate of the same direction."""
     rows, recs = [], []
     for _ in range(1 + warm_iters):
-        rec_out, w_out = _timed(ops, lambda: ts.offload(name))
+        rec_out, w_out = timed(ops, lambda: ts.offload(name))
         reserved = ops.reserved_bytes()  # what torch's allocator still holds with the role out
-        rec_in, w_in = _timed(ops, lambda: ts.load(name))
+        rec_in, w_in = timed(ops, lambda: ts.load(name))
         rows.append(
             (rec_out.seconds, w_out, rec_in.seconds, w_in, free_before_model - rec_out.driver_free_after, reserved)
         )
@@ -243,9 +176,9 @@ def run_switch(ops: DeviceOps, ts: Timeshare, warm_iters: int) -> dict:
     iteration is a warm-up; medians of the rest."""
     rows = []
     for i in range(1 + max(1, warm_iters)):
-        r1, w1 = _timed(ops, lambda: ts.offload("a"))
-        r2, w2 = _timed(ops, lambda: ts.load("b"))
-        r3, w3 = _timed(ops, lambda: ts.load("a"))
+        r1, w1 = timed(ops, lambda: ts.offload("a"))
+        r2, w2 = timed(ops, lambda: ts.load("b"))
+        r3, w3 = timed(ops, lambda: ts.load("a"))
         assert r3 is not None and r3.kind == "switch", f"expected a switch, got {r3}"
         if i:
             rows.append((w1 + w2, r1.seconds + r2.seconds, w3, r3.seconds, r3.gbps))
@@ -359,7 +292,7 @@ def run_bench(
         log("[3/5] anchor: per-tensor .to(non_blocking=True) ...")
         res["anchor"] = run_anchor(ops, model, opt, warm_iters)
         res["bit_exact_anchor"] = not reference.mismatches(named_state(model, opt))
-    _empty_host_cache(ops)
+    empty_host_cache(ops)
 
     log("[4/5] tidal: add_role + offload/load cycles ...")
     transfer = transfer or TransferConfig()

@@ -79,7 +79,7 @@ class DemoSettings:
                 f"--group {self.group}: GRPO scores each sample against the others of its group, so a group of "
                 f"{self.group} learns nothing; use --group 2 or more"
             )
-        from tidal_recipes.cli.models import PRESETS  # noqa: PLC0415
+        from tidal_recipes.measure import PRESETS  # noqa: PLC0415
         from tidal_recipes.grpo.tasks import DigitTask  # noqa: PLC0415
 
         if self.preset not in PRESETS:
@@ -188,7 +188,7 @@ def build_policy(s: DemoSettings, device: str | None = None):
         import transformers  # noqa: F401, PLC0415 (the demo needs a Hugging Face model)
     except ImportError as e:
         raise ImportError("tidal demo trains a Hugging Face model: pip install 'tidal[demo]'") from e
-    from tidal_recipes.cli.models import build_model  # noqa: PLC0415
+    from tidal_recipes.measure import build_model  # noqa: PLC0415
 
     model, _ = build_model(s.preset, device=s.device, dtype=getattr(torch, s.dtype), seed=s.seed)
     if s.lora_rank:

@@ -4,7 +4,7 @@ the parameters its shape says and the planner's shape of the same name counts.""
 import pytest
 
 from tidal.plan import PRESETS as PLAN_SHAPES
-from tidal_recipes.cli.models import PRESETS, build_model
+from tidal_recipes.measure import PRESETS, build_model
 
 transformers = pytest.importorskip("transformers")
 
