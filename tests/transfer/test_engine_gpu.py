@@ -48,6 +48,22 @@ def _round(eng, segs) -> None:
     eng.release_staging()
 
 
+def _copy_in_behind_a_sleep(ops, eng, segs, stream, skip: frozenset) -> None:
+    """Every bucket copied back in, ``stream`` first held up by a sleep, the waits in ``skip``
+    dropped (and checked to have been reached); returns once all of it has run."""
+    with use_sync_policy(SkipWaits(skip)) as policy:
+        eng.begin_in()
+        with ops.on_stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        last = None
+        for sg in segs:
+            last = eng.copy_in(sg)
+        eng.publish(last)
+    assert set(policy.skipped) == skip
+    torch.cuda.synchronize()
+    eng.release_staging()
+
+
 def test_race_a_bucket_is_scattered_only_after_its_copy_has_landed():
     """The H2D copy of a bucket waits behind a sleep on the H2D stream; its scatter must not
     read the staging buffer before: it would find the previous transfer's bytes there."""
@@ -67,17 +83,7 @@ def test_race_a_bucket_is_scattered_only_after_its_copy_has_landed():
         _fill_by_bucket(tensors, lambda b: 2)
         _round(eng, segs)
         _fill_by_bucket(tensors, lambda b: 0)
-        with use_sync_policy(SkipWaits(skip)) as policy:
-            eng.begin_in()
-            with ops.on_stream(eng.h2d_stream):
-                torch.cuda._sleep(SLEEP_CYCLES)
-            last = None
-            for sg in segs:
-                last = eng.copy_in(sg)
-            eng.publish(last)
-        assert set(policy.skipped) == skip
-        torch.cuda.synchronize()
-        eng.release_staging()
+        _copy_in_behind_a_sleep(ops, eng, segs, eng.h2d_stream, skip)
         return all(bool((t == 2).all()) for t in tensors)
 
     assert run(frozenset())
@@ -93,17 +99,7 @@ def test_race_a_staging_buffer_takes_its_next_bucket_only_after_its_last_scatter
         _fill_by_bucket(tensors, lambda b: 10 + b)  # each bucket its own value
         _round(eng, segs)
         _fill_by_bucket(tensors, lambda b: 0)
-        with use_sync_policy(SkipWaits(skip)) as policy:
-            eng.begin_in()
-            with ops.on_stream(eng.scatter_stream):
-                torch.cuda._sleep(SLEEP_CYCLES)
-            last = None
-            for sg in segs:
-                last = eng.copy_in(sg)
-            eng.publish(last)
-        assert set(policy.skipped) == skip
-        torch.cuda.synchronize()
-        eng.release_staging()
+        _copy_in_behind_a_sleep(ops, eng, segs, eng.scatter_stream, skip)
         return all(bool((t == 10 + i // PER_BUCKET).all()) for i, t in enumerate(tensors))
 
     assert run(frozenset())
