@@ -217,7 +217,7 @@ class TransferEngine:
         done (None on CPU, where the copy has already happened)."""
         with self.ops.on_stream(self.d2h_stream):
             if seg.bucketed and len(seg.items) > 1:
-                staging = self._staging("out", seg.end - seg.start)
+                staging = self._staging_out_buffer(seg.end - seg.start)
                 dst = [staging[it.slot.offset - seg.start : it.slot.offset - seg.start + it.nbytes] for it in seg.items]
                 torch._foreach_copy_(dst, [byte_view(it.storage) for it in seg.items])
                 self._to_host(self.arena.span(seg.chunk, seg.start, seg.end), staging[: seg.end - seg.start])
@@ -365,11 +365,10 @@ class TransferEngine:
             self._scattered[turn] = None  # a new block: no scatter of it to wait for
         return buf
 
-    def _staging(self, direction: str, nbytes: int) -> torch.Tensor:
-        # The out-going buffer. Allocated on the D2H stream that uses it (we are inside
-        # on_stream), so its block is reused only in that stream's order; one buffer is enough
-        # because the gather, the copy and the next gather are ordered on that stream.
-        assert direction == "out"
+    def _staging_out_buffer(self, nbytes: int) -> torch.Tensor:
+        # Allocated on the D2H stream that uses it (we are inside on_stream), so its block is
+        # reused only in that stream's order; one buffer is enough because the gather, the copy
+        # and the next gather are ordered on that stream.
         buf = self._staging_out
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, self.config.bucket_bytes), dtype=torch.uint8, device=self.ops.device)
