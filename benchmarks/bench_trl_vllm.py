@@ -29,6 +29,19 @@ be on the device beside the weights and gradients (none where it fits) at the ho
 rate measured in this run; its host memory is read against what tidal holds plus the process's
 baseline. Prints the variants side by side with the ratio to the first ``trl`` run, and writes a
 JSON per run and one merged JSON.
+
+``--turns`` pairs steps instead of processes: each round runs its two variants (``trl`` and one
+tidal variant) as two processes on the GPU at once, which take turns step by step
+(``lockstep.Lockstep.turn``; in the n-th pair of steps the one that goes first alternates with n),
+the second building its engine only once the first's is built and asleep (vLLM sizes its pool from
+the memory it sees while it builds); the next round swaps which process runs which. A tidal step is
+set against the TRL + vLLM step of the same pair: a step apart in time on the same GPU and host,
+so the drift of the host between processes and over a call (the spread of separate runs) falls out
+of the ratio. A turn ends once this process's device is idle (``torch.cuda.synchronize()``), and
+that wait is in the step: nothing of one process's step overlaps the other's. Both processes must
+fit on the device at once (Qwen2-1.5B does; 7B does not). The peak is then each process's own
+(NVML's per-process figure, sampled) where NVML is there, else the device's, both processes in it
+(the row says which).
 """
 
 from __future__ import annotations
@@ -50,33 +63,70 @@ sys.path.insert(0, HERE)
 
 
 class DriverPeak:
-    """The device's used memory (driver level) sampled on a thread: ``peak()`` since ``reset()``."""
+    """The device's used memory (driver level) sampled on a thread: ``peak()`` since ``reset()``.
+    ``own=True``: this process's own (NVML's per-process figure) where NVML can be read, else the
+    device's (``self.own`` says which was read)."""
 
-    def __init__(self, every_s: float = 0.01) -> None:
+    def __init__(self, every_s: float = 0.01, *, own: bool = False) -> None:
         import torch
 
         self._torch, self.every_s = torch, every_s
         self.total = torch.cuda.mem_get_info()[1]
-        self._min_free = self.total
+        self._nvml = _own_usage_reader() if own else None
+        self.own = self._nvml is not None
+        self._max_used = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _used(self) -> int:
+        if self._nvml is not None:
+            return self._nvml()
+        return self.total - self._torch.cuda.mem_get_info()[0]
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            free = self._torch.cuda.mem_get_info()[0]
-            self._min_free = min(self._min_free, free)
+            self._max_used = max(self._max_used, self._used())
             time.sleep(self.every_s)
 
     def reset(self) -> None:
-        self._min_free = self._torch.cuda.mem_get_info()[0]
+        self._max_used = self._used()
 
     def peak(self) -> int:
-        return self.total - self._min_free
+        return self._max_used
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _own_usage_reader():
+    """A function returning this process's device memory as NVML reports it (bytes), or None
+    where NVML cannot be read (no pynvml, or no per-process figure on this driver)."""
+    try:
+        import pynvml
+
+        import torch
+
+        pynvml.nvmlInit()
+        index = torch.cuda.current_device()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            index = int(visible.split(",")[index])
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        pid = os.getpid()
+
+        def read() -> int:
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == pid and proc.usedGpuMemory is not None:
+                    return int(proc.usedGpuMemory)
+            return 0
+
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # this process on the device, so NVML lists it
+        return read if read() > 0 else None
+    except Exception:  # no pynvml, or NVML cannot say: the device's figure instead
+        return None
 
 
 def child(variant: str, model_path: str, args) -> dict:
@@ -114,7 +164,12 @@ def child(variant: str, model_path: str, args) -> dict:
         vllm_max_model_length=args.max_model_len,
     )
     data = Dataset.from_dict({"prompt": [f"{i}+{i}=" for i in range(512)]})
-    peak = DriverPeak()
+    turns = None
+    if args._lockstep:
+        import lockstep
+
+        turns = lockstep.Lockstep(args._lockstep, args._rank, timeout_s=args.turn_timeout)
+    peak = DriverPeak(own=turns is not None)
     held_by_cap = args.cap_held_bytes
     steps: list[dict] = []
     phases = PhaseClock(cuda=True)
@@ -122,6 +177,10 @@ def child(variant: str, model_path: str, args) -> dict:
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **kw):
+            self.turn = None
+            if turns is not None:  # wait for this step's turn: the partner's step ran before it, or runs after
+                met, waited, order = turns.turn(len(steps))
+                self.turn = {"n": len(steps), "met": met, "first": order == 0, "waited_s": waited}
             torch.cuda.current_stream().synchronize()
             phases.wrap_optimizer(box[0])  # the trainer makes its optimizer in train()
             phases.take()  # this step's phases only
@@ -129,7 +188,10 @@ def child(variant: str, model_path: str, args) -> dict:
             peak.reset()
 
         def on_step_end(self, *a, **kw):
-            torch.cuda.current_stream().synchronize()
+            if turns is not None:
+                torch.cuda.synchronize()  # the whole device: no copy of this step runs into the partner's turn
+            else:
+                torch.cuda.current_stream().synchronize()
             steps.append(
                 {
                     "seconds": time.perf_counter() - self.t0,
@@ -137,6 +199,9 @@ def child(variant: str, model_path: str, args) -> dict:
                     "phase_s": phases.take(),
                 }
             )
+            if turns is not None:
+                steps[-1]["turn"] = self.turn
+                turns.end_turn()
             s = steps[-1]  # as it goes: a run cut short keeps its steps in the log
             print(
                 f"[bench_trl_vllm] {variant} step {len(steps)}: {s['seconds']:.3f} s, peak "
@@ -149,7 +214,11 @@ def child(variant: str, model_path: str, args) -> dict:
     )
     baseline_rss = host_rss_bytes()
     out: dict = {"variant": variant, "gpu": torch.cuda.get_device_name(), "steps": steps}
+    if turns is not None:
+        out["peak_is_own"] = peak.own
     try:
+        if turns is not None and args._rank == 1:
+            turns.barrier("built/0")  # build this engine once the partner's is built and asleep
         if name == "trl":
             trainer = GRPOTrainer(**common)
         else:
@@ -165,6 +234,10 @@ def child(variant: str, model_path: str, args) -> dict:
                 vllm_kv_cache_bytes=("auto" if kv == "auto" else int(float(kv) * 2**30)) if kv else None,
             )
             trainer = TidalGRPOTrainer(**common, tidal=tidal)
+        if turns is not None:
+            if args._rank == 0:
+                turns.barrier("built/0")
+            turns.barrier("built/1")  # both engines built: the first turn may start
         gen_s: list[float] = []
         inner = trainer._generate
 
@@ -229,6 +302,10 @@ def child(variant: str, model_path: str, args) -> dict:
         out["traceback"] = traceback.format_exc()[-3000:]
     finally:
         peak.stop()
+        if turns is not None:
+            turns.end_turn()  # a step cut short by an error: the partner's turn comes all the same
+            # Rank 0 hosts the store: it stays until the partner is done with it (or gone).
+            turns.barrier("done")
     return out
 
 
@@ -361,6 +438,75 @@ def _paired_rounds(rows: list[dict]) -> dict:
     }
 
 
+def turns_problem(variants: list[str], turns: bool, cap_gib: float | None) -> str | None:
+    """Why ``--turns`` cannot run these settings (what to give instead), or None."""
+    if not turns:
+        return None
+    kinds = [v.split("+")[0] for v in variants]
+    if len(variants) != 2 or sorted(kinds) != ["tidal", "trl"]:
+        return (
+            f"--turns pairs the steps of two processes, TRL + vLLM alone and one tidal variant: give two "
+            f"variants, one trl and one tidal (e.g. --variants trl,tidal+role+prefetch+kv=auto), not {variants}"
+        )
+    if cap_gib is not None:
+        return "--turns runs two processes on the whole GPU at once: it cannot run under --cap-gib; leave one out"
+    return None
+
+
+def turn_ranks(variants: list[str], rnd: int) -> list[str]:
+    """The variant each process (rank 0, rank 1) runs in round ``rnd``: swapped every round."""
+    return list(variants) if rnd % 2 == 0 else list(variants[::-1])
+
+
+def turn_pairs(rows: list[dict], warmup: int) -> dict:
+    """``--turns``: per tidal variant, each step after ``warmup`` against the TRL + vLLM step of
+    its pair (the same turn number in the same round, both taken in turn), the step's and the
+    generation's: their medians and 95% intervals (``trl_bench.stats.median_ci95``) over every
+    round's pairs, and each round's median ratio. A step the partner was not there for (a lost
+    turn) or a run that failed pairs with nothing."""
+    from trl_bench.stats import median_ci95
+
+    def turn_steps(r: dict) -> dict:
+        gen = r.get("generate_s") or []
+        out = {}
+        for i, s in enumerate(r.get("steps") or []):
+            t = s.get("turn")
+            if i >= warmup and t and t.get("met"):
+                out[t["n"]] = (s["seconds"], gen[i] if i < len(gen) else None)
+        return out
+
+    got: dict = {}
+    for rnd in sorted({r["round"] for r in rows}):
+        runs = [r for r in rows if r["round"] == rnd and r.get("steps")]
+        base = next((r for r in runs if r["variant"].split("+")[0] == "trl"), None)
+        if base is None:
+            continue
+        anchor = turn_steps(base)
+        for r in runs:
+            if r is base or r["variant"].split("+")[0] == "trl":
+                continue
+            mine = turn_steps(r)
+            ns = sorted(anchor.keys() & mine.keys())
+            if not ns:
+                continue
+            g = got.setdefault(r["variant"], {"ratios": [], "generate_ratios": [], "round_medians": []})
+            xs = [mine[n][0] / anchor[n][0] for n in ns]
+            g["ratios"] += xs
+            g["round_medians"].append(statistics.median(xs))
+            g["generate_ratios"] += [mine[n][1] / anchor[n][1] for n in ns if mine[n][1] and anchor[n][1]]
+    return {
+        v: {
+            **g,
+            "n": len(g["ratios"]),
+            "ratio_median": statistics.median(g["ratios"]),
+            "ratio_ci95": median_ci95(g["ratios"]),
+            "generate_ratio_median": statistics.median(g["generate_ratios"]) if g["generate_ratios"] else None,
+            "generate_ratio_ci95": median_ci95(g["generate_ratios"]),
+        }
+        for v, g in got.items()
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen2-1.5b")
@@ -381,13 +527,29 @@ def main(argv=None) -> int:
         help="run the variants this many times, the order reversed every other round (ABBA...): each tidal "
         "run's median step against its round's trl run, their median ratio and a 95%% interval",
     )
+    p.add_argument(
+        "--turns",
+        action="store_true",
+        help="each round's two variants (trl and one tidal variant) as two processes on the GPU at once, taking "
+        "turns step by step; each tidal step against the TRL + vLLM step of its pair; the next round swaps the "
+        "processes (see the module's text)",
+    )
+    p.add_argument(
+        "--port", type=int, default=29631, help="with --turns: the first round's rendezvous port on 127.0.0.1"
+    )
+    p.add_argument("--turn-timeout", type=float, default=300.0, help="with --turns: seconds to wait for the partner")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_lockstep", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cap-held-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.micro <= 0 or 64 % args.micro:
         p.error(f"--micro must divide the 64 completions of a step, got {args.micro}")
+    problem = turns_problem(args.variants.split(","), args.turns, args.cap_gib)
+    if problem:
+        p.error(problem)
     if args._child:
         res = child(args._child, args._model, args)
         with open(args._out, "w") as f:
@@ -420,36 +582,66 @@ def main(argv=None) -> int:
     rows = []
     variants = args.variants.split(",")
     order = [(r, v) for r in range(args.rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+
+    def command(v: str, out: str, extra: list[str]) -> list[str]:
+        cmd = [sys.executable, __file__, "--_child", v, "--_out", out, "--_model", model_dir]
+        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--completion", str(args.completion)]
+        cmd += ["--max-model-len", str(args.max_model_len), "--cap-held-bytes", str(held)]
+        cmd += ["--micro", str(args.micro), "--turn-timeout", str(args.turn_timeout)]
+        if args.cap_gib is not None:
+            cmd += ["--cap-gib", str(args.cap_gib)]
+        return cmd + extra
+
+    def collect(v: str, out: str, rnd: int, t0: float) -> dict:
+        try:
+            with open(out) as f:
+                res = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            res = {"variant": v, "ok": False, "error": "no result (crashed or timed out)"}
+        res["process_s"] = time.perf_counter() - t0
+        res["round"] = rnd
+        res["summary"] = _summary(res, args.warmup)
+        if res.get("ok") and res.get("host_held_bytes") is not None:
+            res["summary"].update(_floor(res, line, args.warmup) or {})
+            res["summary"]["host_rss_over_held_plus_baseline"] = res["host_rss_bytes"] / (
+                res["host_held_bytes"] + res["baseline_rss_bytes"]
+            )
+        print(f"== {v} (round {rnd}): ok={res.get('ok')} {res['summary']} {res.get('error', '')}", flush=True)
+        return res
+
     try:
-        for rnd, v in order:
-            out = tempfile.mktemp(suffix=".json")
-            cmd = [sys.executable, __file__, "--_child", v, "--_out", out, "--_model", model_dir]
-            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--completion", str(args.completion)]
-            cmd += ["--max-model-len", str(args.max_model_len), "--cap-held-bytes", str(held)]
-            cmd += ["--micro", str(args.micro)]
-            if args.cap_gib is not None:
-                cmd += ["--cap-gib", str(args.cap_gib)]
-            t0 = time.perf_counter()
-            try:
-                subprocess.run(cmd, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                with open(out) as f:
-                    res = json.load(f)
-            except (OSError, json.JSONDecodeError):
-                res = {"variant": v, "ok": False, "error": "no result (crashed or timed out)"}
-            res["process_s"] = time.perf_counter() - t0
-            res["round"] = rnd
-            res["summary"] = _summary(res, args.warmup)
-            if res.get("ok") and res.get("host_held_bytes") is not None:
-                res["summary"].update(_floor(res, line, args.warmup) or {})
-                res["summary"]["host_rss_over_held_plus_baseline"] = res["host_rss_bytes"] / (
-                    res["host_held_bytes"] + res["baseline_rss_bytes"]
-                )
-            rows.append(res)
-            s = res["summary"]
-            print(f"== {v}: ok={res.get('ok')} {s} {res.get('error', '')}", flush=True)
+        if args.turns:
+            for rnd in range(args.rounds):
+                ranks = turn_ranks(variants, rnd)
+                address = f"127.0.0.1:{args.port + rnd}"
+                t0 = time.perf_counter()
+                procs = []
+                for rank, v in enumerate(ranks):
+                    out = tempfile.mktemp(suffix=".json")
+                    cmd = command(v, out, ["--_lockstep", address, "--_rank", str(rank)])
+                    # Each engine's own one-process group (vLLM's external launcher) on a port of its own.
+                    env = {
+                        **os.environ,
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(args.port + 100 + 2 * rnd + rank),
+                    }
+                    procs.append((v, out, subprocess.Popen(cmd, env=env)))
+                for v, out, proc in procs:
+                    try:
+                        proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+                    rows.append(collect(v, out, rnd, t0))
+        else:
+            for rnd, v in order:
+                out = tempfile.mktemp(suffix=".json")
+                t0 = time.perf_counter()
+                try:
+                    subprocess.run(command(v, out, []), timeout=args.timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+                rows.append(collect(v, out, rnd, t0))
     finally:
         if cap_proc is not None:
             cap_proc.kill()
@@ -485,6 +677,16 @@ def main(argv=None) -> int:
         ci = st["ratio_ci95"]
         interval = f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "needs 6 rounds or more"
         print(f"paired, {v}: step {st['ratio_median']:.3f}x TRL + vLLM's (median of {st['n']} rounds; 95% {interval})")
+    by_turns = turn_pairs(rows, args.warmup) if args.turns else {}
+    for v, st in by_turns.items():
+        ci, gci = st["ratio_ci95"], st["generate_ratio_ci95"]
+        print(
+            f"paired by turns, {v}: step {st['ratio_median']:.3f}x TRL + vLLM's (median of {st['n']} pairs of steps; "
+            f"95% {f'{ci[0]:.3f}-{ci[1]:.3f}' if ci else 'needs 6 pairs or more'}), generation "
+            f"{st['generate_ratio_median']:.3f}x"
+            + (f" (95% {gci[0]:.3f}-{gci[1]:.3f})" if gci else "")
+            + f"; by round: {', '.join(f'{x:.3f}' for x in st['round_medians'])}"
+        )
     same = identity(rows)
     for i in same:
         diff = f"{i['max_log_diff']:.3g}" if i["max_log_diff"] is not None else "-"
@@ -513,7 +715,7 @@ def main(argv=None) -> int:
             "rows": rows,
         }
         with open(args.json, "w") as f:
-            json.dump({**out, "paired": paired, "identity": same}, f)
+            json.dump({**out, "paired": paired, "paired_by_turns": by_turns, "identity": same}, f)
     return 0
 
 

@@ -56,6 +56,11 @@
 #                paired      VLLM_PRESET (qwen2-1.5b), VLLM_ROUNDS (6) rounds of VLLM_VARIANTS_PAIRED
 #                            (trl,tidal+prefetch), the order reversed every other round: the median
 #                            step ratio and its 95% interval
+#                turns       VLLM_PRESET (qwen2-1.5b): TRL + vLLM alone and VLLM_VARIANT_TURNS
+#                            (tidal+role+prefetch+kv=auto) as two processes on the GPU at once, taking turns
+#                            step by step, VLLM_TURN_ROUNDS (2) rounds (the processes swapped) of
+#                            VLLM_STEPS_TURNS (10) steps: each tidal step against its pair's TRL step, the
+#                            median ratio and its 95% interval
 #                identity    VLLM_PRESET (qwen2-1.5b), VLLM_VARIANTS_ID (trl,trl,tidal+prefetch,tidal+role+
 #                            prefetch+kv=auto), VLLM_STEPS_ID (3) steps: TRL's log lines and the final
 #                            weights of each run against the first TRL + vLLM run's
@@ -181,7 +186,7 @@ declare -A EXTRA=(
   [lease]="processes"
   [deepspeed]="bench-1.5b"
   [multi]="ddp7b copies decode save zero3 fsdp4"
-  [vllm]="7b 7b80 14b demo paired identity long"
+  [vllm]="7b 7b80 14b demo paired turns identity long"
 )
 ALL_ORDER="tests core activations cpu_adam vmm guard lease demo deepspeed trl two multi"
 
@@ -410,6 +415,10 @@ p_vllm_7b() { vllm_bench vllm_bench7b.log qwen2-7b "${VLLM_VARIANTS7B:-trl,tidal
 p_vllm_paired() {
   vllm_bench vllm_paired.log "${VLLM_PRESET:-qwen2-1.5b}" "${VLLM_VARIANTS_PAIRED:-trl,tidal+prefetch}" paired \
     --rounds "${VLLM_ROUNDS:-6}"
+}
+p_vllm_turns() {
+  VLLM_STEPS="${VLLM_STEPS_TURNS:-10}" vllm_bench vllm_turns.log "${VLLM_PRESET:-qwen2-1.5b}" \
+    "trl,${VLLM_VARIANT_TURNS:-tidal+role+prefetch+kv=auto}" turns --turns --rounds "${VLLM_TURN_ROUNDS:-2}"
 }
 p_vllm_demo() {  # tidal demo rolling out with vLLM (DEMO_VLLM_FLAGS)
   need_vllm || return 0
