@@ -1,4 +1,5 @@
 import gc
+import sys
 
 import pytest
 import torch
@@ -19,6 +20,12 @@ def _clean_device(request):
     if "gpu" not in request.keywords or not torch.cuda.is_available():
         yield
         return
+    # pytest keeps the last failed test's traceback (sys.last_*) until the next test's call
+    # starts, and with it that test's tensors; collected there, mid-test, they would hand this
+    # test cached blocks the driver never sees. Drop it now.
+    for name in ("last_exc", "last_type", "last_value", "last_traceback"):
+        if hasattr(sys, name):
+            delattr(sys, name)
     gc.collect()
     torch.cuda.empty_cache()
     yield

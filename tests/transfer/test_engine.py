@@ -269,6 +269,38 @@ def test_staging_is_one_buffer_out_and_two_in_turn_of_at_least_bucket_bytes():
     assert not eng.holds_staging()
 
 
+def test_a_staging_buffer_is_as_large_as_its_buckets_need_up_to_bucket_bytes():
+    """A transfer of a few small storages holds a buffer the size of their bucket (rounded up
+    to a power of two), not a full bucket; a larger bucket later grows it, never past
+    bucket_bytes, and the bytes still arrive."""
+    ops = FakeAccelOps()
+    eng = _engine(ops, bucket_bytes=64 * KiB, small_tensor_bytes=16 * KiB)
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in [300] * 3 + [3000] * 40]
+    clones = [t.clone() for t in tensors]
+    slots = eng.arena.reserve([t.numel() for t in tensors])
+    items = [CopyItem(t.untyped_storage(), slot, t.numel()) for t, slot in zip(tensors, slots)]
+    (small,) = eng.plan(items[:3])  # one bucket of 900 bytes (and alignment)
+    assert small.bucketed and len(small.items) == 3
+    eng.copy_out(small)
+    eng.copy_in(small)
+    need = 1 << (small.end - small.start - 1).bit_length()
+    assert eng._staging_out.numel() == eng._staging_in[0].numel() == need < 64 * KiB
+    eng.release_staging()
+    segs = eng.plan(items)
+    assert max(s.end - s.start for s in segs) > 32 * KiB
+    for seg in segs:
+        eng.copy_out(seg)
+    assert eng._staging_out.numel() == 64 * KiB
+    for t in tensors:
+        t.zero_()
+    for seg in segs:
+        eng.copy_in(seg)
+    assert max(b.numel() for b in eng._staging_in) == 64 * KiB
+    eng.release_staging()
+    for t, c in zip(tensors, clones):
+        assert torch.equal(t, c)
+
+
 def test_a_staging_buffer_takes_its_next_bucket_only_after_its_last_scatter():
     """The H2D copy into a buffer waits for the scatter that last read it (two buckets back) on
     the scatter stream; the scatter waits for its own bucket's copy; the buffer's block is held

@@ -30,8 +30,8 @@ class TimeshareConfig:
         headroom_bytes: device memory a reload must leave free (for activations, KV cache);
             with ``evict="as_needed"`` also what evictions make room for.
         switch_extra_bytes: caps how much a switch overlaps: while roles move out and in,
-            their state never takes more than the larger side plus this many bytes (plus one
-            staging bucket each way). ``None`` (default): as much as is free, the fastest. Set
+            their state never takes more than the larger side plus this many bytes (plus the
+            staging: one bucket out, two in). ``None`` (default): as much as is free, the fastest. Set
             it where the peak matters more than a few percent of switch speed: the copies still
             run on both engines, one bucket apart.
         optimizer_chunk_bytes: with ``optimizer_residency="stream"``, the optimizer state

@@ -15,8 +15,9 @@ update couples parameters (LBFGS, a global-norm clip inside ``step()``) must not
 
 Peak device memory of the step: params + grads + one chunk's state (two while the copies of
 neighbouring chunks overlap; up to four with ``TimeshareConfig(wait_for_copies=False)``, where
-the copies out of two chunks may still run while the next two are stepped), instead of params
-+ grads + all of it. Chunks a :meth:`~tidal.Timeshare.prefetch_optimizer` brought in ahead
+the copies out of two chunks may still run while the next two are stepped), plus the
+transfers' staging (at most one bucket out and two in, ``TransferConfig.bucket_bytes`` each),
+instead of params + grads + all of it. Chunks a :meth:`~tidal.Timeshare.prefetch_optimizer` brought in ahead
 are not copied again; with an optimizer that updates in place (``fused=True``), consecutive
 chunks that arrived ahead are stepped and sent out as one, and the chunks after them are
 brought in only once that one's copy out leaves at most two chunks' bytes in flight.

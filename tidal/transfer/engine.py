@@ -15,7 +15,8 @@ On the way in, a bucket is scattered on a stream of its own while the copy engin
 the next bucket, which lands in a second staging buffer (the two are used in turn).
 
 Memory cost on the device: at most ``bucket_bytes`` of staging out and twice that in while a
-transfer runs; released by :meth:`TransferEngine.release_staging`.
+transfer runs (each buffer only as large as the transfer's largest bucket, rounded up to a
+power of two); released by :meth:`TransferEngine.release_staging`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class TransferConfig:
     """How state moves between device and host.
 
     Attributes:
-        bucket_bytes: size of a staging bucket; each direction holds at most one on the
-            device during a transfer.
+        bucket_bytes: largest size of a staging bucket; during a transfer the device holds
+            at most one bucket's buffer out and two in (used in turn).
         small_tensor_bytes: storages smaller than this are gathered into buckets; larger
             ones are copied directly (one copy each, already at line rate).
         pin_host: page-lock host memory (needed for asynchronous, full-rate copies). Ignored
@@ -354,12 +355,18 @@ class TransferEngine:
         event.record(stream)
         return event
 
+    def _staging_size(self, nbytes: int) -> int:
+        # A buffer as large as its bucket needs, rounded up to a power of two (so buckets of
+        # growing sizes reallocate it a few times at most), never above bucket_bytes: a transfer
+        # whose buckets are small (a role's biases and norms) does not hold full buckets.
+        return max(nbytes, min(self.config.bucket_bytes, 1 << max(nbytes - 1, 0).bit_length()))
+
     def _staging_in_buffer(self, turn: int, nbytes: int) -> torch.Tensor:
         # Allocated on the H2D stream (current here), read by the scatter stream: the allocator
         # hands the block out again only after the scatters queued by then have run.
         buf = self._staging_in[turn]
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, self.config.bucket_bytes), dtype=torch.uint8, device=self.ops.device)
+            buf = torch.empty(self._staging_size(nbytes), dtype=torch.uint8, device=self.ops.device)
             self.ops.hold_until("staging_in_read_by_scatter", buf, self.scatter_stream)
             self._staging_in[turn] = buf
             self._scattered[turn] = None  # a new block: no scatter of it to wait for
@@ -371,6 +378,6 @@ class TransferEngine:
         # and the next gather are ordered on that stream.
         buf = self._staging_out
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, self.config.bucket_bytes), dtype=torch.uint8, device=self.ops.device)
+            buf = torch.empty(self._staging_size(nbytes), dtype=torch.uint8, device=self.ops.device)
             self._staging_out = buf
         return buf
