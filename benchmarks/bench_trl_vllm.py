@@ -609,6 +609,27 @@ def main(argv=None) -> int:
         print(f"== {v} (round {rnd}): ok={res.get('ok')} {res['summary']} {res.get('error', '')}", flush=True)
         return res
 
+    gpu = torch.cuda.get_device_name()
+
+    def write_json(rows: list[dict]) -> None:
+        # Written after every round as well, so a call that runs out of time keeps the rounds done.
+        if not args.json:
+            return
+        out = {
+            "gpu": gpu,
+            "versions": versions,
+            "preset": args.preset,
+            "cap_gib": args.cap_gib,
+            "micro": args.micro,
+            "line_rate": line,
+            "rows": rows,
+            "paired": _paired_rounds(rows),
+            "paired_by_turns": turn_pairs(rows, args.warmup) if args.turns else {},
+            "identity": identity(rows),
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+
     try:
         if args.turns:
             for rnd in range(args.rounds):
@@ -633,6 +654,7 @@ def main(argv=None) -> int:
                         proc.kill()
                         proc.wait()
                     rows.append(collect(v, out, rnd, t0))
+                write_json(rows)
         else:
             for rnd, v in order:
                 out = tempfile.mktemp(suffix=".json")
@@ -642,11 +664,11 @@ def main(argv=None) -> int:
                 except subprocess.TimeoutExpired:
                     pass
                 rows.append(collect(v, out, rnd, t0))
+                write_json(rows)
     finally:
         if cap_proc is not None:
             cap_proc.kill()
     base = next((r for r in rows if r["variant"].split("+")[0] == "trl" and r["summary"]["step_s"]), None)
-    gpu = torch.cuda.get_device_name()
     print(
         f"\n{gpu}, {versions}; {args.preset} bf16, 64 x {args.completion}"
         + (f", capped at {args.cap_gib} GiB" if args.cap_gib else "")
@@ -704,18 +726,7 @@ def main(argv=None) -> int:
                 + (f" ({kv:.2f} GiB at driver level)" if kv else "")
                 + f"; generation {r['summary']['generate_s'] or float('nan'):.3f} s"
             )
-    if args.json:
-        out = {
-            "gpu": gpu,
-            "versions": versions,
-            "preset": args.preset,
-            "cap_gib": args.cap_gib,
-            "micro": args.micro,
-            "line_rate": line,
-            "rows": rows,
-        }
-        with open(args.json, "w") as f:
-            json.dump({**out, "paired": paired, "paired_by_turns": by_turns, "identity": same}, f)
+    write_json(rows)
     return 0
 
 
